@@ -1,0 +1,247 @@
+"""Typed run configuration: model shape, training recipe and data, loaded from configs/*.toml.
+
+A config file has up to three tables, [model], [train] and [data], whose keys are the fields
+below; anything not given keeps its default. `base = "name"` at the top inherits another config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import tomllib
+import typing
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A mistake in a config file or override that the user can fix."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    kind: str = "gpt"                 # gpt | bert
+    num_layers: int = 4
+    hidden: int = 256
+    num_heads: int = 4
+    ffn_hidden: int = 0               # 0 -> 4 * hidden
+    seq_len: int = 256
+    vocab_size: int = 256             # the tokenizer's size; padded below, never by the mesh
+    vocab_multiple: int = 1024        # padded vocab = vocab_size rounded up to this (50257 -> 51200)
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    ln_placement: str = "pre"         # pre (GPT-2, the paper's BERT) | post (original BERT)
+    ln_eps: float = 1e-5
+    init_std: float = 0.02
+    compute_dtype: str = "float32"    # float32 | bfloat16 (parameters stay float32)
+    remat: bool = False               # recompute each layer's activations in the backward pass
+    scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_multiple
+        return int(math.ceil(self.vocab_size / m) * m)
+
+    def validate(self):
+        if self.kind not in ("gpt", "bert"):
+            raise ConfigError(f"model.kind must be 'gpt' or 'bert', got '{self.kind}'")
+        if self.ln_placement not in ("pre", "post"):
+            raise ConfigError(f"model.ln_placement must be 'pre' or 'post', got '{self.ln_placement}'")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"model.compute_dtype must be float32 or bfloat16, got '{self.compute_dtype}'")
+        for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size", "vocab_multiple"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.hidden % self.num_heads:
+            raise ConfigError(f"model.hidden={self.hidden} is not divisible by model.num_heads={self.num_heads}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+
+    def check_mesh(self, tp: int, dp: int | None = None, batch: int | None = None):
+        """Megatron's divisibility rules for a model axis of size tp; raise ConfigError if broken."""
+        for what, size in (("num_heads", self.num_heads), ("hidden", self.hidden),
+                           ("ffn_hidden", self.ffn), ("padded vocab", self.padded_vocab)):
+            if size % tp:
+                raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
+        if batch is not None and dp and batch % dp:
+            raise ConfigError(f"global batch {batch} is not divisible by the data axis ({dp})")
+
+    def param_count(self) -> int:
+        """Parameters of the model, from its shapes alone (see tests: equals the built model)."""
+        h, f, L = self.hidden, self.ffn, self.num_layers
+        per_layer = (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+        n = L * per_layer + self.padded_vocab * h + self.seq_len * h + 2 * h
+        if self.kind == "bert":
+            n += 2 * h                                  # token-type embeddings
+            n += h * h + h + 2 * h + self.padded_vocab  # MLM transform, its LayerNorm, output bias
+            n += h * h + h + 2 * h + 2                  # pooler and sentence-order head
+            if self.ln_placement == "post":
+                n += 0  # post-LN swaps the final LayerNorm for one after the embeddings
+        return n
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    batch_size: int = 16              # global, over all data-parallel replicas
+    microbatches: int = 1             # gradient accumulation steps per optimizer step
+    steps: int = 1000
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 100
+    decay_steps: int = 0              # 0 -> steps
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 8
+    save_every: int = 500
+    keep_checkpoints: int = 3
+
+    def validate(self):
+        for name in ("batch_size", "microbatches", "steps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.batch_size % self.microbatches:
+            raise ConfigError(f"train.batch_size={self.batch_size} is not divisible by "
+                              f"train.microbatches={self.microbatches}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be positive, got {self.lr}")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    source: str = "builtin"           # builtin | text:PATH[,PATH|GLOB] | bin:PATH | tfds:NAME[/CONFIG]
+    tokenizer: str = "bytes"          # bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME
+    val_fraction: float = 0.1
+    bin_dtype: str = "uint16"         # for bin: sources
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    name: str = "custom"
+
+    def validate(self) -> "Config":
+        self.model.validate()
+        self.train.validate()
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: Path):
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _coerce(key: str, value, typ):
+    """Convert `value` (a TOML value or a --set string) to the field type, or raise ConfigError."""
+    if isinstance(typ, str):
+        typ = {"int": int, "float": float, "bool": bool, "str": str}[typ]
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        if typ is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ConfigError(f"{key} expects true or false, got '{value}'")
+        try:
+            return typ(float(text)) if typ is int and "e" in text.lower() else typ(text)
+        except ValueError:
+            raise ConfigError(f"{key} expects {typ.__name__}, got '{value}'") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} expects {typ.__name__}, got {value!r}")
+    return value
+
+
+def set_value(cfg: Config, key: str, value) -> None:
+    section, _, field = key.partition(".")
+    cls = SECTIONS.get(section)
+    names = {f.name: f for f in dataclasses.fields(cls)} if cls else {}
+    if field not in names:
+        raise _unknown(key)
+    types = typing.get_type_hints(cls)
+    setattr(getattr(cfg, section), field, _coerce(key, value, types[field]))
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got '{item}'")
+        key, value = item.split("=", 1)
+        set_value(cfg, key.strip(), value)
+    return cfg
+
+
+def find_config(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".toml", ".json") and p.exists():
+        return p
+    for candidate in (CONFIG_DIR / f"{name_or_path}.toml", Path("configs") / f"{name_or_path}.toml"):
+        if candidate.exists():
+            return candidate
+    known = sorted(q.stem for q in CONFIG_DIR.glob("*.toml"))
+    close = difflib.get_close_matches(name_or_path, known, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; available: {', '.join(known)}"
+    raise ConfigError(f"no config named '{name_or_path}'{hint}")
+
+
+def _read(path: Path) -> dict:
+    try:
+        if path.suffix == ".json":
+            return json.loads(path.read_text())
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot parse {path}: {e}") from None
+
+
+def load_config(name_or_path: str = "default", overrides: list[str] | None = None) -> Config:
+    """Load a config by name (configs/NAME.toml) or path (.toml or a saved .json), then apply `overrides`."""
+    path = find_config(name_or_path)
+    raw = _read(path)
+    cfg = load_config(raw.pop("base")) if "base" in raw else Config()
+    cfg.name = raw.pop("name", path.stem)
+    for section, table in raw.items():
+        if section not in SECTIONS:
+            raise _unknown(section if not isinstance(table, dict) else f"{section}.?")
+        for key, value in table.items():
+            set_value(cfg, f"{section}.{key}", value)
+    return apply_overrides(cfg, overrides).validate()
+
+
+def available_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))

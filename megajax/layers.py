@@ -1,0 +1,180 @@
+"""Megatron's tensor-parallel building blocks as Flax NNX modules.
+
+Each weight carries its PartitionSpec (from megajax/sharding.py) as NNX sharding metadata.
+Inside a block, activations stay split over "model"; the single all-reduce per block is
+`layout.reduce_to_replicated` in RowParallelLinear (g forward, f backward).
+LayerNorm, dropout and residual adds run duplicated on every device of the model axis.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax import sharding as S
+from megajax.config import ModelConfig
+from megajax.loss import vocab_parallel_lookup
+
+# Sharding metadata is applied by megajax itself (jit out_shardings), not eagerly by Flax.
+if hasattr(nnx, "use_eager_sharding"):
+    nnx.use_eager_sharding(False)
+
+
+def _param(init, spec, key, shape):
+    return nnx.Param(nnx.with_partitioning(init, spec)(key, shape, jnp.float32))
+
+
+def dropout(x, rate: float, key, layout: S.Layout, spec):
+    """Dropout whose mask depends only on (key, global shape): identical on every mesh.
+
+    With partitionable threefry each device generates just its own slice of the mask,
+    so sharded dropout needs no communication.
+    """
+    if key is None or rate == 0.0:
+        return x
+    keep = layout.constrain(jax.random.bernoulli(key, 1.0 - rate, x.shape), spec)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with float32 statistics; its parameters are replicated over the mesh."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        self.eps = eps
+        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, S.REPLICATED_BIAS)(
+            jax.random.key(0), (dim,), jnp.float32))
+        self.bias = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, S.REPLICATED_BIAS)(
+            jax.random.key(0), (dim,), jnp.float32))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class ColumnParallelLinear(nnx.Module):
+    """y = x W + b with W split by columns: each device computes out/tp features, no communication."""
+
+    def __init__(self, d_in: int, d_out: int, *, layout: S.Layout, dtype, std: float, rngs: nnx.Rngs):
+        self.layout, self.dtype = layout, dtype
+        self.kernel = _param(nnx.initializers.normal(std), S.COLUMN, rngs.params(), (d_in, d_out))
+        self.bias = _param(nnx.initializers.zeros, S.COLUMN_BIAS, rngs.params(), (d_out,))
+
+    def __call__(self, x):
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        y = y + self.bias[...].astype(self.dtype)
+        return self.layout.constrain(y, S.ACT_COLUMN)
+
+
+class RowParallelLinear(nnx.Module):
+    """y = x W + b with W split by rows: partial sums all-reduced over "model", then the bias."""
+
+    def __init__(self, d_in: int, d_out: int, *, layout: S.Layout, dtype, std: float, rngs: nnx.Rngs):
+        self.layout, self.dtype = layout, dtype
+        self.kernel = _param(nnx.initializers.normal(std), S.ROW, rngs.params(), (d_in, d_out))
+        self.bias = _param(nnx.initializers.zeros, S.REPLICATED_BIAS, rngs.params(), (d_out,))
+
+    def __call__(self, x):
+        partial = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        return self.layout.reduce_to_replicated(partial) + self.bias[...].astype(self.dtype)
+
+
+class VocabParallelEmbedding(nnx.Module):
+    """Token embedding split along the vocabulary; also the tied output layer."""
+
+    def __init__(self, vocab: int, dim: int, *, layout: S.Layout, dtype, std: float, rngs: nnx.Rngs):
+        self.layout, self.dtype = layout, dtype
+        self.table = _param(nnx.initializers.normal(std), S.VOCAB, rngs.params(), (vocab, dim))
+
+    def __call__(self, ids):
+        """Each device looks up the ids it owns (zeros elsewhere); one all-reduce sums them."""
+        return vocab_parallel_lookup(self.table[...].astype(self.dtype), ids, self.layout)
+
+    def attend(self, x):
+        """Vocab-parallel logits x E^T, float32, left split over "model" (never gathered)."""
+        logits = jnp.einsum("bsh,vh->bsv", x.astype(self.dtype), self.table[...].astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+        return self.layout.constrain(logits, S.P(S.DATA, None, S.MODEL))
+
+
+class ParallelMLP(nnx.Module):
+    """Column-parallel fc1, GeLU local to each device, row-parallel fc2, one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, *, layout: S.Layout, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.compute_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.fc1 = ColumnParallelLinear(cfg.hidden, cfg.ffn, layout=layout, dtype=dtype,
+                                        std=cfg.init_std, rngs=rngs)
+        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden, layout=layout, dtype=dtype,
+                                     std=out_std, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=True))
+
+
+class ParallelSelfAttention(nnx.Module):
+    """Fused QKV split by heads, attention local to each head group, row-parallel output.
+
+    The QKV kernel's columns are ordered (head, q|k|v, head_dim), so a contiguous column
+    shard holds whole heads with their q, k and v: the split needs no re-layout.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, layout: S.Layout, rngs: nnx.Rngs, causal: bool = True):
+        dtype = jnp.dtype(cfg.compute_dtype)
+        self.layout, self.causal = layout, causal
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.attention_dropout = cfg.attention_dropout
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, layout=layout, dtype=dtype,
+                                        std=cfg.init_std, rngs=rngs)
+        self.out = RowParallelLinear(cfg.hidden, cfg.hidden, layout=layout, dtype=dtype,
+                                     std=out_std, rngs=rngs)
+
+    def __call__(self, x, *, key=None, mask=None):
+        b, s, _ = x.shape
+        qkv = self.qkv(x).reshape(b, s, self.num_heads, 3, self.head_dim)
+        qkv = self.layout.constrain(qkv, S.P(S.DATA, None, S.MODEL, None, None))
+        q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(self.head_dim)
+        if self.causal:
+            causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+            scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        if mask is not None:  # (b, k) True where a key may be attended to
+            scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        probs = dropout(probs, self.attention_dropout, key, self.layout, S.ATTN_SCORES)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        ctx = self.layout.constrain(ctx, S.ACT_HEADS).reshape(b, s, self.num_heads * self.head_dim)
+        return self.out(ctx)
+
+
+class TransformerLayer(nnx.Module):
+    """Attention and MLP blocks with residuals; LayerNorm before each block (pre) or after each add (post)."""
+
+    def __init__(self, cfg: ModelConfig, *, layout: S.Layout, rngs: nnx.Rngs, causal: bool = True):
+        self.layout, self.placement = layout, cfg.ln_placement
+        self.hidden_dropout = cfg.hidden_dropout
+        self.ln1 = LayerNorm(cfg.hidden, cfg.ln_eps)
+        self.attention = ParallelSelfAttention(cfg, layout=layout, rngs=rngs, causal=causal)
+        self.ln2 = LayerNorm(cfg.hidden, cfg.ln_eps)
+        self.mlp = ParallelMLP(cfg, layout=layout, rngs=rngs)
+
+    def __call__(self, x, *, key=None, mask=None):
+        k_attn, k1, k2 = jax.random.split(key, 3) if key is not None else (None, None, None)
+        drop = lambda y, k: dropout(y, self.hidden_dropout, k, self.layout, S.ACT_REPLICATED)  # noqa: E731
+        with jax.named_scope("attention"):
+            if self.placement == "pre":
+                x = x + drop(self.attention(self.ln1(x), key=k_attn, mask=mask), k1)
+            else:
+                x = self.ln1(x + drop(self.attention(x, key=k_attn, mask=mask), k1))
+        with jax.named_scope("mlp"):
+            if self.placement == "pre":
+                x = x + drop(self.mlp(self.ln2(x)), k2)
+            else:
+                x = self.ln2(x + drop(self.mlp(x), k2))
+        return self.layout.constrain(x, S.ACT_REPLICATED)

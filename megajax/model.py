@@ -1,0 +1,137 @@
+"""GPT: vocab-parallel embedding, a stack of tensor-parallel transformer layers, tied
+vocab-parallel logits and the fused cross-entropy.
+
+`init_model` builds it directly into its shardings: each device only ever materialises its
+own slices, and the same seed gives the same global weights on every mesh.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax import sharding as S
+from megajax.config import ModelConfig
+from megajax.layers import LayerNorm, TransformerLayer, VocabParallelEmbedding, dropout
+from megajax.loss import mask_padded_vocab, vocab_parallel_cross_entropy
+from megajax.mesh import single_device_mesh
+
+
+def _stacked_layers(cfg: ModelConfig, layout: S.Layout, rngs: nnx.Rngs, causal: bool):
+    """num_layers layers whose parameters are stacked on a new leading (unsharded) axis."""
+    keys = jax.random.split(rngs.params(), cfg.num_layers)
+
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+    def make(key):
+        return TransformerLayer(cfg, layout=layout, rngs=nnx.Rngs(params=key), causal=causal)
+
+    return make(keys)
+
+
+class LayerStack(nnx.Module):
+    """The transformer layers, run as a scan over stacked weights or as a Python loop."""
+
+    def __init__(self, cfg: ModelConfig, layout: S.Layout, rngs: nnx.Rngs, causal: bool = True):
+        self.num_layers, self.scan, self.remat = cfg.num_layers, cfg.scan_layers, cfg.remat
+        if self.scan:
+            self.stacked = _stacked_layers(cfg, layout, rngs, causal)
+        else:
+            self.layers = nnx.List([TransformerLayer(cfg, layout=layout, rngs=rngs, causal=causal)
+                                    for _ in range(cfg.num_layers)])
+
+    def __call__(self, x, *, key=None, mask=None):
+        keys = None if key is None else jax.random.split(key, self.num_layers)
+        if self.scan:
+            graphdef, state = nnx.split(self.stacked)
+
+            def body(h, xs):
+                layer_state, k = xs
+                return nnx.merge(graphdef, layer_state)(h, key=k, mask=mask), None
+
+            if self.remat:
+                body = jax.checkpoint(body)
+            with jax.named_scope("layers"):
+                x, _ = jax.lax.scan(body, x, (state, keys))
+            return x
+        for i, layer in enumerate(self.layers):
+            call = (lambda lyr, h, k: lyr(h, key=k, mask=mask))
+            if self.remat:
+                call = nnx.remat(call)
+            with jax.named_scope(f"layer_{i}"):
+                x = call(layer, x, None if keys is None else keys[i])
+        return x
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layout: S.Layout | None = None, *, rngs: nnx.Rngs):
+        layout = layout or S.Layout(single_device_mesh())
+        self.cfg, self.layout = cfg, layout
+        self.dtype = jnp.dtype(cfg.compute_dtype)
+        self.embed = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, layout=layout,
+                                            dtype=self.dtype, std=cfg.init_std, rngs=rngs)
+        self.pos = nnx.Param(nnx.with_partitioning(nnx.initializers.normal(cfg.init_std), S.REPLICATED_2D)(
+            rngs.params(), (cfg.seq_len, cfg.hidden), jnp.float32))
+        self.layers = LayerStack(cfg, layout, rngs, causal=True)
+        self.ln_f = LayerNorm(cfg.hidden, cfg.ln_eps)
+
+    def hidden_states(self, tokens, *, key=None, positions=None):
+        """(b, s) token ids -> (b, s, h) final hidden states, replicated over "model"."""
+        b, s = tokens.shape
+        k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
+        positions = jnp.arange(s) if positions is None else positions
+        x = self.embed(tokens) + self.pos[...][positions].astype(self.dtype)
+        x = self.layout.constrain(x, S.ACT_REPLICATED)
+        x = dropout(x, self.cfg.hidden_dropout, k_embed, self.layout, S.ACT_REPLICATED)
+        x = self.layers(x, key=k_layers)
+        if self.cfg.ln_placement == "pre":
+            x = self.ln_f(x)
+        return x
+
+    def __call__(self, tokens, *, key=None):
+        """Logits over the real vocabulary (padding columns masked), split over "model"."""
+        return mask_padded_vocab(self.embed.attend(self.hidden_states(tokens, key=key)), self.cfg.vocab_size)
+
+    def token_losses(self, tokens, targets, *, key=None):
+        """(b, s) per-token cross-entropy through the fused vocab-parallel loss."""
+        logits = self.embed.attend(self.hidden_states(tokens, key=key))
+        return vocab_parallel_cross_entropy(logits, targets, self.layout, self.cfg.vocab_size)
+
+    def loss(self, tokens, targets, *, key=None, weights=None):
+        losses = self.token_losses(tokens, targets, key=key)
+        if weights is None:
+            return losses.mean()
+        return (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+
+
+MODELS = {"gpt": GPT}
+
+
+def abstract_model(cfg: ModelConfig, layout: S.Layout | None = None):
+    """The model with ShapeDtypeStructs for weights: shapes and specs, nothing allocated."""
+    return nnx.eval_shape(lambda: MODELS[cfg.kind](cfg, layout, rngs=nnx.Rngs(0)))
+
+
+def param_specs(model_or_state):
+    """PartitionSpecs of every parameter, read from the NNX sharding metadata."""
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+    return nnx.get_partition_spec(state)
+
+
+def init_model(cfg: ModelConfig, mesh, seed: int = 0):
+    """Build the model with every weight created directly in its sharding on `mesh`."""
+    cfg.check_mesh(mesh.shape[S.MODEL])
+    layout = S.Layout(mesh)
+    abstract = abstract_model(cfg, layout)
+    graphdef, abs_state = nnx.split(abstract)
+    shardings = S.param_shardings(mesh, nnx.get_partition_spec(abs_state))
+
+    @jax.jit
+    def create():
+        return nnx.state(MODELS[cfg.kind](cfg, layout, rngs=nnx.Rngs(seed)))
+
+    state = jax.jit(create, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def count_params(model) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
