@@ -96,9 +96,10 @@ class VocabParallelEmbedding(nnx.Module):
 
     def attend(self, x):
         """Vocab-parallel logits x E^T, float32, left split over "model" (never gathered)."""
-        logits = jnp.einsum("bsh,vh->bsv", x.astype(self.dtype), self.table[...].astype(self.dtype),
-                            preferred_element_type=jnp.float32)
-        return self.layout.constrain(logits, S.P(S.DATA, None, S.MODEL))
+        with jax.named_scope("logits"):
+            logits = jnp.einsum("bsh,vh->bsv", x.astype(self.dtype), self.table[...].astype(self.dtype),
+                                preferred_element_type=jnp.float32)
+            return self.layout.constrain(logits, S.P(S.DATA, None, S.MODEL))
 
 
 class ParallelMLP(nnx.Module):

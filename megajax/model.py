@@ -98,9 +98,10 @@ class GPT(nnx.Module):
 
     def loss(self, tokens, targets, *, key=None, weights=None):
         losses = self.token_losses(tokens, targets, key=key)
-        if weights is None:
-            return losses.mean()
-        return (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+        with jax.named_scope("loss_mean"):
+            if weights is None:
+                return losses.mean()
+            return (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
 
 MODELS = {"gpt": GPT}
@@ -135,3 +136,42 @@ def init_model(cfg: ModelConfig, mesh, seed: int = 0):
 
 def count_params(model) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+# --- Parameters as a plain nested dict --------------------------------------------------
+# optax, orbax and the train step work on plain dicts of arrays (string keys); the NNX
+# graph definition and a template state turn them back into a module inside the step.
+
+def _stringify(tree):
+    return {str(k): _stringify(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def _unstringify(tree, template):
+    if not isinstance(template, dict):
+        return tree
+    return {k: _unstringify(tree[str(k)], v) for k, v in template.items()}
+
+
+class ModelDef:
+    """Everything static about a model: rebuild it from a params dict with `bind(params)`."""
+
+    def __init__(self, model):
+        self.graphdef, params_state, self.rest = nnx.split(model, nnx.Param, ...)
+        self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state)
+        self.cfg = model.cfg
+        self.layout = model.layout
+
+    def params(self, model) -> dict:
+        return _stringify(nnx.state(model, nnx.Param).to_pure_dict())
+
+    def abstract_params(self) -> dict:
+        return _stringify(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                       self._template.to_pure_dict()))
+
+    def specs(self) -> dict:
+        return _stringify(nnx.get_partition_spec(self._template).to_pure_dict())
+
+    def bind(self, params: dict):
+        state = jax.tree.map(lambda x: x, self._template)
+        nnx.replace_by_pure_dict(state, _unstringify(params, state.to_pure_dict()))
+        return nnx.merge(self.graphdef, state, self.rest)
