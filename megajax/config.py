@@ -70,7 +70,7 @@ class ModelConfig:
 
     def check_mesh(self, tp: int, dp: int | None = None, batch: int | None = None):
         """Megatron's divisibility rules for a model axis of size tp; raise ConfigError if broken."""
-        for what, size in (("num_heads", self.num_heads), ("hidden", self.hidden),
+        for what, size in (("hidden", self.hidden), ("num_heads", self.num_heads),
                            ("ffn_hidden", self.ffn), ("padded vocab", self.padded_vocab)):
             if size % tp:
                 raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")

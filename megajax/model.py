@@ -162,16 +162,16 @@ class ModelDef:
         self.layout = model.layout
 
     def params(self, model) -> dict:
-        return _stringify(nnx.state(model, nnx.Param).to_pure_dict())
+        return _stringify(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
     def abstract_params(self) -> dict:
         return _stringify(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                       self._template.to_pure_dict()))
+                                       nnx.to_pure_dict(self._template)))
 
     def specs(self) -> dict:
-        return _stringify(nnx.get_partition_spec(self._template).to_pure_dict())
+        return _stringify(nnx.to_pure_dict(nnx.get_partition_spec(self._template)))
 
     def bind(self, params: dict):
         state = jax.tree.map(lambda x: x, self._template)
-        nnx.replace_by_pure_dict(state, _unstringify(params, state.to_pure_dict()))
+        nnx.replace_by_pure_dict(state, _unstringify(params, nnx.to_pure_dict(state)))
         return nnx.merge(self.graphdef, state, self.rest)

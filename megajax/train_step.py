@@ -100,7 +100,7 @@ class Trainer:
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(m)))
             loss, grads = jax.tree.map(lambda x: x / m, (loss, grads))
         with jax.named_scope("optimizer"):
-            grad_norm = optax.global_norm(grads)
+            grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(t)(step)}

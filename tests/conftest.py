@@ -1,0 +1,36 @@
+"""8 simulated CPU devices for every test; must run before jax is imported."""
+import os
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from megajax.config import Config, ModelConfig, TrainConfig  # noqa: E402
+from megajax.mesh import make_mesh  # noqa: E402
+
+
+def tiny_config(**model) -> Config:
+    """A model every test mesh divides: 8 heads, hidden 64, ffn 256, vocab 100 -> 128."""
+    fields = dict(num_layers=2, hidden=64, num_heads=8, seq_len=16, vocab_size=100, vocab_multiple=128,
+                  hidden_dropout=0.1, attention_dropout=0.1)
+    fields.update(model)
+    return Config(model=ModelConfig(**fields),
+                  train=TrainConfig(batch_size=8, lr=1e-2, warmup_steps=1, steps=10, min_lr=1e-3)).validate()
+
+
+def mesh_for(spec: str):
+    """A mesh over the first data*model devices, so 1x2 or 2x2 meshes also work on 8 devices."""
+    d, m = (int(x) for x in spec.split("x"))
+    return make_mesh(spec, devices=jax.devices()[: d * m])
+
+
+@pytest.fixture(scope="session")
+def devices():
+    assert len(jax.devices()) == 8, "conftest must set XLA_FLAGS before jax is imported"
+    return jax.devices()

@@ -1,0 +1,69 @@
+"""Every shipped config parses; the paper's models have the paper's sizes, computed abstractly."""
+import jax
+import pytest
+from flax import nnx
+
+from megajax.config import ConfigError, available_configs, load_config
+from megajax.model import abstract_model
+
+PAPER = {"gpt2_355m": 355e6, "gpt2_1.2b": 1.2e9, "gpt2_2.5b": 2.5e9, "gpt2_4.2b": 4.2e9,
+         "gpt2_8.3b": 8.3e9, "gpt2_8.3b_24h": 8.3e9}
+
+
+@pytest.mark.parametrize("name", available_configs())
+def test_config_parses_and_builds_abstractly(name):
+    cfg = load_config(name)
+    model = abstract_model(cfg.model)  # shapes only: nothing allocated, even for 8.3B
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n == cfg.model.param_count()
+    if name in PAPER:
+        # Within 1% of the paper's name, except 1.2B: its exact count for the stated shape
+        # (40 x 1536, vocab 51,200) is 1,213.5M, 1.1% above the two-digit label it rounds to.
+        name_digits = f"{PAPER[name]:.2g}"
+        assert abs(n - PAPER[name]) / PAPER[name] < 0.01 or f"{n:.2g}" == name_digits, f"{name}: {n:,}"
+        assert cfg.model.seq_len == 1024 and cfg.model.padded_vocab == 51200
+
+
+def test_paper_shapes():
+    assert (load_config("gpt2_8.3b").model.num_heads, load_config("gpt2_8.3b_24h").model.num_heads) == (32, 24)
+    shapes = {n: (c.num_layers, c.hidden, c.num_heads) for n in PAPER for c in [load_config(n).model]}
+    assert shapes["gpt2_355m"] == (24, 1024, 16) and shapes["gpt2_1.2b"] == (40, 1536, 16)
+    assert shapes["gpt2_2.5b"] == (54, 1920, 20) and shapes["gpt2_4.2b"] == (64, 2304, 24)
+    assert shapes["gpt2_8.3b"] == (72, 3072, 32)
+
+
+def test_vocab_padding_is_a_property_of_the_config():
+    m = load_config("gpt2_355m").model
+    assert m.padded_vocab == 51200
+    for tp in (1, 2, 4, 8):
+        m.check_mesh(tp)  # independent of tp, unlike Megatron's 128 x tp
+
+
+def test_overrides_are_typed_and_suggest_keys():
+    cfg = load_config("tiny", ["model.num_layers=3", "train.lr=3e-4", "model.remat=true"])
+    assert (cfg.model.num_layers, cfg.train.lr, cfg.model.remat) == (3, 3e-4, True)
+    with pytest.raises(ConfigError, match="did you mean 'model.num_layers'"):
+        load_config("tiny", ["model.num_layer=3"])
+    with pytest.raises(ConfigError, match="expects int"):
+        load_config("tiny", ["model.hidden=big"])
+    with pytest.raises(ConfigError, match="expects true or false"):
+        load_config("tiny", ["model.remat=maybe"])
+    with pytest.raises(ConfigError, match="no config named 'tinyy'; did you mean 'tiny'"):
+        load_config("tinyy")
+
+
+@pytest.mark.parametrize("change,tp,message", [
+    ({"num_heads": 6, "hidden": 96}, 4, "num_heads=6 is not divisible by the model axis (4)"),
+    ({"hidden": 66, "num_heads": 2}, 4, "hidden=66"),
+    ({"ffn_hidden": 250}, 4, "ffn_hidden=250"),
+    ({"vocab_multiple": 100, "vocab_size": 100}, 4, "padded vocab=100"),
+])
+def test_indivisible_sizes(change, tp, message):
+    cfg = load_config("tiny", [f"model.{k}={v}" for k, v in change.items()])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cfg.model.check_mesh(tp)
+
+
+def test_batch_not_divisible_by_data_axis():
+    with pytest.raises(ConfigError, match=r"global batch 8 is not divisible by the data axis \(3\)"):
+        load_config("tiny").model.check_mesh(1, 3, 8)
