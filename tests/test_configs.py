@@ -56,7 +56,7 @@ def test_overrides_are_typed_and_suggest_keys():
     ({"num_heads": 6, "hidden": 96}, 4, "num_heads=6 is not divisible by the model axis (4)"),
     ({"hidden": 66, "num_heads": 2}, 4, "hidden=66"),
     ({"ffn_hidden": 250}, 4, "ffn_hidden=250"),
-    ({"vocab_multiple": 100, "vocab_size": 100}, 4, "padded vocab=100"),
+    ({"vocab_multiple": 90, "vocab_size": 90}, 4, "padded vocab=90"),
 ])
 def test_indivisible_sizes(change, tp, message):
     cfg = load_config("tiny", [f"model.{k}={v}" for k, v in change.items()])

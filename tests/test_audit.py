@@ -1,0 +1,71 @@
+"""The compiled train step has exactly Megatron's collectives (read from the HLO)."""
+import jax
+import numpy as np
+import pytest
+from conftest import mesh_for, tiny_config
+
+from megajax.audit import audit, groups_axis, parse_replica_groups
+
+
+@pytest.mark.parametrize("layers,spec,scan", [(2, "2x4", True), (3, "2x4", True), (2, "1x8", True),
+                                              (3, "1x8", True), (3, "2x4", False)])
+def test_megatron_collectives(layers, spec, scan):
+    cfg = tiny_config(num_layers=layers, scan_layers=scan)
+    mesh = mesh_for(spec)
+    r = audit(cfg, mesh)
+    dp = mesh.shape["data"]
+    b, s, h = cfg.train.batch_size // dp, cfg.model.seq_len, cfg.model.hidden
+
+    per_layer = r.model_axis_layer_counts()
+    assert sorted(per_layer) == [str(i) for i in range(layers)]
+    for i, counts in per_layer.items():
+        assert counts == {("attention", "forward"): 1, ("mlp", "forward"): 1,
+                          ("attention", "backward"): 1, ("mlp", "backward"): 1}, i
+    model_ars = r.select(kind="all-reduce", axis="model")
+    for c in model_ars:
+        if c.origin in ("attention", "mlp"):
+            assert c.shape == (b, s, h)
+    extras = sorted((c.origin, c.direction, c.shape, c.count) for c in model_ars
+                    if c.origin not in ("attention", "mlp", "optimizer"))
+    assert extras == sorted([("embedding", "forward", (b, s, h), 1), ("logits", "backward", (b, s, h), 1)]
+                            + [("loss", "forward", (b, s), 1)] * 3)
+    # The optimizer's only model-axis traffic: scalar partial sums of the global grad norm.
+    assert all(c.shape == () for c in model_ars if c.origin == "optimizer")
+    # Nothing but all-reduces anywhere: no weight all-gathers, no resharding.
+    assert {c.kind for c in r.collectives} == {"all-reduce"}
+    # Across the data axis: the gradient reduction and the scalar loss mean, nothing else.
+    for c in r.select(axis="data"):
+        assert c.origin == "gradients" or (c.origin == "loss" and c.shape == ()), c
+    if dp > 1:
+        grads = r.select(axis="data", origin="gradients")
+        n_grad = sum(np.prod(c.shape) * c.count for c in grads)
+        # Every device reduces its own shard of every gradient once; the tied embedding's two
+        # contributions (lookup and output layer) are reduced separately, so its shard twice.
+        from megajax.train_step import make_trainer
+        shardings = make_trainer(cfg, mesh).param_shardings
+        shapes = make_trainer(cfg, mesh).modeldef.abstract_params()
+        local = {k: np.prod(sh.shard_shape(x.shape)) for k, sh, x in
+                 zip(range(10**6), jax.tree.leaves(shardings), jax.tree.leaves(shapes))}
+        table = np.prod(shardings["embed"]["table"].shard_shape(shapes["embed"]["table"].shape))
+        assert n_grad == sum(local.values()) + table
+    assert not [c for c in r.collectives if "+" in c.axis]
+    assert r.ratio == pytest.approx(1.0, abs=0.005)
+    assert "forward [2], backward [2]" in r.table()
+
+
+def test_parse_explicit_iota_and_mesh_groups():
+    mesh_shape = (2, 4)
+    explicit = "replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true"
+    iota = "replica_groups=[2,4]<=[8], use_global_device_ids=true"
+    iota_t = "replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true"
+    shardy = "replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=1,'axis_3'=4] {'axis_0'}, use"
+    shardy_ids = "replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, use"
+    assert parse_replica_groups(explicit, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parse_replica_groups(iota, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parse_replica_groups(iota_t, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert parse_replica_groups(shardy, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert parse_replica_groups(shardy_ids, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parse_replica_groups("replica_groups={}, to_apply", 8) == [list(range(8))]
+    assert groups_axis([[0, 1, 2, 3], [4, 5, 6, 7]], mesh_shape) == "model"
+    assert groups_axis([[0, 4], [1, 5], [2, 6], [3, 7]], mesh_shape) == "data"
+    assert groups_axis([list(range(8))], mesh_shape) == "data+model"
