@@ -13,10 +13,12 @@ import tomllib
 import typing
 from pathlib import Path
 
+from megajax.errors import UserError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A mistake in a config file or override that the user can fix."""
 
 

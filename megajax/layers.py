@@ -38,6 +38,17 @@ def dropout(x, rate: float, key, layout: S.Layout, spec):
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
+def _matmul_2d(x, w):
+    """(b, s, i) @ (i, o) as one 2-D matmul over b*s rows.
+
+    Same math as jnp.dot on the 3-D array, but its backward pass (x^T dy for the weight
+    gradient) stays a plain 2-D matmul, which XLA:CPU runs several times faster than a dot
+    contracting over two dimensions.
+    """
+    lead = x.shape[:-1]
+    return jnp.dot(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[-1])
+
+
 class LayerNorm(nnx.Module):
     """LayerNorm with float32 statistics; its parameters are replicated over the mesh."""
 
@@ -65,7 +76,7 @@ class ColumnParallelLinear(nnx.Module):
         self.bias = _param(nnx.initializers.zeros, S.COLUMN_BIAS, rngs.params(), (d_out,))
 
     def __call__(self, x):
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        y = _matmul_2d(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         y = y + self.bias[...].astype(self.dtype)
         return self.layout.constrain(y, S.ACT_COLUMN)
 
@@ -79,7 +90,7 @@ class RowParallelLinear(nnx.Module):
         self.bias = _param(nnx.initializers.zeros, S.REPLICATED_BIAS, rngs.params(), (d_out,))
 
     def __call__(self, x):
-        partial = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        partial = _matmul_2d(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         return self.layout.reduce_to_replicated(partial) + self.bias[...].astype(self.dtype)
 
 
@@ -139,9 +150,10 @@ class ParallelSelfAttention(nnx.Module):
         b, s, _ = x.shape
         qkv = self.qkv(x).reshape(b, s, self.num_heads, 3, self.head_dim)
         qkv = self.layout.constrain(qkv, S.P(S.DATA, None, S.MODEL, None, None))
-        q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(self.head_dim)
+        # (b, heads, s, head_dim): batch dimensions leading, the layout XLA's dots prefer.
+        q, k, v = (jnp.moveaxis(qkv[:, :, :, i], 2, 1) for i in range(3))
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = self.layout.constrain(scores / math.sqrt(self.head_dim), S.ATTN_SCORES)
         if self.causal:
             causal = jnp.tril(jnp.ones((s, s), dtype=bool))
             scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
@@ -149,8 +161,8 @@ class ParallelSelfAttention(nnx.Module):
             scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         probs = dropout(probs, self.attention_dropout, key, self.layout, S.ATTN_SCORES)
-        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-        ctx = self.layout.constrain(ctx, S.ACT_HEADS).reshape(b, s, self.num_heads * self.head_dim)
+        ctx = jnp.einsum("bhqk,bhkd->bhqd", probs, v)
+        ctx = self.layout.constrain(jnp.moveaxis(ctx, 1, 2), S.ACT_HEADS).reshape(b, s, self.num_heads * self.head_dim)
         return self.out(ctx)
 
 

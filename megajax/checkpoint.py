@@ -1,0 +1,75 @@
+"""Orbax checkpoints of (params, optimizer state) plus a small JSON record.
+
+Arrays are saved with their shardings and restored straight into the shardings of the
+current mesh, whatever mesh wrote them: no conversion step.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from megajax.errors import UserError
+
+logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+class Checkpoints:
+    def __init__(self, directory: Path, keep: int = 3, async_save: bool = True):
+        self.directory = Path(directory).absolute() / "checkpoints"
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                                 create=True))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, params, opt_state, meta: dict, force: bool = True):
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+            meta=ocp.args.JsonSave(meta)), force=force)
+
+    def wait(self):
+        self.manager.wait_until_finished()
+
+    def check_shapes(self, step: int, abstract_params):
+        """Raise UserError naming every parameter whose saved shape differs from the model's."""
+        saved = self.manager.item_metadata(step)["state"]["params"]
+        want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in
+                jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+        have = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in
+                jax.tree_util.tree_flatten_with_path(saved)[0]}
+        diffs = [f"{k} {have.get(k)} in the checkpoint vs {v} now" for k, v in want.items() if have.get(k) != v]
+        diffs += [f"{k} only in the checkpoint" for k in have if k not in want]
+        if diffs:
+            more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+            raise UserError(f"checkpoint step {step} in {self.directory} has another model shape: "
+                            + "; ".join(diffs[:3]) + more)
+
+    def restore(self, step: int, abstract_params, abstract_opt_state):
+        self.check_shapes(step, abstract_params)
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore({"params": abstract_params, "opt_state": abstract_opt_state}),
+            meta=ocp.args.JsonRestore()))
+        return out["state"]["params"], out["state"]["opt_state"], out["meta"]
+
+    def restore_params(self, step: int, abstract_params):
+        """Only the weights (for evaluation): the optimizer state is not read."""
+        self.check_shapes(step, abstract_params)
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                item={"params": abstract_params},
+                restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}),
+                partial_restore=True),
+            meta=ocp.args.JsonRestore()))
+        return out["state"]["params"], out["meta"]
+
+    def close(self):
+        self.manager.wait_until_finished()
+        self.manager.close()

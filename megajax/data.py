@@ -1,0 +1,164 @@
+"""Token streams and deterministic, data-sharded batches.
+
+Sources (DataConfig.source):
+  builtin              the Python standard library's own source files: real text, offline
+  text:PATH[,PATH...]  text files or globs
+  bin:PATH             a flat array of uint16/uint32 token ids (nanoGPT's .bin format)
+  tfds:NAME[/CONFIG]   a TFDS dataset through tfds.data_source (ArrayRecord, no TensorFlow)
+
+Batch `step` is a pure function of (seed, step): a resumed run sees exactly the batches of
+an uninterrupted one. Each process materialises only the rows its devices own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import sysconfig
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from megajax.errors import UserError
+from megajax.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
+
+BUILTIN_MAX_BYTES = 12_000_000
+
+
+def builtin_text(max_bytes: int = BUILTIN_MAX_BYTES) -> str:
+    """Python source of the standard library, in a fixed order (about 12 MB)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        parts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    if not parts:
+        raise UserError(f"no Python source files found under {root} for the built-in corpus")
+    return "\n".join(parts)
+
+
+def _text_files(spec: str) -> list[Path]:
+    files = []
+    for item in filter(None, spec.split(",")):
+        matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else [item]
+        if not matches:
+            raise UserError(f"no file matches '{item}'")
+        for m in matches:
+            p = Path(m)
+            if not p.is_file():
+                raise UserError(f"data file not found: {p}")
+            files.append(p)
+    return files
+
+
+def _read_text(spec: str) -> str:
+    text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in _text_files(spec))
+    if not text.strip():
+        raise UserError(f"data source text:{spec} is empty")
+    return text
+
+
+def _tfds_texts(spec: str, split: str) -> list[str]:
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise UserError("tfds: sources need tensorflow-datasets (pip install tensorflow-datasets array_record)") from None
+    try:
+        source = tfds.data_source(spec, split=split)
+    except Exception as e:
+        raise UserError(f"cannot open tfds:{spec} split '{split}': {e}".splitlines()[0]) from None
+    texts = []
+    for i in range(len(source)):
+        record = source[i]
+        value = next((v for v in record.values() if isinstance(v, (str, bytes))), None) \
+            if isinstance(record, dict) else record
+        if value is None:
+            raise UserError(f"tfds:{spec} has no text feature")
+        texts.append(value.decode("utf-8", "replace") if isinstance(value, bytes) else value)
+    return texts
+
+
+@dataclasses.dataclass
+class TokenData:
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer: Tokenizer
+
+
+def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
+                bin_dtype: str = "uint16", tokenizer: Tokenizer | None = None) -> TokenData:
+    """Tokenize `source` and hold out the last `val_fraction` of it for validation."""
+    kind, _, arg = source.partition(":")
+    if kind == "bin":
+        path = Path(arg)
+        if not path.is_file():
+            raise UserError(f"data file not found: {path}")
+        if path.stat().st_size == 0:
+            raise UserError(f"data file is empty: {path}")
+        tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
+        tok = tokenizer or (make_tokenizer(tokenizer_spec) if tokenizer_spec != "chars" else ByteTokenizer())
+        return _split(tokens, val_fraction, tok)
+    if kind == "tfds":
+        train_texts = _tfds_texts(arg, "train")
+        tok = tokenizer or make_tokenizer(tokenizer_spec, "\n".join(train_texts))
+        train = _encode(tok, "\n".join(train_texts))
+        for split in ("validation", "test"):
+            try:
+                val = _encode(tok, "\n".join(_tfds_texts(arg, split)))
+                return TokenData(train, val, tok)
+            except UserError:
+                continue
+        return _split(train, val_fraction, tok)
+    if kind == "builtin":
+        text = builtin_text()
+    elif kind == "text":
+        text = _read_text(arg)
+    else:
+        raise UserError(f"unknown data source '{source}' (use builtin, text:PATH, bin:PATH or tfds:NAME)")
+    tok = tokenizer or make_tokenizer(tokenizer_spec, text)
+    return _split(_encode(tok, text), val_fraction, tok)
+
+
+def _encode(tok: Tokenizer, text: str) -> np.ndarray:
+    ids = np.asarray(tok.encode(text), dtype=np.uint32 if tok.vocab_size > 65535 else np.uint16)
+    if ids.size == 0:
+        raise UserError("the data source has no tokens")
+    return ids
+
+
+def _split(tokens: np.ndarray, val_fraction: float, tok: Tokenizer) -> TokenData:
+    n_val = int(len(tokens) * val_fraction)
+    return TokenData(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], tok)
+
+
+class Batches:
+    """Random windows of seq_len + 1 tokens; row r of batch `step` depends only on (seed, step, r)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, sharding, name="train"):
+        if len(tokens) < seq_len + 2:
+            raise UserError(f"the {name} split has {len(tokens)} tokens, fewer than one sequence "
+                            f"of {seq_len + 1}; use more data or a smaller model.seq_len")
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.seed, self.sharding = seed, sharding
+        self.stream = 0 if name == "train" else 1
+
+    def starts(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.stream, step])
+        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+
+    def rows(self, step: int, row_slice: slice) -> np.ndarray:
+        starts = self.starts(step)[row_slice]
+        return np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1], dtype=np.int32) for s in starts])
+
+    def __call__(self, step: int) -> jax.Array:
+        """The global (batch, seq_len + 1) array for `step`, each process filling only its rows."""
+        shape = (self.batch_size, self.seq_len + 1)
+        return jax.make_array_from_callback(shape, self.sharding, lambda idx: self.rows(step, idx[0]))

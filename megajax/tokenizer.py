@@ -1,0 +1,177 @@
+"""Tokenizers: raw bytes, characters, Hugging Face tokenizer.json, tiktoken encodings.
+
+Each is saved into the workdir (`tokenizer.json`), so evaluation and sampling need no flags.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megajax.errors import UserError
+
+FILE = "tokenizer.json"
+HF_FILE = "hf_tokenizer.json"
+
+
+class Tokenizer:
+    kind = ""
+    eos_id: int | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def spec(self) -> dict:
+        return {"kind": self.kind}
+
+    def save(self, workdir: Path):
+        (Path(workdir) / FILE).write_text(json.dumps(self.spec()) + "\n")
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes: 256 ids, no training, works on any text."""
+
+    kind = "bytes"
+
+    @property
+    def vocab_size(self):
+        return 256
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class CharTokenizer(Tokenizer):
+    """One id per distinct character of the training corpus (nanoGPT's shakespeare_char)."""
+
+    kind = "chars"
+
+    def __init__(self, chars: list[str]):
+        self.chars = list(chars)
+        self.index = {c: i for i, c in enumerate(self.chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self):
+        return len(self.chars)
+
+    def encode(self, text):
+        try:
+            return [self.index[c] for c in text]
+        except KeyError as e:
+            raise UserError(f"character {e.args[0]!r} is not in the character vocabulary") from None
+
+    def decode(self, ids):
+        return "".join(self.chars[int(i)] for i in ids if 0 <= int(i) < len(self.chars))
+
+    def spec(self):
+        return {"kind": self.kind, "chars": self.chars}
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json` (BPE, WordPiece, ...) through the `tokenizers` package."""
+
+    kind = "hf"
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as _Tok
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"tokenizer file not found: {self.path}")
+        self.tok = _Tok.from_file(str(self.path))
+        for token in ("<|endoftext|>", "</s>", "[SEP]", "<eos>"):
+            if (i := self.tok.token_to_id(token)) is not None:
+                self.eos_id = i
+                break
+
+    @property
+    def vocab_size(self):
+        return self.tok.get_vocab_size()
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids])
+
+    def save(self, workdir):
+        (Path(workdir) / HF_FILE).write_bytes(self.path.read_bytes())
+        (Path(workdir) / FILE).write_text(json.dumps({"kind": "hf", "file": HF_FILE}) + "\n")
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A tiktoken encoding (e.g. gpt2) whose files are already in tiktoken's local cache."""
+
+    kind = "tiktoken"
+
+    def __init__(self, name: str, encoding=None):
+        self.name = name
+        if encoding is None:
+            try:
+                import tiktoken
+
+                encoding = tiktoken.get_encoding(name)
+            except Exception as e:  # network errors, unknown names
+                raise UserError(f"tiktoken encoding '{name}' is not available offline "
+                                f"(put its files in TIKTOKEN_CACHE_DIR): {type(e).__name__}") from None
+        self.enc = encoding
+        self.eos_id = getattr(encoding, "eot_token", None)
+
+    @property
+    def vocab_size(self):
+        return self.enc.n_vocab
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode([int(i) for i in ids])
+
+    def spec(self):
+        return {"kind": self.kind, "name": self.name}
+
+
+def make_tokenizer(spec: str, corpus_text: str | None = None) -> Tokenizer:
+    """From a config string: bytes | chars | hf:PATH | tiktoken:NAME."""
+    kind, _, arg = spec.partition(":")
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind == "chars":
+        if corpus_text is None:
+            raise UserError("the chars tokenizer needs the training text to build its vocabulary")
+        return CharTokenizer.from_text(corpus_text)
+    if kind == "hf":
+        return HFTokenizer(Path(arg))
+    if kind == "tiktoken":
+        return TiktokenTokenizer(arg or "gpt2")
+    raise UserError(f"unknown tokenizer '{spec}' (use bytes, chars, hf:PATH/tokenizer.json or tiktoken:NAME)")
+
+
+def load_tokenizer(workdir: Path) -> Tokenizer:
+    path = Path(workdir) / FILE
+    if not path.is_file():
+        raise UserError(f"no {FILE} in {workdir}: is it a megajax workdir?")
+    spec = json.loads(path.read_text())
+    kind = spec["kind"]
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind == "chars":
+        return CharTokenizer(spec["chars"])
+    if kind == "hf":
+        return HFTokenizer(Path(workdir) / spec["file"])
+    if kind == "tiktoken":
+        return TiktokenTokenizer(spec["name"])
+    raise UserError(f"{path}: unknown tokenizer kind '{kind}'")

@@ -1,0 +1,271 @@
+"""The training loop: data, sharded state, checkpoints, metrics, evaluation, sampling.
+
+`train()` is what `python train.py` runs; every step is the compiled Trainer step from
+megajax/train_step.py, and nothing here gathers weights to the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from megajax.checkpoint import Checkpoints
+from megajax.config import Config, ConfigError
+from megajax.data import Batches, load_tokens
+from megajax.errors import UserError
+from megajax.metrics import MetricsLog, Progress, device_peak_tflops, flops_per_token, plot_workdir
+from megajax.tokenizer import FILE as TOKENIZER_FILE
+from megajax.tokenizer import load_tokenizer
+from megajax.train_step import Trainer, make_trainer
+
+
+class StopRequested:
+    """SIGTERM or Ctrl-C: finish the current step, save, and exit cleanly."""
+
+    def __init__(self):
+        self.requested = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. some notebooks)
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+@dataclasses.dataclass
+class RunResult:
+    workdir: Path
+    final_step: int
+    losses: dict[int, float]
+    val_loss: float | None
+    stopped_by: str | None = None
+    sample: str | None = None
+
+
+def _is_main() -> bool:
+    return jax.process_index() == 0
+
+
+def prepare_data(cfg: Config, workdir: Path):
+    """Tokenize the data (reusing the workdir's tokenizer when resuming) and fit the vocab."""
+    tok = load_tokenizer(workdir) if (workdir / TOKENIZER_FILE).exists() else None
+    data = load_tokens(cfg.data.source, cfg.data.tokenizer, cfg.data.val_fraction, cfg.data.bin_dtype, tok)
+    vocab = data.tokenizer.vocab_size
+    if cfg.data.source.startswith("bin:"):
+        vocab = max(vocab, int(np.max(data.train)) + 1, cfg.model.vocab_size)
+    cfg.model.vocab_size = vocab
+    return data
+
+
+def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tokens: int = 200,
+          out=print) -> RunResult | dict:
+    workdir = Path(workdir)
+    main = _is_main()
+    if dry_run:
+        return dry_run_report(cfg, mesh, out=out)
+
+    ckpt_dir_exists = (workdir / "checkpoints").exists()
+    data = prepare_data(cfg, workdir)
+    trainer = make_trainer(cfg, mesh)   # checks sizes against the mesh: ConfigError
+    t = cfg.train
+    ckpts = Checkpoints(workdir, keep=t.keep_checkpoints)
+    start_step, params, opt_state = 0, None, None
+    latest = ckpts.latest_step() if ckpt_dir_exists else None
+    if latest is not None:
+        abstract_p, abstract_o = trainer.abstract_state()
+        params, opt_state, meta = ckpts.restore(latest, abstract_p, abstract_o)
+        start_step = latest
+    # Only now, with every check passed, write into the workdir.
+    workdir.mkdir(parents=True, exist_ok=True)
+    if main:
+        cfg.save(workdir / "config.json")
+        if not (workdir / TOKENIZER_FILE).exists():
+            data.tokenizer.save(workdir)
+    metrics = MetricsLog(workdir, enabled=main)
+    metrics.truncate_after(start_step)
+    if params is None:
+        params, opt_state = trainer.init_state()
+
+    train_batches = Batches(data.train, cfg.model.seq_len, t.batch_size, t.seed, trainer.batch_sharding)
+    val_batches = Batches(data.val, cfg.model.seq_len, t.batch_size, t.seed, trainer.batch_sharding, "val") \
+        if len(data.val) >= cfg.model.seq_len + 2 else None
+    t0 = time.perf_counter()
+    step_fn = trainer.jit_step().lower(params, opt_state, train_batches(start_step), jnp.int32(0)).compile()
+    eval_fn = trainer.jit_eval()
+    compile_s = time.perf_counter() - t0
+    tokens_per_step = t.batch_size * cfg.model.seq_len
+    flops = flops_per_token(cfg) * tokens_per_step / mesh.devices.size
+    peak = device_peak_tflops() if main else None
+    if main:
+        n = cfg.model.param_count()
+        out(f"megajax: {cfg.name} | {n / 1e6:.2f}M params | mesh data={mesh.shape['data']} "
+            f"model={mesh.shape['model']} on {mesh.devices.size} {jax.devices()[0].platform} device(s) | "
+            f"{len(data.train):,} train tokens | step compiled in {compile_s:.1f}s"
+            + (f" | resuming from step {start_step}" if start_step else ""))
+
+    def evaluate():
+        if val_batches is None:
+            return None
+        losses = [eval_fn(params, val_batches(i)) for i in range(t.eval_batches)]
+        return float(np.mean(jax.device_get(losses)))
+
+    losses: dict[int, float] = {}
+    pending = []          # (step, metrics on device) not yet checked on the host
+    last_log = (start_step, time.perf_counter())
+    last_saved = start_step
+    val_loss = None
+    progress = Progress(t.steps, start_step, enabled=main)
+
+    def flush(step):
+        nonlocal last_log
+        fetched = jax.device_get([m for _, m in pending])
+        for (s, _), m in zip(pending, fetched):
+            if not math.isfinite(float(m["loss"])):
+                progress.close()
+                ckpts.wait()
+                raise UserError(f"loss became {float(m['loss'])} at step {s}; stopped. "
+                                f"Last good checkpoint: step {last_saved} in {workdir / 'checkpoints'}")
+            losses[s] = float(m["loss"])
+        pending.clear()
+        now = time.perf_counter()
+        n_steps = max(step - last_log[0], 1)
+        dt = (now - last_log[1]) / n_steps
+        last_log = (step, now)
+        m = fetched[-1]
+        record = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
+                  "grad_norm": float(m["grad_norm"]), "tokens_per_sec": tokens_per_step / dt,
+                  "step_time_s": dt, "tflops_per_device": flops / dt / 1e12}
+        if peak:
+            record["mfu"] = record["tflops_per_device"] / peak
+        metrics.write(record)
+        return record
+
+    stopped_by = None
+    with StopRequested() as stop:
+        step = start_step
+        while step < t.steps:
+            batch = train_batches(step)
+            params, opt_state, m = step_fn(params, opt_state, batch, jnp.int32(step))
+            step += 1
+            pending.append((step, m))
+            save_now = step % t.save_every == 0 or step == t.steps or stop.requested
+            if step % t.log_every == 0 or save_now or step == start_step + 1:
+                record = flush(step)
+                if step % t.log_every == 0 or step == t.steps:
+                    progress.update(step, record)
+            if val_batches is not None and (step % t.eval_every == 0 or step == t.steps):
+                val_loss = evaluate()
+                metrics.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+                progress.write(f"step {step:>6}  val_loss {val_loss:.4f}  val_ppl {math.exp(min(val_loss, 50)):.2f}")
+            if save_now:
+                ckpts.save(step, params, opt_state, {"step": step, "config": cfg.name})
+                last_saved = step
+            if save_now or step % t.eval_every == 0:
+                last_log = (step, time.perf_counter())  # throughput excludes eval and saving
+            if stop.requested:
+                stopped_by = stop.requested
+                break
+    progress.close()
+    ckpts.wait()
+    ckpts.close()
+    result = RunResult(workdir, step, losses, val_loss, stopped_by)
+    if stopped_by:
+        if main:
+            out(f"{stopped_by}: saved a checkpoint at step {step} in {workdir}; "
+                f"run the same command again to resume")
+        return result
+    if main:
+        png = plot_workdir(workdir)
+        out(f"done: {step} steps, final train loss {losses.get(step, float('nan')):.4f}"
+            + (f", val loss {val_loss:.4f}" if val_loss is not None else "") + f"; loss curve {png}")
+    if sample_tokens:  # every process takes part: the model is sharded over all of them
+        result.sample = sample_text(trainer, params, data, sample_tokens)
+        if main:
+            out("sample:\n" + result.sample)
+    return result
+
+
+def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: float = 0.8, top_k: int = 40) -> str:
+    from megajax.generate import generate
+
+    model = trainer.modeldef.bind(params)
+    prompt = np.asarray(data.val[:16] if len(data.val) >= 16 else data.train[:16], dtype=np.int32)
+    new = generate(model, prompt[None], n_tokens, temperature, top_k, jax.random.key(trainer.cfg.train.seed),
+                   eos_id=data.tokenizer.eos_id)
+    return data.tokenizer.decode(prompt) + data.tokenizer.decode(new[0])
+
+
+def dry_run_report(cfg: Config, mesh, out=print) -> dict:
+    """Everything about a run that needs no weights: sizes, per-device memory, collectives."""
+    from megajax.audit import audit_hlo
+
+    trainer = make_trainer(cfg, mesh)
+    params, opt = trainer.abstract_state()
+
+    def per_device_bytes(tree):
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    t0 = time.perf_counter()
+    compiled = trainer.lower_step().compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    report = {
+        "config": cfg.name, "params": cfg.model.param_count(),
+        "mesh": {"data": mesh.shape["data"], "model": mesh.shape["model"]},
+        "param_bytes_per_device": per_device_bytes(params),
+        "optimizer_bytes_per_device": per_device_bytes(opt),
+        "compile_s": compile_s,
+    }
+    if mem is not None:
+        report.update({
+            "step_argument_bytes": int(mem.argument_size_in_bytes),
+            "step_temp_bytes": int(mem.temp_size_in_bytes),
+            "step_output_bytes": int(mem.output_size_in_bytes),
+            "step_alias_bytes": int(mem.alias_size_in_bytes),
+            "step_peak_bytes": int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                   - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
+        })
+    audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape["data"], mesh.shape["model"]))
+    report["audit"] = audit.summary()
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    out(f"dry run: {cfg.name}, {report['params']:,} parameters "
+        f"({cfg.model.num_layers} layers, hidden {cfg.model.hidden}, {cfg.model.num_heads} heads, "
+        f"seq {cfg.model.seq_len}, vocab {cfg.model.padded_vocab})")
+    out(f"mesh data={mesh.shape['data']} model={mesh.shape['model']}; global batch {cfg.train.batch_size} "
+        f"in {cfg.train.microbatches} microbatch(es); compute {cfg.model.compute_dtype}, remat {cfg.model.remat}")
+    out(f"per device: params {gib(report['param_bytes_per_device'])}, "
+        f"optimizer state {gib(report['optimizer_bytes_per_device'])}"
+        + (f", compiled step peak {gib(report['step_peak_bytes'])} "
+           f"(temporaries {gib(report['step_temp_bytes'])})" if "step_peak_bytes" in report else ""))
+    out(f"step compiled in {compile_s:.1f}s\n")
+    out(audit.table())
+    return report
+
+
+def load_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+
+
+__all__ = ["train", "dry_run_report", "RunResult", "ConfigError"]

@@ -1,0 +1,173 @@
+"""train.py end to end, through the real command line (subprocesses on 8 simulated CPU devices)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+BASE = ["--config", "tiny", "--host-devices", "8", "--data", f"text:{SHAKESPEARE}", "--tokenizer", "chars",
+        "--sample-tokens", "0", "--log-every", "1"]
+
+
+def env():
+    e = dict(os.environ)
+    e.pop("XLA_FLAGS", None)  # train.py sets it from --host-devices
+    e["PYTHONPATH"] = str(ROOT)
+    return e
+
+
+def run(*args, check=True, timeout=240):
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                       env=env(), timeout=timeout, cwd=ROOT)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    out = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 16-step run on 2x4 that the other runs must reproduce."""
+    wd = tmp_path_factory.mktemp("ref")
+    p = run(*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "16", "--save-every", "8", "--eval-every", "8")
+    return wd, losses(wd), p
+
+
+def test_end_to_end_run_writes_everything(reference):
+    wd, ls, p = reference
+    assert sorted(ls) == list(range(1, 17))
+    assert ls[16] < ls[1] - 0.5  # it learns
+    records = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines()]
+    step_rec = next(r for r in records if r.get("step") == 16 and "loss" in r)
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "tflops_per_device", "mfu"):
+        assert key in step_rec, key
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in val] == [8, 16] and all(abs(r["val_ppl"] - 2.718281828 ** r["val_loss"]) < 1e-3 * r["val_ppl"] for r in val)
+    cfg = json.loads((wd / "config.json").read_text())
+    assert cfg["model"]["vocab_size"] == 65 and cfg["train"]["steps"] == 16
+    assert json.loads((wd / "tokenizer.json").read_text())["kind"] == "chars"
+    assert (wd / "loss.png").stat().st_size > 1000
+    assert sorted(int(d.name) for d in (wd / "checkpoints").iterdir() if d.name.isdigit()) == [8, 16]
+    assert "mesh data=2 model=4 on 8 cpu" in p.stdout
+
+
+def test_resume_after_sigkill_is_bitwise_exact(reference, tmp_path):
+    _, ref, _ = reference
+    wd = tmp_path / "killed"
+    args = [*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "16", "--save-every", "4", "--eval-every", "8"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (wd / "checkpoints" / "8").is_dir():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (wd / "checkpoints" / "8").is_dir()
+    p = run(*args)
+    assert "resuming from step" in p.stdout
+    got = losses(wd)
+    assert sorted(got) == list(range(1, 17))
+    assert got == ref  # every step, bitwise
+
+
+@pytest.mark.parametrize("mesh", ["1x8", "4x2"])
+def test_resume_on_another_mesh(reference, tmp_path, mesh):
+    _, ref, _ = reference
+    wd = tmp_path / "moved"
+    common = [*BASE, "--workdir", str(wd), "--save-every", "8", "--eval-every", "100"]
+    run(*common, "--mesh", "2x4", "--steps", "8")
+    p = run(*common, "--mesh", mesh, "--steps", "16")
+    assert "resuming from step 8" in p.stdout and f"model={mesh[-1]}" in p.stdout
+    got = losses(wd)
+    for s in range(9, 17):
+        assert got[s] == pytest.approx(ref[s], rel=2e-5), s
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    wd = tmp_path / "term"
+    args = [*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "100000", "--save-every", "100000"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((wd / "metrics.jsonl").exists() and len(losses(wd)) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "SIGTERM: saved a checkpoint at step" in out
+    step = max(losses(wd))
+    assert (wd / "checkpoints" / str(step)).is_dir()
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    wd = tmp_path / "nan"
+    p = run(*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "40", "--save-every", "2",
+            "--set", "train.lr=1e38", "--set", "train.warmup_steps=1", "--set", "train.grad_clip=1e30", check=False)
+    assert p.returncode == 2, p.stderr
+    line = p.stderr.strip()
+    assert "\n" not in line and "Traceback" not in p.stderr
+    assert line.startswith("error: loss became nan at step") or line.startswith("error: loss became inf at step")
+    bad = int(line.split("at step ")[1].split(";")[0])
+    good = int(line.split("Last good checkpoint: step ")[1].split(" ")[0])
+    assert good < bad and (wd / "checkpoints" / str(good)).is_dir()
+    assert not (wd / "checkpoints" / str(bad)).exists()
+
+
+def test_dry_run_of_paper_model_allocates_nothing():
+    p = run("--config", "gpt2_355m", "--host-devices", "8", "--mesh", "2x4", "--dry-run",
+            "--set", "train.batch_size=16", "--set", "train.microbatches=1", "--set", "model.seq_len=128")
+    assert "355,8" in p.stdout.replace(" ", "") or "355," in p.stdout
+    assert "per device: params" in p.stdout and "compiled step peak" in p.stdout
+    assert "forward [2], backward [2]" in p.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--mesh", "3x3"], "needs 9 devices"),
+    (["--set", "model.num_heads=3", "--set", "model.hidden=96"], "num_heads=3 is not divisible by the model axis"),
+    (["--set", "train.batch_size=6"], "global batch 6 is not divisible by the data axis (4)"),
+    (["--data", "text:/nonexistent/file.txt"], "data file not found: /nonexistent/file.txt"),
+    (["--set", "model.num_layer=3"], "did you mean 'model.num_layers'"),
+    (["--set", "train.lr=fast"], "train.lr expects float, got 'fast'"),
+    (["--config", "nope"], "no config named 'nope'"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    base = [a for a in BASE]
+    p = run(*base, "--mesh", "4x2", "--workdir", str(tmp_path / "w"), *args, check=False)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "Traceback" not in p.stderr, p.stderr
+    assert message in p.stderr
+    assert not (tmp_path / "w").exists()
+
+
+def test_empty_data_file(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    p = run(*BASE, "--mesh", "2x4", "--workdir", str(tmp_path / "w"), "--data", f"text:{empty}", check=False)
+    assert p.returncode == 2 and "is empty" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_checkpoint_of_another_shape_is_refused_untouched(reference, tmp_path):
+    import shutil
+
+    wd = tmp_path / "copy"
+    shutil.copytree(reference[0], wd)
+    before = {p: p.stat().st_mtime_ns for p in wd.rglob("*")}
+    p = run(*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "20", "--set", "model.num_layers=3", check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "another model shape" in p.stderr and "in the checkpoint vs" in p.stderr
+    after = {p: p.stat().st_mtime_ns for p in wd.rglob("*")}
+    assert before == after
