@@ -157,27 +157,30 @@ def _multiplicities(comps) -> dict[str, int]:
 
 
 def _classify(op_name: str, axis: str):
-    bwd = "transpose(" in op_name
+    """(direction, origin, layer) from the JAX name stack that XLA keeps in op metadata.
+
+    Backward ops sit under transpose(...); forward ops that remat recomputes in the backward
+    pass sit under checkpoint/rematted_computation.
+    """
     layer = ""
     m = re.search(r"layer_(\d+)", op_name)
     if m:
         layer = m.group(1)
     elif "(layers)" in op_name or "/layers/" in op_name:
         layer = "all"
-    if "optimizer" in op_name or "clip" in op_name:
-        origin, direction = "optimizer", "optimizer"
+    if "optimizer" in op_name:
+        return "optimizer", "optimizer", layer
+    if "rematted_computation" in op_name:
+        direction = "recompute"
     else:
-        direction = "backward" if bwd else "forward"
-        if "rematted" in op_name or "checkpoint" in op_name and bwd:
-            direction = "backward (remat)" if "transpose(" not in op_name.split("rematted")[0][-40:] else direction
-        origin = "other"
-        for key, name in (("attention", "attention"), ("mlp", "mlp"), ("embedding", "embedding"),
-                          ("logits", "logits"), ("loss", "loss")):
-            if key in op_name:
-                origin = name
-                break
-        if axis == "data" and bwd:
-            origin = "gradients"
+        direction = "backward" if "transpose(" in op_name else "forward"
+    origin = "other"
+    for key in ("attention", "mlp", "embedding", "logits", "loss"):
+        if key in op_name:
+            origin = key
+            break
+    if axis == "data" and direction == "backward":
+        origin = "gradients"
     return direction, origin, layer
 
 
@@ -254,7 +257,8 @@ class AuditResult:
     @property
     def analytic_min_elements(self) -> int:
         """Megatron's minimum per step and device: 4 L b s h for the layers, plus the embedding's
-        forward and output layer's backward all-reduce (2 b s h) and the fused loss (3 b s)."""
+        forward and output layer's backward all-reduce (2 b s h) and the fused loss (3 b s).
+        Without remat; remat adds the all-reduces of the recomputed forward on top."""
         bsh = self.batch_local * self.seq_len * self.hidden
         bs = self.batch_local * self.seq_len
         return self.microbatches * (4 * self.num_layers * bsh + 2 * bsh + 3 * bs)
@@ -302,14 +306,18 @@ class AuditResult:
         fmt = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths))  # noqa: E731
         lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
         per = self.model_axis_layer_counts()
-        fw = sorted({sum(n for (o, d), n in c.items() if d == "forward") for c in per.values()})
-        bw = sorted({sum(n for (o, d), n in c.items() if d == "backward") for c in per.values()})
+        count = lambda d: sorted({sum(n for (o, dd), n in c.items() if dd == d) for c in per.values()})  # noqa: E731
+        recompute = f", recomputed by remat {count('recompute')}" if self.remat else ""
         lines += ["",
-                  f"model-axis all-reduces per layer: forward {fw}, backward {bw} "
-                  f"({self.num_layers} layers{', scanned' if self.scanned else ''}"
-                  f"{', remat recomputes the forward' if self.remat else ''})",
+                  f"model-axis all-reduces per layer: forward {count('forward')}, backward {count('backward')}"
+                  f"{recompute} ({self.num_layers} layers{', scanned' if self.scanned else ''})",
                   f"model-axis elements per step and device: {self.model_axis_elements:,} "
                   f"= {self.ratio:.3f} x Megatron's analytic minimum {self.analytic_min_elements:,}"]
+        if self.remat:
+            extra = self.microbatches * self.num_layers * self.batch_local * self.seq_len * self.hidden
+            lines.append(f"with remat's one recomputed all-reduce per layer ({extra:,} elements) the minimum is "
+                         f"{self.analytic_min_elements + extra:,}: ratio "
+                         f"{self.model_axis_elements / (self.analytic_min_elements + extra):.3f}")
         return "\n".join(lines)
 
     def print(self):
@@ -320,7 +328,7 @@ def _order(c: Collective):
     origin_rank = {"embedding": 0, "attention": 1, "mlp": 2, "logits": 3, "loss": 4,
                    "gradients": 6, "optimizer": 7, "other": 8}
     layer = -1 if c.layer in ("", "all") else int(c.layer)
-    dir_rank = 0 if c.direction == "forward" else 1 if c.direction.startswith("backward") else 2
+    dir_rank = {"forward": 0, "recompute": 1, "backward": 1}.get(c.direction, 2)
     if dir_rank == 1:
         layer = -layer
     return (dir_rank, c.axis != "model", layer, origin_rank.get(c.origin, 9), c.hlo_name)

@@ -22,7 +22,9 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 create=True))
+                                                 create=True),
+            # Named handlers let a fresh manager read what an earlier process wrote.
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

@@ -167,22 +167,25 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
             params, opt_state, m = step_fn(params, opt_state, batch, jnp.int32(step))
             step += 1
             pending.append((step, m))
-            save_now = step % t.save_every == 0 or step == t.steps or stop.requested
-            if step % t.log_every == 0 or save_now or step == start_step + 1:
-                record = flush(step)
-                if step % t.log_every == 0 or step == t.steps:
-                    progress.update(step, record)
+            logged = False
+            if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
+                progress.update(step, flush(step))
+                logged = True
             if val_batches is not None and (step % t.eval_every == 0 or step == t.steps):
                 val_loss = evaluate()
                 metrics.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
                 progress.write(f"step {step:>6}  val_loss {val_loss:.4f}  val_ppl {math.exp(min(val_loss, 50)):.2f}")
-            if save_now:
+            stopping = stop.requested  # read once: a signal may arrive at any moment
+            if step % t.save_every == 0 or step == t.steps or stopping:
+                if not logged:
+                    flush(step)  # never save weights from a step whose loss was not finite
                 ckpts.save(step, params, opt_state, {"step": step, "config": cfg.name})
                 last_saved = step
-            if save_now or step % t.eval_every == 0:
-                last_log = (step, time.perf_counter())  # throughput excludes eval and saving
-            if stop.requested:
-                stopped_by = stop.requested
+                last_log = (step, time.perf_counter())  # throughput excludes saving
+            elif step % t.eval_every == 0:
+                last_log = (step, time.perf_counter())  # and evaluation
+            if stopping:
+                stopped_by = stopping
                 break
     progress.close()
     ckpts.wait()

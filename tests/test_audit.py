@@ -24,11 +24,11 @@ def test_megatron_collectives(layers, spec, scan):
     model_ars = r.select(kind="all-reduce", axis="model")
     for c in model_ars:
         if c.origin in ("attention", "mlp"):
-            assert c.shape == (b, s, h)
-    extras = sorted((c.origin, c.direction, c.shape, c.count) for c in model_ars
+            assert c.elements == b * s * h  # (b, s, h), or (b*s, h) around the 2-D matmuls
+    extras = sorted((c.origin, c.direction, c.elements, c.count) for c in model_ars
                     if c.origin not in ("attention", "mlp", "optimizer"))
-    assert extras == sorted([("embedding", "forward", (b, s, h), 1), ("logits", "backward", (b, s, h), 1)]
-                            + [("loss", "forward", (b, s), 1)] * 3)
+    assert extras == sorted([("embedding", "forward", b * s * h, 1), ("logits", "backward", b * s * h, 1)]
+                            + [("loss", "forward", b * s, 1)] * 3)
     # The optimizer's only model-axis traffic: scalar partial sums of the global grad norm.
     assert all(c.shape == () for c in model_ars if c.origin == "optimizer")
     # Nothing but all-reduces anywhere: no weight all-gathers, no resharding.
@@ -69,3 +69,14 @@ def test_parse_explicit_iota_and_mesh_groups():
     assert groups_axis([[0, 1, 2, 3], [4, 5, 6, 7]], mesh_shape) == "model"
     assert groups_axis([[0, 4], [1, 5], [2, 6], [3, 7]], mesh_shape) == "data"
     assert groups_axis([list(range(8))], mesh_shape) == "data+model"
+
+
+def test_remat_recomputes_only_the_attention_all_reduce():
+    """With per-layer remat the backward pass recomputes each layer's forward up to what the
+    gradients need: the attention block's all-reduce again, but not the MLP's."""
+    cfg = tiny_config(num_layers=2, remat=True)
+    r = audit(cfg, mesh_for("2x4"))
+    for i, counts in r.model_axis_layer_counts().items():
+        assert counts == {("attention", "forward"): 1, ("mlp", "forward"): 1, ("attention", "recompute"): 1,
+                          ("attention", "backward"): 1, ("mlp", "backward"): 1}, i
+    assert "recomputed by remat [1]" in r.table()
