@@ -15,7 +15,17 @@ from pathlib import Path
 
 from megajax.errors import UserError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+def _config_dir() -> Path:
+    """configs/ of a checkout, or the copy installed with the package (pip install .)."""
+    checkout = Path(__file__).resolve().parent.parent / "configs"
+    if checkout.is_dir():
+        return checkout
+    import importlib.resources
+
+    return Path(str(importlib.resources.files("megajax.configs")))
+
+
+CONFIG_DIR = _config_dir()
 
 
 class ConfigError(UserError, ValueError):

@@ -60,11 +60,12 @@ class LayerNorm(nnx.Module):
             jax.random.key(0), (dim,), jnp.float32))
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
+        # On (rows, hidden): XLA:CPU's backward (column sums for scale/bias) is ~1.5x faster in 2-D.
+        x32 = x.astype(jnp.float32).reshape(-1, x.shape[-1])
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
-        return y.astype(x.dtype)
+        return y.astype(x.dtype).reshape(x.shape)
 
 
 class ColumnParallelLinear(nnx.Module):

@@ -1,0 +1,108 @@
+"""Data sources, tokenizers and deterministic, data-sharded batches."""
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import mesh_for
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from megajax.data import Batches, builtin_text, load_tokens
+from megajax.errors import UserError
+from megajax.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer
+
+
+def test_builtin_corpus_is_real_python_source():
+    text = builtin_text(max_bytes=200_000)
+    assert len(text) >= 200_000 and "def " in text and "import " in text
+    assert builtin_text(max_bytes=50_000) == builtin_text(max_bytes=50_000)  # fixed order
+
+
+def test_text_and_bin_sources_with_split(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("hello world, " * 100)
+    d = load_tokens(f"text:{tmp_path}/*.txt", "bytes", val_fraction=0.1)
+    assert len(d.train) + len(d.val) == 1300 and len(d.val) == 130
+    assert ByteTokenizer().decode(d.train[:11]) == "hello world"
+    ids = np.arange(1000, dtype=np.uint16) % 300
+    ids.tofile(tmp_path / "t.bin")
+    b = load_tokens(f"bin:{tmp_path / 't.bin'}", "bytes", val_fraction=0.2)
+    np.testing.assert_array_equal(np.concatenate([b.train, b.val]), ids)
+
+
+def test_char_tokenizer_roundtrip_and_save(tmp_path):
+    tok = CharTokenizer.from_text("to be or not to be")
+    assert tok.vocab_size == len(set("to be or not to be"))
+    assert tok.decode(tok.encode("not to be")) == "not to be"
+    tok.save(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert again.encode("be or") == tok.encode("be or")
+
+
+def test_hf_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator(["the cat sat on the mat"] * 50,
+                           trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<|endoftext|>"]))
+    path = tmp_path / "tokenizer.json"
+    tk.save(str(path))
+    hf = HFTokenizer(path)
+    assert hf.eos_id == tk.token_to_id("<|endoftext|>")
+    assert hf.encode("the cat") == tk.encode("the cat").ids
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    hf.save(wd)
+    assert load_tokenizer(wd).encode("sat on the mat") == tk.encode("sat on the mat").ids
+
+
+def test_tiktoken_wrapper_and_offline_error(monkeypatch, tmp_path):
+    import tiktoken
+
+    ranks = {bytes([i]): i for i in range(256)}
+    enc = tiktoken.Encoding("bytes", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": 256})
+    tok = TiktokenTokenizer("bytes", enc)
+    assert tok.encode("hi") == [104, 105] and tok.eos_id == 256 and tok.vocab_size == 257
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty cache, no network
+    with pytest.raises(UserError, match="not available offline"):
+        TiktokenTokenizer("definitely_not_an_encoding")
+
+
+def test_tfds_source_with_mock_data():
+    import tensorflow_datasets as tfds
+    with tfds.testing.mock_data(num_examples=4):
+        d = load_tokens("tfds:tiny_shakespeare", "bytes")
+    assert len(d.train) > 0 and len(d.val) > 0
+    assert d.train.dtype == np.uint16
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    mesh = mesh_for("2x4")
+    sh = NamedSharding(mesh, P("data", None))
+    a = Batches(tokens, seq_len=16, batch_size=8, seed=1, sharding=sh)
+    b = Batches(tokens, seq_len=16, batch_size=8, seed=1, sharding=sh)
+    x5, y5 = np.asarray(a(5)), np.asarray(b(5))
+    np.testing.assert_array_equal(x5, y5)
+    assert not np.array_equal(np.asarray(a(6)), x5)
+    np.testing.assert_array_equal(x5[:, 1:], x5[:, :-1] + 1)  # contiguous windows
+    # Each device holds only its data shard's rows.
+    shard = a(5).addressable_shards[0]
+    assert shard.data.shape == (4, 17)
+    single = Batches(tokens, 16, 8, 1, NamedSharding(mesh_for("1x1"), P("data", None)))
+    np.testing.assert_array_equal(np.asarray(single(5)), x5)  # the same rows on any mesh
+
+
+def test_missing_and_empty_sources(tmp_path):
+    with pytest.raises(UserError, match="data file not found"):
+        load_tokens(f"bin:{tmp_path / 'none.bin'}", "bytes")
+    (tmp_path / "e.bin").write_bytes(b"")
+    with pytest.raises(UserError, match="empty"):
+        load_tokens(f"bin:{tmp_path / 'e.bin'}", "bytes")
+    with pytest.raises(UserError, match="unknown data source"):
+        load_tokens("ftp:x", "bytes")
+    with pytest.raises(UserError, match="fewer than one sequence"):
+        Batches(np.arange(10), 16, 2, 0, None)
