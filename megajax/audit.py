@@ -243,15 +243,15 @@ class AuditResult:
         return [c for c in self.collectives if all(getattr(c, k) == v for k, v in kw.items())]
 
     def model_axis_layer_counts(self) -> dict[str, Counter]:
-        """{layer: Counter((origin, direction) -> executions)} for model-axis all-reduces."""
+        """{layer: Counter((origin, direction) -> executions per microbatch)} of model-axis all-reduces."""
         per = defaultdict(Counter)
         for c in self.select(kind="all-reduce", axis="model"):
             if c.origin in ("attention", "mlp"):
                 if c.layer == "all":  # one scanned body, executed once per layer
                     for i in range(self.num_layers):
-                        per[str(i)][(c.origin, c.direction)] += c.count // (self.num_layers)
+                        per[str(i)][(c.origin, c.direction)] += c.count // (self.num_layers * self.microbatches)
                 else:
-                    per[c.layer][(c.origin, c.direction)] += c.count
+                    per[c.layer][(c.origin, c.direction)] += c.count // self.microbatches
         return dict(per)
 
     @property
@@ -309,7 +309,7 @@ class AuditResult:
         count = lambda d: sorted({sum(n for (o, dd), n in c.items() if dd == d) for c in per.values()})  # noqa: E731
         recompute = f", recomputed by remat {count('recompute')}" if self.remat else ""
         lines += ["",
-                  f"model-axis all-reduces per layer: forward {count('forward')}, backward {count('backward')}"
+                  f"model-axis all-reduces per layer{' and microbatch' if self.microbatches > 1 else ''}: forward {count('forward')}, backward {count('backward')}"
                   f"{recompute} ({self.num_layers} layers{', scanned' if self.scanned else ''})",
                   f"model-axis elements per step and device: {self.model_axis_elements:,} "
                   f"= {self.ratio:.3f} x Megatron's analytic minimum {self.analytic_min_elements:,}"]
@@ -325,13 +325,14 @@ class AuditResult:
 
 
 def _order(c: Collective):
-    origin_rank = {"embedding": 0, "attention": 1, "mlp": 2, "logits": 3, "loss": 4,
-                   "gradients": 6, "optimizer": 7, "other": 8}
+    """Program order: embedding, layers, logits, loss forward; the reverse backward; then the rest."""
+    stage = {"embedding": 0, "attention": 1, "mlp": 1, "logits": 2, "loss": 3}.get(c.origin, 4)
     layer = -1 if c.layer in ("", "all") else int(c.layer)
-    dir_rank = {"forward": 0, "recompute": 1, "backward": 1}.get(c.direction, 2)
-    if dir_rank == 1:
-        layer = -layer
-    return (dir_rank, c.axis != "model", layer, origin_rank.get(c.origin, 9), c.hlo_name)
+    within = 0 if c.origin == "attention" else 1
+    pass_rank = {"forward": 0, "recompute": 1, "backward": 1}.get(c.direction, 2)
+    if pass_rank == 1:
+        stage, layer, within = -stage, -layer, -within
+    return (pass_rank, c.axis != "model", c.origin in ("gradients", "optimizer"), stage, layer, within, c.hlo_name)
 
 
 def audit(cfg, mesh, verbose: bool = False) -> AuditResult:

@@ -249,7 +249,8 @@ def dry_run_report(cfg: Config, mesh, out=print) -> dict:
         })
     audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape["data"], mesh.shape["model"]))
     report["audit"] = audit.summary()
-    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    def gib(b):
+        return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
     out(f"dry run: {cfg.name}, {report['params']:,} parameters "
         f"({cfg.model.num_layers} layers, hidden {cfg.model.hidden}, {cfg.model.num_heads} heads, "
         f"seq {cfg.model.seq_len}, vocab {cfg.model.padded_vocab})")
