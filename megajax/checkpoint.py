@@ -24,7 +24,9 @@ class Checkpoints:
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                  create=True),
             # Named handlers let a fresh manager read what an earlier process wrote.
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+            # Weights and optimizer state are separate items, so evaluation reads only the weights.
+            item_handlers={"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -34,7 +36,7 @@ class Checkpoints:
 
     def save(self, step: int, params, opt_state, meta: dict, force: bool = True):
         self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
             meta=ocp.args.JsonSave(meta)), force=force)
 
     def wait(self):
@@ -42,7 +44,7 @@ class Checkpoints:
 
     def check_shapes(self, step: int, abstract_params):
         """Raise UserError naming every parameter whose saved shape differs from the model's."""
-        saved = self.manager.item_metadata(step)["state"]["params"]
+        saved = self.manager.item_metadata(step)["params"]
         want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in
                 jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
         have = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in
@@ -57,20 +59,16 @@ class Checkpoints:
     def restore(self, step: int, abstract_params, abstract_opt_state):
         self.check_shapes(step, abstract_params)
         out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore({"params": abstract_params, "opt_state": abstract_opt_state}),
+            params=ocp.args.StandardRestore(abstract_params), opt_state=ocp.args.StandardRestore(abstract_opt_state),
             meta=ocp.args.JsonRestore()))
-        return out["state"]["params"], out["state"]["opt_state"], out["meta"]
+        return out["params"], out["opt_state"], out["meta"]
 
     def restore_params(self, step: int, abstract_params):
         """Only the weights (for evaluation): the optimizer state is not read."""
         self.check_shapes(step, abstract_params)
         out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                item={"params": abstract_params},
-                restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}),
-                partial_restore=True),
-            meta=ocp.args.JsonRestore()))
-        return out["state"]["params"], out["meta"]
+            params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore()))
+        return out["params"], out["meta"]
 
     def close(self):
         self.manager.wait_until_finished()

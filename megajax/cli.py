@@ -90,3 +90,52 @@ def plot_main(argv=None) -> int:
     except UserError as e:
         return _fail(str(e))
     return 0
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="eval.py", description="Evaluate or sample a train.py workdir on any mesh.",
+        epilog="examples:\n"
+               "  python eval.py --workdir runs/default --task ppl --data text:notes.txt\n"
+               "  python eval.py --workdir runs/gpt --task wikitext --data ../shared/data/wikitext-2/test.txt\n"
+               "  python eval.py --workdir runs/gpt --task lambada --data lambada_test.jsonl\n"
+               "  python eval.py --workdir runs/default --task sample --prompt 'def main(' --host-devices 8 --mesh 2x4",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--task", required=True, choices=["ppl", "wikitext", "lambada", "sample"])
+    p.add_argument("--data", help="ppl: text:PATH | bin:PATH | PATH; wikitext: the .txt file; lambada: the .jsonl file")
+    p.add_argument("--mesh", default="auto")
+    p.add_argument("--host-devices", type=int)
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--out", help="JSON result file (default: WORKDIR/eval_TASK.json)")
+    p.add_argument("--stride", type=int, default=32, help="overlapping-window stride (the paper: 32)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--prompt", default="", help="sample: the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def eval_main(argv=None) -> int:
+    args = eval_parser().parse_args(argv)
+    _set_host_devices(args.host_devices)
+    import json
+
+    from megajax.errors import UserError
+    from megajax.evaluation import run_task
+    from megajax.mesh import make_mesh
+
+    try:
+        try:
+            mesh = make_mesh(args.mesh)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        result = run_task(args, mesh)
+    except UserError as e:
+        return _fail(str(e))
+    out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0

@@ -1,5 +1,7 @@
-"""Autoregressive sampling from a GPT (temperature, top-k), sharded like training."""
+"""Autoregressive sampling with a KV cache split over the model axis like the heads."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,46 +11,81 @@ import numpy as np
 def sample_logits(logits, key, temperature: float, top_k: int | None):
     """One token id per row from (b, vocab) float32 logits; temperature 0 means greedy."""
     if temperature <= 0:
-        return jnp.argmax(logits, axis=-1)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
     if top_k:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k"))
+def _prefill(model, prompt, cache, key, temperature, top_k):
+    logits, cache = model.decode(prompt, cache, 0)
+    return sample_logits(logits[:, -1].astype(jnp.float32), key, temperature, top_k), cache
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k"), donate_argnames=("cache",))
+def _step(model, token, cache, pos, key, temperature, top_k):
+    logits, cache = model.decode(token[:, None], cache, pos)
+    return sample_logits(logits[:, -1].astype(jnp.float32), key, temperature, top_k), cache
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k"))
+def _window_step(model, window, last, key, temperature, top_k):
+    logits = model(window)
+    return sample_logits(jnp.take(logits, last, axis=1).astype(jnp.float32), key, temperature, top_k)
 
 
 def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, rng=None, eos_id: int | None = None) -> np.ndarray:
-    """Continue each row of `prompt_tokens` (b, t) by up to `max_new_tokens` tokens.
+    """Continue each row of `prompt_tokens` (b, t), equal-length prompts, by `max_new_tokens`.
 
-    Recomputes the forward pass over a fixed window of the model's context each step (one
-    compiled program for every step); rows that produced `eos_id` keep emitting it.
+    The prompt fills the cache in one pass, then each new token costs one position's worth of
+    compute. Past the model's context (learned positions end there) it slides a window and
+    recomputes. Rows that emitted `eos_id` keep emitting it; all rows done ends early.
+    Returns the new tokens, (b, n).
     """
     prompt = np.atleast_2d(np.asarray(prompt_tokens, dtype=np.int32))
     rows, t = prompt.shape
-    dp = model.layout.dp  # the batch is sharded over "data": pad it to a multiple
+    ctx = model.cfg.seq_len
+    if t >= ctx:
+        prompt, t = prompt[:, -(ctx - 1):], ctx - 1
+    dp = model.layout.dp  # the batch is split over "data": pad it to a multiple
     prompt = np.concatenate([prompt, np.repeat(prompt[:1], -rows % dp, axis=0)])
     b = prompt.shape[0]
-    ctx = model.cfg.seq_len
     rng = jax.random.key(0) if rng is None else rng
-
-    @jax.jit
-    def next_token(window, pos, key):
-        logits = model(window)[:, pos, :].astype(jnp.float32)
-        return sample_logits(logits, key, temperature, top_k)
-
-    out = prompt.copy()
-    done = np.zeros(b, bool)
-    for i in range(max_new_tokens):
-        window = out[:, -ctx:]
-        pos = window.shape[1] - 1
-        padded = np.zeros((b, ctx), np.int32)
-        padded[:, : window.shape[1]] = window
-        tok = np.asarray(next_token(padded, pos, jax.random.fold_in(rng, i)))
+    cache = model.init_cache(b, ctx)
+    tok, cache = _prefill(model, jnp.asarray(prompt), cache, jax.random.fold_in(rng, 0), temperature, top_k)
+    out = [np.asarray(tok)]
+    done = out[0] == eos_id if eos_id is not None else np.zeros(b, bool)
+    seq = np.concatenate([prompt, out[0][:, None]], axis=1)
+    for i in range(1, max_new_tokens):
+        if done.all():
+            break
+        key = jax.random.fold_in(rng, i)
+        pos = t + i - 1  # position of the token being fed
+        if pos < ctx:
+            tok, cache = _step(model, jnp.asarray(out[-1]), cache, jnp.int32(pos), key, temperature, top_k)
+        else:
+            tok = _window_step(model, jnp.asarray(seq[:, -ctx:]), ctx - 1, key, temperature, top_k)
+        tok = np.asarray(tok)
         if eos_id is not None:
             tok = np.where(done, eos_id, tok)
             done |= tok == eos_id
-        out = np.concatenate([out, tok[:, None].astype(np.int32)], axis=1)
-        if eos_id is not None and done.all():
-            break
-    return out[:rows, t:]
+        out.append(tok)
+        seq = np.concatenate([seq, tok[:, None]], axis=1)
+    return np.stack(out, axis=1)[:rows]
+
+
+def greedy_by_recomputation(model, prompt_tokens, max_new_tokens: int) -> np.ndarray:
+    """Reference decoder: the full forward pass over the whole sequence for every new token."""
+    seq = np.atleast_2d(np.asarray(prompt_tokens, dtype=np.int32))
+    rows = seq.shape[0]
+    dp = model.layout.dp
+    seq = np.concatenate([seq, np.repeat(seq[:1], -rows % dp, axis=0)])
+    fwd = jax.jit(lambda m, x: m(x))
+    for _ in range(max_new_tokens):
+        logits = np.asarray(fwd(model, jnp.asarray(seq)))
+        seq = np.concatenate([seq, logits[:, -1].argmax(-1)[:, None].astype(np.int32)], axis=1)
+    return seq[:rows, -max_new_tokens:]

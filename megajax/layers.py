@@ -147,24 +147,35 @@ class ParallelSelfAttention(nnx.Module):
         self.out = RowParallelLinear(cfg.hidden, cfg.hidden, layout=layout, dtype=dtype,
                                      std=out_std, rngs=rngs)
 
-    def __call__(self, x, *, key=None, mask=None):
+    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
+        """Self-attention over x (b, s, h). With `cache` = (k, v), each (b, heads, max_len,
+        head_dim) and split over heads like the weights, x holds the tokens at positions
+        pos..pos+s-1: their keys and values are written into the cache and the queries attend
+        to every cached position up to their own. Returns the output (and the new cache)."""
         b, s, _ = x.shape
         qkv = self.qkv(x).reshape(b, s, self.num_heads, 3, self.head_dim)
         qkv = self.layout.constrain(qkv, S.P(S.DATA, None, S.MODEL, None, None))
         # (b, heads, s, head_dim): batch dimensions leading, the layout XLA's dots prefer.
         q, k, v = (jnp.moveaxis(qkv[:, :, :, i], 2, 1) for i in range(3))
+        q_pos = jnp.arange(s)
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, 0, pos, 0))
+            v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, 0, pos, 0))
+            k, v = (self.layout.constrain(t, S.KV_CACHE) for t in (k, v))
+            cache, q_pos = (k, v), pos + q_pos
         scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = self.layout.constrain(scores / math.sqrt(self.head_dim), S.ATTN_SCORES)
         if self.causal:
-            causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+            causal = q_pos[:, None] >= jnp.arange(k.shape[2])[None, :]
             scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         if mask is not None:  # (b, k) True where a key may be attended to
             scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         probs = dropout(probs, self.attention_dropout, key, self.layout, S.ATTN_SCORES)
-        ctx = jnp.einsum("bhqk,bhkd->bhqd", probs, v)
+        ctx = jnp.einsum("bhqk,bhkd->bhqd", probs, v.astype(x.dtype))
         ctx = self.layout.constrain(jnp.moveaxis(ctx, 1, 2), S.ACT_HEADS).reshape(b, s, self.num_heads * self.head_dim)
-        return self.out(ctx)
+        out = self.out(ctx)
+        return out if cache is None else (out, cache)
 
 
 class TransformerLayer(nnx.Module):
@@ -178,17 +189,26 @@ class TransformerLayer(nnx.Module):
         self.ln2 = LayerNorm(cfg.hidden, cfg.ln_eps)
         self.mlp = ParallelMLP(cfg, layout=layout, rngs=rngs)
 
-    def __call__(self, x, *, key=None, mask=None):
+    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
         k_attn, k1, k2 = jax.random.split(key, 3) if key is not None else (None, None, None)
         drop = lambda y, k: dropout(y, self.hidden_dropout, k, self.layout, S.ACT_REPLICATED)  # noqa: E731
+
+        def attend(h):
+            if cache is None:
+                return self.attention(h, key=k_attn, mask=mask), None
+            return self.attention(h, key=k_attn, mask=mask, cache=cache, pos=pos)
+
         with jax.named_scope("attention"):
             if self.placement == "pre":
-                x = x + drop(self.attention(self.ln1(x), key=k_attn, mask=mask), k1)
+                a, new_cache = attend(self.ln1(x))
+                x = x + drop(a, k1)
             else:
-                x = self.ln1(x + drop(self.attention(x, key=k_attn, mask=mask), k1))
+                a, new_cache = attend(x)
+                x = self.ln1(x + drop(a, k1))
         with jax.named_scope("mlp"):
             if self.placement == "pre":
                 x = x + drop(self.mlp(self.ln2(x)), k2)
             else:
                 x = self.ln2(x + drop(self.mlp(x), k2))
-        return self.layout.constrain(x, S.ACT_REPLICATED)
+        x = self.layout.constrain(x, S.ACT_REPLICATED)
+        return x if cache is None else (x, new_cache)

@@ -39,27 +39,38 @@ class LayerStack(nnx.Module):
             self.layers = nnx.List([TransformerLayer(cfg, layout=layout, rngs=rngs, causal=causal)
                                     for _ in range(cfg.num_layers)])
 
-    def __call__(self, x, *, key=None, mask=None):
+    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
+        """Run the layers; with `cache` (k, v stacked over layers) also return the new cache."""
         keys = None if key is None else jax.random.split(key, self.num_layers)
         if self.scan:
             graphdef, state = nnx.split(self.stacked)
 
             def body(h, xs):
-                layer_state, k = xs
-                return nnx.merge(graphdef, layer_state)(h, key=k, mask=mask), None
+                layer_state, k, c = xs
+                out = nnx.merge(graphdef, layer_state)(h, key=k, mask=mask, cache=c, pos=pos)
+                return (out, None) if c is None else out
 
             if self.remat:
                 body = jax.checkpoint(body)
             with jax.named_scope("layers"):
-                x, _ = jax.lax.scan(body, x, (state, keys))
-            return x
+                x, new_cache = jax.lax.scan(body, x, (state, keys, cache))
+            return x if cache is None else (x, new_cache)
+        new_cache = []
         for i, layer in enumerate(self.layers):
-            call = (lambda lyr, h, k: lyr(h, key=k, mask=mask))
+            call = (lambda lyr, h, k, c: lyr(h, key=k, mask=mask, cache=c, pos=pos))
             if self.remat:
                 call = nnx.remat(call)
             with jax.named_scope(f"layer_{i}"):
-                x = call(layer, x, None if keys is None else keys[i])
-        return x
+                out = call(layer, x, None if keys is None else keys[i],
+                           None if cache is None else (cache[0][i], cache[1][i]))
+            if cache is None:
+                x = out
+            else:
+                x, c = out
+                new_cache.append(c)
+        if cache is None:
+            return x
+        return x, (jnp.stack([c[0] for c in new_cache]), jnp.stack([c[1] for c in new_cache]))
 
 
 class GPT(nnx.Module):
@@ -74,18 +85,36 @@ class GPT(nnx.Module):
         self.layers = LayerStack(cfg, layout, rngs, causal=True)
         self.ln_f = LayerNorm(cfg.hidden, cfg.ln_eps)
 
-    def hidden_states(self, tokens, *, key=None, positions=None):
-        """(b, s) token ids -> (b, s, h) final hidden states, replicated over "model"."""
+    def hidden_states(self, tokens, *, key=None, cache=None, pos=None):
+        """(b, s) token ids -> (b, s, h) final hidden states, replicated over "model".
+
+        With a KV `cache` (see `init_cache`) the tokens sit at positions pos..pos+s-1 and the
+        new cache is returned too."""
         b, s = tokens.shape
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
-        positions = jnp.arange(s) if positions is None else positions
-        x = self.embed(tokens) + self.pos[...][positions].astype(self.dtype)
+        positions = jnp.arange(s) if pos is None else pos + jnp.arange(s)
+        x = self.embed(tokens) + jnp.take(self.pos[...], positions, axis=0).astype(self.dtype)
         x = self.layout.constrain(x, S.ACT_REPLICATED)
         x = dropout(x, self.cfg.hidden_dropout, k_embed, self.layout, S.ACT_REPLICATED)
-        x = self.layers(x, key=k_layers)
+        out = self.layers(x, key=k_layers, cache=cache, pos=pos)
+        x, cache = (out, None) if cache is None else out
         if self.cfg.ln_placement == "pre":
             x = self.ln_f(x)
-        return x
+        return x if cache is None else (x, cache)
+
+    def init_cache(self, batch: int, max_len: int | None = None):
+        """Zero keys and values for every layer, (layers, b, heads, max_len, head_dim) each,
+        split over heads on the model axis like the attention weights."""
+        c = self.cfg
+        shape = (c.num_layers, batch, c.num_heads, max_len or c.seq_len, c.head_dim)
+        spec = S.P(None, *S.KV_CACHE)
+        make = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.layout.sharding(spec))
+        return make(), make()
+
+    def decode(self, tokens, cache, pos):
+        """Logits (b, s, vocab) for tokens at positions pos.. given the cache, and the new cache."""
+        h, cache = self.hidden_states(tokens, cache=cache, pos=pos)
+        return mask_padded_vocab(self.embed.attend(h), self.cfg.vocab_size), cache
 
     def __call__(self, tokens, *, key=None):
         """Logits over the real vocabulary (padding columns masked), split over "model"."""

@@ -39,6 +39,7 @@ ACT_COLUMN = P(DATA, None, MODEL)          # (batch, seq, features/tp) after a c
 ACT_HEADS = P(DATA, None, MODEL, None)     # (batch, seq, heads/tp, head_dim)
 ATTN_SCORES = P(DATA, MODEL, None, None)   # (batch, heads/tp, q, k)
 TOKENS = P(DATA, None)                     # (batch, seq) token ids, per-token losses
+KV_CACHE = P(DATA, MODEL, None, None)      # (batch, heads/tp, max_len, head_dim): split like the heads
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,186 @@
+"""eval.py: WikiText detokenization and overlapping windows, LAMBADA scoring, sampling with a
+KV cache; results on a 2x4 mesh equal those on one device."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, mesh_for
+
+from megajax.config import load_config
+from megajax.evaluation import (evaluate_lambada, evaluate_wikitext, load_workdir, original_token_count,
+                                perplexity_of_tokens, stride_windows, wikitext_detokenize)
+from megajax.generate import generate, greedy_by_recomputation
+from megajax.training import train
+
+WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt"
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def test_detokenizer_on_fragments():
+    assert wikitext_detokenize(" \n = Robert Boulter = \n") == "\n= Robert Boulter =\n"
+    assert wikitext_detokenize("a guest @-@ starring role , in 2 @,@ 000 and 1 @.@ 5 m .") == \
+        "a guest-starring role, in 2,000 and 1.5 m ."
+    assert wikitext_detokenize("\n = = Career = = \n") == "\n== Career ==\n"
+    assert wikitext_detokenize("the film ( 2004 ) and \" Ace \" ; then") == 'the film (2004) and "Ace"; then'
+    assert wikitext_detokenize("the actor 's role : it") == "the actor's role: it"
+    assert wikitext_detokenize("the players ' union") == "the players' union"
+
+
+def test_original_token_count_matches_the_paper():
+    assert original_token_count(WIKITEXT.read_text(encoding="utf-8")) == 245_566
+
+
+@pytest.mark.parametrize("n,seq,stride", [(1000, 64, 32), (65, 64, 32), (64, 64, 32), (10, 64, 32),
+                                          (1000, 64, 64), (777, 50, 7), (2, 8, 1)])
+def test_stride_windows_score_every_token_once(n, seq, stride):
+    seen = np.zeros(n, int)
+    for start, first in stride_windows(n, seq, stride):
+        end = min(start + seq, n - 1)
+        assert start <= first <= end and first - start <= seq
+        if start > 0:
+            assert first >= start + seq - stride  # context of at least seq - stride tokens
+        seen[first + 1: end + 1] += 1  # target j predicts token j+1
+    assert seen[0] == 0 and np.all(seen[1:] == 1)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("evalrun")
+    cfg = load_config("tiny", [f"data.source=text:{SHAKESPEARE}", "train.steps=200", "train.log_every=200",
+                               "train.eval_every=200", "train.save_every=200", "model.seq_len=64"])
+    train(cfg, mesh_for("2x4"), wd, sample_tokens=0, out=lambda s: None)
+    return wd
+
+
+@pytest.fixture(scope="module")
+def wikitext_slice(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wt") / "slice.txt"
+    path.write_text(WIKITEXT.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    return path
+
+
+def test_adjusted_perplexity_from_independent_sums(workdir, wikitext_slice):
+    loaded = load_workdir(workdir, mesh_for("1x1"))
+    r = evaluate_wikitext(loaded, wikitext_slice, stride=32)
+    raw = wikitext_slice.read_text(encoding="utf-8")
+    t_o = len(raw.strip().split(" "))
+    tokens = np.asarray(loaded.tokenizer.encode(wikitext_detokenize(raw)), np.int32)
+    # Independent: score token j+1 given the (up to) 64 tokens before it, one forward pass each window.
+    seq, total = loaded.cfg.model.seq_len, 0.0
+    fwd = jax.jit(lambda m, x: jax.nn.log_softmax(m(x).astype(jnp.float32)[..., :m.cfg.vocab_size]))
+    for j in range(1, len(tokens)):  # token j is predicted at position j-1 of the window holding it
+        start = 0 if j <= seq else ((j - seq - 1) // 32 + 1) * 32
+        window = tokens[start:start + seq]
+        if len(window) < seq:
+            window = np.pad(window, (0, seq - len(window)))
+        logp = np.asarray(fwd(loaded.model, jnp.asarray(window[None])))[0]
+        total -= float(logp[j - 1 - start, tokens[j]])
+    assert r["tokens"] == len(tokens) - 1 and r["original_tokens"] == t_o
+    assert r["loss_sum"] == pytest.approx(total, rel=1e-5)
+    assert r["adjusted_ppl"] == pytest.approx(math.exp(total / t_o), rel=1e-4)
+    assert r["ppl"] == pytest.approx(math.exp(total / (len(tokens) - 1)), rel=1e-5)
+
+
+def _lambada_fixture(loaded, path: Path):
+    """Passages whose last word is the model's own greedy continuation (when it starts with a
+    space) and passages ending in a word it would not produce; then the expected outcome of
+    each by an independent forward pass over the whole passage."""
+    tok, vocab = loaded.tokenizer, loaded.cfg.model.vocab_size
+    seq = loaded.cfg.model.seq_len
+    fwd = jax.jit(lambda m, x: m(x)[0, :, :vocab].argmax(-1))
+
+    def greedy_next(ids):  # one compiled shape: right padding cannot change a causal prediction
+        window = np.zeros(seq, np.int32)
+        window[:len(ids)] = ids
+        return int(np.asarray(fwd(loaded.model, jnp.asarray(window[None])))[len(ids) - 1])
+
+    rng = np.random.default_rng(0)
+    text = " ".join(SHAKESPEARE.read_text().split())
+    made, wrong, lines = 0, 0, []
+    for _ in range(500):
+        if made == 3 and wrong == 3:
+            break
+        start = int(rng.integers(0, len(text) - 400))
+        context = text[start:start + 40].rsplit(" ", 1)[0]
+        ids = tok.encode(context)
+        word = [greedy_next(ids)]
+        if tok.decode(word) != " ":
+            if wrong < 3:
+                lines.append({"text": context + " qzxv"})
+                wrong += 1
+            continue
+        while len(word) < 8:
+            nxt = greedy_next(ids + word)
+            if tok.decode([nxt]).isspace():
+                break
+            word.append(nxt)
+        if made < 3 and len(word) > 1:
+            lines.append({"text": context + tok.decode(word)})
+            made += 1
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    expected = []
+    for x in lines:
+        ctx, _, w = x["text"].rpartition(" ")
+        c, t = tok.encode(ctx), tok.encode(" " + w)
+        window = np.zeros(seq, np.int32)
+        window[:len(c) + len(t) - 1] = (c + t)[:-1]
+        pred = np.asarray(fwd(loaded.model, jnp.asarray(window[None])))[len(c) - 1:len(c) + len(t) - 1]
+        expected.append(bool(np.all(pred == np.asarray(t))))
+    return expected
+
+
+def test_lambada_scoring_matches_independent_argmax(workdir, tmp_path):
+    loaded = load_workdir(workdir, mesh_for("1x1"))
+    path = tmp_path / "lambada.jsonl"
+    expected = _lambada_fixture(loaded, path)
+    assert True in expected and False in expected
+    r = evaluate_lambada(loaded, path)
+    assert r["per_passage_correct"] == expected
+    assert r["accuracy"] == pytest.approx(np.mean(expected)) and r["passages"] == 6
+
+
+def test_results_on_2x4_equal_1x1(workdir, wikitext_slice, tmp_path):
+    one, many = load_workdir(workdir, mesh_for("1x1")), load_workdir(workdir, mesh_for("2x4"))
+    a, b = evaluate_wikitext(one, wikitext_slice), evaluate_wikitext(many, wikitext_slice)
+    assert a["tokens"] == b["tokens"] and a["loss_sum"] == pytest.approx(b["loss_sum"], rel=1e-5)
+    tokens = np.asarray(one.tokenizer.encode(SHAKESPEARE.read_text()[:3000]), np.int32)
+    pa, pb = perplexity_of_tokens(one.model, tokens, 64, 8), perplexity_of_tokens(many.model, tokens, 64, 8)
+    assert pa["ppl"] == pytest.approx(pb["ppl"], rel=1e-5)
+    path = tmp_path / "l.jsonl"
+    _lambada_fixture(one, path)
+    la, lb = evaluate_lambada(one, path), evaluate_lambada(many, path)
+    assert la["per_passage_correct"] == lb["per_passage_correct"]
+    assert la["mean_target_loss"] == pytest.approx(lb["mean_target_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["1x1", "2x4"])
+def test_kv_cache_greedy_equals_recomputation(workdir, spec):
+    loaded = load_workdir(workdir, mesh_for(spec))
+    prompt = np.asarray([loaded.tokenizer.encode("ROMEO:\nWhat light"), loaded.tokenizer.encode("KING HENRY:\nNow!!")],
+                        np.int32)  # a batch of two equal-length prompts
+    cached = generate(loaded.model, prompt, 30, temperature=0)
+    reference = greedy_by_recomputation(loaded.model, prompt, 30)
+    np.testing.assert_array_equal(cached, reference)
+    assert len(set(cached.ravel().tolist())) > 1  # not one repeated token
+
+
+def test_eval_cli_sample_and_errors(workdir, tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, str(ROOT / "eval.py"), "--workdir", str(workdir), *args,
+                               "--host-devices", "8"], capture_output=True, text=True, cwd=ROOT, timeout=240)
+    p = run("--task", "sample", "--prompt", "ROMEO:", "--max-new-tokens", "20", "--mesh", "2x4",
+            "--out", str(tmp_path / "s.json"))
+    assert p.returncode == 0, p.stderr
+    r = json.loads((tmp_path / "s.json").read_text())
+    assert r["mesh"] == {"data": 2, "model": 4} and len(r["tokens"]) == 20 and p.stdout.startswith("ROMEO:")
+    for args, msg in ((["--task", "wikitext", "--data", "/nope.txt"], "WikiText file not found"),
+                      (["--task", "lambada"], "needs --data"), (["--task", "ppl", "--data", "x", "--mesh", "3x3"], "needs 9"),
+                      (["--task", "sample", "--step", "7"], "no checkpoint for step 7")):
+        p = run(*args)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
