@@ -23,6 +23,20 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _lost_peer(e: Exception):
+    """In a multi-process run, a failed collective or barrier almost always means another
+    process died: say so in one line and leave at once, without JAX's shutdown barrier
+    (which would wait for the dead peer). Checkpoints already finalised stay valid."""
+    import jax
+
+    if jax.process_count() > 1:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        print(f"error: process {jax.process_index()} of {jax.process_count()}: {type(e).__name__}: {first} "
+              f"(another process has probably died; completed checkpoints are intact)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
 def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train.py", description="Train a tensor-parallel GPT with megajax.",
@@ -45,7 +59,23 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate at the end (0: none)")
     p.add_argument("--dry-run", action="store_true",
                    help="compile abstractly; print sizes, per-device memory and the collective audit")
+    _add_distributed_args(p)
     return p
+
+
+def _add_distributed_args(p):
+    g = p.add_argument_group("multi-process (jax.distributed; on SLURM/Open MPI/... detected automatically)")
+    g.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
+    g.add_argument("--num-processes", type=int)
+    g.add_argument("--process-id", type=int)
+    g.add_argument("--heartbeat-timeout", type=int, default=60,
+                   help="seconds after which a silent peer counts as dead (default 60)")
+
+
+def _start_distributed(args):
+    from megajax.distributed import initialize
+
+    initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
 
 
 def train_main(argv=None) -> int:
@@ -57,6 +87,7 @@ def train_main(argv=None) -> int:
     from megajax.training import train
 
     try:
+        _start_distributed(args)
         overrides = list(args.set)
         for flag, key in (("steps", "train.steps"), ("log_every", "train.log_every"),
                           ("eval_every", "train.eval_every"), ("save_every", "train.save_every"),
@@ -72,6 +103,9 @@ def train_main(argv=None) -> int:
         result = train(cfg, mesh, workdir, dry_run=args.dry_run, sample_tokens=args.sample_tokens)
     except UserError as e:
         return _fail(str(e))
+    except Exception as e:  # noqa: BLE001
+        _lost_peer(e)
+        raise
     if getattr(result, "stopped_by", None):
         return 0
     return 0
@@ -115,6 +149,7 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+    _add_distributed_args(p)
     return p
 
 
@@ -128,6 +163,7 @@ def eval_main(argv=None) -> int:
     from megajax.mesh import make_mesh
 
     try:
+        _start_distributed(args)
         try:
             mesh = make_mesh(args.mesh)
         except ValueError as e:
@@ -135,7 +171,13 @@ def eval_main(argv=None) -> int:
         result = run_task(args, mesh)
     except UserError as e:
         return _fail(str(e))
-    out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    except Exception as e:  # noqa: BLE001
+        _lost_peer(e)
+        raise
+    import jax
+
+    if jax.process_index() == 0:
+        out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
     return 0

@@ -101,7 +101,7 @@ def score_windows(model, rows: list[tuple[np.ndarray, np.ndarray]], batch_size: 
         for j, (t, _) in enumerate(chunk):
             toks[j, :len(t)] = t
         toks[n:] = toks[0] if pad else toks[n:]
-        losses, argmax = jax.device_get(fn(model, jnp.asarray(toks[:, :-1]), jnp.asarray(toks[:, 1:])))
+        losses, argmax = jax.device_get(fn(model, toks[:, :-1], toks[:, 1:]))
         for j, (t, mask) in enumerate(chunk):
             m = np.zeros(seq_len, bool)
             m[:len(mask)] = mask

@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 
 def sample_logits(logits, key, temperature: float, top_k: int | None):
@@ -19,22 +20,28 @@ def sample_logits(logits, key, temperature: float, top_k: int | None):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def _sample_replicated(model, logits, key, temperature, top_k):
+    """Sampled ids replicated on every device, so every process can read them."""
+    tok = sample_logits(logits.astype(jnp.float32), key, temperature, top_k)
+    return model.layout.constrain(tok, P())
+
+
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k"))
 def _prefill(model, prompt, cache, key, temperature, top_k):
     logits, cache = model.decode(prompt, cache, 0)
-    return sample_logits(logits[:, -1].astype(jnp.float32), key, temperature, top_k), cache
+    return _sample_replicated(model, logits[:, -1], key, temperature, top_k), cache
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k"), donate_argnames=("cache",))
 def _step(model, token, cache, pos, key, temperature, top_k):
     logits, cache = model.decode(token[:, None], cache, pos)
-    return sample_logits(logits[:, -1].astype(jnp.float32), key, temperature, top_k), cache
+    return _sample_replicated(model, logits[:, -1], key, temperature, top_k), cache
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k"))
 def _window_step(model, window, last, key, temperature, top_k):
     logits = model(window)
-    return sample_logits(jnp.take(logits, last, axis=1).astype(jnp.float32), key, temperature, top_k)
+    return _sample_replicated(model, jnp.take(logits, last, axis=1), key, temperature, top_k)
 
 
 def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
@@ -56,7 +63,7 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
     b = prompt.shape[0]
     rng = jax.random.key(0) if rng is None else rng
     cache = model.init_cache(b, ctx)
-    tok, cache = _prefill(model, jnp.asarray(prompt), cache, jax.random.fold_in(rng, 0), temperature, top_k)
+    tok, cache = _prefill(model, prompt, cache, jax.random.fold_in(rng, 0), temperature, top_k)
     out = [np.asarray(tok)]
     done = out[0] == eos_id if eos_id is not None else np.zeros(b, bool)
     seq = np.concatenate([prompt, out[0][:, None]], axis=1)
@@ -66,9 +73,9 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
         key = jax.random.fold_in(rng, i)
         pos = t + i - 1  # position of the token being fed
         if pos < ctx:
-            tok, cache = _step(model, jnp.asarray(out[-1]), cache, jnp.int32(pos), key, temperature, top_k)
+            tok, cache = _step(model, out[-1], cache, np.int32(pos), key, temperature, top_k)
         else:
-            tok = _window_step(model, jnp.asarray(seq[:, -ctx:]), ctx - 1, key, temperature, top_k)
+            tok = _window_step(model, seq[:, -ctx:], ctx - 1, key, temperature, top_k)
         tok = np.asarray(tok)
         if eos_id is not None:
             tok = np.where(done, eos_id, tok)
@@ -86,6 +93,6 @@ def greedy_by_recomputation(model, prompt_tokens, max_new_tokens: int) -> np.nda
     seq = np.concatenate([seq, np.repeat(seq[:1], -rows % dp, axis=0)])
     fwd = jax.jit(lambda m, x: m(x))
     for _ in range(max_new_tokens):
-        logits = np.asarray(fwd(model, jnp.asarray(seq)))
+        logits = np.asarray(fwd(model, seq))
         seq = np.concatenate([seq, logits[:, -1].argmax(-1)[:, None].astype(np.int32)], axis=1)
     return seq[:rows, -max_new_tokens:]

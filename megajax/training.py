@@ -19,6 +19,7 @@ import numpy as np
 from megajax.checkpoint import Checkpoints
 from megajax.config import Config, ConfigError
 from megajax.data import Batches, load_tokens
+from megajax.distributed import describe
 from megajax.errors import UserError
 from megajax.metrics import MetricsLog, Progress, device_peak_tflops, flops_per_token, plot_workdir
 from megajax.tokenizer import FILE as TOKENIZER_FILE
@@ -109,7 +110,7 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
     val_batches = Batches(data.val, cfg.model.seq_len, t.batch_size, t.seed, trainer.batch_sharding, "val") \
         if len(data.val) >= cfg.model.seq_len + 2 else None
     t0 = time.perf_counter()
-    step_fn = trainer.jit_step().lower(params, opt_state, train_batches(start_step), jnp.int32(0)).compile()
+    step_fn = trainer.jit_step().lower(params, opt_state, train_batches(start_step), np.int32(0)).compile()
     eval_fn = trainer.jit_eval()
     compile_s = time.perf_counter() - t0
     tokens_per_step = t.batch_size * cfg.model.seq_len
@@ -120,6 +121,7 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
         out(f"megajax: {cfg.name} | {n / 1e6:.2f}M params | mesh data={mesh.shape['data']} "
             f"model={mesh.shape['model']} on {mesh.devices.size} {jax.devices()[0].platform} device(s) | "
             f"{len(data.train):,} train tokens | step compiled in {compile_s:.1f}s"
+            + (f" | {describe()}" if describe() else "")
             + (f" | resuming from step {start_step}" if start_step else ""))
 
     def evaluate():
@@ -164,7 +166,7 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
         step = start_step
         while step < t.steps:
             batch = train_batches(step)
-            params, opt_state, m = step_fn(params, opt_state, batch, jnp.int32(step))
+            params, opt_state, m = step_fn(params, opt_state, batch, np.int32(step))
             step += 1
             pending.append((step, m))
             logged = False

@@ -1,0 +1,97 @@
+"""Multi-process runs on jax.distributed: two processes with 4 simulated CPU devices each
+(gloo collectives, coordinator on 127.0.0.1) against one process with 8."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_train_cli import BASE, ROOT, env, losses, run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_processes(*args, timeout=240):
+    port = free_port()
+    common = [sys.executable, str(ROOT / "train.py"), *args, "--host-devices", "4",
+              "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    procs = [subprocess.Popen(common + ["--process-id", str(i)], env=env(), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs
+
+
+# Runs of 6 steps on a 2x4 mesh; the schedule is pinned so that 3 + 3 equals 6 straight.
+ARGS = [a for a in BASE if a != "8" and a != "--host-devices"] + ["--mesh", "2x4", "--save-every", "3",
+                                                                     "--eval-every", "100", "--set", "train.decay_steps=6"]
+assert "--host-devices" not in ARGS
+
+
+@pytest.fixture(scope="module")
+def one_process_reference(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("one")
+    run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", "6")
+    return losses(wd)
+
+
+def test_two_processes_log_the_losses_of_one(one_process_reference, tmp_path):
+    wd = tmp_path / "two"
+    (out0, _), (out1, _) = two_processes(*ARGS, "--workdir", str(wd), "--steps", "3")
+    ours = [line for line in out1.splitlines() if not line.startswith("[Gloo]")]  # gloo's own chatter
+    assert "process 0/2" in out0 and ours == []  # only process 0 prints
+    got = losses(wd)
+    assert sorted(got) == [1, 2, 3]
+    for s in got:
+        assert got[s] == pytest.approx(one_process_reference[s], rel=1e-6)
+    # ... and the two-process checkpoint resumes in one process.
+    p = run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", "6")
+    assert "resuming from step 3" in p.stdout
+    got = losses(wd)
+    for s in range(4, 7):
+        assert got[s] == pytest.approx(one_process_reference[s], rel=1e-6)
+
+
+def test_one_process_checkpoint_resumes_in_two(one_process_reference, tmp_path):
+    wd = tmp_path / "back"
+    run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", "3")
+    (out0, _), _ = two_processes(*ARGS, "--workdir", str(wd), "--steps", "6")
+    assert "resuming from step 3" in out0
+    got = losses(wd)
+    for s in range(1, 7):
+        assert got[s] == pytest.approx(one_process_reference[s], rel=1e-6)
+
+
+def test_killing_one_process_ends_the_other(tmp_path):
+    port = free_port()
+    wd = tmp_path / "kill"
+    cmd = [sys.executable, str(ROOT / "train.py"), *ARGS, "--workdir", str(wd), "--steps", "100000",
+           "--host-devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+           "--heartbeat-timeout", "10"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], env=env(), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    deadline = time.time() + 180
+    while time.time() < deadline and not (wd / "checkpoints" / "6").is_dir():
+        time.sleep(0.1)
+    assert (wd / "checkpoints" / "6").is_dir()
+    procs[1].kill()
+    t = time.time()
+    try:
+        _, err = procs[0].communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        pytest.fail("the surviving process hung after its peer died")
+    assert procs[0].returncode != 0
+    assert time.time() - t < 90
+    assert "another process has probably died" in err or "another task died" in err, err[-2000:]
+    # The last complete checkpoint is still readable.
+    p = run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", "7", "--save-every", "100")
+    assert "resuming from step" in p.stdout
