@@ -47,7 +47,7 @@ class ModelConfig:
     ln_placement: str = "pre"         # pre (GPT-2, the paper's BERT) | post (original BERT)
     ln_eps: float = 1e-5
     init_std: float = 0.02
-    compute_dtype: str = "float32"    # float32 | bfloat16 (parameters stay float32)
+    compute_dtype: str = "auto"       # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16
     remat: bool = False               # recompute each layer's activations in the backward pass
     scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
 
@@ -60,6 +60,16 @@ class ModelConfig:
         return self.hidden // self.num_heads
 
     @property
+    def dtype(self):
+        """The matmul dtype; parameters, optimizer state, LayerNorm and the loss stay float32."""
+        import jax
+        import jax.numpy as jnp
+
+        if self.compute_dtype == "auto":
+            return jnp.dtype(jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32)
+        return jnp.dtype(self.compute_dtype)
+
+    @property
     def padded_vocab(self) -> int:
         m = self.vocab_multiple
         return int(math.ceil(self.vocab_size / m) * m)
@@ -69,8 +79,8 @@ class ModelConfig:
             raise ConfigError(f"model.kind must be 'gpt' or 'bert', got '{self.kind}'")
         if self.ln_placement not in ("pre", "post"):
             raise ConfigError(f"model.ln_placement must be 'pre' or 'post', got '{self.ln_placement}'")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"model.compute_dtype must be float32 or bfloat16, got '{self.compute_dtype}'")
+        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"model.compute_dtype must be auto, float32 or bfloat16, got '{self.compute_dtype}'")
         for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size", "vocab_multiple"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")

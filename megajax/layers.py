@@ -118,7 +118,7 @@ class ParallelMLP(nnx.Module):
     """Column-parallel fc1, GeLU local to each device, row-parallel fc2, one all-reduce."""
 
     def __init__(self, cfg: ModelConfig, *, layout: S.Layout, rngs: nnx.Rngs):
-        dtype = jnp.dtype(cfg.compute_dtype)
+        dtype = cfg.dtype
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.fc1 = ColumnParallelLinear(cfg.hidden, cfg.ffn, layout=layout, dtype=dtype,
                                         std=cfg.init_std, rngs=rngs)
@@ -137,7 +137,7 @@ class ParallelSelfAttention(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, layout: S.Layout, rngs: nnx.Rngs, causal: bool = True):
-        dtype = jnp.dtype(cfg.compute_dtype)
+        dtype = cfg.dtype
         self.layout, self.causal = layout, causal
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.attention_dropout = cfg.attention_dropout

@@ -77,7 +77,7 @@ class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, layout: S.Layout | None = None, *, rngs: nnx.Rngs):
         layout = layout or S.Layout(single_device_mesh())
         self.cfg, self.layout = cfg, layout
-        self.dtype = jnp.dtype(cfg.compute_dtype)
+        self.dtype = cfg.dtype
         self.embed = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, layout=layout,
                                             dtype=self.dtype, std=cfg.init_std, rngs=rngs)
         self.pos = nnx.Param(nnx.with_partitioning(nnx.initializers.normal(cfg.init_std), S.REPLICATED_2D)(

@@ -257,7 +257,7 @@ def dry_run_report(cfg: Config, mesh, out=print) -> dict:
         f"({cfg.model.num_layers} layers, hidden {cfg.model.hidden}, {cfg.model.num_heads} heads, "
         f"seq {cfg.model.seq_len}, vocab {cfg.model.padded_vocab})")
     out(f"mesh data={mesh.shape['data']} model={mesh.shape['model']}; global batch {cfg.train.batch_size} "
-        f"in {cfg.train.microbatches} microbatch(es); compute {cfg.model.compute_dtype}, remat {cfg.model.remat}")
+        f"in {cfg.train.microbatches} microbatch(es); compute {cfg.model.dtype.name}, remat {cfg.model.remat}")
     out(f"per device: params {gib(report['param_bytes_per_device'])}, "
         f"optimizer state {gib(report['optimizer_bytes_per_device'])}"
         + (f", compiled step peak {gib(report['step_peak_bytes'])} "
