@@ -169,6 +169,11 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
             params, opt_state, m = step_fn(params, opt_state, batch, np.int32(step))
             step += 1
             pending.append((step, m))
+            if len(pending) > 1:
+                # At most two steps in flight: the host keeps one step ahead of the devices.
+                # Deeper queues gain nothing and can deadlock XLA:CPU's simulated devices,
+                # whose collectives rendezvous on a shared thread pool.
+                pending[-2][1]["loss"].block_until_ready()
             logged = False
             if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
                 progress.update(step, flush(step))
