@@ -90,3 +90,38 @@ def test_dropout_is_on_and_matters(reference):
     dropped = reference["logits"][..., :CFG.model.vocab_size]
     assert np.linalg.norm(dropped - deterministic) > 0.05 * np.linalg.norm(deterministic)
     assert reference["losses"][2] < reference["losses"][0]
+
+
+def test_post_layernorm_is_mesh_invariant_and_differs_from_pre():
+    """The original BERT placement (LayerNorm after each residual add) through the same layers."""
+    cfg = tiny_config(ln_placement="post").model
+    t = jnp.asarray(TOKENS[:, :-1])
+    out = {}
+    for spec in ("1x1", "2x4"):
+        model = init_model(cfg, mesh_for(spec), seed=0)
+        out[spec] = np.asarray(model(t, key=KEY))
+    np.testing.assert_allclose(out["2x4"], out["1x1"], rtol=1e-5, atol=1e-5)
+    pre = np.asarray(init_model(tiny_config().model, mesh_for("1x1"), seed=0)(t, key=KEY))
+    assert np.abs(pre - out["1x1"]).max() > 1e-2
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """4 microbatches average to the full-batch gradient (no dropout, so the batches are the same)."""
+    import dataclasses
+
+    base = tiny_config(hidden_dropout=0.0, attention_dropout=0.0)
+    mesh = mesh_for("2x4")
+    results = []
+    for micro in (1, 4):
+        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, microbatches=micro, batch_size=16))
+        trainer = make_trainer(cfg, mesh)
+        p, o = trainer.init_state(seed=0)
+        tokens = jax.device_put(np.concatenate([TOKENS, TOKENS[::-1]]), trainer.batch_sharding)
+        p, o, m = trainer.jit_step()(p, o, tokens, jnp.int32(0))
+        results.append((float(m["loss"]), float(m["grad_norm"]), jax.device_get(p)))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+    assert results[1][1] == pytest.approx(results[0][1], rel=1e-5)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(results[0][2])[0], jax.tree.leaves(results[1][2])):
+        if "qkv" in jax.tree_util.keystr(path) and "bias" in jax.tree_util.keystr(path):
+            continue  # holds the key bias, whose gradient is exactly zero: Adam moves it by rounding noise
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
