@@ -17,12 +17,9 @@ from megajax.errors import UserError
 
 def _config_dir() -> Path:
     """configs/ of a checkout, or the copy installed with the package (pip install .)."""
-    checkout = Path(__file__).resolve().parent.parent / "configs"
-    if checkout.is_dir():
-        return checkout
-    import importlib.resources
-
-    return Path(str(importlib.resources.files("megajax.configs")))
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "configs"
+    return checkout if checkout.is_dir() else here / "configs"
 
 
 CONFIG_DIR = _config_dir()
