@@ -130,6 +130,9 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
         losses = [eval_fn(params, val_batches(i)) for i in range(t.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
+    if start_step >= t.steps and main:
+        out(f"the checkpoint in {workdir} is at step {start_step}, train.steps is {t.steps}: nothing to train "
+            f"(raise --steps to continue)")
     losses: dict[int, float] = {}
     pending = []          # (step, metrics on device) not yet checked on the host
     last_log = (start_step, time.perf_counter())
@@ -205,7 +208,8 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
         return result
     if main:
         png = plot_workdir(workdir)
-        out(f"done: {step} steps, final train loss {losses.get(step, float('nan')):.4f}"
+        final = f", final train loss {losses[step]:.4f}" if step in losses else ""
+        out(f"done: {step} steps{final}"
             + (f", val loss {val_loss:.4f}" if val_loss is not None else "") + f"; loss curve {png}")
     if sample_tokens:  # every process takes part: the model is sharded over all of them
         result.sample = sample_text(trainer, params, data, sample_tokens)
