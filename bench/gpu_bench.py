@@ -36,7 +36,7 @@ def main():
     mesh = make_mesh(a.mesh or f"model={n}")
     peak = a.peak_tflops or device_peak_tflops(measure_cpu=False)
     kind = jax.devices()[0].device_kind
-    rows = [f"| config | params | mesh | batch x seq | step (ms) | tokens/s | TFLOP/s/device | MFU |",
+    rows = ["| config | params | mesh | batch x seq | step (ms) | tokens/s | TFLOP/s/device | MFU |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in a.configs.split(","):
         cfg = load_config(name, [f"train.batch_size={a.batch}", "train.microbatches=1"])

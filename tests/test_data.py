@@ -1,7 +1,5 @@
 """Data sources, tokenizers and deterministic, data-sharded batches."""
-import json
 
-import jax
 import numpy as np
 import pytest
 from conftest import mesh_for

@@ -1,7 +1,5 @@
 """Multi-process runs on jax.distributed: two processes with 4 simulated CPU devices each
 (gloo collectives, coordinator on 127.0.0.1) against one process with 8."""
-import json
-import os
 import socket
 import subprocess
 import sys
