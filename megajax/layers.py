@@ -126,7 +126,7 @@ class ParallelMLP(nnx.Module):
                                      std=out_std, rngs=rngs)
 
     def __call__(self, x):
-        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=True))
+        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))  # exact (erf) GeLU: Megatron-LM's default
 
 
 class ParallelSelfAttention(nnx.Module):
