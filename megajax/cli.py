@@ -100,14 +100,12 @@ def train_main(argv=None) -> int:
         except ValueError as e:
             raise UserError(str(e)) from None
         workdir = Path(args.workdir or Path("runs") / cfg.name)
-        result = train(cfg, mesh, workdir, dry_run=args.dry_run, sample_tokens=args.sample_tokens)
+        train(cfg, mesh, workdir, dry_run=args.dry_run, sample_tokens=args.sample_tokens)
     except UserError as e:
         return _fail(str(e))
     except Exception as e:  # noqa: BLE001
         _lost_peer(e)
         raise
-    if getattr(result, "stopped_by", None):
-        return 0
     return 0
 
 

@@ -50,9 +50,7 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
         raise UserError(f"no checkpoint for step {step} in {workdir}; have {sorted(steps)}")
     modeldef = ModelDef(abstract_model(cfg.model, Layout(mesh)))
     shardings = param_shardings(mesh, modeldef.specs())
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            modeldef.abstract_params(), shardings)
-    params, _ = ckpts.restore_params(step, abstract)
+    params, _ = ckpts.restore_params(step, modeldef.abstract_sharded_params(shardings))
     ckpts.close()
     return Loaded(cfg, modeldef.bind(params), tokenizer, step)
 

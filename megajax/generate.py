@@ -44,6 +44,11 @@ def _window_step(model, window, last, key, temperature, top_k):
     return _sample_replicated(model, jnp.take(logits, last, axis=1), key, temperature, top_k)
 
 
+def _pad_rows(tokens: np.ndarray, dp: int) -> np.ndarray:
+    """Repeat the first row until the batch divides the data axis it is split over."""
+    return np.concatenate([tokens, np.repeat(tokens[:1], -tokens.shape[0] % dp, axis=0)])
+
+
 def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, rng=None, eos_id: int | None = None) -> np.ndarray:
     """Continue each row of `prompt_tokens` (b, t), equal-length prompts, by `max_new_tokens`.
@@ -58,8 +63,7 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
     ctx = model.cfg.seq_len
     if t >= ctx:
         prompt, t = prompt[:, -(ctx - 1):], ctx - 1
-    dp = model.layout.dp  # the batch is split over "data": pad it to a multiple
-    prompt = np.concatenate([prompt, np.repeat(prompt[:1], -rows % dp, axis=0)])
+    prompt = _pad_rows(prompt, model.layout.dp)
     b = prompt.shape[0]
     rng = jax.random.key(0) if rng is None else rng
     cache = model.init_cache(b, ctx)
@@ -89,8 +93,7 @@ def greedy_by_recomputation(model, prompt_tokens, max_new_tokens: int) -> np.nda
     """Reference decoder: the full forward pass over the whole sequence for every new token."""
     seq = np.atleast_2d(np.asarray(prompt_tokens, dtype=np.int32))
     rows = seq.shape[0]
-    dp = model.layout.dp
-    seq = np.concatenate([seq, np.repeat(seq[:1], -rows % dp, axis=0)])
+    seq = _pad_rows(seq, model.layout.dp)
     fwd = jax.jit(lambda m, x: m(x))
     for _ in range(max_new_tokens):
         logits = np.asarray(fwd(model, seq))

@@ -197,6 +197,11 @@ class ModelDef:
         return _stringify(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                        nnx.to_pure_dict(self._template)))
 
+    def abstract_sharded_params(self, shardings) -> dict:
+        """ShapeDtypeStructs carrying the given shardings: a restore or compile target, nothing allocated."""
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            self.abstract_params(), shardings)
+
     def specs(self) -> dict:
         return _stringify(nnx.to_pure_dict(nnx.get_partition_spec(self._template)))
 

@@ -67,8 +67,7 @@ class Trainer:
 
     def abstract_state(self):
         """ShapeDtypeStructs with shardings for params and optimizer state: nothing allocated."""
-        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              self.modeldef.abstract_params(), self.param_shardings)
+        params = self.modeldef.abstract_sharded_params(self.param_shardings)
         opt = jax.eval_shape(self.tx.init, params)
         opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                            opt, self.opt_shardings)

@@ -6,7 +6,6 @@ megajax/train_step.py, and nothing here gathers weights to the host.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import signal
 import time
@@ -16,7 +15,7 @@ import jax
 import numpy as np
 
 from megajax.checkpoint import Checkpoints
-from megajax.config import Config, ConfigError
+from megajax.config import Config
 from megajax.data import Batches, load_tokens
 from megajax.distributed import describe
 from megajax.errors import UserError
@@ -273,13 +272,3 @@ def dry_run_report(cfg: Config, mesh, out=print) -> dict:
     out(f"step compiled in {compile_s:.1f}s\n")
     out(audit.table())
     return report
-
-
-def load_json(path: Path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
-
-
-__all__ = ["train", "dry_run_report", "RunResult", "ConfigError"]

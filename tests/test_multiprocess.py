@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from test_train_cli import BASE, ROOT, env, losses, run
+from test_train_cli import ROOT, RUN_ARGS, env, losses, run
 
 
 def free_port() -> int:
@@ -29,9 +29,7 @@ def two_processes(*args, timeout=240):
 
 
 # Runs of 6 steps on a 2x4 mesh; the schedule is pinned so that 3 + 3 equals 6 straight.
-ARGS = [a for a in BASE if a != "8" and a != "--host-devices"] + ["--mesh", "2x4", "--save-every", "3",
-                                                                     "--eval-every", "100", "--set", "train.decay_steps=6"]
-assert "--host-devices" not in ARGS
+ARGS = [*RUN_ARGS, "--mesh", "2x4", "--save-every", "3", "--eval-every", "100", "--set", "train.decay_steps=6"]
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-BASE = ["--config", "tiny", "--host-devices", "8", "--data", f"text:{SHAKESPEARE}", "--tokenizer", "chars",
-        "--sample-tokens", "0", "--log-every", "1"]
+RUN_ARGS = ["--config", "tiny", "--data", f"text:{SHAKESPEARE}", "--tokenizer", "chars",
+            "--sample-tokens", "0", "--log-every", "1"]
+BASE = [*RUN_ARGS, "--host-devices", "8"]
 
 
 def env():
