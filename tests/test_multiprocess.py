@@ -42,8 +42,9 @@ def one_process_reference(tmp_path_factory):
 def test_two_processes_log_the_losses_of_one(one_process_reference, tmp_path):
     wd = tmp_path / "two"
     (out0, _), (out1, _) = two_processes(*ARGS, "--workdir", str(wd), "--steps", "3")
-    ours = [line for line in out1.splitlines() if not line.startswith("[Gloo]")]  # gloo's own chatter
-    assert "process 0/2" in out0 and ours == []  # only process 0 prints
+    # Only process 0 prints (gloo's own C++ chatter, interleaved across threads, is not ours).
+    assert "process 0/2" in out0 and "done:" in out0
+    assert not any(mark in out1 for mark in ("megajax:", "step ", "done:", "loss"))
     got = losses(wd)
     assert sorted(got) == [1, 2, 3]
     for s in got:
