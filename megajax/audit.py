@@ -238,6 +238,7 @@ class AuditResult:
     microbatches: int
     scanned: bool
     remat: bool
+    head_rows: int = 0        # positions per sequence through the tied output layer and loss (GPT: seq_len)
 
     def select(self, **kw) -> list[Collective]:
         return [c for c in self.collectives if all(getattr(c, k) == v for k, v in kw.items())]
@@ -256,12 +257,13 @@ class AuditResult:
 
     @property
     def analytic_min_elements(self) -> int:
-        """Megatron's minimum per step and device: 4 L b s h for the layers, plus the embedding's
-        forward and output layer's backward all-reduce (2 b s h) and the fused loss (3 b s).
-        Without remat; remat adds the all-reduces of the recomputed forward on top."""
+        """Megatron's minimum per step and device: 4 L b s h for the layers, the embedding's forward
+        all-reduce (b s h), and for the r positions per sequence that reach the tied output layer
+        (GPT: all s; BERT: the masked ones; fine-tuning: none) its backward all-reduce (b r h)
+        and the fused loss (3 b r). Without remat; remat adds the recomputed forward on top."""
         bsh = self.batch_local * self.seq_len * self.hidden
-        bs = self.batch_local * self.seq_len
-        return self.microbatches * (4 * self.num_layers * bsh + 2 * bsh + 3 * bs)
+        br = self.batch_local * self.head_rows
+        return self.microbatches * (4 * self.num_layers * bsh + bsh + br * self.hidden + 3 * br)
 
     @property
     def model_axis_elements(self) -> int:
@@ -345,10 +347,19 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
 
 
 def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False) -> AuditResult:
+    from megajax.bert import NUM_CHOICES, mlm_predictions
+
     m, t = cfg.model, cfg.train
+    rows = t.batch_size // t.microbatches // mesh_shape[0]
+    if m.kind == "gpt":
+        head_rows = m.seq_len
+    elif m.task == "pretrain":
+        head_rows = mlm_predictions(m.seq_len, cfg.data.mask_prob)
+    else:
+        head_rows = 0
+        rows *= NUM_CHOICES if m.task == "race" else 1   # each option is a sequence of its own
     result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), m.num_layers, tuple(mesh_shape),
-                         t.batch_size // t.microbatches // mesh_shape[0], m.seq_len, m.hidden,
-                         t.microbatches, m.scan_layers, m.remat)
+                         rows, m.seq_len, m.hidden, t.microbatches, m.scan_layers, m.remat, head_rows)
     if verbose:
         result.print()
     return result

@@ -39,10 +39,12 @@ def _lost_peer(e: Exception):
 
 def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="train.py", description="Train a tensor-parallel GPT with megajax.",
+        prog="train.py", description="Train a tensor-parallel GPT or BERT with megajax.",
         epilog="examples:\n  python train.py\n  python train.py --host-devices 8 --mesh 2x4\n"
                "  python train.py --config shakespeare_char --mesh model=2 --workdir runs/shakespeare\n"
-               "  python train.py --config gpt2_8.3b --mesh model=8 --host-devices 8 --dry-run",
+               "  python train.py --config gpt2_8.3b --mesh model=8 --host-devices 8 --dry-run\n"
+               "  python train.py --config bert_small --workdir runs/bert\n"
+               "  python train.py --config finetune_race --init-from runs/bert --data RACE --workdir runs/bert_race",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="default", help="a name from configs/ or a path to a .toml/.json (default: default)")
     p.add_argument("--mesh", default="auto", help="data=2,model=4 | 2x4 | model=8 | auto (all devices on data)")
@@ -51,6 +53,7 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | tfds:NAME[/CONFIG]")
     p.add_argument("--tokenizer", help="bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME")
     p.add_argument("--workdir", help="where checkpoints, metrics and the config go (default: runs/CONFIG)")
+    p.add_argument("--init-from", metavar="DIR", help="BERT fine-tuning: start the encoder from this pretraining workdir")
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     p.add_argument("--host-devices", type=int, help="simulate N devices on the CPU")
     p.add_argument("--log-every", type=int)
@@ -91,7 +94,7 @@ def train_main(argv=None) -> int:
         overrides = list(args.set)
         for flag, key in (("steps", "train.steps"), ("log_every", "train.log_every"),
                           ("eval_every", "train.eval_every"), ("save_every", "train.save_every"),
-                          ("data", "data.source"), ("tokenizer", "data.tokenizer")):
+                          ("data", "data.source"), ("tokenizer", "data.tokenizer"), ("init_from", "train.init_from")):
             if getattr(args, flag) is not None:
                 overrides.append(f"{key}={getattr(args, flag)}")
         cfg = load_config(args.config, overrides)
@@ -131,11 +134,14 @@ def eval_parser() -> argparse.ArgumentParser:
                "  python eval.py --workdir runs/default --task ppl --data text:notes.txt\n"
                "  python eval.py --workdir runs/gpt --task wikitext --data ../shared/data/wikitext-2/test.txt\n"
                "  python eval.py --workdir runs/gpt --task lambada --data lambada_test.jsonl\n"
-               "  python eval.py --workdir runs/default --task sample --prompt 'def main(' --host-devices 8 --mesh 2x4",
+               "  python eval.py --workdir runs/default --task sample --prompt 'def main(' --host-devices 8 --mesh 2x4\n"
+               "  python eval.py --workdir runs/bert_race --task race --data RACE",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True)
-    p.add_argument("--task", required=True, choices=["ppl", "wikitext", "lambada", "sample"])
-    p.add_argument("--data", help="ppl: text:PATH | bin:PATH | PATH; wikitext: the .txt file; lambada: the .jsonl file")
+    p.add_argument("--task", required=True, choices=["ppl", "wikitext", "lambada", "sample", "race", "mnli", "qqp"])
+    p.add_argument("--data", help="ppl: text:PATH | bin:PATH | PATH; wikitext: the .txt file; lambada: the .jsonl file; "
+                                   "race/mnli/qqp: the task's directory")
+    p.add_argument("--split", help="race: dev | test (default test); mnli: dev_matched | dev_mismatched; qqp: dev")
     p.add_argument("--mesh", default="auto")
     p.add_argument("--host-devices", type=int)
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")

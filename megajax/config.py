@@ -25,6 +25,9 @@ def _config_dir() -> Path:
 CONFIG_DIR = _config_dir()
 
 
+TASKS = ("pretrain", "race", "mnli", "qqp")
+
+
 class ConfigError(UserError, ValueError):
     """A mistake in a config file or override that the user can fix."""
 
@@ -32,6 +35,7 @@ class ConfigError(UserError, ValueError):
 @dataclasses.dataclass
 class ModelConfig:
     kind: str = "gpt"                 # gpt | bert
+    task: str = "pretrain"            # pretrain (GPT: next token; BERT: MLM + SOP) | BERT fine-tuning: race | mnli | qqp
     num_layers: int = 4
     hidden: int = 256
     num_heads: int = 4
@@ -74,6 +78,10 @@ class ModelConfig:
     def validate(self):
         if self.kind not in ("gpt", "bert"):
             raise ConfigError(f"model.kind must be 'gpt' or 'bert', got '{self.kind}'")
+        if self.task not in TASKS:
+            raise ConfigError(f"model.task must be one of {', '.join(TASKS)}, got '{self.task}'")
+        if self.kind == "gpt" and self.task != "pretrain":
+            raise ConfigError(f"model.task '{self.task}' is a BERT fine-tuning task; set model.kind = \"bert\"")
         if self.ln_placement not in ("pre", "post"):
             raise ConfigError(f"model.ln_placement must be 'pre' or 'post', got '{self.ln_placement}'")
         if self.compute_dtype not in ("auto", "float32", "bfloat16"):
@@ -101,12 +109,14 @@ class ModelConfig:
         h, f, L = self.hidden, self.ffn, self.num_layers
         per_layer = (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
         n = L * per_layer + self.padded_vocab * h + self.seq_len * h + 2 * h
-        if self.kind == "bert":
-            n += 2 * h                                  # token-type embeddings
-            n += h * h + h + 2 * h + self.padded_vocab  # MLM transform, its LayerNorm, output bias
-            n += h * h + h + 2 * h + 2                  # pooler and sentence-order head
-            if self.ln_placement == "post":
-                n += 0  # post-LN swaps the final LayerNorm for one after the embeddings
+        if self.kind == "bert":  # post-LN swaps the final LayerNorm for one after the embeddings
+            n += 2 * h + h * h + h                      # token-type embeddings, pooler
+            if self.task == "pretrain":
+                n += h * h + h + 2 * h + self.padded_vocab  # MLM transform, its LayerNorm, output bias
+                n += 2 * h + 2                              # sentence-order head
+            else:
+                classes = {"mnli": 3, "qqp": 2, "race": 1}[self.task]
+                n += h * classes + classes
         return n
 
 
@@ -119,12 +129,14 @@ class TrainConfig:
     min_lr: float = 6e-5
     warmup_steps: int = 100
     decay_steps: int = 0              # 0 -> steps
+    schedule: str = "cosine"          # cosine | linear: the decay after the linear warmup
     weight_decay: float = 0.01
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 0
+    init_from: str = ""               # BERT fine-tuning: a pretraining workdir whose encoder starts this run
     log_every: int = 10
     eval_every: int = 200
     eval_batches: int = 8
@@ -140,14 +152,17 @@ class TrainConfig:
                               f"train.microbatches={self.microbatches}")
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be positive, got {self.lr}")
+        if self.schedule not in ("cosine", "linear"):
+            raise ConfigError(f"train.schedule must be cosine or linear, got '{self.schedule}'")
 
 
 @dataclasses.dataclass
 class DataConfig:
-    source: str = "builtin"           # builtin | text:PATH[,PATH|GLOB] | bin:PATH | tfds:NAME[/CONFIG]
-    tokenizer: str = "bytes"          # bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME
+    source: str = "builtin"           # builtin | text:PATH[,PATH|GLOB] | bin:PATH | tfds:NAME[/CONFIG]; fine-tuning: the task's directory
+    tokenizer: str = "bytes"          # bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME | wordpiece:PATH/vocab.txt | wordpiece[:SIZE] (trained on the corpus)
     val_fraction: float = 0.1
     bin_dtype: str = "uint16"         # for bin: sources
+    mask_prob: float = 0.15           # BERT pretraining: fraction of tokens to predict (80% [MASK], 10% random, 10% kept)
 
 
 @dataclasses.dataclass
@@ -160,6 +175,8 @@ class Config:
     def validate(self) -> "Config":
         self.model.validate()
         self.train.validate()
+        if not 0.0 < self.data.mask_prob < 1.0:
+            raise ConfigError(f"data.mask_prob must be in (0, 1), got {self.data.mask_prob}")
         return self
 
     def to_dict(self) -> dict:

@@ -92,6 +92,28 @@ class TokenData:
     val: np.ndarray
     tokenizer: Tokenizer
 
+    def describe(self) -> str:
+        return f"{len(self.train):,} train tokens"
+
+    def batches(self, split: str, cfg, sharding):
+        """GPT batches of a split (None for a validation split too short for one sequence)."""
+        t, s = cfg.train, cfg.model.seq_len
+        if split == "train":
+            return Batches(self.train, s, t.batch_size, t.seed, sharding)
+        return Batches(self.val, s, t.batch_size, t.seed, sharding, "val") if len(self.val) >= s + 2 else None
+
+
+def source_text(source: str) -> str:
+    """The whole text of a builtin, text: or tfds: source (tfds records become paragraphs)."""
+    kind, _, arg = source.partition(":")
+    if kind == "builtin":
+        return builtin_text()
+    if kind == "text":
+        return _read_text(arg)
+    if kind == "tfds":
+        return "\n\n".join(_tfds_texts(arg, "train"))
+    raise UserError(f"data source '{source}' has no text (use builtin, text:PATH or tfds:NAME)")
+
 
 def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
                 bin_dtype: str = "uint16", tokenizer: Tokenizer | None = None) -> TokenData:

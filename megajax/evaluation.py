@@ -232,6 +232,9 @@ def _table(rows: list[tuple[str, object]]) -> str:
     return "\n".join(f"{k.ljust(width)}  {fmt(v)}" for k, v in rows)
 
 
+FINETUNE_TASKS = ("race", "mnli", "qqp")
+
+
 def run_task(args, mesh, out=print) -> dict:
     """What `eval.py` does for args.task; prints a short table, returns the full result."""
     from megajax.data import load_tokens
@@ -242,9 +245,24 @@ def run_task(args, mesh, out=print) -> dict:
     head = {"task": args.task, "workdir": str(args.workdir), "step": loaded.step,
             "mesh": {"data": mesh.shape["data"], "model": mesh.shape["model"]}}
     progress = _progress(main)
-    if args.task in ("ppl", "wikitext", "lambada") and not args.data:
+    m = loaded.cfg.model
+    if args.task in FINETUNE_TASKS:
+        if m.kind != "bert" or m.task != args.task:
+            raise UserError(f"--task {args.task} needs a BERT workdir fine-tuned on {args.task}; "
+                            f"{args.workdir} holds {m.kind} ({m.task})")
+    elif m.kind != "gpt":
+        raise UserError(f"--task {args.task} needs a GPT workdir; {args.workdir} holds {m.kind} ({m.task})")
+    if args.task != "sample" and not args.data:
         raise UserError(f"--task {args.task} needs --data")
-    if args.task == "ppl":
+    if args.task in FINETUNE_TASKS:
+        from megajax.finetune import evaluate_task
+
+        split = args.split or ("test" if args.task == "race" else "dev")
+        r = evaluate_task(loaded.model, args.task, Path(args.data), split, loaded.tokenizer, args.batch_size)
+        rows = [("split", split), ("examples", r["examples"]), ("accuracy", r["accuracy"])]
+        rows += [(f"accuracy ({lvl}, {r[f'examples_{lvl}']})", r[f"accuracy_{lvl}"])
+                 for lvl in ("middle", "high") if f"accuracy_{lvl}" in r]
+    elif args.task == "ppl":
         source = args.data if ":" in args.data else f"text:{args.data}"
         data = load_tokens(source, "bytes", 0.0, loaded.cfg.data.bin_dtype, tokenizer=loaded.tokenizer)
         r = perplexity_of_tokens(loaded.model, data.train, args.stride, args.batch_size, progress)

@@ -95,6 +95,20 @@ class RowParallelLinear(nnx.Module):
         return self.layout.reduce_to_replicated(partial) + self.bias[...].astype(self.dtype)
 
 
+class ReplicatedLinear(nnx.Module):
+    """y = x W + b with W whole on every device: for the small heads (BERT's MLM transform,
+    pooler, classifiers), computed duplicated like LayerNorm, so they add no collective."""
+
+    def __init__(self, d_in: int, d_out: int, *, layout: S.Layout, dtype, std: float, rngs: nnx.Rngs):
+        self.layout, self.dtype = layout, dtype
+        self.kernel = _param(nnx.initializers.normal(std), S.REPLICATED_2D, rngs.params(), (d_in, d_out))
+        self.bias = _param(nnx.initializers.zeros, S.REPLICATED_BIAS, rngs.params(), (d_out,))
+
+    def __call__(self, x):
+        y = _matmul_2d(x.astype(self.dtype), self.kernel[...].astype(self.dtype)) + self.bias[...].astype(self.dtype)
+        return self.layout.constrain(y, S.P(S.DATA, *([None] * (y.ndim - 1))))
+
+
 class VocabParallelEmbedding(nnx.Module):
     """Token embedding split along the vocabulary; also the tied output layer."""
 
@@ -212,3 +226,59 @@ class TransformerLayer(nnx.Module):
                 x = self.ln2(x + drop(self.mlp(x), k2))
         x = self.layout.constrain(x, S.ACT_REPLICATED)
         return x if cache is None else (x, new_cache)
+
+
+def _stacked_layers(cfg: ModelConfig, layout: S.Layout, rngs: nnx.Rngs, causal: bool):
+    """num_layers layers whose parameters are stacked on a new leading (unsharded) axis."""
+    keys = jax.random.split(rngs.params(), cfg.num_layers)
+
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+    def make(key):
+        return TransformerLayer(cfg, layout=layout, rngs=nnx.Rngs(params=key), causal=causal)
+
+    return make(keys)
+
+
+class LayerStack(nnx.Module):
+    """The transformer layers, run as a scan over stacked weights or as a Python loop."""
+
+    def __init__(self, cfg: ModelConfig, layout: S.Layout, rngs: nnx.Rngs, causal: bool = True):
+        self.num_layers, self.scan, self.remat = cfg.num_layers, cfg.scan_layers, cfg.remat
+        if self.scan:
+            self.stacked = _stacked_layers(cfg, layout, rngs, causal)
+        else:
+            self.layers = nnx.List([TransformerLayer(cfg, layout=layout, rngs=rngs, causal=causal)
+                                    for _ in range(cfg.num_layers)])
+
+    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
+        """Run the layers; with `cache` (k, v stacked over layers) also return the new cache."""
+        keys = None if key is None else jax.random.split(key, self.num_layers)
+        if self.scan:
+            graphdef, state = nnx.split(self.stacked)
+
+            def body(h, xs):
+                layer_state, k, c = xs
+                out = nnx.merge(graphdef, layer_state)(h, key=k, mask=mask, cache=c, pos=pos)
+                return (out, None) if c is None else out
+
+            if self.remat:
+                body = jax.checkpoint(body)
+            with jax.named_scope("layers"):
+                x, new_cache = jax.lax.scan(body, x, (state, keys, cache))
+            return x if cache is None else (x, new_cache)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            call = (lambda lyr, h, k, c: lyr(h, key=k, mask=mask, cache=c, pos=pos))
+            if self.remat:
+                call = nnx.remat(call)
+            with jax.named_scope(f"layer_{i}"):
+                out = call(layer, x, None if keys is None else keys[i],
+                           None if cache is None else (cache[0][i], cache[1][i]))
+            if cache is None:
+                x = out
+            else:
+                x, c = out
+                new_cache.append(c)
+        if cache is None:
+            return x
+        return x, (jnp.stack([c[0] for c in new_cache]), jnp.stack([c[1] for c in new_cache]))

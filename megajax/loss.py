@@ -39,13 +39,16 @@ def vocab_parallel_lookup(table, ids, layout):
         return _shard_map(local, layout, (P(MODEL, None), P(DATA, None)), P(DATA, None, None))(table, ids)
 
 
-def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None = None):
+def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None = None,
+                                 with_accuracy: bool = False):
     """Per-token -log softmax(logits)[target] for logits split over "model" on their last axis.
 
     Three all-reduces of (b, s) numbers: the max (for stability), the sum of exponentials and
     the target logit, which only the device owning that vocabulary slice contributes.
     Columns >= `vocab_size` (vocabulary padding) are excluded from the softmax.
     The backward pass is local: softmax - onehot on each device's own slice.
+    With `with_accuracy`, also return whether the target is the argmax (target logit equal
+    to the global max): a by-product of the two reductions, no extra collective.
     """
 
     def local(logits, targets):
@@ -64,10 +67,12 @@ def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None
         with jax.named_scope("loss_all_reduce"):
             sum_exp = jax.lax.psum(sum_exp, MODEL)
             target_logit = jax.lax.psum(picked, MODEL)
-        return jnp.log(sum_exp) + gmax - target_logit
+        loss = jnp.log(sum_exp) + gmax - target_logit
+        return (loss, jax.lax.stop_gradient(target_logit) >= gmax) if with_accuracy else loss
 
+    out_specs = (P(DATA, None), P(DATA, None)) if with_accuracy else P(DATA, None)
     with jax.named_scope("loss"):
-        return _shard_map(local, layout, (P(DATA, None, MODEL), P(DATA, None)), P(DATA, None))(logits, targets)
+        return _shard_map(local, layout, (P(DATA, None, MODEL), P(DATA, None)), out_specs)(logits, targets)
 
 
 def mask_padded_vocab(logits, vocab_size: int):

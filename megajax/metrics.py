@@ -17,9 +17,19 @@ KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "
 def flops_per_token(cfg) -> float:
     """Model FLOPs per trained token (forward + backward, no remat): 6 per weight that takes
     part in a matmul (the tied embedding does, as the output layer; position embeddings do not)
-    plus the attention scores and weighted sum, 12 * layers * seq * hidden."""
+    plus the attention scores and weighted sum, 12 * layers * seq * hidden. BERT's output
+    layer and MLM transform see only the masked positions, its classifiers one row per sequence."""
     m = cfg.model
-    matmul_params = m.param_count() - m.seq_len * m.hidden
+    if m.kind == "gpt":
+        matmul_params = m.param_count() - m.seq_len * m.hidden
+    else:
+        from megajax.bert import mlm_predictions
+
+        h = m.hidden
+        layers = m.num_layers * (12 * h * h + 13 * h)
+        head = (m.padded_vocab * h + h * h) * mlm_predictions(m.seq_len, cfg.data.mask_prob) / m.seq_len \
+            if m.task == "pretrain" else 0.0
+        matmul_params = layers + head
     return 6.0 * matmul_params + 12.0 * m.num_layers * m.seq_len * m.hidden
 
 
@@ -91,7 +101,9 @@ class Progress:
         else:
             print(f"step {step:>6}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
                   f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_sec']:,.0f} tok/s  "
-                  f"{record['step_time_s'] * 1000:.1f} ms/step", flush=True)
+                  f"{record['step_time_s'] * 1000:.1f} ms/step"
+                  + "".join(f"  {k} {record[k]:.3f}" for k in ("mlm_accuracy", "sop_accuracy", "accuracy") if k in record),
+                  flush=True)
 
     def write(self, text: str):
         if not self.enabled:

@@ -11,66 +11,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megajax import sharding as S
+from megajax.bert import BERT
 from megajax.config import ModelConfig
-from megajax.layers import LayerNorm, TransformerLayer, VocabParallelEmbedding, dropout
+from megajax.layers import LayerNorm, LayerStack, VocabParallelEmbedding, dropout
 from megajax.loss import mask_padded_vocab, vocab_parallel_cross_entropy
 from megajax.mesh import single_device_mesh
-
-
-def _stacked_layers(cfg: ModelConfig, layout: S.Layout, rngs: nnx.Rngs, causal: bool):
-    """num_layers layers whose parameters are stacked on a new leading (unsharded) axis."""
-    keys = jax.random.split(rngs.params(), cfg.num_layers)
-
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-    def make(key):
-        return TransformerLayer(cfg, layout=layout, rngs=nnx.Rngs(params=key), causal=causal)
-
-    return make(keys)
-
-
-class LayerStack(nnx.Module):
-    """The transformer layers, run as a scan over stacked weights or as a Python loop."""
-
-    def __init__(self, cfg: ModelConfig, layout: S.Layout, rngs: nnx.Rngs, causal: bool = True):
-        self.num_layers, self.scan, self.remat = cfg.num_layers, cfg.scan_layers, cfg.remat
-        if self.scan:
-            self.stacked = _stacked_layers(cfg, layout, rngs, causal)
-        else:
-            self.layers = nnx.List([TransformerLayer(cfg, layout=layout, rngs=rngs, causal=causal)
-                                    for _ in range(cfg.num_layers)])
-
-    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
-        """Run the layers; with `cache` (k, v stacked over layers) also return the new cache."""
-        keys = None if key is None else jax.random.split(key, self.num_layers)
-        if self.scan:
-            graphdef, state = nnx.split(self.stacked)
-
-            def body(h, xs):
-                layer_state, k, c = xs
-                out = nnx.merge(graphdef, layer_state)(h, key=k, mask=mask, cache=c, pos=pos)
-                return (out, None) if c is None else out
-
-            if self.remat:
-                body = jax.checkpoint(body)
-            with jax.named_scope("layers"):
-                x, new_cache = jax.lax.scan(body, x, (state, keys, cache))
-            return x if cache is None else (x, new_cache)
-        new_cache = []
-        for i, layer in enumerate(self.layers):
-            call = (lambda lyr, h, k, c: lyr(h, key=k, mask=mask, cache=c, pos=pos))
-            if self.remat:
-                call = nnx.remat(call)
-            with jax.named_scope(f"layer_{i}"):
-                out = call(layer, x, None if keys is None else keys[i],
-                           None if cache is None else (cache[0][i], cache[1][i]))
-            if cache is None:
-                x = out
-            else:
-                x, c = out
-                new_cache.append(c)
-        if cache is None:
-            return x
-        return x, (jnp.stack([c[0] for c in new_cache]), jnp.stack([c[1] for c in new_cache]))
 
 
 class GPT(nnx.Module):
@@ -132,8 +77,19 @@ class GPT(nnx.Module):
                 return losses.mean()
             return (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
+    # -- the training interface shared by every model (see megajax/train_step.py) ------------
+    @staticmethod
+    def batch_shapes(cfg, batch_size: int):
+        """A GPT batch is one (b, seq_len + 1) token array: inputs and next-token targets."""
+        return jax.ShapeDtypeStruct((batch_size, cfg.model.seq_len + 1), jnp.int32)
 
-MODELS = {"gpt": GPT}
+    def objective(self, tokens, *, key=None):
+        """(loss, metrics) of one batch: next-token cross-entropy."""
+        loss = self.loss(tokens[:, :-1], tokens[:, 1:], key=key)
+        return loss, {"loss": loss}
+
+
+MODELS = {"gpt": GPT, "bert": BERT}
 
 
 def abstract_model(cfg: ModelConfig, layout: S.Layout | None = None):

@@ -31,6 +31,7 @@ COLUMN_BIAS = (MODEL,)
 ROW = (MODEL, None)
 REPLICATED_BIAS = (None,)
 VOCAB = (MODEL, None)
+VOCAB_BIAS = (MODEL,)                      # BERT's MLM output bias, split like the logits
 REPLICATED_2D = (None, None)
 
 # Activation specs.
@@ -39,6 +40,7 @@ ACT_COLUMN = P(DATA, None, MODEL)          # (batch, seq, features/tp) after a c
 ACT_HEADS = P(DATA, None, MODEL, None)     # (batch, seq, heads/tp, head_dim)
 ATTN_SCORES = P(DATA, MODEL, None, None)   # (batch, heads/tp, q, k)
 TOKENS = P(DATA, None)                     # (batch, seq) token ids, per-token losses
+BATCH = P(DATA)                            # any batch array: rows over "data", the rest whole
 KV_CACHE = P(DATA, MODEL, None, None)      # (batch, heads/tp, max_len, head_dim): split like the heads
 
 

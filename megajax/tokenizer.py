@@ -1,4 +1,4 @@
-"""Tokenizers: raw bytes, characters, Hugging Face tokenizer.json, tiktoken encodings.
+"""Tokenizers: raw bytes, characters, Hugging Face tokenizer.json, tiktoken encodings, BERT WordPiece.
 
 Each is saved into the workdir (`tokenizer.json`), so evaluation and sampling need no flags.
 """
@@ -26,6 +26,13 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a special token such as [MASK], if this tokenizer has it."""
+        return None
 
     def spec(self) -> dict:
         return {"kind": self.kind}
@@ -107,9 +114,70 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids):
         return self.tok.decode([int(i) for i in ids])
 
+    def encode_batch(self, texts):
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def token_id(self, token):
+        return self.tok.token_to_id(token)
+
     def save(self, workdir):
         (Path(workdir) / HF_FILE).write_bytes(self.path.read_bytes())
         (Path(workdir) / FILE).write_text(json.dumps({"kind": "hf", "file": HF_FILE}) + "\n")
+
+
+BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+VOCAB_FILE = "vocab.txt"
+
+
+class WordPieceTokenizer(HFTokenizer):
+    """BERT's WordPiece from a `vocab.txt` (one token per line, id = line number), with BERT's
+    normaliser (lower-casing by default) and pre-tokenizer, run by the `tokenizers` package.
+    `train` builds such a vocabulary from a corpus, offline."""
+
+    kind = "wordpiece"
+
+    def __init__(self, vocab: list[str], lowercase: bool = True):
+        from tokenizers import Tokenizer as _Tok
+        from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+        missing = [t for t in ("[UNK]", "[CLS]", "[SEP]", "[MASK]", "[PAD]") if t not in vocab]
+        if missing:
+            raise UserError(f"the WordPiece vocabulary lacks {', '.join(missing)}")
+        self.vocab, self.lowercase = list(vocab), lowercase
+        self.tok = _Tok(models.WordPiece({t: i for i, t in enumerate(self.vocab)}, unk_token="[UNK]"))
+        self.tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+        self.tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        self.tok.decoder = decoders.WordPiece()
+        self.eos_id = self.tok.token_to_id("[SEP]")
+
+    @classmethod
+    def from_file(cls, path: Path, lowercase: bool = True) -> "WordPieceTokenizer":
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"vocabulary file not found: {path}")
+        vocab = path.read_text(encoding="utf-8").splitlines()
+        if not vocab:
+            raise UserError(f"vocabulary file is empty: {path}")
+        return cls(vocab, lowercase)
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int = 8000, lowercase: bool = True) -> "WordPieceTokenizer":
+        from tokenizers import Tokenizer as _Tok
+        from tokenizers import models, normalizers, pre_tokenizers, trainers
+
+        tok = _Tok(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(BERT_SPECIALS),
+                                            show_progress=False)
+        tok.train_from_iterator(text.splitlines(), trainer)
+        vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+        return cls([t for t, _ in vocab], lowercase)
+
+    def save(self, workdir):
+        (Path(workdir) / VOCAB_FILE).write_text("\n".join(self.vocab) + "\n", encoding="utf-8")
+        (Path(workdir) / FILE).write_text(json.dumps({"kind": self.kind, "file": VOCAB_FILE,
+                                                      "lowercase": self.lowercase}) + "\n")
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -157,7 +225,14 @@ def make_tokenizer(spec: str, corpus_text: str | None = None) -> Tokenizer:
         return HFTokenizer(Path(arg))
     if kind == "tiktoken":
         return TiktokenTokenizer(arg or "gpt2")
-    raise UserError(f"unknown tokenizer '{spec}' (use bytes, chars, hf:PATH/tokenizer.json or tiktoken:NAME)")
+    if kind == "wordpiece":
+        if arg and not arg.isdigit():
+            return WordPieceTokenizer.from_file(Path(arg))
+        if corpus_text is None:
+            raise UserError("training a WordPiece vocabulary needs the training text")
+        return WordPieceTokenizer.train(corpus_text, int(arg or 8000))
+    raise UserError(f"unknown tokenizer '{spec}' (use bytes, chars, hf:PATH/tokenizer.json, tiktoken:NAME, "
+                    f"wordpiece:PATH/vocab.txt or wordpiece[:SIZE])")
 
 
 def load_tokenizer(workdir: Path) -> Tokenizer:
@@ -174,4 +249,6 @@ def load_tokenizer(workdir: Path) -> Tokenizer:
         return HFTokenizer(Path(workdir) / spec["file"])
     if kind == "tiktoken":
         return TiktokenTokenizer(spec["name"])
+    if kind == "wordpiece":
+        return WordPieceTokenizer.from_file(Path(workdir) / spec["file"], spec.get("lowercase", True))
     raise UserError(f"{path}: unknown tokenizer kind '{kind}'")

@@ -16,15 +16,21 @@ from jax.sharding import PartitionSpec as P
 
 from megajax import sharding as S
 from megajax.config import Config, ConfigError, TrainConfig
-from megajax.model import ModelDef, abstract_model, init_model
+from megajax.model import MODELS, ModelDef, abstract_model, init_model
 
 _DECAYED = {"kernel", "table", "pos"}   # weight matrices and embeddings; not LayerNorm, not biases
 
 
 def lr_schedule(t: TrainConfig):
+    """Linear warmup to lr, then cosine (GPT-2) or linear (the paper's BERT) decay to min_lr."""
+    decay_steps = max(t.decay_steps or t.steps, t.warmup_steps + 1)
+    if t.schedule == "linear":
+        return optax.join_schedules([optax.linear_schedule(0.0, t.lr, t.warmup_steps),
+                                     optax.linear_schedule(t.lr, t.min_lr, decay_steps - t.warmup_steps)],
+                                    [t.warmup_steps])
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
-        decay_steps=max(t.decay_steps or t.steps, t.warmup_steps + 1), end_value=t.min_lr)
+        decay_steps=decay_steps, end_value=t.min_lr)
 
 
 def weight_decay_mask(params: dict):
@@ -52,7 +58,13 @@ class Trainer:
 
     @property
     def batch_sharding(self):
-        return NamedSharding(self.mesh, S.TOKENS)
+        """Every batch array is split over "data" by rows (a prefix spec: the rest stays whole)."""
+        return NamedSharding(self.mesh, S.BATCH)
+
+    def batch_shapes(self):
+        """The model's global batch as ShapeDtypeStructs (GPT: a token array; BERT: a dict)."""
+        shapes = MODELS[self.cfg.model.kind].batch_shapes(self.cfg, self.cfg.train.batch_size)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.batch_sharding), shapes)
 
     def replicated(self):
         return NamedSharding(self.mesh, P())
@@ -74,35 +86,44 @@ class Trainer:
         return params, opt
 
     # -- step ----------------------------------------------------------------------------
-    def loss_fn(self, params, tokens, key):
-        model = self.modeldef.bind(params)
-        return model.loss(tokens[:, :-1], tokens[:, 1:], key=key)
+    def objective(self, params, batch, key):
+        """(loss, metrics) of the model's training objective on one batch."""
+        return self.modeldef.bind(params).objective(batch, key=key)
 
-    def _step(self, params, opt_state, tokens, step):
+    def loss_fn(self, params, batch, key):
+        return self.objective(params, batch, key)[0]
+
+    def _step(self, params, opt_state, batch, step):
         t = self.cfg.train
         key = jax.random.fold_in(jax.random.key(t.seed), step)
-        grad_fn = jax.value_and_grad(self.loss_fn)
+        grad_fn = jax.value_and_grad(self.objective, has_aux=True)
         if t.microbatches == 1:
-            loss, grads = grad_fn(params, tokens, key)
+            (_, metrics), grads = grad_fn(params, batch, key)
         else:
             # Microbatch j takes rows j, j+m, j+2m, ...: every data shard keeps its own rows.
             m = t.microbatches
-            micro = tokens.reshape(tokens.shape[0] // m, m, tokens.shape[1]).swapaxes(0, 1)
-            micro = jax.lax.with_sharding_constraint(micro, NamedSharding(self.mesh, P(None, S.DATA, None)))
+
+            def split(x):
+                x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+                return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, S.DATA)))
 
             def accumulate(carry, xs):
                 mb, j = xs
-                loss, grads = grad_fn(params, mb, jax.random.fold_in(key, j))
-                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+                (_, metrics), grads = grad_fn(params, mb, jax.random.fold_in(key, j))
+                return jax.tree.map(jnp.add, carry, (metrics, grads)), None
 
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(m)))
-            loss, grads = jax.tree.map(lambda x: x / m, (loss, grads))
+            micro = jax.tree.map(split, batch)
+            metric_shapes = jax.eval_shape(lambda mb: self.objective(params, mb, key)[1],
+                                           jax.tree.map(lambda x: x[0], micro))
+            zeros = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), metric_shapes),
+                     jax.tree.map(jnp.zeros_like, params))
+            (metrics, grads), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(m)))
+            metrics, grads = jax.tree.map(lambda x: x / m, (metrics, grads))
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(t)(step)}
+        metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(t)(step)}
         return params, opt_state, metrics
 
     def jit_step(self, donate: bool = True):
@@ -113,18 +134,17 @@ class Trainer:
             donate_argnums=(0, 1) if donate else ())
 
     def jit_eval(self):
-        def eval_loss(params, tokens):
-            return self.loss_fn(params, tokens, None)
-        return jax.jit(eval_loss, in_shardings=(self.param_shardings, self.batch_sharding),
+        """Metrics of one batch without dropout (a dict; "loss" always among them)."""
+        def eval_metrics(params, batch):
+            return self.objective(params, batch, None)[1]
+        return jax.jit(eval_metrics, in_shardings=(self.param_shardings, self.batch_sharding),
                        out_shardings=self.replicated())
 
     def lower_step(self):
         """The train step lowered for abstract inputs (for compiling, the audit and memory analysis)."""
         params, opt = self.abstract_state()
-        b, s = self.cfg.train.batch_size, self.cfg.model.seq_len + 1
-        tokens = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=self.batch_sharding)
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated())
-        return self.jit_step(donate=True).lower(params, opt, tokens, step)
+        return self.jit_step(donate=True).lower(params, opt, self.batch_shapes(), step)
 
 
 def make_trainer(cfg: Config, mesh) -> Trainer:

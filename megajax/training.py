@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from megajax.checkpoint import Checkpoints
-from megajax.config import Config
-from megajax.data import Batches, load_tokens
+from megajax.config import Config, load_config
+from megajax.data import load_tokens
 from megajax.distributed import describe
 from megajax.errors import UserError
 from megajax.metrics import MetricsLog, Progress, device_peak_tflops, flops_per_token, plot_workdir
@@ -64,10 +64,30 @@ def _is_main() -> bool:
     return jax.process_index() == 0
 
 
-def prepare_data(cfg: Config, workdir: Path):
-    """Tokenize the data (reusing the workdir's tokenizer when resuming) and fit the vocab."""
-    tok = load_tokenizer(workdir) if (workdir / TOKENIZER_FILE).exists() else None
-    data = load_tokens(cfg.data.source, cfg.data.tokenizer, cfg.data.val_fraction, cfg.data.bin_dtype, tok)
+def prepare_data(cfg: Config, workdir: Path, tokenizer_dir: Path | None = None):
+    """Read and tokenize the run's data and fit the vocab. The tokenizer is reused from the
+    workdir when resuming (or from `tokenizer_dir`, the pretrained workdir of a fine-tuning run).
+
+    Returns a dataset: `.tokenizer`, `.describe()` and `.batches(split, cfg, sharding)`."""
+    tok_dir = workdir if (workdir / TOKENIZER_FILE).exists() else tokenizer_dir
+    tok = load_tokenizer(tok_dir) if tok_dir is not None else None
+    m = cfg.model
+    if m.kind == "bert" and m.task != "pretrain":
+        from megajax.finetune import load_task_data
+
+        if tok is None:
+            raise UserError(f"fine-tuning ({m.task}) needs a tokenizer: start from a pretrained workdir "
+                            f"with --init-from DIR")
+        data = load_task_data(m.task, cfg.data.source, tok, cfg)
+    elif m.kind == "bert":
+        from megajax.bert_data import load_pretraining
+        from megajax.data import source_text
+        from megajax.tokenizer import make_tokenizer
+
+        text = source_text(cfg.data.source)
+        data = load_pretraining(text, tok or make_tokenizer(cfg.data.tokenizer, text), cfg)
+    else:
+        data = load_tokens(cfg.data.source, cfg.data.tokenizer, cfg.data.val_fraction, cfg.data.bin_dtype, tok)
     vocab = data.tokenizer.vocab_size
     if cfg.data.source.startswith("bin:"):
         vocab = max(vocab, int(np.max(data.train)) + 1, cfg.model.vocab_size)
@@ -75,15 +95,63 @@ def prepare_data(cfg: Config, workdir: Path):
     return data
 
 
+# Fields a fine-tuning run takes from its pretrained workdir: they fix the weights' shapes.
+PRETRAINED_SHAPE = ("kind", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len", "vocab_size",
+                    "vocab_multiple", "ln_placement", "ln_eps", "scan_layers")
+
+
+def apply_init_from(cfg: Config) -> Path | None:
+    """With train.init_from, take the model's shape from that workdir's config; return the workdir."""
+    if not cfg.train.init_from:
+        return None
+    src = Path(cfg.train.init_from)
+    if not (src / "config.json").is_file():
+        raise UserError(f"--init-from {src}: not a megajax workdir (no config.json)")
+    pre = load_config(str(src / "config.json")).model
+    if pre.kind != "bert" or cfg.model.kind != "bert":
+        raise UserError(f"--init-from loads a BERT encoder; {src} holds a {pre.kind} model")
+    for name in PRETRAINED_SHAPE:
+        setattr(cfg.model, name, getattr(pre, name))
+    return src
+
+
+def init_from_pretrained(trainer: Trainer, params: dict, src: Path, out=print) -> dict:
+    """Fresh params with every tensor that the pretrained workdir also has (the encoder and
+    pooler) replaced by its checkpointed value, placed straight into this mesh's shardings."""
+    from megajax.evaluation import load_workdir
+    from megajax.model import ModelDef
+
+    loaded = load_workdir(src, trainer.mesh)
+    pre = {jax.tree_util.keystr(p): x for p, x in
+           jax.tree_util.tree_flatten_with_path(ModelDef(loaded.model).params(loaded.model))[0]}
+    taken, new = set(), set()
+
+    def pick(path, x):
+        name = jax.tree_util.keystr(path)
+        top = name.split("'")[1]
+        if name in pre and pre[name].shape == x.shape:
+            taken.add(top)
+            return pre[name]
+        new.add(top)
+        return x
+
+    params = jax.tree_util.tree_map_with_path(pick, params)
+    if _is_main():
+        out(f"initialised from {src} (step {loaded.step}): {', '.join(sorted(taken))}; "
+            f"new: {', '.join(sorted(new)) or 'nothing'}")
+    return params
+
+
 def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tokens: int = 200,
           out=print) -> RunResult | dict:
     workdir = Path(workdir)
     main = _is_main()
+    pretrained = apply_init_from(cfg)
     if dry_run:
         return dry_run_report(cfg, mesh, out=out)
 
     ckpt_dir_exists = (workdir / "checkpoints").exists()
-    data = prepare_data(cfg, workdir)
+    data = prepare_data(cfg, workdir, tokenizer_dir=pretrained)
     trainer = make_trainer(cfg, mesh)   # checks sizes against the mesh: ConfigError
     t = cfg.train
     ckpts = Checkpoints(workdir, keep=t.keep_checkpoints)
@@ -103,30 +171,30 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
     metrics.truncate_after(start_step)
     if params is None:
         params, opt_state = trainer.init_state()
+        if pretrained is not None:
+            params = init_from_pretrained(trainer, params, pretrained, out)
 
-    train_batches = Batches(data.train, cfg.model.seq_len, t.batch_size, t.seed, trainer.batch_sharding)
-    val_batches = Batches(data.val, cfg.model.seq_len, t.batch_size, t.seed, trainer.batch_sharding, "val") \
-        if len(data.val) >= cfg.model.seq_len + 2 else None
+    train_batches = data.batches("train", cfg, trainer.batch_sharding)
+    val_batches = data.batches("val", cfg, trainer.batch_sharding)
     t0 = time.perf_counter()
     step_fn = trainer.jit_step().lower(params, opt_state, train_batches(start_step), np.int32(0)).compile()
     eval_fn = trainer.jit_eval()
     compile_s = time.perf_counter() - t0
-    tokens_per_step = t.batch_size * cfg.model.seq_len
+    tokens_per_step = t.batch_size * cfg.model.seq_len * (4 if cfg.model.task == "race" else 1)  # RACE: 4 options
     flops = flops_per_token(cfg) * tokens_per_step / mesh.devices.size
     peak = device_peak_tflops() if main else None
     if main:
         n = cfg.model.param_count()
         out(f"megajax: {cfg.name} | {n / 1e6:.2f}M params | mesh data={mesh.shape['data']} "
             f"model={mesh.shape['model']} on {mesh.devices.size} {jax.devices()[0].platform} device(s) | "
-            f"{len(data.train):,} train tokens | step compiled in {compile_s:.1f}s"
+            f"{data.describe()} | step compiled in {compile_s:.1f}s"
             + (f" | {describe()}" if describe() else "")
             + (f" | resuming from step {start_step}" if start_step else ""))
 
-    def evaluate():
-        if val_batches is None:
-            return None
-        losses = [eval_fn(params, val_batches(i)) for i in range(t.eval_batches)]
-        return float(np.mean(jax.device_get(losses)))
+    def evaluate() -> dict:
+        """Mean of every metric over eval_batches validation batches."""
+        results = jax.device_get([eval_fn(params, val_batches(i)) for i in range(t.eval_batches)])
+        return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
 
     if start_step >= t.steps and main:
         out(f"the checkpoint in {workdir} is at step {start_step}, train.steps is {t.steps}: nothing to train "
@@ -157,6 +225,7 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
         record = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
                   "grad_norm": float(m["grad_norm"]), "tokens_per_sec": tokens_per_step / dt,
                   "step_time_s": dt, "tflops_per_device": flops / dt / 1e12}
+        record.update({k: float(v) for k, v in m.items() if k not in record})  # BERT: mlm_loss, sop_accuracy, ...
         if peak:
             record["mfu"] = record["tflops_per_device"] / peak
         metrics.write(record)
@@ -180,9 +249,15 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
                 progress.update(step, flush(step))
                 logged = True
             if val_batches is not None and (step % t.eval_every == 0 or step == t.steps):
-                val_loss = evaluate()
-                metrics.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
-                progress.write(f"step {step:>6}  val_loss {val_loss:.4f}  val_ppl {math.exp(min(val_loss, 50)):.2f}")
+                val = evaluate()
+                val_loss = val["loss"]
+                record = {"step": step, "val_loss": val_loss}
+                if cfg.model.kind == "gpt":
+                    record["val_ppl"] = math.exp(min(val_loss, 50))
+                record.update({f"val_{k}": v for k, v in val.items() if k != "loss"})
+                metrics.write(record)
+                progress.write(f"step {step:>6}  " + "  ".join(
+                    f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
             stopping = stop.requested  # read once: a signal may arrive at any moment
             if step % t.save_every == 0 or step == t.steps or stopping:
                 if not logged:
@@ -209,7 +284,7 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
         final = f", final train loss {losses[step]:.4f}" if step in losses else ""
         out(f"done: {step} steps{final}"
             + (f", val loss {val_loss:.4f}" if val_loss is not None else "") + f"; loss curve {png}")
-    if sample_tokens:  # every process takes part: the model is sharded over all of them
+    if sample_tokens and cfg.model.kind == "gpt":  # every process takes part: the model is sharded over all of them
         result.sample = sample_text(trainer, params, data, sample_tokens)
         if main:
             out("sample:\n" + result.sample)

@@ -1,0 +1,146 @@
+"""BERT from the same tensor-parallel layers as GPT: bidirectional attention, token +
+position + token-type embeddings, and the heads of each task.
+
+`ln_placement = "pre"` is the Megatron paper's rearrangement (LayerNorm at each sublayer's
+input, one final LayerNorm), the only form that keeps improving past 336M parameters;
+"post" is the original BERT (LayerNorm after each residual add and after the embeddings).
+
+Tasks (`model.task`):
+  pretrain   masked-LM + sentence-order prediction. The MLM output layer is tied to the
+             vocab-parallel input embedding and its loss is the fused vocab-parallel
+             cross-entropy, evaluated only at the masked positions.
+  mnli, qqp  sentence-pair classification on the pooled [CLS] vector (3 and 2 classes).
+  race       multiple choice: each of the 4 options is encoded with its article and question,
+             scored by a 1-output head on the pooled vector, softmax over the options.
+The heads are small and replicated over the model axis, so BERT has exactly GPT's
+collectives: 2 all-reduces forward and 2 backward per layer, plus the embedding, the tied
+output layer and the loss (pretraining only).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from megajax import sharding as S
+from megajax.layers import LayerNorm, LayerStack, ReplicatedLinear, VocabParallelEmbedding, dropout
+from megajax.loss import vocab_parallel_cross_entropy
+from megajax.mesh import single_device_mesh
+
+NUM_CLASSES = {"mnli": 3, "qqp": 2, "race": 1}   # race: one score per option
+NUM_CHOICES = 4                                  # RACE's options per question
+TYPE_VOCAB = 2                                   # segment A / segment B
+
+
+def mlm_predictions(seq_len: int, mask_prob: float) -> int:
+    """Masked positions per sequence the batch has room for (BERT: 20 at 128, 77 at 512)."""
+    return max(1, int(-(-mask_prob * seq_len // 1)))
+
+
+class BERT(nnx.Module):
+    def __init__(self, cfg, layout: S.Layout | None = None, *, rngs: nnx.Rngs):
+        layout = layout or S.Layout(single_device_mesh())
+        self.cfg, self.layout, self.dtype = cfg, layout, cfg.dtype
+        h, std = cfg.hidden, cfg.init_std
+        dense = dict(layout=layout, dtype=self.dtype, std=std, rngs=rngs)
+        self.embed = VocabParallelEmbedding(cfg.padded_vocab, h, layout=layout, dtype=self.dtype, std=std, rngs=rngs)
+        normal = nnx.with_partitioning(nnx.initializers.normal(std), S.REPLICATED_2D)
+        self.pos = nnx.Param(normal(rngs.params(), (cfg.seq_len, h), jnp.float32))
+        self.types = nnx.Param(normal(rngs.params(), (TYPE_VOCAB, h), jnp.float32))
+        if cfg.ln_placement == "post":
+            self.ln_embed = LayerNorm(h, cfg.ln_eps)
+        else:
+            self.ln_f = LayerNorm(h, cfg.ln_eps)
+        self.layers = LayerStack(cfg, layout, rngs, causal=False)
+        self.pooler = ReplicatedLinear(h, h, **dense)
+        if cfg.task == "pretrain":
+            self.mlm_dense = ReplicatedLinear(h, h, **dense)
+            self.mlm_ln = LayerNorm(h, cfg.ln_eps)
+            self.mlm_bias = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, S.VOCAB_BIAS)(
+                rngs.params(), (cfg.padded_vocab,), jnp.float32))
+            self.sop = ReplicatedLinear(h, 2, **dense)
+        else:
+            self.classifier = ReplicatedLinear(h, NUM_CLASSES[cfg.task], **dense)
+
+    # -- encoder ----------------------------------------------------------------------------
+    def hidden_states(self, tokens, types, mask, *, key=None):
+        """(b, s) ids, segment ids and a 0/1 padding mask -> (b, s, h), replicated over "model"."""
+        s = tokens.shape[1]
+        k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
+        x = (self.embed(tokens) + self.pos[...][:s].astype(self.dtype)
+             + jnp.take(self.types[...], types, axis=0).astype(self.dtype))
+        x = self.layout.constrain(x, S.ACT_REPLICATED)
+        if self.cfg.ln_placement == "post":
+            x = self.ln_embed(x)
+        x = dropout(x, self.cfg.hidden_dropout, k_embed, self.layout, S.ACT_REPLICATED)
+        x = self.layers(x, key=k_layers, mask=mask.astype(bool))
+        return self.ln_f(x) if self.cfg.ln_placement == "pre" else x
+
+    def pooled(self, h):
+        """BERT's pooler: tanh(W h[CLS] + b)."""
+        return jnp.tanh(self.pooler(h[:, 0]).astype(jnp.float32))
+
+    # -- pretraining heads --------------------------------------------------------------------
+    def mlm_logits(self, h, positions):
+        """Vocab-parallel logits (b, P, vocab/tp) at the masked positions only."""
+        picked = jnp.take_along_axis(h, positions[..., None], axis=1)
+        t = self.mlm_ln(jax.nn.gelu(self.mlm_dense(picked), approximate=False))
+        return self.embed.attend(t) + self.mlm_bias[...]
+
+    def pretrain_objective(self, batch, key):
+        k_enc, k_pool = jax.random.split(key) if key is not None else (None, None)
+        h = self.hidden_states(batch["tokens"], batch["types"], batch["mask"], key=k_enc)
+        losses, correct = vocab_parallel_cross_entropy(
+            self.mlm_logits(h, batch["mlm_positions"]), batch["mlm_ids"], self.layout, self.cfg.vocab_size,
+            with_accuracy=True)
+        w = batch["mlm_weights"].astype(jnp.float32)
+        with jax.named_scope("loss_mean"):
+            n = jnp.maximum(w.sum(), 1.0)
+            mlm_loss, mlm_acc = (losses * w).sum() / n, (correct * w).sum() / n
+        pooled = dropout(self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
+        sop_logits = self.sop(pooled).astype(jnp.float32)
+        sop_loss = optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_label"]).mean()
+        sop_acc = (sop_logits.argmax(-1) == batch["sop_label"]).mean()
+        loss = mlm_loss + sop_loss
+        return loss, {"loss": loss, "mlm_loss": mlm_loss, "sop_loss": sop_loss,
+                      "mlm_accuracy": mlm_acc, "sop_accuracy": sop_acc}
+
+    # -- fine-tuning heads -------------------------------------------------------------------
+    def class_logits(self, batch, *, key=None):
+        """(b, classes) for pair classification, (b, 4) option scores for multiple choice."""
+        tokens = batch["tokens"]
+        lead = tokens.shape[:-1]                       # (b,) or (b, choices)
+        flat = lambda x: x.reshape(-1, x.shape[-1])   # noqa: E731  options become rows
+        k_enc, k_pool = jax.random.split(key) if key is not None else (None, None)
+        h = self.hidden_states(flat(tokens), flat(batch["types"]), flat(batch["mask"]), key=k_enc)
+        pooled = dropout(self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
+        logits = self.classifier(pooled).astype(jnp.float32)
+        return logits.reshape(lead) if len(lead) == 2 else logits
+
+    def classification_objective(self, batch, key):
+        logits = self.class_logits(batch, key=key)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).mean()}
+
+    # -- the training interface shared by every model (see megajax/train_step.py) ------------
+    def objective(self, batch, *, key=None):
+        if self.cfg.task == "pretrain":
+            return self.pretrain_objective(batch, key)
+        return self.classification_objective(batch, key)
+
+    @staticmethod
+    def batch_shapes(cfg, batch_size: int):
+        """The arrays of one global batch, all split over "data" by rows."""
+        s, i32 = cfg.model.seq_len, jnp.int32
+        task = cfg.model.task
+        rows = (batch_size, NUM_CHOICES, s) if task == "race" else (batch_size, s)
+        shapes = {k: jax.ShapeDtypeStruct(rows, i32) for k in ("tokens", "types", "mask")}
+        if task == "pretrain":
+            p = mlm_predictions(s, cfg.data.mask_prob)
+            shapes.update({k: jax.ShapeDtypeStruct((batch_size, p), i32)
+                           for k in ("mlm_positions", "mlm_ids", "mlm_weights")})
+            shapes["sop_label"] = jax.ShapeDtypeStruct((batch_size,), i32)
+        else:
+            shapes["label"] = jax.ShapeDtypeStruct((batch_size,), i32)
+        return shapes

@@ -1,0 +1,193 @@
+"""BERT pretraining data: sentence pairs for sentence-order prediction, and masked tokens.
+
+From plain text (the built-in corpus or `text:` files): a paragraph (text between blank
+lines) is a document, split into sentences. Consecutive sentences are packed into chunks of
+about seq_len - 3 tokens and each chunk is cut at a sentence boundary into segments A and B
+(ALBERT/Megatron). At batch time each example is laid out as [CLS] A [SEP] B [SEP]; half are
+swapped to B, A (sentence-order label 1), and 15% of the non-special tokens are chosen for
+prediction: 80% become [MASK], 10% a random token, 10% stay. Everything random is drawn
+from (seed, step, row), so a batch is a pure function of the step, like GPT's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import numpy as np
+
+from megajax.bert import mlm_predictions
+from megajax.errors import UserError
+from megajax.tokenizer import Tokenizer
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+SHORT_SEQ_PROB = 0.1   # share of chunks with a shorter random target length, as in BERT
+
+
+def split_documents(text: str) -> list[list[str]]:
+    """Paragraphs (separated by blank lines) as lists of sentences."""
+    docs = []
+    for para in re.split(r"\n\s*\n", text):
+        joined = " ".join(line.strip() for line in para.splitlines() if line.strip())
+        sentences = [s for s in _SENTENCE_END.split(joined) if s]
+        if sentences:
+            docs.append(sentences)
+    return docs
+
+
+@dataclasses.dataclass(frozen=True)
+class Specials:
+    cls: int
+    sep: int
+    mask: int
+    pad: int
+
+    @classmethod
+    def of(cls, tok: Tokenizer) -> "Specials":
+        ids = {t: tok.token_id(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]")}
+        missing = [t for t, i in ids.items() if i is None]
+        if missing:
+            raise UserError(f"BERT needs a tokenizer with {', '.join(missing)} "
+                            f"(use --tokenizer wordpiece:PATH/vocab.txt, or wordpiece to train one)")
+        return cls(ids["[CLS]"], ids["[SEP]"], ids["[MASK]"], ids["[PAD]"])
+
+
+def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng) -> tuple[list[int], list[int]]:
+    """BERT's truncate_seq_pair: drop tokens from the longer segment, at a random end."""
+    a, b = list(a), list(b)
+    while len(a) + len(b) > max_tokens:
+        longer = a if len(a) > len(b) else b
+        del longer[0 if rng.random() < 0.5 else -1]
+    return a, b
+
+
+def make_pairs(docs: list[list[list[int]]], seq_len: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(A, B) segment pairs of consecutive text, each fitting [CLS] A [SEP] B [SEP] in seq_len."""
+    rng = np.random.default_rng([seed, 7])
+    max_tokens = seq_len - 3
+
+    def target():
+        return max_tokens if rng.random() >= SHORT_SEQ_PROB else int(rng.integers(2, max_tokens + 1))
+
+    pairs = []
+    for doc in docs:
+        chunk, length, goal = [], 0, target()
+        for i, sentence in enumerate(doc):
+            if sentence:
+                chunk.append(sentence)
+                length += len(sentence)
+            if chunk and (i == len(doc) - 1 or length >= goal):
+                if length >= 2:
+                    if len(chunk) >= 2:
+                        cut = int(rng.integers(1, len(chunk)))
+                        a = [t for s in chunk[:cut] for t in s]
+                        b = [t for s in chunk[cut:] for t in s]
+                    else:   # one long sentence: cut it inside
+                        cut = int(rng.integers(1, len(chunk[0])))
+                        a, b = chunk[0][:cut], chunk[0][cut:]
+                    pairs.append(_truncate_pair(a, b, max_tokens, rng))
+                chunk, length, goal = [], 0, target()
+    return pairs
+
+
+def mask_tokens(ids: np.ndarray, candidates: np.ndarray, n_predict: int, specials: Specials,
+                random_ids: np.ndarray, mask_prob: float, rng):
+    """Choose round(mask_prob * candidates) positions (at most n_predict); 80% -> [MASK],
+    10% -> a random token, 10% unchanged. Returns (masked ids, positions, original ids)."""
+    n = min(n_predict, max(1, int(round(len(candidates) * mask_prob))))
+    positions = np.sort(rng.choice(candidates, size=n, replace=False))
+    originals = ids[positions].copy()
+    r = rng.random(n)
+    out = ids.copy()
+    out[positions[r < 0.8]] = specials.mask
+    swap = positions[(r >= 0.8) & (r < 0.9)]
+    out[swap] = rng.choice(random_ids, size=len(swap))
+    return out, positions, originals
+
+
+class PretrainBatches:
+    """Global BERT pretraining batches; each process builds only the rows its devices own."""
+
+    def __init__(self, pairs, cfg, specials: Specials, vocab_size: int, sharding, name: str = "train"):
+        if not pairs:
+            raise UserError(f"the {name} split has no sentence pairs: BERT pretraining needs paragraphs "
+                            f"of at least two tokens")
+        self.pairs, self.specials, self.sharding = pairs, specials, sharding
+        self.seq_len, self.batch_size, self.seed = cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed
+        self.mask_prob = cfg.data.mask_prob
+        self.n_predict = mlm_predictions(self.seq_len, self.mask_prob)
+        special_ids = [specials.cls, specials.sep, specials.mask, specials.pad]
+        self.random_ids = np.setdiff1d(np.arange(vocab_size), special_ids)
+        self.stream = 0 if name == "train" else 1
+        self._memo = {}
+
+    def example(self, step: int, row: int) -> dict:
+        rng = np.random.default_rng([self.seed, self.stream, step, row])
+        a, b = self.pairs[int(rng.integers(len(self.pairs)))]
+        swapped = rng.random() < 0.5
+        if swapped:
+            a, b = b, a
+        sp, s = self.specials, self.seq_len
+        ids = np.full(s, sp.pad, np.int32)
+        n = len(a) + len(b) + 3
+        ids[:n] = [sp.cls, *a, sp.sep, *b, sp.sep]
+        types = np.zeros(s, np.int32)
+        types[len(a) + 2: n] = 1
+        candidates = np.setdiff1d(np.arange(1, n - 1), [len(a) + 1])
+        ids, positions, originals = mask_tokens(ids, candidates, self.n_predict, sp, self.random_ids,
+                                                self.mask_prob, rng)
+        pad = self.n_predict - len(positions)
+        return {"tokens": ids, "types": types, "mask": (np.arange(s) < n).astype(np.int32),
+                "mlm_positions": np.pad(positions, (0, pad)).astype(np.int32),
+                "mlm_ids": np.pad(originals, (0, pad)).astype(np.int32),
+                "mlm_weights": np.pad(np.ones(len(positions), np.int32), (0, pad)),
+                "sop_label": np.int32(swapped)}
+
+    def rows(self, step: int, rows: slice) -> dict:
+        key = (step, rows.start, rows.stop)
+        if key not in self._memo:   # one build per step and row range, shared by every array
+            self._memo = {key: None}
+            examples = [self.example(step, r) for r in range(*rows.indices(self.batch_size))]
+            self._memo[key] = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+        return self._memo[key]
+
+    def __call__(self, step: int) -> dict:
+        def build(name, shape):
+            return jax.make_array_from_callback(shape, self.sharding, lambda idx: self.rows(step, idx[0])[name])
+
+        p, b, s = self.n_predict, self.batch_size, self.seq_len
+        shapes = {"tokens": (b, s), "types": (b, s), "mask": (b, s), "mlm_positions": (b, p),
+                  "mlm_ids": (b, p), "mlm_weights": (b, p), "sop_label": (b,)}
+        return {k: build(k, shape) for k, shape in shapes.items()}
+
+
+@dataclasses.dataclass
+class PretrainData:
+    train_pairs: list
+    val_pairs: list
+    tokenizer: Tokenizer
+    specials: Specials
+
+    def describe(self) -> str:
+        n = sum(len(a) + len(b) for a, b in self.train_pairs)
+        return f"{len(self.train_pairs):,} train sentence pairs ({n:,} tokens)"
+
+    def batches(self, split: str, cfg, sharding):
+        pairs = self.train_pairs if split == "train" else self.val_pairs
+        if split != "train" and not pairs:
+            return None
+        return PretrainBatches(pairs, cfg, self.specials, self.tokenizer.vocab_size, sharding, split)
+
+
+def load_pretraining(text: str, tokenizer: Tokenizer, cfg) -> PretrainData:
+    """Documents -> sentence token ids -> (A, B) pairs; the last val_fraction of pairs held out."""
+    specials = Specials.of(tokenizer)
+    docs = split_documents(text)
+    flat = [s for d in docs for s in d]
+    ids = tokenizer.encode_batch(flat)
+    it = iter(ids)
+    doc_ids = [[next(it) for _ in d] for d in docs]
+    pairs = make_pairs(doc_ids, cfg.model.seq_len, cfg.train.seed)
+    n_val = int(math.floor(len(pairs) * cfg.data.val_fraction))
+    return PretrainData(pairs[: len(pairs) - n_val], pairs[len(pairs) - n_val:], tokenizer, specials)
