@@ -93,9 +93,13 @@ def make_pairs(docs: list[list[list[int]]], seq_len: int, seed: int) -> list[tup
 
 def mask_tokens(ids: np.ndarray, candidates: np.ndarray, n_predict: int, specials: Specials,
                 random_ids: np.ndarray, mask_prob: float, rng):
-    """Choose round(mask_prob * candidates) positions (at most n_predict); 80% -> [MASK],
-    10% -> a random token, 10% unchanged. Returns (masked ids, positions, original ids)."""
-    n = min(n_predict, max(1, int(round(len(candidates) * mask_prob))))
+    """Choose mask_prob of the candidate positions (at least one, at most n_predict); 80% ->
+    [MASK], 10% -> a random token, 10% unchanged. Returns (masked ids, positions, original ids).
+    The count is rounded up or down at random, so the rate is mask_prob even for short
+    sequences (BERT's round() gives 3 of 18 = 17% there)."""
+    expected = len(candidates) * mask_prob
+    n = int(expected) + int(rng.random() < expected - int(expected))
+    n = min(n_predict, max(1, n))
     positions = np.sort(rng.choice(candidates, size=n, replace=False))
     originals = ids[positions].copy()
     r = rng.random(n)

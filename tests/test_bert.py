@@ -1,0 +1,283 @@
+"""BERT: equivalence with one device, Megatron's collectives, pre/post LayerNorm, masking
+statistics, pretraining through train.py, and RACE / MNLI / QQP fine-tuning from it."""
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from bert_fixtures import write_corpus, write_mnli, write_qqp, write_race
+from conftest import mesh_for, tiny_config
+from test_train_cli import ROOT, env, run
+
+from megajax.audit import audit
+from megajax.bert_data import PretrainBatches, load_pretraining, make_pairs, split_documents
+from megajax.config import ConfigError, load_config
+from megajax.evaluation import load_workdir
+from megajax.finetune import evaluate_task, load_task_data
+from megajax.model import ModelDef
+from megajax.tokenizer import WordPieceTokenizer, load_tokenizer
+from megajax.train_step import make_trainer
+from megajax.training import init_from_pretrained, train
+
+KEY = jax.random.key(3)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bert")
+    corpus, vocab = write_corpus(d)
+    return {"dir": d, "corpus": corpus, "vocab": vocab, "tok": WordPieceTokenizer.from_file(vocab),
+            "race": write_race(d / "RACE"), "mnli": write_mnli(d / "MNLI"), "qqp": write_qqp(d / "QQP")}
+
+
+def bert_config(tok, task="pretrain", **model):
+    cfg = tiny_config(kind="bert", task=task, **model)
+    cfg.model.vocab_size = tok.vocab_size          # 300 -> padded 384, divisible by 8
+    return cfg
+
+
+def pretrain_batch(files, cfg, sharding, step=0):
+    data = load_pretraining(files["corpus"].read_text(), files["tok"], cfg)
+    return PretrainBatches(data.train_pairs, cfg, data.specials, files["tok"].vocab_size, sharding)(step)
+
+
+def task_batch(files, cfg, sharding):
+    data = load_task_data(cfg.model.task, files[cfg.model.task], files["tok"], cfg)
+    return data.batches("train", cfg, sharding)(0)
+
+
+def metrics_and_grads(cfg, files, spec):
+    trainer = make_trainer(cfg, mesh_for(spec))
+    params, _ = trainer.init_state(seed=0)
+    make = pretrain_batch if cfg.model.task == "pretrain" else task_batch
+    batch = make(files, cfg, trainer.batch_sharding)
+    (_, metrics), grads = jax.jit(jax.value_and_grad(trainer.objective, has_aux=True))(params, batch, KEY)
+    return jax.device_get((metrics, grads))
+
+
+@pytest.mark.parametrize("task,spec", [("pretrain", "2x4"), ("pretrain", "1x8"), ("race", "2x4"), ("mnli", "1x8")])
+def test_bert_matches_single_device(files, task, spec):
+    """Loss, every metric and every gradient equal one device's, dropout on."""
+    cfg = bert_config(files["tok"], task)
+    ref_metrics, ref_grads = metrics_and_grads(cfg, files, "1x1")
+    metrics, grads = metrics_and_grads(cfg, files, spec)
+    assert set(metrics) == set(ref_metrics)
+    for k in ref_metrics:
+        np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, err_msg=k)
+    # (RACE's classifier bias has an exactly-zero gradient: the shift cancels in the softmax
+    # over options, so only rounding noise of ~1e-8 is left there.)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(ref_grads)[0], jax.tree.leaves(grads)):
+        np.testing.assert_allclose(y, x, rtol=1e-4, atol=max(1e-4 * np.abs(x).max(), 1e-7),
+                                   err_msg=jax.tree_util.keystr(path))
+    expected = {"pretrain": {"loss", "mlm_loss", "sop_loss", "mlm_accuracy", "sop_accuracy"}}.get(
+        task, {"loss", "accuracy"})
+    assert set(metrics) == expected
+
+
+@pytest.mark.parametrize("task,spec,scan", [("pretrain", "2x4", True), ("pretrain", "1x8", False),
+                                            ("race", "2x4", True)])
+def test_bert_has_megatrons_collectives(files, task, spec, scan):
+    """2 forward + 2 backward model-axis all-reduces per layer, the embedding's forward one,
+    and (pretraining) the tied MLM output layer's backward one and the fused loss's three on
+    the masked positions only; the replicated heads add none."""
+    cfg = bert_config(files["tok"], task, scan_layers=scan)
+    mesh = mesh_for(spec)
+    r = audit(cfg, mesh)
+    b, s, h = cfg.train.batch_size // mesh.shape["data"], cfg.model.seq_len, cfg.model.hidden
+    rows = b * (4 if task == "race" else 1)
+    for i, counts in r.model_axis_layer_counts().items():
+        assert counts == {("attention", "forward"): 1, ("mlp", "forward"): 1,
+                          ("attention", "backward"): 1, ("mlp", "backward"): 1}, i
+    assert sorted(r.model_axis_layer_counts()) == ["0", "1"]
+    model_ars = r.select(kind="all-reduce", axis="model")
+    extras = sorted((c.origin, c.direction, c.elements, c.count) for c in model_ars
+                    if c.origin not in ("attention", "mlp", "optimizer"))
+    want = [("embedding", "forward", rows * s * h, 1)]
+    if task == "pretrain":
+        p = r.head_rows
+        assert p == 3   # ceil(0.15 * 16)
+        want += [("logits", "backward", b * p * h, 1)] + [("loss", "forward", b * p, 1)] * 3
+    assert extras == sorted(want)
+    assert {c.kind for c in r.collectives} == {"all-reduce"}
+    for c in r.select(axis="data"):   # gradients, and the scalar means of loss and metrics
+        assert c.origin == "gradients" or c.shape == (), c
+    assert r.ratio == pytest.approx(1.0, abs=0.005)
+
+
+def test_pre_and_post_layernorm_differ_and_both_train(files):
+    losses, params = {}, {}
+    for placement in ("pre", "post"):
+        cfg = bert_config(files["tok"], ln_placement=placement, hidden_dropout=0.0, attention_dropout=0.0)
+        trainer = make_trainer(cfg, mesh_for("1x1"))
+        p, o = trainer.init_state(seed=0)
+        params[placement] = set(p)
+        step = trainer.jit_step()
+        batch = pretrain_batch(files, cfg, trainer.batch_sharding)
+        losses[placement] = []
+        for i in range(25):   # one fixed batch: the loss must fall
+            p, o, m = step(p, o, batch, jnp.int32(i))
+            losses[placement].append(float(m["loss"]))
+    assert params["pre"] - params["post"] == {"ln_f"} and params["post"] - params["pre"] == {"ln_embed"}
+    assert abs(losses["pre"][0] - losses["post"][0]) > 1e-3   # different computations from the same weights
+    for placement, ls in losses.items():
+        assert np.mean(ls[-5:]) < 0.6 * np.mean(ls[:3]), (placement, ls)
+
+
+def test_sentence_pairs_are_consecutive_text(files):
+    text = "One two three. Four five six! Seven eight?\n\nNine ten. Eleven.\n\nLonely."
+    docs = split_documents(text)
+    assert docs == [["One two three.", "Four five six!", "Seven eight?"], ["Nine ten.", "Eleven."], ["Lonely."]]
+    tok = files["tok"]
+    ids = [[tok.encode(s) for s in d] for d in split_documents(files["corpus"].read_text())]
+    for seq_len in (16, 32):
+        pairs = make_pairs(ids, seq_len, seed=0)
+        assert len(pairs) > 200
+        for a, b in pairs:
+            assert a and b and len(a) + len(b) <= seq_len - 3
+    pairs = make_pairs(ids, 64, seed=0)   # no truncation at 64: A + B is a run of whole sentences
+    docs_flat = [[t for s in d for t in s] for d in ids]
+    assert all(any(a + b == d for d in docs_flat) for a, b in pairs[:50])
+
+
+def test_masking_statistics(files):
+    """15% of the non-special tokens are predicted; of those 80% [MASK], 10% random, 10% kept."""
+    tok = files["tok"]
+    cfg = bert_config(tok, seq_len=64)
+    cfg.data.mask_prob = 0.15
+    data = load_pretraining(files["corpus"].read_text(), tok, cfg)
+    batches = PretrainBatches(data.train_pairs, cfg, data.specials, tok.vocab_size, None)
+    sp = data.specials
+    n_cand = n_pred = n_mask = n_kept = n_swapped = 0
+    for row in range(3000):
+        e = batches.example(0, row)
+        n = int(e["mask"].sum())
+        w = e["mlm_weights"].astype(bool)
+        pos, orig = e["mlm_positions"][w], e["mlm_ids"][w]
+        specials = {0, n - 1, int(np.flatnonzero(e["tokens"][:n] == sp.sep)[0])}
+        assert not specials & set(pos.tolist()) and (pos < n).all() and len(set(pos.tolist())) == len(pos)
+        assert not np.isin(orig, [sp.cls, sp.sep, sp.pad, sp.mask]).any()
+        n_cand += n - 3
+        n_pred += len(pos)
+        n_mask += int((e["tokens"][pos] == sp.mask).sum())
+        n_kept += int((e["tokens"][pos] == orig).sum())
+        n_swapped += int(e["sop_label"])
+    assert n_pred / n_cand == pytest.approx(0.15, abs=0.01)
+    assert n_mask / n_pred == pytest.approx(0.8, abs=0.02)
+    # "kept" also counts the random replacements that happen to draw the same token (1/vocab)
+    assert n_kept / n_pred == pytest.approx(0.1, abs=0.015)
+    assert (n_pred - n_mask - n_kept) / n_pred == pytest.approx(0.1, abs=0.015)
+    assert n_swapped / 3000 == pytest.approx(0.5, abs=0.04)
+    # A batch is a pure function of (seed, step), whatever rows a process builds.
+    whole = batches.rows(7, slice(0, 8))
+    part = PretrainBatches(data.train_pairs, cfg, data.specials, tok.vocab_size, None).rows(7, slice(2, 5))
+    for k in whole:
+        np.testing.assert_array_equal(whole[k][2:5], part[k])
+
+
+def test_wordpiece_vocab_file(files, tmp_path):
+    tok = files["tok"]
+    assert [tok.token_id(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")] == [0, 1, 2, 3, 4]
+    assert tok.decode(tok.encode("First the Fox saw the ball.")) == "first the fox saw the ball."
+    tok.save(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert again.vocab == tok.vocab and (tmp_path / "vocab.txt").read_text().splitlines() == tok.vocab
+    with pytest.raises(ConfigError, match="model.task must be one of"):
+        load_config("bert_tiny", ["model.task=squad"])
+
+
+# --- train.py / eval.py end to end ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pretrained(files):
+    """A tiny BERT pretrained through train.py on the fixture corpus (2x2 mesh)."""
+    workdir = files["dir"] / "pretrained"
+    run("--config", "bert_tiny", "--data", f"text:{files['corpus']}", "--tokenizer", f"wordpiece:{files['vocab']}",
+        "--set", "model.seq_len=32", "--set", "train.batch_size=32", "--set", "train.lr=2e-3",
+        "--set", "train.warmup_steps=20", "--set", "train.eval_batches=4", "--steps", "150",
+        "--log-every", "10", "--eval-every", "50", "--host-devices", "4", "--mesh", "2x2",
+        "--workdir", str(workdir))
+    return workdir
+
+
+def test_pretraining_lowers_mlm_and_sop_losses(pretrained):
+    records = [json.loads(line) for line in (pretrained / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "mlm_loss" in r]
+    val = [r for r in records if "val_mlm_loss" in r]
+    assert {"mlm_loss", "sop_loss", "mlm_accuracy", "sop_accuracy", "tokens_per_sec", "mfu"} <= set(train[0])
+    first = lambda k: train[0][k]                           # noqa: E731  step 1: the untrained model
+    last = lambda k: np.mean([r[k] for r in train[-3:]])    # noqa: E731
+    assert first("mlm_loss") > 0.8 * np.log(384) and first("sop_loss") > 0.6   # ~ chance: ln V, ln 2
+    assert last("mlm_loss") < 0.5 * first("mlm_loss")
+    assert last("sop_loss") < 0.5 * first("sop_loss")
+    assert val[-1]["val_sop_accuracy"] > 0.9 and val[-1]["val_mlm_accuracy"] > 0.4
+    assert (pretrained / "vocab.txt").is_file()
+
+
+def test_init_from_restores_the_encoder_exactly(pretrained, files):
+    cfg = load_config("finetune_qqp", [f"train.init_from={pretrained}"])
+    from megajax.training import apply_init_from
+
+    apply_init_from(cfg)
+    assert (cfg.model.seq_len, cfg.model.hidden, cfg.model.vocab_size) == (32, 64, files["tok"].vocab_size)
+    mesh = mesh_for("2x2")   # not the mesh it was trained on
+    trainer = make_trainer(cfg, mesh)
+    fresh, _ = trainer.init_state()
+    fresh_cls = np.asarray(fresh["classifier"]["kernel"])
+    params = init_from_pretrained(trainer, fresh, pretrained, out=lambda *a: None)
+    loaded = load_workdir(pretrained, mesh)
+    pre = ModelDef(loaded.model).params(loaded.model)
+    encoder = {k for k in pre if k not in ("mlm_dense", "mlm_ln", "mlm_bias", "sop")}
+    assert encoder == set(params) - {"classifier"}
+    for k in encoder:
+        for a, b in zip(jax.tree.leaves(pre[k]), jax.tree.leaves(params[k])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(params["classifier"]["kernel"]), fresh_cls)
+
+
+def test_finetune_race_through_the_cli(pretrained, files):
+    workdir = files["dir"] / "race"
+    p = run("--config", "finetune_race", "--init-from", str(pretrained), "--data", str(files["race"]),
+            "--set", "train.batch_size=8", "--set", "train.lr=1e-3", "--set", "train.warmup_steps=10",
+            "--steps", "80", "--log-every", "20", "--eval-every", "80", "--set", "train.eval_batches=2",
+            "--host-devices", "2", "--mesh", "1x2", "--workdir", str(workdir))
+    assert "initialised from" in p.stdout and "new: classifier" in p.stdout
+    e = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--workdir", str(workdir), "--task", "race",
+                        "--data", str(files["race"]), "--host-devices", "8", "--mesh", "2x4"],
+                       capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
+    assert e.returncode == 0, e.stderr
+    result = json.loads((workdir / "eval_race.json").read_text())
+    assert result["split"] == "test" and result["examples"] == 30
+    assert result["accuracy"] > 0.6   # chance: 0.25
+    assert result["examples_middle"] + result["examples_high"] == 30 and "accuracy_high" in result
+
+
+@pytest.mark.parametrize("task,chance", [("mnli", 1 / 3), ("qqp", 1 / 2)])
+def test_finetune_sentence_pairs(pretrained, files, task, chance):
+    cfg = load_config(f"finetune_{task}", [f"train.init_from={pretrained}", f"data.source={files[task]}",
+                                           "train.batch_size=16", "train.lr=2e-3", "train.warmup_steps=10",
+                                           "train.steps=200", "train.log_every=50", "train.eval_every=200",
+                                           "train.eval_batches=2"])
+    workdir = files["dir"] / task
+    mesh = mesh_for("1x2")
+    train(cfg, mesh, workdir, out=lambda *a: None)
+    loaded = load_workdir(workdir, mesh)
+    result = evaluate_task(loaded.model, task, files[task], "dev", loaded.tokenizer)
+    assert result["examples"] == 60
+    assert result["accuracy"] > chance + 0.3, result
+
+
+def test_bert_user_errors(pretrained, files, tmp_path):
+    p = run("--config", "bert_tiny", "--tokenizer", "bytes", "--data", f"text:{files['corpus']}",
+            "--workdir", str(tmp_path / "w"), check=False)
+    assert p.returncode == 2 and "BERT needs a tokenizer with" in p.stderr and "Traceback" not in p.stderr
+    p = run("--config", "finetune_race", "--data", str(files["race"]), "--workdir", str(tmp_path / "x"), check=False)
+    assert p.returncode == 2 and "--init-from" in p.stderr
+    p = run("--config", "finetune_race", "--init-from", str(pretrained), "--data", str(tmp_path / "nope"),
+            "--workdir", str(tmp_path / "y"), check=False)
+    assert p.returncode == 2 and "race data directory not found" in p.stderr
+    e = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--workdir", str(pretrained), "--task", "race",
+                        "--data", str(files["race"])], capture_output=True, text=True, env=env(), cwd=ROOT)
+    assert e.returncode == 2 and "fine-tuned on race" in e.stderr
