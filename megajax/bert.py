@@ -98,10 +98,11 @@ class BERT(nnx.Module):
         with jax.named_scope("loss_mean"):
             n = jnp.maximum(w.sum(), 1.0)
             mlm_loss, mlm_acc = (losses * w).sum() / n, (correct * w).sum() / n
-        pooled = dropout(self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
-        sop_logits = self.sop(pooled).astype(jnp.float32)
-        sop_loss = optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_label"]).mean()
-        sop_acc = (sop_logits.argmax(-1) == batch["sop_label"]).mean()
+        with jax.named_scope("sop_loss"):   # replicated over "model": no collective but the data-axis means
+            pooled = dropout(self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
+            sop_logits = self.sop(pooled).astype(jnp.float32)
+            sop_loss = optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_label"]).mean()
+            sop_acc = (sop_logits.argmax(-1) == batch["sop_label"]).mean()
         loss = mlm_loss + sop_loss
         return loss, {"loss": loss, "mlm_loss": mlm_loss, "sop_loss": sop_loss,
                       "mlm_accuracy": mlm_acc, "sop_accuracy": sop_acc}
@@ -120,8 +121,10 @@ class BERT(nnx.Module):
 
     def classification_objective(self, batch, key):
         logits = self.class_logits(batch, key=key)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-        return loss, {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).mean()}
+        with jax.named_scope("class_loss"):
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+            accuracy = (logits.argmax(-1) == batch["label"]).mean()
+        return loss, {"loss": loss, "accuracy": accuracy}
 
     # -- the training interface shared by every model (see megajax/train_step.py) ------------
     def objective(self, batch, *, key=None):

@@ -257,7 +257,7 @@ def test_finetune_race_through_the_cli(pretrained, files):
 @pytest.mark.parametrize("task,chance", [("mnli", 1 / 3), ("qqp", 1 / 2)])
 def test_finetune_sentence_pairs(pretrained, files, task, chance):
     cfg = load_config(f"finetune_{task}", [f"train.init_from={pretrained}", f"data.source={files[task]}",
-                                           "train.batch_size=16", "train.lr=2e-3", "train.warmup_steps=10",
+                                           "train.batch_size=16", "train.lr=5e-4", "train.warmup_steps=10",
                                            "train.steps=200", "train.log_every=50", "train.eval_every=200",
                                            "train.eval_batches=2"])
     workdir = files["dir"] / task
