@@ -13,12 +13,12 @@ from conftest import mesh_for, tiny_config
 from test_train_cli import ROOT, env, run
 
 from megajax.audit import audit
-from megajax.bert_data import PretrainBatches, load_pretraining, make_pairs, split_documents
+from megajax.bert_data import PretrainBatches, Specials, load_pretraining, make_pairs, split_documents
 from megajax.config import ConfigError, load_config
 from megajax.evaluation import load_workdir
 from megajax.finetune import evaluate_task, load_task_data
 from megajax.model import ModelDef
-from megajax.tokenizer import WordPieceTokenizer, load_tokenizer
+from megajax.tokenizer import WordPieceTokenizer, load_tokenizer, make_tokenizer
 from megajax.train_step import make_trainer
 from megajax.training import init_from_pretrained, train
 
@@ -184,6 +184,10 @@ def test_wordpiece_vocab_file(files, tmp_path):
     tok.save(tmp_path)
     again = load_tokenizer(tmp_path)
     assert again.vocab == tok.vocab and (tmp_path / "vocab.txt").read_text().splitlines() == tok.vocab
+    # The same WordPiece as a Hugging Face tokenizer.json serves BERT too.
+    tok.tok.save(str(tmp_path / "tokenizer.json"))
+    hf = make_tokenizer(f"hf:{tmp_path / 'tokenizer.json'}")
+    assert Specials.of(hf) == Specials.of(tok) and hf.encode("the fox saw.") == tok.encode("the fox saw.")
     with pytest.raises(ConfigError, match="model.task must be one of"):
         load_config("bert_tiny", ["model.task=squad"])
 

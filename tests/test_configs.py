@@ -9,6 +9,8 @@ from megajax.model import abstract_model
 PAPER = {"gpt2_355m": 355e6, "gpt2_1.2b": 1.2e9, "gpt2_2.5b": 2.5e9, "gpt2_4.2b": 4.2e9,
          "gpt2_8.3b": 8.3e9, "gpt2_8.3b_24h": 8.3e9}
 
+PAPER_BERT = {"bert_336m": 336e6, "bert_1.3b": 1.3e9, "bert_3.9b": 3.9e9}
+
 
 @pytest.mark.parametrize("name", available_configs())
 def test_config_parses_and_builds_abstractly(name):
@@ -22,6 +24,10 @@ def test_config_parses_and_builds_abstractly(name):
         name_digits = f"{PAPER[name]:.2g}"
         assert abs(n - PAPER[name]) / PAPER[name] < 0.01 or f"{n:.2g}" == name_digits, f"{name}: {n:,}"
         assert cfg.model.seq_len == 1024 and cfg.model.padded_vocab == 51200
+    if name in PAPER_BERT:
+        assert abs(n - PAPER_BERT[name]) / PAPER_BERT[name] < 0.02, f"{name}: {n:,}"
+        m = cfg.model
+        assert (m.kind, m.task, m.ln_placement, m.seq_len, m.padded_vocab) == ("bert", "pretrain", "pre", 512, 30720)
 
 
 def test_paper_shapes():
@@ -30,6 +36,8 @@ def test_paper_shapes():
     assert shapes["gpt2_355m"] == (24, 1024, 16) and shapes["gpt2_1.2b"] == (40, 1536, 16)
     assert shapes["gpt2_2.5b"] == (54, 1920, 20) and shapes["gpt2_4.2b"] == (64, 2304, 24)
     assert shapes["gpt2_8.3b"] == (72, 3072, 32)
+    bert = {n: (c.num_layers, c.hidden, c.num_heads) for n in PAPER_BERT for c in [load_config(n).model]}
+    assert bert == {"bert_336m": (24, 1024, 16), "bert_1.3b": (24, 2048, 32), "bert_3.9b": (48, 2560, 40)}
 
 
 def test_vocab_padding_is_a_property_of_the_config():
