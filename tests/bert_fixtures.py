@@ -8,7 +8,7 @@ import json
 import random
 from pathlib import Path
 
-from megajax.tokenizer import WordPieceTokenizer
+from megajax.tokenizer import BERT_SPECIALS
 
 ANIMALS = ["cat", "dog", "fox", "owl", "bear", "wolf", "deer", "hare", "crow", "frog"]
 VERBS = ["saw", "found", "took", "lost", "moved", "watched", "chased", "carried"]
@@ -29,19 +29,24 @@ def corpus(n_docs: int = 300, seed: int = 0) -> str:
     return "\n\n".join(docs) + "\n"
 
 
+WORDS = sorted(set(ANIMALS + VERBS + THINGS + FRUITS + TOOLS + [
+    "first", "finally", "the", "with", "near", "what", "is", "it", "which", "one", "story", "about",
+    "always", "never", "maybe", "same", "other"]))
+
+
 def write_corpus(directory: Path) -> tuple[Path, Path]:
-    """corpus.txt and a WordPiece vocab.txt trained on it."""
+    """corpus.txt and a WordPiece vocab.txt written out here: BERT's specials, punctuation, the
+    fixtures' words and single-letter pieces (a fixed vocabulary, so every run sees the same ids)."""
     directory.mkdir(parents=True, exist_ok=True)
-    text = corpus()
-    (directory / "corpus.txt").write_text(text)
-    vocab = WordPieceTokenizer.train(text + " ".join(FRUITS + TOOLS) + " what is it ? which one the story"
-                                     " always never maybe same other question", vocab_size=300)
-    (directory / "vocab.txt").write_text("\n".join(vocab.vocab) + "\n")
+    (directory / "corpus.txt").write_text(corpus())
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = list(BERT_SPECIALS) + list(".,?!_") + WORDS + list(letters) + [f"##{c}" for c in letters]
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n")
     return directory / "corpus.txt", directory / "vocab.txt"
 
 
 def write_race(root: Path, per_split: dict | None = None, seed: int = 0) -> Path:
-    """RACE layout: root/{train,dev,test}/{middle,high}/N.txt; the answer is the fruit."""
+    """RACE layout: root/{train,dev,test}/{middle,high}/N.txt; the answer is the (thrice said) fruit."""
     rng = random.Random(seed)
     per_split = per_split or {"train": 40, "dev": 10, "test": 10}
     for split, n_files in per_split.items():
@@ -51,11 +56,12 @@ def write_race(root: Path, per_split: dict | None = None, seed: int = 0) -> Path
             for i in range(n_files // 2):
                 questions, options, answers = [], [], []
                 for _ in range(3):
-                    opts = rng.sample(TOOLS, 3) + [rng.choice(FRUITS)]
+                    fruit = rng.choice(FRUITS)
+                    opts = rng.sample(TOOLS, 3) + [f"{fruit} {fruit} {fruit}"]
                     rng.shuffle(opts)
                     questions.append("which one is it ?" if rng.random() < 0.5 else "the story is about _ .")
                     options.append(opts)
-                    answers.append("ABCD"[next(j for j, o in enumerate(opts) if o in FRUITS)])
+                    answers.append("ABCD"[next(j for j, o in enumerate(opts) if o.split()[0] in FRUITS)])
                 a = rng.choice(ANIMALS)
                 doc = {"article": f"first the {a} {rng.choice(VERBS)} the {rng.choice(THINGS)}.",
                        "questions": questions, "options": options, "answers": answers, "id": f"{level}{i}.txt"}
@@ -71,11 +77,11 @@ def _tsv(path: Path, header: list[str], rows: list[list[str]]):
 
 
 def write_mnli(root: Path, n_train: int = 240, n_dev: int = 60, seed: int = 0) -> Path:
-    """MNLI layout; the label follows the hypothesis' adverb (always/never/maybe)."""
+    """MNLI layout; the label follows the hypothesis' adverb (always x1, never x2, maybe x3)."""
     rng = random.Random(seed)
     header = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
               "sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1", "gold_label"]
-    cue = {"entailment": "always", "contradiction": "never", "neutral": "maybe"}
+    cue = {"entailment": "always", "contradiction": "never never", "neutral": "maybe maybe maybe"}
     root.mkdir(parents=True, exist_ok=True)
     for name, n in (("train.tsv", n_train), ("dev_matched.tsv", n_dev)):
         rows = []
@@ -90,7 +96,7 @@ def write_mnli(root: Path, n_train: int = 240, n_dev: int = 60, seed: int = 0) -
 
 
 def write_qqp(root: Path, n_train: int = 240, n_dev: int = 60, seed: int = 0) -> Path:
-    """QQP layout; duplicates are the pairs whose second question says 'same'."""
+    """QQP layout; duplicates are the pairs whose second question says 'same same same'."""
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
     for name, n in (("train.tsv", n_train), ("dev.tsv", n_dev)):
@@ -99,7 +105,7 @@ def write_qqp(root: Path, n_train: int = 240, n_dev: int = 60, seed: int = 0) ->
             dup = rng.random() < 0.5
             a = rng.choice(ANIMALS)
             q1 = f"what is the {a} ?"
-            q2 = f"what is the {'same' if dup else 'other'} {rng.choice(ANIMALS)} ?"
+            q2 = f"what is the {'same same same' if dup else 'other'} {rng.choice(ANIMALS)} ?"
             rows.append([str(i), str(2 * i), str(2 * i + 1), q1, q2, str(int(dup))])
         _tsv(root / name, ["id", "qid1", "qid2", "question1", "question2", "is_duplicate"], rows)
     return root

@@ -35,7 +35,7 @@ def files(tmp_path_factory):
 
 def bert_config(tok, task="pretrain", **model):
     cfg = tiny_config(kind="bert", task=task, **model)
-    cfg.model.vocab_size = tok.vocab_size          # 300 -> padded 384, divisible by 8
+    cfg.model.vocab_size = tok.vocab_size          # 119 -> padded 128, divisible by 8
     return cfg
 
 
@@ -181,6 +181,8 @@ def test_wordpiece_vocab_file(files, tmp_path):
     tok = files["tok"]
     assert [tok.token_id(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")] == [0, 1, 2, 3, 4]
     assert tok.decode(tok.encode("First the Fox saw the ball.")) == "first the fox saw the ball."
+    trained = WordPieceTokenizer.train(files["corpus"].read_text(), vocab_size=200)
+    assert trained.vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] and "finally" in trained.vocab
     tok.save(tmp_path)
     again = load_tokenizer(tmp_path)
     assert again.vocab == tok.vocab and (tmp_path / "vocab.txt").read_text().splitlines() == tok.vocab
@@ -213,7 +215,7 @@ def test_pretraining_lowers_mlm_and_sop_losses(pretrained):
     assert {"mlm_loss", "sop_loss", "mlm_accuracy", "sop_accuracy", "tokens_per_sec", "mfu"} <= set(train[0])
     first = lambda k: train[0][k]                           # noqa: E731  step 1: the untrained model
     last = lambda k: np.mean([r[k] for r in train[-3:]])    # noqa: E731
-    assert first("mlm_loss") > 0.8 * np.log(384) and first("sop_loss") > 0.6   # ~ chance: ln V, ln 2
+    assert first("mlm_loss") > 0.8 * np.log(128) and first("sop_loss") > 0.6   # ~ chance: ln V, ln 2
     assert last("mlm_loss") < 0.5 * first("mlm_loss")
     assert last("sop_loss") < 0.5 * first("sop_loss")
     assert val[-1]["val_sop_accuracy"] > 0.9 and val[-1]["val_mlm_accuracy"] > 0.4
