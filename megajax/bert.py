@@ -88,21 +88,29 @@ class BERT(nnx.Module):
         t = self.mlm_ln(jax.nn.gelu(self.mlm_dense(picked), approximate=False))
         return self.embed.attend(t) + self.mlm_bias[...]
 
-    def pretrain_objective(self, batch, key):
+    def pretrain_outputs(self, batch, key=None):
+        """Per-example results: MLM losses and hits (b, P) at the masked positions, SOP losses
+        and hits (b,). The objective averages them; evaluation sums them exactly."""
         k_enc, k_pool = jax.random.split(key) if key is not None else (None, None)
         h = self.hidden_states(batch["tokens"], batch["types"], batch["mask"], key=k_enc)
-        losses, correct = vocab_parallel_cross_entropy(
+        mlm_losses, mlm_hits = vocab_parallel_cross_entropy(
             self.mlm_logits(h, batch["mlm_positions"]), batch["mlm_ids"], self.layout, self.cfg.vocab_size,
             with_accuracy=True)
-        w = batch["mlm_weights"].astype(jnp.float32)
-        with jax.named_scope("loss_mean"):
-            n = jnp.maximum(w.sum(), 1.0)
-            mlm_loss, mlm_acc = (losses * w).sum() / n, (correct * w).sum() / n
         with jax.named_scope("sop_loss"):   # replicated over "model": no collective but the data-axis means
             pooled = dropout(self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
             sop_logits = self.sop(pooled).astype(jnp.float32)
-            sop_loss = optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_label"]).mean()
-            sop_acc = (sop_logits.argmax(-1) == batch["sop_label"]).mean()
+            sop_losses = optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_label"])
+            sop_hits = sop_logits.argmax(-1) == batch["sop_label"]
+        return {"mlm_losses": mlm_losses, "mlm_hits": mlm_hits, "sop_losses": sop_losses, "sop_hits": sop_hits}
+
+    def pretrain_objective(self, batch, key):
+        out = self.pretrain_outputs(batch, key)
+        w = batch["mlm_weights"].astype(jnp.float32)
+        with jax.named_scope("loss_mean"):
+            n = jnp.maximum(w.sum(), 1.0)
+            mlm_loss, mlm_acc = (out["mlm_losses"] * w).sum() / n, (out["mlm_hits"] * w).sum() / n
+        with jax.named_scope("sop_loss"):
+            sop_loss, sop_acc = out["sop_losses"].mean(), out["sop_hits"].mean()
         loss = mlm_loss + sop_loss
         return loss, {"loss": loss, "mlm_loss": mlm_loss, "sop_loss": sop_loss,
                       "mlm_accuracy": mlm_acc, "sop_accuracy": sop_acc}

@@ -138,9 +138,9 @@ def eval_parser() -> argparse.ArgumentParser:
                "  python eval.py --workdir runs/bert_race --task race --data RACE",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True)
-    p.add_argument("--task", required=True, choices=["ppl", "wikitext", "lambada", "sample", "race", "mnli", "qqp"])
+    p.add_argument("--task", required=True, choices=["ppl", "wikitext", "lambada", "sample", "mlm", "race", "mnli", "qqp"])
     p.add_argument("--data", help="ppl: text:PATH | bin:PATH | PATH; wikitext: the .txt file; lambada: the .jsonl file; "
-                                   "race/mnli/qqp: the task's directory")
+                                   "mlm: text:PATH | PATH | builtin; race/mnli/qqp: the task's directory")
     p.add_argument("--split", help="race: dev | test (default test); mnli: dev_matched | dev_mismatched; qqp: dev")
     p.add_argument("--mesh", default="auto")
     p.add_argument("--host-devices", type=int)

@@ -250,11 +250,26 @@ def run_task(args, mesh, out=print) -> dict:
         if m.kind != "bert" or m.task != args.task:
             raise UserError(f"--task {args.task} needs a BERT workdir fine-tuned on {args.task}; "
                             f"{args.workdir} holds {m.kind} ({m.task})")
+    elif args.task == "mlm":
+        if m.kind != "bert" or m.task != "pretrain":
+            raise UserError(f"--task mlm needs a pretrained BERT workdir; {args.workdir} holds {m.kind} ({m.task})")
     elif m.kind != "gpt":
         raise UserError(f"--task {args.task} needs a GPT workdir; {args.workdir} holds {m.kind} ({m.task})")
     if args.task != "sample" and not args.data:
         raise UserError(f"--task {args.task} needs --data")
-    if args.task in FINETUNE_TASKS:
+    if args.task == "mlm":
+        from megajax.bert_data import evaluate_pretraining, load_pretraining
+        from megajax.data import source_text
+
+        source = args.data if ":" in args.data or args.data == "builtin" else f"text:{args.data}"
+        cfg = dataclasses.replace(loaded.cfg, data=dataclasses.replace(loaded.cfg.data, val_fraction=0.0))
+        data = load_pretraining(source_text(source), loaded.tokenizer, cfg)
+        r = evaluate_pretraining(loaded.model, data.train_pairs, cfg, data.specials,
+                                 loaded.tokenizer.vocab_size, args.batch_size)
+        rows = [("sentence pairs", r["pairs"]), ("masked tokens", r["masked_tokens"]),
+                ("MLM loss", r["mlm_loss"]), ("MLM accuracy", r["mlm_accuracy"]),
+                ("SOP loss", r["sop_loss"]), ("SOP accuracy", r["sop_accuracy"])]
+    elif args.task in FINETUNE_TASKS:
         from megajax.finetune import evaluate_task
 
         split = args.split or ("test" if args.task == "race" else "dev")

@@ -100,14 +100,17 @@ PRETRAINED_SHAPE = ("kind", "num_layers", "hidden", "num_heads", "ffn_hidden", "
                     "vocab_multiple", "ln_placement", "ln_eps", "scan_layers")
 
 
-def apply_init_from(cfg: Config) -> Path | None:
-    """With train.init_from, take the model's shape from that workdir's config; return the workdir."""
+def apply_init_from(cfg: Config, workdir: Path | None = None) -> Path | None:
+    """With train.init_from, take the model's shape from that workdir's config (or, when this
+    run is resuming, from its own saved config); return the pretrained workdir."""
     if not cfg.train.init_from:
         return None
     src = Path(cfg.train.init_from)
-    if not (src / "config.json").is_file():
+    own = Path(workdir) / "config.json" if workdir is not None else None
+    resuming = own is not None and own.is_file() and (own.parent / "checkpoints").is_dir()
+    if not resuming and not (src / "config.json").is_file():
         raise UserError(f"--init-from {src}: not a megajax workdir (no config.json)")
-    pre = load_config(str(src / "config.json")).model
+    pre = load_config(str(own if resuming else src / "config.json")).model
     if pre.kind != "bert" or cfg.model.kind != "bert":
         raise UserError(f"--init-from loads a BERT encoder; {src} holds a {pre.kind} model")
     for name in PRETRAINED_SHAPE:
@@ -146,7 +149,7 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
           out=print) -> RunResult | dict:
     workdir = Path(workdir)
     main = _is_main()
-    pretrained = apply_init_from(cfg)
+    pretrained = apply_init_from(cfg, workdir)
     if dry_run:
         return dry_run_report(cfg, mesh, out=out)
 

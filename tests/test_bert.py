@@ -13,7 +13,8 @@ from conftest import mesh_for, tiny_config
 from test_train_cli import ROOT, env, run
 
 from megajax.audit import audit
-from megajax.bert_data import PretrainBatches, Specials, load_pretraining, make_pairs, split_documents
+from megajax.bert_data import (PretrainBatches, Specials, evaluate_pretraining, load_pretraining, make_pairs,
+                                split_documents)
 from megajax.config import ConfigError, load_config
 from megajax.evaluation import load_workdir
 from megajax.finetune import evaluate_task, load_task_data
@@ -241,6 +242,29 @@ def test_init_from_restores_the_encoder_exactly(pretrained, files):
         for a, b in zip(jax.tree.leaves(pre[k]), jax.tree.leaves(params[k])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(params["classifier"]["kernel"]), fresh_cls)
+
+
+def test_mlm_evaluation(pretrained, files):
+    """eval.py --task mlm: exact totals over every pair, equal to the training objective on
+    one batch of the same examples; and through the CLI on another mesh."""
+    loaded = load_workdir(pretrained, mesh_for("1x1"))
+    data = load_pretraining(files["corpus"].read_text(), loaded.tokenizer, loaded.cfg)
+    pairs = data.val_pairs[:20]
+    got = evaluate_pretraining(loaded.model, pairs, loaded.cfg, data.specials, loaded.tokenizer.vocab_size,
+                               batch_size=8)   # 8 + 8 + 4 real rows
+    builder = PretrainBatches(pairs, loaded.cfg, data.specials, loaded.tokenizer.vocab_size, None)
+    examples = [builder.encode(p, np.random.default_rng([loaded.cfg.train.seed, 2, i])) for i, p in enumerate(pairs)]
+    batch = {k: jnp.asarray(np.stack([e[k] for e in examples])) for k in examples[0]}
+    _, want = loaded.model.objective(batch)
+    for k in ("mlm_loss", "mlm_accuracy", "sop_loss", "sop_accuracy"):
+        assert got[k] == pytest.approx(float(want[k]), rel=1e-5), k
+    assert got["pairs"] == 20 and got["masked_tokens"] == int(batch["mlm_weights"].sum())
+    e = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--workdir", str(pretrained), "--task", "mlm",
+                        "--data", str(files["corpus"]), "--host-devices", "8", "--mesh", "2x4"],
+                       capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
+    assert e.returncode == 0, e.stderr
+    result = json.loads((pretrained / "eval_mlm.json").read_text())
+    assert result["pairs"] > 250 and result["sop_accuracy"] > 0.9 and result["mlm_accuracy"] > 0.4
 
 
 def test_finetune_race_through_the_cli(pretrained, files):
