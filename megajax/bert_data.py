@@ -53,12 +53,13 @@ class Specials:
         return cls(ids["[CLS]"], ids["[SEP]"], ids["[MASK]"], ids["[PAD]"])
 
 
-def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng) -> tuple[list[int], list[int]]:
-    """BERT's truncate_seq_pair: drop tokens from the longer segment, at a random end."""
+def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng=None) -> tuple[list[int], list[int]]:
+    """BERT's truncate_seq_pair: drop tokens from the longer segment, at a random end when
+    pretraining (`rng`), from its end when fine-tuning."""
     a, b = list(a), list(b)
     while len(a) + len(b) > max_tokens:
         longer = a if len(a) > len(b) else b
-        del longer[0 if rng.random() < 0.5 else -1]
+        del longer[0 if rng is not None and rng.random() < 0.5 else -1]
     return a, b
 
 
@@ -86,7 +87,7 @@ def make_pairs(docs: list[list[list[int]]], seq_len: int, seed: int) -> list[tup
                     else:   # one long sentence: cut it inside
                         cut = int(rng.integers(1, len(chunk[0])))
                         a, b = chunk[0][:cut], chunk[0][cut:]
-                    pairs.append(_truncate_pair(a, b, max_tokens, rng))
+                    pairs.append(truncate_pair(a, b, max_tokens, rng))
                 chunk, length, goal = [], 0, target()
     return pairs
 

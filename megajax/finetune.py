@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from megajax.bert_data import Specials, _truncate_pair
+from megajax.bert_data import Specials, truncate_pair
 from megajax.errors import UserError
 from megajax.tokenizer import Tokenizer
 
@@ -91,10 +91,10 @@ def read_task(task: str, directory: Path, split: str) -> list[Example]:
     return read_race(directory, split) if task == "race" else read_glue(directory, task, split)
 
 
-def encode(examples: list[Example], tok: Tokenizer, seq_len: int, seed: int = 0) -> dict:
-    """Arrays tokens/types/mask of (n, [4,] seq_len) and label (n,), truncating like BERT."""
+def encode(examples: list[Example], tok: Tokenizer, seq_len: int) -> dict:
+    """Arrays tokens/types/mask of (n, [4,] seq_len) and label (n,), truncating like BERT's
+    fine-tuning (the end of the longer segment: for RACE, usually the article's)."""
     specials = Specials.of(tok)
-    rng = np.random.default_rng([seed, 11])
     texts = sorted({t for e in examples for t in e.first})   # RACE repeats each article per question
     cache = dict(zip(texts, tok.encode_batch(texts)))
     seconds = tok.encode_batch([t for e in examples for t in e.second])
@@ -105,7 +105,7 @@ def encode(examples: list[Example], tok: Tokenizer, seq_len: int, seed: int = 0)
     k = 0
     for i, e in enumerate(examples):
         for j, first in enumerate(e.first):
-            a, b = _truncate_pair(cache[first], seconds[k], seq_len - 3, rng)
+            a, b = truncate_pair(cache[first], seconds[k], seq_len - 3)
             k += 1
             n = len(a) + len(b) + 3
             out["tokens"][i, j, :n] = [specials.cls, *a, specials.sep, *b, specials.sep]
@@ -167,7 +167,7 @@ def load_task_data(task: str, directory: str, tok: Tokenizer, cfg) -> TaskData:
         n_val = max(1, int(len(train) * cfg.data.val_fraction))
         train, val = train[:-n_val], train[-n_val:]
     s = cfg.model.seq_len
-    return TaskData(task, encode(train, tok, s, cfg.train.seed), encode(val, tok, s, cfg.train.seed), tok)
+    return TaskData(task, encode(train, tok, s), encode(val, tok, s), tok)
 
 
 # --- accuracy of a fine-tuned model ---------------------------------------------------------

@@ -17,7 +17,7 @@ from megajax.bert_data import (PretrainBatches, Specials, evaluate_pretraining, 
                                 split_documents)
 from megajax.config import ConfigError, load_config
 from megajax.evaluation import load_workdir
-from megajax.finetune import evaluate_task, load_task_data
+from megajax.finetune import Example, encode, evaluate_task, load_task_data, read_task
 from megajax.model import ModelDef
 from megajax.tokenizer import WordPieceTokenizer, load_tokenizer, make_tokenizer
 from megajax.train_step import make_trainer
@@ -193,6 +193,34 @@ def test_wordpiece_vocab_file(files, tmp_path):
     assert Specials.of(hf) == Specials.of(tok) and hf.encode("the fox saw.") == tok.encode("the fox saw.")
     with pytest.raises(ConfigError, match="model.task must be one of"):
         load_config("bert_tiny", ["model.task=squad"])
+
+
+def test_task_files_and_encoding(files, tmp_path):
+    """Published layouts read as documented; pairs laid out as [CLS] A [SEP] B [SEP], the
+    article truncated at its end, an option filling the question's blank."""
+    tok = files["tok"]
+    race = read_task("race", files["race"], "test")
+    assert len(race) == 30 and {e.group for e in race} == {"middle", "high"}
+    blank = next(e for e in race if "_" in e.second[0] or "about" in e.second[0])
+    assert all("_" not in t for t in blank.second)
+    long = Example(["first the cat saw the ball near the stone with the rope"] * 4,
+                   [f"which one is it ? {o}" for o in ("apple", "hammer", "saw", "rake")], 0, "high")
+    arrays = encode([long], tok, seq_len=16)
+    assert arrays["tokens"].shape == (1, 4, 16) and arrays["label"].tolist() == [0]
+    row = arrays["tokens"][0, 1].tolist()
+    sp = Specials.of(tok)
+    question = tok.encode("which one is it ? hammer")
+    article = tok.encode(long.first[0])[: 16 - 3 - len(question)]
+    assert row == [sp.cls, *article, sp.sep, *question, sp.sep]
+    assert arrays["types"][0, 1].tolist() == [0] * (len(article) + 2) + [1] * (len(question) + 1)
+    assert arrays["mask"][0].sum() == 4 * 16
+    mnli = read_task("mnli", files["mnli"], "dev")
+    assert len(mnli) == 60 and {e.label for e in mnli} == {0, 1, 2}
+    bad = tmp_path / "QQP"
+    bad.mkdir()
+    (bad / "dev.tsv").write_text("id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
+                                 "1\t1\t2\twhat?\twhy?\t1\n2\t3\t4\tbroken row\n3\t5\t6\ta\tb\t0\n")
+    assert [e.label for e in read_task("qqp", bad, "dev")] == [1, 0]
 
 
 # --- train.py / eval.py end to end ------------------------------------------------------
