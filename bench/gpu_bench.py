@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Train-step speed of the paper's GPT-2 configs on the GPUs of this machine.
+"""Train-step speed of the paper's GPT-2 (and, with --configs, BERT) configs on the GPUs of this machine.
 
     python bench/gpu_bench.py [--configs gpt2_355m,gpt2_1.2b,...] [--mesh model=8] [--batch 8] [--out bench_gpu.md]
+    python bench/gpu_bench.py --configs bert_336m,bert_1.3b,bert_3.9b --batch 16
 
 For each config that fits: step time, tokens/s, model TFLOP/s per device and MFU against the
 GPU's dense bf16 peak (megajax.metrics.KNOWN_PEAK_TFLOPS, or --peak-tflops). Configs that do
@@ -15,11 +16,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def synthetic_batch(trainer, step: int):
+    """Random ids in the model's batch layout (GPT tokens; BERT tokens, segments, masked
+    positions, labels): the step's speed does not depend on the text."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(step)
+    m = trainer.cfg.model
+
+    def make(path, shape):
+        name = str(getattr(path[-1], "key", "tokens")) if path else "tokens"
+        if name in ("tokens", "mlm_ids"):
+            x = rng.integers(5, m.vocab_size, shape.shape)
+        elif name == "mlm_positions":
+            x = rng.integers(1, m.seq_len, shape.shape)
+        elif name in ("types", "sop_label", "label"):
+            x = rng.integers(0, 2, shape.shape)
+        else:                                   # attention mask, MLM weights
+            x = np.ones(shape.shape)
+        return jax.device_put(x.astype(np.int32), trainer.batch_sharding)
+
+    return jax.tree_util.tree_map_with_path(make, trainer.batch_shapes())
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="gpt2_355m,gpt2_1.2b,gpt2_2.5b,gpt2_4.2b,gpt2_8.3b")
     p.add_argument("--mesh", default=None, help="default: all GPUs on the model axis")
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences of 1024)")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences of the config's length)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--peak-tflops", type=float)
     p.add_argument("--out", default="bench_gpu.md")
@@ -44,15 +69,12 @@ def main():
             tr = make_trainer(cfg, mesh)
             params, opt = tr.init_state()
             step = tr.jit_step()
-            from megajax.data import Batches
-
-            tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, 10_000_000, dtype=np.int32)
-            batches = Batches(tokens, cfg.model.seq_len, a.batch, 0, tr.batch_sharding)
-            params, opt, m = step(params, opt, batches(0), np.int32(0))
+            batches = [synthetic_batch(tr, i) for i in range(a.steps + 1)]
+            params, opt, m = step(params, opt, batches[0], np.int32(0))
             jax.block_until_ready(m)
             t = time.perf_counter()
             for i in range(a.steps):
-                params, opt, m = step(params, opt, batches(i + 1), np.int32(i + 1))
+                params, opt, m = step(params, opt, batches[i + 1], np.int32(i + 1))
             jax.block_until_ready(m)
             dt = (time.perf_counter() - t) / a.steps
         except Exception as e:  # out of memory and the like: report and go on
@@ -60,10 +82,10 @@ def main():
             rows.append(f"| {name} | {cfg.model.param_count() / 1e9:.2f}B | {dict(mesh.shape)} | - | - | - | - | {msg} |")
             print(rows[-1], flush=True)
             continue
-        tok = a.batch * cfg.model.seq_len
+        tok = a.batch * cfg.model.seq_len * (4 if cfg.model.task == "race" else 1)   # RACE: 4 options
         tflops = flops_per_token(cfg) * tok / dt / 1e12 / n
         mfu = f"{tflops / peak:.2f}" if peak else "n/a"
-        rows.append(f"| {name} | {cfg.model.param_count() / 1e9:.2f}B | {dict(mesh.shape)} | {a.batch}x{cfg.model.seq_len} "
+        rows.append(f"| {name} | {cfg.model.param_count() / 1e9:.2f}B | {dict(mesh.shape)} | {tok // cfg.model.seq_len}x{cfg.model.seq_len} "
                     f"| {dt * 1000:.0f} | {tok / dt:,.0f} | {tflops:.1f} | {mfu} |")
         print(rows[-1], flush=True)
         del params, opt
