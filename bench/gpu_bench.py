@@ -82,7 +82,7 @@ def main():
             rows.append(f"| {name} | {cfg.model.param_count() / 1e9:.2f}B | {dict(mesh.shape)} | - | - | - | - | {msg} |")
             print(rows[-1], flush=True)
             continue
-        tok = a.batch * cfg.model.seq_len * (4 if cfg.model.task == "race" else 1)   # RACE: 4 options
+        tok = a.batch * cfg.model.tokens_per_example
         tflops = flops_per_token(cfg) * tok / dt / 1e12 / n
         mfu = f"{tflops / peak:.2f}" if peak else "n/a"
         rows.append(f"| {name} | {cfg.model.param_count() / 1e9:.2f}B | {dict(mesh.shape)} | {tok // cfg.model.seq_len}x{cfg.model.seq_len} "

@@ -347,17 +347,17 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
 
 
 def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False) -> AuditResult:
-    from megajax.bert import NUM_CHOICES, mlm_predictions
+    from megajax.bert import mlm_predictions
 
     m, t = cfg.model, cfg.train
-    rows = t.batch_size // t.microbatches // mesh_shape[0]
+    # sequences per data shard and microbatch (each RACE option is a sequence of its own)
+    rows = t.batch_size // t.microbatches // mesh_shape[0] * (m.tokens_per_example // m.seq_len)
     if m.kind == "gpt":
         head_rows = m.seq_len
     elif m.task == "pretrain":
         head_rows = mlm_predictions(m.seq_len, cfg.data.mask_prob)
     else:
         head_rows = 0
-        rows *= NUM_CHOICES if m.task == "race" else 1   # each option is a sequence of its own
     result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), m.num_layers, tuple(mesh_shape),
                          rows, m.seq_len, m.hidden, t.microbatches, m.scan_layers, m.remat, head_rows)
     if verbose:

@@ -18,6 +18,8 @@ output layer and the loss (pretraining only).
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -35,7 +37,7 @@ TYPE_VOCAB = 2                                   # segment A / segment B
 
 def mlm_predictions(seq_len: int, mask_prob: float) -> int:
     """Masked positions per sequence the batch has room for (BERT: 20 at 128, 77 at 512)."""
-    return max(1, int(-(-mask_prob * seq_len // 1)))
+    return max(1, math.ceil(round(mask_prob * seq_len, 6)))   # round: 0.15 * 100 is 15.000000000000002
 
 
 class BERT(nnx.Module):

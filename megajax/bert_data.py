@@ -189,34 +189,6 @@ class PretrainData:
         return PretrainBatches(pairs, cfg, self.specials, self.tokenizer.vocab_size, sharding, split)
 
 
-def evaluate_pretraining(model, pairs, cfg, specials: Specials, vocab_size: int, batch_size: int = 16) -> dict:
-    """MLM loss and accuracy over the masked tokens, SOP loss and accuracy over the pairs, each
-    pair seen once with a fixed masking and order (seeded by its index), exact totals."""
-    from jax.sharding import PartitionSpec as P
-
-    builder = PretrainBatches(pairs, cfg, specials, vocab_size, None, "eval")
-    sharding = model.layout.sharding(P("data"))
-    batch_size = max(batch_size // model.layout.dp, 1) * model.layout.dp
-    outputs = jax.jit(lambda m, batch: m.pretrain_outputs(batch))
-    sums = dict(mlm_loss=0.0, mlm_hits=0.0, masked=0.0, sop_loss=0.0, sop_hits=0.0)
-    for start in range(0, len(pairs), batch_size):
-        idx = [min(i, len(pairs) - 1) for i in range(start, start + batch_size)]
-        examples = [builder.encode(pairs[i], np.random.default_rng([cfg.train.seed, 2, i])) for i in idx]
-        batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
-        real = (np.arange(start, start + batch_size) < len(pairs)).astype(np.float32)
-        out = jax.device_get(outputs(model, {k: jax.device_put(v, sharding) for k, v in batch.items()}))
-        w = batch["mlm_weights"] * real[:, None]
-        sums["mlm_loss"] += float((out["mlm_losses"] * w).sum())
-        sums["mlm_hits"] += float((out["mlm_hits"] * w).sum())
-        sums["masked"] += float(w.sum())
-        sums["sop_loss"] += float((out["sop_losses"] * real).sum())
-        sums["sop_hits"] += float((out["sop_hits"] * real).sum())
-    n = len(pairs)
-    return {"pairs": n, "masked_tokens": int(sums["masked"]),
-            "mlm_loss": sums["mlm_loss"] / sums["masked"], "mlm_accuracy": sums["mlm_hits"] / sums["masked"],
-            "sop_loss": sums["sop_loss"] / n, "sop_accuracy": sums["sop_hits"] / n}
-
-
 def load_pretraining(text: str, tokenizer: Tokenizer, cfg) -> PretrainData:
     """Documents -> sentence token ids -> (A, B) pairs; the last val_fraction of pairs held out."""
     specials = Specials.of(tokenizer)

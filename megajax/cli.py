@@ -129,7 +129,7 @@ def plot_main(argv=None) -> int:
 
 def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="eval.py", description="Evaluate or sample a train.py workdir on any mesh.",
+        prog="eval.py", description="Evaluate or sample a train.py workdir (GPT or BERT) on any mesh.",
         epilog="examples:\n"
                "  python eval.py --workdir runs/default --task ppl --data text:notes.txt\n"
                "  python eval.py --workdir runs/gpt --task wikitext --data ../shared/data/wikitext-2/test.txt\n"

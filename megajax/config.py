@@ -25,7 +25,8 @@ def _config_dir() -> Path:
 CONFIG_DIR = _config_dir()
 
 
-TASKS = ("pretrain", "race", "mnli", "qqp")
+FINETUNE_TASKS = ("race", "mnli", "qqp")     # BERT's fine-tuning heads (megajax/bert.py)
+TASKS = ("pretrain",) + FINETUNE_TASKS
 
 
 class ConfigError(UserError, ValueError):
@@ -104,19 +105,32 @@ class ModelConfig:
         if batch is not None and dp and batch % dp:
             raise ConfigError(f"global batch {batch} is not divisible by the data axis ({dp})")
 
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer: QKV, output projection, MLP, two LayerNorms."""
+        h, f = self.hidden, self.ffn
+        return (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+
+    @property
+    def tokens_per_example(self) -> int:
+        """Tokens one batch row feeds the encoder: RACE encodes each of its options separately."""
+        from megajax.bert import NUM_CHOICES
+
+        return self.seq_len * (NUM_CHOICES if self.task == "race" else 1)
+
     def param_count(self) -> int:
         """Parameters of the model, from its shapes alone (see tests: equals the built model)."""
-        h, f, L = self.hidden, self.ffn, self.num_layers
-        per_layer = (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
-        n = L * per_layer + self.padded_vocab * h + self.seq_len * h + 2 * h
+        h = self.hidden
+        n = self.num_layers * self.layer_params + self.padded_vocab * h + self.seq_len * h + 2 * h
         if self.kind == "bert":  # post-LN swaps the final LayerNorm for one after the embeddings
             n += 2 * h + h * h + h                      # token-type embeddings, pooler
             if self.task == "pretrain":
                 n += h * h + h + 2 * h + self.padded_vocab  # MLM transform, its LayerNorm, output bias
                 n += 2 * h + 2                              # sentence-order head
             else:
-                classes = {"mnli": 3, "qqp": 2, "race": 1}[self.task]
-                n += h * classes + classes
+                from megajax.bert import NUM_CLASSES
+
+                n += h * NUM_CLASSES[self.task] + NUM_CLASSES[self.task]
         return n
 
 

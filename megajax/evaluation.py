@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from megajax.checkpoint import Checkpoints
-from megajax.config import Config, load_config
+from megajax.config import FINETUNE_TASKS, Config, load_config
 from megajax.errors import UserError
 from megajax.model import ModelDef, abstract_model
 from megajax.sharding import Layout, param_shardings
@@ -83,12 +83,25 @@ def _forward_fn(model):
     return losses_and_argmax
 
 
+def dp_batch_size(batch_size: int, dp: int) -> int:
+    """The batch size rounded down to a multiple of the data axis (at least one row per shard)."""
+    return max(dp, batch_size - batch_size % dp)
+
+
+def padded_batches(n: int, batch_size: int, dp: int):
+    """(row indices, 0/1 real-row weights) of batches covering n rows; the last batch repeats
+    the final row to keep every batch the same, data-divisible size."""
+    batch_size = dp_batch_size(batch_size, dp)
+    for start in range(0, n, batch_size):
+        rows = np.arange(start, start + batch_size)
+        yield np.minimum(rows, n - 1), (rows < n).astype(np.float32)
+
+
 def score_windows(model, rows: list[tuple[np.ndarray, np.ndarray]], batch_size: int, progress=None):
     """Run (tokens, score_mask) rows of length seq_len+1 through the model in batches.
     Returns per-row (summed loss of scored targets, count, per-target losses, argmax)."""
     seq_len = model.cfg.seq_len
-    dp = model.layout.dp
-    batch_size = max(dp, batch_size - batch_size % dp)
+    batch_size = dp_batch_size(batch_size, model.layout.dp)
     fn = _forward_fn(model)
     out = []
     for i in range(0, len(rows), batch_size):
@@ -232,7 +245,30 @@ def _table(rows: list[tuple[str, object]]) -> str:
     return "\n".join(f"{k.ljust(width)}  {fmt(v)}" for k, v in rows)
 
 
-FINETUNE_TASKS = ("race", "mnli", "qqp")
+def evaluate_pretraining(model, pairs, cfg, specials, vocab_size: int, batch_size: int = 16) -> dict:
+    """A pretrained BERT's MLM loss and accuracy over the masked tokens and SOP loss and
+    accuracy over the pairs: each pair once, with a fixed masking and order (seeded by its
+    index), summed exactly over padded batches."""
+    from megajax.bert_data import PretrainBatches
+
+    builder = PretrainBatches(pairs, cfg, specials, vocab_size, None, "eval")
+    sharding = model.layout.sharding(jax.sharding.PartitionSpec("data"))
+    outputs = jax.jit(lambda m, batch: m.pretrain_outputs(batch))
+    sums = dict(mlm_loss=0.0, mlm_hits=0.0, masked=0.0, sop_loss=0.0, sop_hits=0.0)
+    for idx, real in padded_batches(len(pairs), batch_size, model.layout.dp):
+        examples = [builder.encode(pairs[i], np.random.default_rng([cfg.train.seed, 2, int(i)])) for i in idx]
+        batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+        out = jax.device_get(outputs(model, {k: jax.device_put(v, sharding) for k, v in batch.items()}))
+        w = batch["mlm_weights"] * real[:, None]
+        sums["mlm_loss"] += float((out["mlm_losses"] * w).sum())
+        sums["mlm_hits"] += float((out["mlm_hits"] * w).sum())
+        sums["masked"] += float(w.sum())
+        sums["sop_loss"] += float((out["sop_losses"] * real).sum())
+        sums["sop_hits"] += float((out["sop_hits"] * real).sum())
+    n = len(pairs)
+    return {"pairs": n, "masked_tokens": int(sums["masked"]),
+            "mlm_loss": sums["mlm_loss"] / sums["masked"], "mlm_accuracy": sums["mlm_hits"] / sums["masked"],
+            "sop_loss": sums["sop_loss"] / n, "sop_accuracy": sums["sop_hits"] / n}
 
 
 def run_task(args, mesh, out=print) -> dict:
@@ -258,7 +294,7 @@ def run_task(args, mesh, out=print) -> dict:
     if args.task != "sample" and not args.data:
         raise UserError(f"--task {args.task} needs --data")
     if args.task == "mlm":
-        from megajax.bert_data import evaluate_pretraining, load_pretraining
+        from megajax.bert_data import load_pretraining
         from megajax.data import source_text
 
         source = args.data if ":" in args.data or args.data == "builtin" else f"text:{args.data}"

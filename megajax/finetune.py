@@ -21,6 +21,7 @@ import numpy as np
 
 from megajax.bert_data import Specials, truncate_pair
 from megajax.errors import UserError
+from megajax.evaluation import padded_batches
 from megajax.tokenizer import Tokenizer
 
 MNLI_LABELS = {"contradiction": 0, "entailment": 1, "neutral": 2}
@@ -181,13 +182,10 @@ def predict(model, arrays: dict, batch_size: int) -> np.ndarray:
     def logits(m, batch):
         return m.class_logits(batch)
 
-    n = len(arrays["label"])
-    batch_size = max(batch_size // layout.dp, 1) * layout.dp
     preds = []
-    for start in range(0, n, batch_size):
-        idx = np.minimum(np.arange(start, start + batch_size), n - 1)
+    for idx, real in padded_batches(len(arrays["label"]), batch_size, layout.dp):
         batch = {k: jax.device_put(v[idx], sharding) for k, v in arrays.items() if k != "label"}
-        preds.append(np.asarray(jax.device_get(logits(model, batch))).argmax(-1)[: n - start])
+        preds.append(np.asarray(jax.device_get(logits(model, batch))).argmax(-1)[real > 0])
     return np.concatenate(preds)
 
 

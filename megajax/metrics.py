@@ -26,10 +26,9 @@ def flops_per_token(cfg) -> float:
         from megajax.bert import mlm_predictions
 
         h = m.hidden
-        layers = m.num_layers * (12 * h * h + 13 * h)
         head = (m.padded_vocab * h + h * h) * mlm_predictions(m.seq_len, cfg.data.mask_prob) / m.seq_len \
             if m.task == "pretrain" else 0.0
-        matmul_params = layers + head
+        matmul_params = m.num_layers * m.layer_params + head
     return 6.0 * matmul_params + 12.0 * m.num_layers * m.seq_len * m.hidden
 
 

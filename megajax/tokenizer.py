@@ -140,7 +140,7 @@ class WordPieceTokenizer(HFTokenizer):
         from tokenizers import Tokenizer as _Tok
         from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-        missing = [t for t in ("[UNK]", "[CLS]", "[SEP]", "[MASK]", "[PAD]") if t not in vocab]
+        missing = [t for t in BERT_SPECIALS if t not in vocab]
         if missing:
             raise UserError(f"the WordPiece vocabulary lacks {', '.join(missing)}")
         self.vocab, self.lowercase = list(vocab), lowercase

@@ -183,7 +183,7 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
     step_fn = trainer.jit_step().lower(params, opt_state, train_batches(start_step), np.int32(0)).compile()
     eval_fn = trainer.jit_eval()
     compile_s = time.perf_counter() - t0
-    tokens_per_step = t.batch_size * cfg.model.seq_len * (4 if cfg.model.task == "race" else 1)  # RACE: 4 options
+    tokens_per_step = t.batch_size * cfg.model.tokens_per_example
     flops = flops_per_token(cfg) * tokens_per_step / mesh.devices.size
     peak = device_peak_tflops() if main else None
     if main:

@@ -13,10 +13,9 @@ from conftest import mesh_for, tiny_config
 from test_train_cli import ROOT, env, run
 
 from megajax.audit import audit
-from megajax.bert_data import (PretrainBatches, Specials, evaluate_pretraining, load_pretraining, make_pairs,
-                                split_documents)
+from megajax.bert_data import PretrainBatches, Specials, load_pretraining, make_pairs, split_documents
 from megajax.config import ConfigError, load_config
-from megajax.evaluation import load_workdir
+from megajax.evaluation import evaluate_pretraining, load_workdir
 from megajax.finetune import Example, encode, evaluate_task, load_task_data, read_task
 from megajax.model import ModelDef
 from megajax.tokenizer import WordPieceTokenizer, load_tokenizer, make_tokenizer
