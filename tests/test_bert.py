@@ -200,8 +200,10 @@ def test_task_files_and_encoding(files, tmp_path):
     tok = files["tok"]
     race = read_task("race", files["race"], "test")
     assert len(race) == 30 and {e.group for e in race} == {"middle", "high"}
-    blank = next(e for e in race if "_" in e.second[0] or "about" in e.second[0])
-    assert all("_" not in t for t in blank.second)
+    blank = next(e for e in race if e.second[0].startswith("the story is about"))   # "... about _ ."
+    assert all("_" not in t and t.endswith(" .") for t in blank.second) and len(set(blank.second)) == 4
+    plain = next(e for e in race if e.second[0].startswith("which one is it ?"))     # option appended
+    assert all(t.startswith("which one is it ? ") for t in plain.second) and len(set(plain.second)) == 4
     long = Example(["first the cat saw the ball near the stone with the rope"] * 4,
                    [f"which one is it ? {o}" for o in ("apple", "hammer", "saw", "rake")], 0, "high")
     arrays = encode([long], tok, seq_len=16)
