@@ -45,7 +45,7 @@ class BERT(nnx.Module):
         layout = layout or S.Layout(single_device_mesh())
         self.cfg, self.layout, self.dtype = cfg, layout, cfg.dtype
         h, std = cfg.hidden, cfg.init_std
-        dense = dict(layout=layout, dtype=self.dtype, std=std, rngs=rngs)
+        dense = dict(layout=layout, dtype=self.dtype, std=std, rngs=rngs, matmul_dtype=cfg.matmul_dtype)
         self.embed = VocabParallelEmbedding(cfg.padded_vocab, h, layout=layout, dtype=self.dtype, std=std, rngs=rngs)
         normal = nnx.with_partitioning(nnx.initializers.normal(std), S.REPLICATED_2D)
         self.pos = nnx.Param(normal(rngs.params(), (cfg.seq_len, h), jnp.float32))
@@ -87,7 +87,7 @@ class BERT(nnx.Module):
     def mlm_logits(self, h, positions):
         """Vocab-parallel logits (b, P, vocab/tp) at the masked positions only."""
         picked = jnp.take_along_axis(h, positions[..., None], axis=1)
-        t = self.mlm_ln(jax.nn.gelu(self.mlm_dense(picked), approximate=False))
+        t = self.mlm_ln(jax.nn.gelu(self.mlm_dense(picked), approximate=self.cfg.gelu == "tanh"))
         return self.embed.attend(t) + self.mlm_bias[...]
 
     def pretrain_outputs(self, batch, key=None):

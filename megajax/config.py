@@ -49,7 +49,9 @@ class ModelConfig:
     ln_placement: str = "pre"         # pre (GPT-2, the paper's BERT) | post (original BERT)
     ln_eps: float = 1e-5
     init_std: float = 0.02
-    compute_dtype: str = "auto"       # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16
+    compute_dtype: str = "auto"       # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16 | mixed
+                                      # (mixed: bfloat16 matmul operands, float32 accumulation and activations)
+    gelu: str = "exact"               # exact (erf, Megatron-LM) | tanh (GPT-2's approximation)
     remat: bool = False               # recompute each layer's activations in the backward pass
     scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
 
@@ -63,13 +65,20 @@ class ModelConfig:
 
     @property
     def dtype(self):
-        """The matmul dtype; parameters, optimizer state, LayerNorm and the loss stay float32."""
+        """The activations' dtype; parameters, optimizer state, LayerNorm and the loss stay float32."""
         import jax
         import jax.numpy as jnp
 
         if self.compute_dtype == "auto":
             return jnp.dtype(jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32)
-        return jnp.dtype(self.compute_dtype)
+        return jnp.dtype(jnp.float32 if self.compute_dtype == "mixed" else self.compute_dtype)
+
+    @property
+    def matmul_dtype(self):
+        """The dtype of the linear layers' matmul operands (they accumulate in float32 when mixed)."""
+        import jax.numpy as jnp
+
+        return jnp.dtype(jnp.bfloat16) if self.compute_dtype == "mixed" else self.dtype
 
     @property
     def padded_vocab(self) -> int:
@@ -85,8 +94,10 @@ class ModelConfig:
             raise ConfigError(f"model.task '{self.task}' is a BERT fine-tuning task; set model.kind = \"bert\"")
         if self.ln_placement not in ("pre", "post"):
             raise ConfigError(f"model.ln_placement must be 'pre' or 'post', got '{self.ln_placement}'")
-        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"model.compute_dtype must be auto, float32 or bfloat16, got '{self.compute_dtype}'")
+        if self.compute_dtype not in ("auto", "float32", "bfloat16", "mixed"):
+            raise ConfigError(f"model.compute_dtype must be auto, float32, bfloat16 or mixed, got '{self.compute_dtype}'")
+        if self.gelu not in ("exact", "tanh"):
+            raise ConfigError(f"model.gelu must be exact or tanh, got '{self.gelu}'")
         for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size", "vocab_multiple"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -138,6 +149,8 @@ class ModelConfig:
 class TrainConfig:
     batch_size: int = 16              # global, over all data-parallel replicas
     microbatches: int = 1             # gradient accumulation steps per optimizer step
+    unroll_microbatches: bool = False # True: microbatches as independent branches XLA can run at once
+                                      # (uses the cores of a CPU better; memory of all, not one)
     steps: int = 1000
     lr: float = 6e-4
     min_lr: float = 6e-5

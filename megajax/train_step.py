@@ -117,7 +117,14 @@ class Trainer:
                                            jax.tree.map(lambda x: x[0], micro))
             zeros = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), metric_shapes),
                      jax.tree.map(jnp.zeros_like, params))
-            (metrics, grads), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(m)))
+            if t.unroll_microbatches:
+                # Independent subgraphs, summed in the scan's order: XLA may run them at once.
+                total = zeros
+                for j in range(m):
+                    total, _ = accumulate(total, (jax.tree.map(lambda x: x[j], micro), j))
+                metrics, grads = total
+            else:
+                (metrics, grads), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(m)))
             metrics, grads = jax.tree.map(lambda x: x / m, (metrics, grads))
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)

@@ -294,6 +294,10 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
     return result
 
 
+def _compute_name(m) -> str:
+    return "mixed (bf16 matmuls, f32 activations)" if m.compute_dtype == "mixed" else m.dtype.name
+
+
 def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: float = 0.8, top_k: int = 40) -> str:
     from megajax.generate import generate
 
@@ -342,7 +346,7 @@ def dry_run_report(cfg: Config, mesh, out=print) -> dict:
         f"({cfg.model.num_layers} layers, hidden {cfg.model.hidden}, {cfg.model.num_heads} heads, "
         f"seq {cfg.model.seq_len}, vocab {cfg.model.padded_vocab})")
     out(f"mesh data={mesh.shape['data']} model={mesh.shape['model']}; global batch {cfg.train.batch_size} "
-        f"in {cfg.train.microbatches} microbatch(es); compute {cfg.model.dtype.name}, remat {cfg.model.remat}")
+        f"in {cfg.train.microbatches} microbatch(es); compute {_compute_name(cfg.model)}, remat {cfg.model.remat}")
     out(f"per device: params {gib(report['param_bytes_per_device'])}, "
         f"optimizer state {gib(report['optimizer_bytes_per_device'])}"
         + (f", compiled step peak {gib(report['step_peak_bytes'])} "

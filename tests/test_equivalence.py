@@ -106,22 +106,26 @@ def test_post_layernorm_is_mesh_invariant_and_differs_from_pre():
 
 
 def test_gradient_accumulation_equals_one_big_batch():
-    """4 microbatches average to the full-batch gradient (no dropout, so the batches are the same)."""
+    """4 microbatches, scanned or unrolled, average to the full-batch gradient (no dropout, so
+    the batches are the same); the two accumulation orders are the same sums, bit for bit."""
     import dataclasses
 
     base = tiny_config(hidden_dropout=0.0, attention_dropout=0.0)
     mesh = mesh_for("2x4")
     results = []
-    for micro in (1, 4):
-        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, microbatches=micro, batch_size=16))
+    for micro, unroll in ((1, False), (4, False), (4, True)):
+        cfg = dataclasses.replace(base, train=dataclasses.replace(
+            base.train, microbatches=micro, unroll_microbatches=unroll, batch_size=16))
         trainer = make_trainer(cfg, mesh)
         p, o = trainer.init_state(seed=0)
         tokens = jax.device_put(np.concatenate([TOKENS, TOKENS[::-1]]), trainer.batch_sharding)
         p, o, m = trainer.jit_step()(p, o, tokens, jnp.int32(0))
         results.append((float(m["loss"]), float(m["grad_norm"]), jax.device_get(p)))
-    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
-    assert results[1][1] == pytest.approx(results[0][1], rel=1e-5)
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(results[0][2])[0], jax.tree.leaves(results[1][2])):
-        if "qkv" in jax.tree_util.keystr(path) and "bias" in jax.tree_util.keystr(path):
-            continue  # holds the key bias, whose gradient is exactly zero: Adam moves it by rounding noise
-        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    for accumulated in results[1:]:
+        assert accumulated[0] == pytest.approx(results[0][0], rel=1e-6)
+        assert accumulated[1] == pytest.approx(results[0][1], rel=1e-5)
+        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(results[0][2])[0], jax.tree.leaves(accumulated[2])):
+            if "qkv" in jax.tree_util.keystr(path) and "bias" in jax.tree_util.keystr(path):
+                continue  # holds the key bias, whose gradient is exactly zero: Adam moves it by rounding noise
+            np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    assert results[2][:2] == results[1][:2]
