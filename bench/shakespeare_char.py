@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """nanoGPT's shakespeare-char baseline through megajax's training loop, on one device.
 
-    python bench/shakespeare_char.py [--mesh 1x1] [--host-devices N] [--steps 2000]
+    python bench/shakespeare_char.py [--mesh 1x1] [--host-devices N] [--steps 2000] [--set KEY=VALUE ...]
 
 Prints the median training throughput (tokens/s, compile and evaluation excluded) and the
 final validation loss. Targets: val loss <= 1.89 after 2000 steps; >= 40,000 tokens/s.
@@ -24,6 +24,8 @@ def main():
     p.add_argument("--host-devices", type=int)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, e.g. --set model.compute_dtype=float32 to compare")
     a = p.parse_args()
     if a.host_devices:
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.host_devices}"
@@ -35,7 +37,7 @@ def main():
 
     cfg = load_config("shakespeare_char", [f"data.source=text:{a.data}", f"train.steps={a.steps}",
                                            "train.log_every=50", f"train.eval_every={a.steps}",
-                                           f"train.save_every={a.steps}"])
+                                           f"train.save_every={a.steps}", *a.set])
     mesh = make_mesh(a.mesh, devices=jax.devices()[:1] if a.mesh == "1x1" else None)
     with tempfile.TemporaryDirectory() as wd:
         result = train(cfg, mesh, Path(wd), sample_tokens=300, out=lambda s: print(s, flush=True))
