@@ -46,7 +46,8 @@ def _mixed_matmul(x, w, dtype, w_dtype):
 
 
 def _mixed_fwd(x, w, dtype, w_dtype):
-    return _mixed_matmul(x, w, dtype, w_dtype), (_row_major_t(x, dtype), _row_major_t(w, dtype))
+    x16 = x.astype(dtype)
+    return _dot(x16, w.astype(dtype), x.dtype), (_row_major_t(x16, dtype), _row_major_t(w, dtype))
 
 
 def _mixed_bwd(dtype, w_dtype, residuals, g):
