@@ -185,3 +185,17 @@ def eval_main(argv=None) -> int:
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
     return 0
+
+
+def _command(main):
+    """A program's entry point: first restart with the host settings of megajax/hostenv.py."""
+    def run() -> int:
+        from megajax.hostenv import restart_with_malloc_tuning
+
+        restart_with_malloc_tuning()
+        return main()
+    return run
+
+
+train_command = _command(train_main)   # python train.py, megajax-train
+eval_command = _command(eval_main)     # python eval.py, megajax-eval
