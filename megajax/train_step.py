@@ -33,14 +33,6 @@ def lr_schedule(t: TrainConfig):
         decay_steps=decay_steps, end_value=t.min_lr)
 
 
-def update_lr(t: TrainConfig):
-    """The learning rate of update k (0-based): the schedule after k + 1 steps, as Megatron-LM
-    and nanoGPT count them, so the first update already moves (lr / warmup_steps) and the
-    last one lands on min_lr."""
-    schedule = lr_schedule(t)
-    return lambda count: schedule(count + 1)
-
-
 def weight_decay_mask(params: dict):
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in _DECAYED, params)
 
@@ -48,7 +40,7 @@ def weight_decay_mask(params: dict):
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(t.grad_clip),
-        optax.adamw(update_lr(t), b1=t.beta1, b2=t.beta2, eps=t.eps,
+        optax.adamw(lr_schedule(t), b1=t.beta1, b2=t.beta2, eps=t.eps,
                     weight_decay=t.weight_decay, mask=weight_decay_mask),
     )
 
@@ -138,7 +130,7 @@ class Trainer:
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-        metrics = {**metrics, "grad_norm": grad_norm, "lr": update_lr(t)(step)}
+        metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(t)(step)}
         return params, opt_state, metrics
 
     def jit_step(self, donate: bool = True):
