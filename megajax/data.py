@@ -6,8 +6,9 @@ Sources (DataConfig.source):
   bin:PATH             a flat array of uint16/uint32 token ids (nanoGPT's .bin format)
   tfds:NAME[/CONFIG]   a TFDS dataset through tfds.data_source (ArrayRecord, no TensorFlow)
 
-Batch `step` is a pure function of (seed, step): a resumed run sees exactly the batches of
-an uninterrupted one. Each process materialises only the rows its devices own.
+Training batch `step` is a pure function of (seed, step): a resumed run sees exactly the
+batches of an uninterrupted one. Validation sweeps fixed, non-overlapping windows spread over
+the held-out split. Each process materialises only the rows its devices own.
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ class TokenData:
         t, s = cfg.train, cfg.model.seq_len
         if split == "train":
             return Batches(self.train, s, t.batch_size, t.seed, sharding)
-        return Batches(self.val, s, t.batch_size, t.seed, sharding, "val") if len(self.val) >= s + 2 else None
+        return EvalWindows(self.val, s, t.batch_size, t.eval_batches, sharding) if len(self.val) >= s + 2 else None
 
 
 def source_text(source: str) -> str:
@@ -184,3 +185,25 @@ class Batches:
         """The global (batch, seq_len + 1) array for `step`, each process filling only its rows."""
         shape = (self.batch_size, self.seq_len + 1)
         return jax.make_array_from_callback(shape, self.sharding, lambda idx: self.rows(step, idx[0]))
+
+
+class EvalWindows(Batches):
+    """`num_batches` validation batches of non-overlapping windows, evenly spread over the split.
+
+    Window w holds tokens [w * seq_len, w * seq_len + seq_len + 1), so every token is a target
+    at most once, with the same spread of context lengths as random windows. Unlike random
+    windows (nanoGPT's estimate) the sweep is fixed: the validation loss of two runs, or two
+    evaluations of one run, differ only by the model. When `max_batches` batches have room
+    for every window the sweep covers the whole split (less the tail of fewer than
+    batch_size windows that would not fill a batch), and the mean is the split's own loss.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int, sharding):
+        super().__init__(tokens, seq_len, batch_size, 0, sharding, "val")
+        n_windows = (len(tokens) - 1) // seq_len
+        self.num_batches = max(1, min(max_batches, n_windows // batch_size))
+        count = self.num_batches * batch_size   # may exceed n_windows for a tiny split: windows repeat
+        self.window_starts = np.arange(count) * n_windows // count * seq_len
+
+    def starts(self, step: int) -> np.ndarray:
+        return self.window_starts[step * self.batch_size: (step + 1) * self.batch_size]

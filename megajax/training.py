@@ -195,8 +195,9 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
             + (f" | resuming from step {start_step}" if start_step else ""))
 
     def evaluate() -> dict:
-        """Mean of every metric over eval_batches validation batches."""
-        results = jax.device_get([eval_fn(params, val_batches(i)) for i in range(t.eval_batches)])
+        """Mean of every metric over the validation batches (at most train.eval_batches)."""
+        n = getattr(val_batches, "num_batches", t.eval_batches)
+        results = jax.device_get([eval_fn(params, val_batches(i)) for i in range(n)])
         return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
 
     if start_step >= t.steps and main:

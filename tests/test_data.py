@@ -6,7 +6,7 @@ from conftest import mesh_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from megajax.data import Batches, builtin_text, load_tokens
+from megajax.data import Batches, EvalWindows, builtin_text, load_tokens
 from megajax.errors import UserError
 from megajax.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer
 
@@ -92,6 +92,31 @@ def test_batches_are_a_pure_function_of_seed_and_step():
     assert shard.data.shape == (4, 17)
     single = Batches(tokens, 16, 8, 1, NamedSharding(mesh_for("1x1"), P("data", None)))
     np.testing.assert_array_equal(np.asarray(single(5)), x5)  # the same rows on any mesh
+
+
+def test_validation_sweeps_disjoint_windows_over_the_split():
+    tokens = np.arange(1_000, dtype=np.uint16)
+    sh = NamedSharding(mesh_for("2x4"), P("data", None))
+    # 999 // 16 = 62 windows; 62 // 8 = 7 full batches: all 56 fit in a budget of 10 batches.
+    whole = EvalWindows(tokens, 16, 8, max_batches=10, sharding=sh)
+    assert whole.num_batches == 7
+    rows = np.concatenate([np.asarray(whole(i)) for i in range(7)])
+    starts = rows[:, 0].astype(int)
+    np.testing.assert_array_equal(rows, starts[:, None] + np.arange(17))
+    # Targets (columns 1..16) never repeat and are spread over the whole split, in order.
+    targets = rows[:, 1:].ravel()
+    assert len(set(targets)) == targets.size == 56 * 16
+    assert np.all(np.diff(starts) >= 16) and starts[0] == 0 and starts[-1] >= 1_000 - 3 * 16
+    # A smaller budget keeps the windows disjoint and spread: evenly spaced over all 62.
+    two = EvalWindows(tokens, 16, 8, max_batches=2, sharding=sh)
+    starts2 = np.concatenate([np.asarray(two(i))[:, 0] for i in range(two.num_batches)]).astype(int)
+    np.testing.assert_array_equal(starts2, np.arange(16) * 62 // 16 * 16)
+    # The same sweep on any mesh, whatever the seed (it has none).
+    single = EvalWindows(tokens, 16, 8, 10, NamedSharding(mesh_for("1x1"), P("data", None)))
+    np.testing.assert_array_equal(np.asarray(single(3)), np.asarray(whole(3)))
+    # A split with fewer windows than one batch still gives one (repeating) batch.
+    tiny = EvalWindows(np.arange(40), 16, 8, 10, None)
+    assert tiny.num_batches == 1 and set(tiny.starts(0)) == {0, 16}
 
 
 def test_missing_and_empty_sources(tmp_path):
