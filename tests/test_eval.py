@@ -11,8 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, mesh_for
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from megajax.config import load_config
+from megajax.data import EvalWindows, load_tokens
 from megajax.evaluation import (evaluate_lambada, evaluate_wikitext, load_workdir, original_token_count,
                                 perplexity_of_tokens, stride_windows, wikitext_detokenize)
 from megajax.generate import generate, greedy_by_recomputation
@@ -143,6 +147,23 @@ def test_lambada_scoring_matches_independent_argmax(workdir, tmp_path):
     r = evaluate_lambada(loaded, path)
     assert r["per_passage_correct"] == expected
     assert r["accuracy"] == pytest.approx(np.mean(expected)) and r["passages"] == 6
+
+
+def test_training_validation_is_the_splits_own_loss(workdir):
+    """The training loop's validation sweep scores exactly the targets that eval.py's windows
+    of stride seq_len score: over a split it covers, the two means agree."""
+    loaded = load_workdir(workdir, mesh_for("1x1"))
+    data = load_tokens(f"text:{SHAKESPEARE}", "chars", tokenizer=loaded.tokenizer)
+    seq, bs = loaded.cfg.model.seq_len, 8
+    split = np.asarray(data.val[: 5 * bs * seq + 1])  # room for exactly 5 batches of windows
+    windows = EvalWindows(split, seq, bs, max_batches=100,
+                          sharding=NamedSharding(mesh_for("1x1"), P("data", None)))
+    assert windows.num_batches == 5
+    batch_loss = nnx.jit(lambda m, b: m.loss(b[:, :-1], b[:, 1:]))
+    sweep = np.mean([float(batch_loss(loaded.model, windows(i))) for i in range(5)])
+    ref = perplexity_of_tokens(loaded.model, split, stride=seq, batch_size=bs)
+    assert ref["tokens"] == 5 * bs * seq
+    assert sweep == pytest.approx(ref["loss"], rel=1e-5)
 
 
 def test_results_on_2x4_equal_1x1(workdir, wikitext_slice, tmp_path):
