@@ -34,7 +34,7 @@ def tuned_env(env: dict) -> dict | None:
     missing = [f"{k}={v}" for k, v in MALLOC_TUNABLES.items() if k not in names]
     if not missing:
         return None
-    return {**env, "GLIBC_TUNABLES": ":".join([current] * bool(current) + missing)}
+    return {**env, "GLIBC_TUNABLES": ":".join(([current] if current else []) + missing)}
 
 
 def restart_with_malloc_tuning():

@@ -58,47 +58,50 @@ class LayerNorm(nnx.Module):
         return y.astype(x.dtype).reshape(x.shape)
 
 
-class ColumnParallelLinear(nnx.Module):
+class _Linear(nnx.Module):
+    """W (d_in, d_out) and b (d_out,) split as the subclass's specs say, and the local x W.
+
+    The three linear layers differ only in those specs and in what follows the local matmul:
+    nothing (column), the all-reduce (row) or a replicated constraint."""
+    KERNEL_SPEC: S.P
+    BIAS_SPEC: S.P
+
+    def __init__(self, d_in: int, d_out: int, *, layout: S.Layout, dtype, std: float, rngs: nnx.Rngs,
+                 matmul_dtype=None):
+        self.layout, self.dtype, self.matmul_dtype = layout, dtype, matmul_dtype or dtype
+        self.kernel = _param(nnx.initializers.normal(std), self.KERNEL_SPEC, rngs.params(), (d_in, d_out))
+        self.bias = _param(nnx.initializers.zeros, self.BIAS_SPEC, rngs.params(), (d_out,))
+
+    def local_matmul(self, x):
+        return matmul(x.astype(self.dtype), self.kernel[...], self.matmul_dtype)
+
+    def local_bias(self):
+        return self.bias[...].astype(self.dtype)
+
+
+class ColumnParallelLinear(_Linear):
     """y = x W + b with W split by columns: each device computes out/tp features, no communication."""
-
-    def __init__(self, d_in: int, d_out: int, *, layout: S.Layout, dtype, std: float, rngs: nnx.Rngs,
-                 matmul_dtype=None):
-        self.layout, self.dtype, self.matmul_dtype = layout, dtype, matmul_dtype or dtype
-        self.kernel = _param(nnx.initializers.normal(std), S.COLUMN, rngs.params(), (d_in, d_out))
-        self.bias = _param(nnx.initializers.zeros, S.COLUMN_BIAS, rngs.params(), (d_out,))
+    KERNEL_SPEC, BIAS_SPEC = S.COLUMN, S.COLUMN_BIAS
 
     def __call__(self, x):
-        y = matmul(x.astype(self.dtype), self.kernel[...], self.matmul_dtype)
-        y = y + self.bias[...].astype(self.dtype)
-        return self.layout.constrain(y, S.ACT_COLUMN)
+        return self.layout.constrain(self.local_matmul(x) + self.local_bias(), S.ACT_COLUMN)
 
 
-class RowParallelLinear(nnx.Module):
+class RowParallelLinear(_Linear):
     """y = x W + b with W split by rows: partial sums all-reduced over "model", then the bias."""
-
-    def __init__(self, d_in: int, d_out: int, *, layout: S.Layout, dtype, std: float, rngs: nnx.Rngs,
-                 matmul_dtype=None):
-        self.layout, self.dtype, self.matmul_dtype = layout, dtype, matmul_dtype or dtype
-        self.kernel = _param(nnx.initializers.normal(std), S.ROW, rngs.params(), (d_in, d_out))
-        self.bias = _param(nnx.initializers.zeros, S.REPLICATED_BIAS, rngs.params(), (d_out,))
+    KERNEL_SPEC, BIAS_SPEC = S.ROW, S.REPLICATED_BIAS
 
     def __call__(self, x):
-        partial = matmul(x.astype(self.dtype), self.kernel[...], self.matmul_dtype)
-        return self.layout.reduce_to_replicated(partial) + self.bias[...].astype(self.dtype)
+        return self.layout.reduce_to_replicated(self.local_matmul(x)) + self.local_bias()
 
 
-class ReplicatedLinear(nnx.Module):
+class ReplicatedLinear(_Linear):
     """y = x W + b with W whole on every device: for the small heads (BERT's MLM transform,
     pooler, classifiers), computed duplicated like LayerNorm, so they add no collective."""
-
-    def __init__(self, d_in: int, d_out: int, *, layout: S.Layout, dtype, std: float, rngs: nnx.Rngs,
-                 matmul_dtype=None):
-        self.layout, self.dtype, self.matmul_dtype = layout, dtype, matmul_dtype or dtype
-        self.kernel = _param(nnx.initializers.normal(std), S.REPLICATED_2D, rngs.params(), (d_in, d_out))
-        self.bias = _param(nnx.initializers.zeros, S.REPLICATED_BIAS, rngs.params(), (d_out,))
+    KERNEL_SPEC, BIAS_SPEC = S.REPLICATED_2D, S.REPLICATED_BIAS
 
     def __call__(self, x):
-        y = matmul(x.astype(self.dtype), self.kernel[...], self.matmul_dtype) + self.bias[...].astype(self.dtype)
+        y = self.local_matmul(x) + self.local_bias()
         return self.layout.constrain(y, S.P(S.DATA, *([None] * (y.ndim - 1))))
 
 
