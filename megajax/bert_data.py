@@ -5,7 +5,10 @@ lines) is a document, split into sentences. Consecutive sentences are packed int
 about seq_len - 3 tokens and each chunk is cut at a sentence boundary into segments A and B
 (ALBERT/Megatron). At batch time each example is laid out as [CLS] A [SEP] B [SEP]; half are
 swapped to B, A (sentence-order label 1), and 15% of the non-special tokens are chosen for
-prediction: 80% become [MASK], 10% a random token, 10% stay. Everything random is drawn
+prediction as Megatron-LM chooses them: whole words (a token and its `##` pieces) in n-gram
+spans of 1 to 3 words, n drawn with probability proportional to 1/n (`data.masking =
+"token"`: independent tokens instead). Each chosen token then becomes [MASK] 80% of the time,
+a random token 10%, and stays 10%. Everything random is drawn
 from (seed, step, row), so a batch is a pure function of the step, like GPT's.
 """
 from __future__ import annotations
@@ -92,18 +95,58 @@ def make_pairs(docs: list[list[list[int]]], seq_len: int, seed: int) -> list[tup
     return pairs
 
 
-def mask_tokens(ids: np.ndarray, candidates: np.ndarray, n_predict: int, specials: Specials,
-                random_ids: np.ndarray, mask_prob: float, rng):
-    """Choose mask_prob of the candidate positions (at least one, at most n_predict); 80% ->
-    [MASK], 10% -> a random token, 10% unchanged. Returns (masked ids, positions, original ids).
-    The count is rounded up or down at random, so the rate is mask_prob even for short
-    sequences (BERT's round() gives 3 of 18 = 17% there)."""
-    expected = len(candidates) * mask_prob
+def masking_budget(n_candidates: int, n_predict: int, mask_prob: float, rng) -> int:
+    """mask_prob of the candidates, at least one, at most n_predict. The count is rounded up or
+    down at random, so the rate is mask_prob even for short sequences (BERT's round() gives 3
+    of 18 = 17% there)."""
+    expected = n_candidates * mask_prob
     n = int(expected) + int(rng.random() < expected - int(expected))
-    n = min(n_predict, max(1, n))
-    positions = np.sort(rng.choice(candidates, size=n, replace=False))
+    return min(n_predict, max(1, n))
+
+
+def whole_words(ids: np.ndarray, candidates: np.ndarray, continuation: np.ndarray | None) -> list[list[int]]:
+    """Candidate positions grouped into words: a token and the `##` pieces that follow it. A
+    word never spans a special token (the candidates skip [CLS] and [SEP])."""
+    words: list[list[int]] = []
+    for p in candidates.tolist():
+        if words and words[-1][-1] == p - 1 and continuation is not None and continuation[ids[p]]:
+            words[-1].append(p)
+        else:
+            words.append([p])
+    return words
+
+
+def choose_ngrams(words: list[list[int]], budget: int, max_ngram: int, rng) -> list[list[int]]:
+    """Megatron-LM's create_masked_lm_predictions: visit the words in random order; at each,
+    draw a span of n = 1..max_ngram consecutive words with probability proportional to 1/n,
+    shorten it while it would overshoot the budget, and take it unless it overlaps a span
+    already taken. Returns the spans (token positions), so no word is ever partly masked."""
+    weights = 1.0 / np.arange(1, max_ngram + 1)
+    covered: set[int] = set()
+    spans, taken = [], 0
+    for start in rng.permutation(len(words)).tolist():
+        if taken >= budget:
+            break
+        longest = min(max_ngram, len(words) - start)
+        n = int(rng.choice(np.arange(1, longest + 1), p=weights[:longest] / weights[:longest].sum()))
+        span = [q for w in words[start:start + n] for q in w]
+        while taken + len(span) > budget and n > 1:
+            n -= 1
+            span = [q for w in words[start:start + n] for q in w]
+        if taken + len(span) > budget or covered.intersection(span):
+            continue
+        covered.update(span)
+        spans.append(span)
+        taken += len(span)
+    return spans
+
+
+def mask_tokens(ids: np.ndarray, positions: np.ndarray, specials: Specials, random_ids: np.ndarray, rng):
+    """BERT's replacement of the chosen positions: 80% -> [MASK], 10% -> a random token, 10%
+    unchanged, each token on its own. Returns (masked ids, sorted positions, original ids)."""
+    positions = np.sort(positions)
     originals = ids[positions].copy()
-    r = rng.random(n)
+    r = rng.random(len(positions))
     out = ids.copy()
     out[positions[r < 0.8]] = specials.mask
     swap = positions[(r >= 0.8) & (r < 0.9)]
@@ -114,16 +157,21 @@ def mask_tokens(ids: np.ndarray, candidates: np.ndarray, n_predict: int, special
 class PretrainBatches:
     """Global BERT pretraining batches; each process builds only the rows its devices own."""
 
-    def __init__(self, pairs, cfg, specials: Specials, vocab_size: int, sharding, name: str = "train"):
+    def __init__(self, pairs, cfg, specials: Specials, tokenizer: Tokenizer, sharding, name: str = "train"):
         if not pairs:
             raise UserError(f"the {name} split has no sentence pairs: BERT pretraining needs paragraphs "
                             f"of at least two tokens")
         self.pairs, self.specials, self.sharding = pairs, specials, sharding
         self.seq_len, self.batch_size, self.seed = cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed
-        self.mask_prob = cfg.data.mask_prob
+        self.mask_prob, self.max_ngram = cfg.data.mask_prob, cfg.data.max_ngram
+        # Whole-word masking needs to know which tokens continue a word; per-token masking
+        # treats every token as a word of its own and draws single tokens (n-grams of 1).
+        self.continuation = tokenizer.continuation_mask() if cfg.data.masking == "whole_word" else None
+        if cfg.data.masking == "token":
+            self.max_ngram = 1
         self.n_predict = mlm_predictions(self.seq_len, self.mask_prob)
         special_ids = [specials.cls, specials.sep, specials.mask, specials.pad]
-        self.random_ids = np.setdiff1d(np.arange(vocab_size), special_ids)
+        self.random_ids = np.setdiff1d(np.arange(tokenizer.vocab_size), special_ids)
         self.stream = 0 if name == "train" else 1
         self._memo = {}
 
@@ -144,8 +192,10 @@ class PretrainBatches:
         types = np.zeros(s, np.int32)
         types[len(a) + 2: n] = 1
         candidates = np.setdiff1d(np.arange(1, n - 1), [len(a) + 1])
-        ids, positions, originals = mask_tokens(ids, candidates, self.n_predict, sp, self.random_ids,
-                                                self.mask_prob, rng)
+        budget = masking_budget(len(candidates), self.n_predict, self.mask_prob, rng)
+        spans = choose_ngrams(whole_words(ids, candidates, self.continuation), budget, self.max_ngram, rng)
+        chosen = np.asarray([q for span in spans for q in span], np.int64)
+        ids, positions, originals = mask_tokens(ids, chosen, sp, self.random_ids, rng)
         pad = self.n_predict - len(positions)
         return {"tokens": ids, "types": types, "mask": (np.arange(s) < n).astype(np.int32),
                 "mlm_positions": np.pad(positions, (0, pad)).astype(np.int32),
@@ -186,7 +236,7 @@ class PretrainData:
         pairs = self.train_pairs if split == "train" else self.val_pairs
         if split != "train" and not pairs:
             return None
-        return PretrainBatches(pairs, cfg, self.specials, self.tokenizer.vocab_size, sharding, split)
+        return PretrainBatches(pairs, cfg, self.specials, self.tokenizer, sharding, split)
 
 
 def load_pretraining(text: str, tokenizer: Tokenizer, cfg) -> PretrainData:

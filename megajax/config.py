@@ -51,7 +51,8 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: str = "auto"       # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16 | mixed
                                       # (mixed: bfloat16 matmul operands, float32 accumulation and activations)
-    gelu: str = "exact"               # exact (erf, Megatron-LM) | tanh (GPT-2's approximation)
+    gelu: str = "tanh"                # tanh (Megatron-LM's fused bias-GeLU and openai_gelu, GPT-2) | exact (erf;
+                                      # Hugging Face's BERT)
     remat: bool = False               # recompute each layer's activations in the backward pass
     scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
 
@@ -190,6 +191,8 @@ class DataConfig:
     val_fraction: float = 0.1
     bin_dtype: str = "uint16"         # for bin: sources
     mask_prob: float = 0.15           # BERT pretraining: fraction of tokens to predict (80% [MASK], 10% random, 10% kept)
+    masking: str = "whole_word"       # whole_word (Megatron-LM: whole words in n-gram spans) | token (independent tokens)
+    max_ngram: int = 3                # whole_word: spans of 1..max_ngram words, n drawn with probability ~ 1/n
 
 
 @dataclasses.dataclass
@@ -204,6 +207,10 @@ class Config:
         self.train.validate()
         if not 0.0 < self.data.mask_prob < 1.0:
             raise ConfigError(f"data.mask_prob must be in (0, 1), got {self.data.mask_prob}")
+        if self.data.masking not in ("whole_word", "token"):
+            raise ConfigError(f"data.masking must be whole_word or token, got '{self.data.masking}'")
+        if self.data.max_ngram < 1:
+            raise ConfigError(f"data.max_ngram must be at least 1, got {self.data.max_ngram}")
         return self
 
     def to_dict(self) -> dict:

@@ -172,14 +172,18 @@ def evaluate_wikitext(loaded: Loaded, path: Path, stride: int = 32, batch_size: 
     t_o = original_token_count(raw)
     tokens = np.asarray(loaded.tokenizer.encode(wikitext_detokenize(raw)), np.int32)
     r = perplexity_of_tokens(loaded.model, tokens, stride, batch_size, progress)
-    r.update({"original_tokens": t_o, "adjusted_ppl": math.exp(r["loss_sum"] / t_o), "file": str(path)})
+    # The paper divides by T_o; Megatron-LM's evaluation script by T_o - 1 (it counts the
+    # predictions, one fewer than the words): both, so either kind of figure can be compared.
+    r.update({"original_tokens": t_o, "adjusted_ppl": math.exp(r["loss_sum"] / t_o),
+              "adjusted_ppl_megatron": math.exp(r["loss_sum"] / (t_o - 1)), "file": str(path)})
     return r
 
 
 # --- LAMBADA ---------------------------------------------------------------------------
 
 def lambada_examples(path: Path, tokenizer: Tokenizer, seq_len: int):
-    """(context tokens, target tokens) per passage; the target is the last whitespace word."""
+    """(context tokens, target tokens) per passage. The target is the last word, split off at the
+    last run of any whitespace (a newline too), and the context is stripped, as Megatron does."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"LAMBADA file not found: {path}")
@@ -191,7 +195,8 @@ def lambada_examples(path: Path, tokenizer: Tokenizer, seq_len: int):
             text = json.loads(line)["text"].strip()
         except (json.JSONDecodeError, KeyError, TypeError):
             raise UserError(f"{path}:{n}: expected a JSON object with a \"text\" field") from None
-        context, _, word = text.rpartition(" ")
+        *context, word = text.rsplit(None, 1)
+        context = context[0] if context else ""
         ctx, tgt = tokenizer.encode(context), tokenizer.encode(" " + word)
         keep = seq_len + 1 - len(tgt)
         examples.append((ctx[-keep:] if len(ctx) > keep else ctx, tgt))
@@ -245,13 +250,13 @@ def _table(rows: list[tuple[str, object]]) -> str:
     return "\n".join(f"{k.ljust(width)}  {fmt(v)}" for k, v in rows)
 
 
-def evaluate_pretraining(model, pairs, cfg, specials, vocab_size: int, batch_size: int = 16) -> dict:
+def evaluate_pretraining(model, pairs, cfg, specials, tokenizer, batch_size: int = 16) -> dict:
     """A pretrained BERT's MLM loss and accuracy over the masked tokens and SOP loss and
     accuracy over the pairs: each pair once, with a fixed masking and order (seeded by its
     index), summed exactly over padded batches."""
     from megajax.bert_data import PretrainBatches
 
-    builder = PretrainBatches(pairs, cfg, specials, vocab_size, None, "eval")
+    builder = PretrainBatches(pairs, cfg, specials, tokenizer, None, "eval")
     sharding = model.layout.sharding(jax.sharding.PartitionSpec("data"))
     outputs = jax.jit(lambda m, batch: m.pretrain_outputs(batch))
     sums = dict(mlm_loss=0.0, mlm_hits=0.0, masked=0.0, sop_loss=0.0, sop_hits=0.0)
@@ -301,7 +306,7 @@ def run_task(args, mesh, out=print) -> dict:
         cfg = dataclasses.replace(loaded.cfg, data=dataclasses.replace(loaded.cfg.data, val_fraction=0.0))
         data = load_pretraining(source_text(source), loaded.tokenizer, cfg)
         r = evaluate_pretraining(loaded.model, data.train_pairs, cfg, data.specials,
-                                 loaded.tokenizer.vocab_size, args.batch_size)
+                                 loaded.tokenizer, args.batch_size)
         rows = [("sentence pairs", r["pairs"]), ("masked tokens", r["masked_tokens"]),
                 ("MLM loss", r["mlm_loss"]), ("MLM accuracy", r["mlm_accuracy"]),
                 ("SOP loss", r["sop_loss"]), ("SOP accuracy", r["sop_accuracy"])]
@@ -322,7 +327,8 @@ def run_task(args, mesh, out=print) -> dict:
         r = evaluate_wikitext(loaded, Path(args.data), args.stride, args.batch_size, progress)
         rows = [("subword tokens T", r["tokens"]), ("original tokens T_o", r["original_tokens"]),
                 ("loss per token", r["loss"]), ("perplexity", r["ppl"]),
-                ("adjusted perplexity exp(L/T_o)", r["adjusted_ppl"])]
+                ("adjusted perplexity exp(L/T_o), the paper's", r["adjusted_ppl"]),
+                ("adjusted perplexity exp(L/(T_o-1)), Megatron's script", r["adjusted_ppl_megatron"])]
     elif args.task == "lambada":
         r = evaluate_lambada(loaded, Path(args.data), args.batch_size, progress)
         rows = [("passages", r["passages"]), ("correct", r["correct"]), ("accuracy", r["accuracy"]),

@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from megajax.errors import UserError
+from megajax.wordpiece import train_vocab
 
 FILE = "tokenizer.json"
 HF_FILE = "hf_tokenizer.json"
@@ -32,6 +35,11 @@ class Tokenizer:
 
     def token_id(self, token: str) -> int | None:
         """The id of a special token such as [MASK], if this tokenizer has it."""
+        return None
+
+    def continuation_mask(self):
+        """Per token id, whether it continues the word before it (WordPiece's `##` pieces);
+        None when the tokenizer does not mark word pieces."""
         return None
 
     def spec(self) -> dict:
@@ -120,6 +128,15 @@ class HFTokenizer(Tokenizer):
     def token_id(self, token):
         return self.tok.token_to_id(token)
 
+    def continuation_mask(self):
+        prefix = getattr(self.tok.model, "continuing_subword_prefix", None)
+        if not prefix:
+            return None
+        mask = np.zeros(self.vocab_size, bool)
+        for token, i in self.tok.get_vocab().items():
+            mask[i] = token.startswith(prefix)
+        return mask
+
     def save(self, workdir):
         (Path(workdir) / HF_FILE).write_bytes(self.path.read_bytes())
         (Path(workdir) / FILE).write_text(json.dumps({"kind": "hf", "file": HF_FILE}) + "\n")
@@ -162,17 +179,8 @@ class WordPieceTokenizer(HFTokenizer):
 
     @classmethod
     def train(cls, text: str, vocab_size: int = 8000, lowercase: bool = True) -> "WordPieceTokenizer":
-        from tokenizers import Tokenizer as _Tok
-        from tokenizers import models, normalizers, pre_tokenizers, trainers
-
-        tok = _Tok(models.WordPiece(unk_token="[UNK]"))
-        tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
-        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(BERT_SPECIALS),
-                                            show_progress=False)
-        tok.train_from_iterator(text.splitlines(), trainer)
-        vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-        return cls([t for t, _ in vocab], lowercase)
+        """A vocabulary trained on `text`, reproducibly (megajax/wordpiece.py)."""
+        return cls(train_vocab(text, vocab_size, BERT_SPECIALS, lowercase), lowercase)
 
     def save(self, workdir):
         (Path(workdir) / VOCAB_FILE).write_text("\n".join(self.vocab) + "\n", encoding="utf-8")

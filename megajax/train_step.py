@@ -18,7 +18,9 @@ from megajax import sharding as S
 from megajax.config import Config, ConfigError, TrainConfig
 from megajax.model import MODELS, ModelDef, abstract_model, init_model
 
-_DECAYED = {"kernel", "table", "pos"}   # weight matrices and embeddings; not LayerNorm, not biases
+# Megatron-LM decays every weight matrix and embedding (token, position, token-type tables)
+# and exempts only biases and LayerNorm parameters (scale and shift).
+_NOT_DECAYED = ("bias", "scale")
 
 
 def lr_schedule(t: TrainConfig):
@@ -34,7 +36,7 @@ def lr_schedule(t: TrainConfig):
 
 
 def weight_decay_mask(params: dict):
-    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in _DECAYED, params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: not str(path[-1].key).endswith(_NOT_DECAYED), params)
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:

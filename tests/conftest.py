@@ -1,4 +1,12 @@
-"""8 simulated CPU devices for every test; must run before jax is imported."""
+"""8 simulated CPU devices for every test; must run before jax is imported.
+
+Tolerances: every floating-point comparison in the suite follows one rule, written out in
+tests/tolerances.py — a bound derived from the unit roundoff of the arithmetic it checks
+(float32: 2^8 u of the compared quantity's scale; bfloat16 operands: 4 bf16 units element-wise
+and 1 in norm; Adam's per-entry amplification of gradient errors), never a number that merely
+passed on one machine. The suite must pass on any x86-64 or ARM CPU and pinned to one core
+(`taskset -c 0 python -m pytest -q tests`), which changes XLA:CPU's kernels and summation order.
+"""
 import os
 import sys
 from pathlib import Path

@@ -1,9 +1,11 @@
 """Every shipped config parses; the paper's models have the paper's sizes, computed abstractly."""
+import re
+
 import jax
 import pytest
 from flax import nnx
 
-from megajax.config import ConfigError, available_configs, load_config
+from megajax.config import CONFIG_DIR, ConfigError, available_configs, load_config
 from megajax.model import abstract_model
 
 PAPER = {"gpt2_355m": 355e6, "gpt2_1.2b": 1.2e9, "gpt2_2.5b": 2.5e9, "gpt2_4.2b": 4.2e9,
@@ -38,6 +40,26 @@ def test_paper_shapes():
     assert shapes["gpt2_8.3b"] == (72, 3072, 32)
     bert = {n: (c.num_layers, c.hidden, c.num_heads) for n in PAPER_BERT for c in [load_config(n).model]}
     assert bert == {"bert_336m": (24, 1024, 16), "bert_1.3b": (24, 2048, 32), "bert_3.9b": (48, 2560, 40)}
+
+
+# The paper's tables, (layers, hidden, heads): Table 1 is the scaling study, Table 2 the
+# GPT-2 models of the WikiText-103 / LAMBADA runs, Table 4 the BERT models.
+PAPER_TABLES = {1: {(40, 1536, 16), (54, 1920, 20), (64, 2304, 24), (72, 3072, 32)},
+                2: {(24, 1024, 16), (54, 1920, 20), (72, 3072, 24)},
+                4: {(24, 1024, 16), (24, 2048, 32), (48, 2560, 40)}}
+
+
+@pytest.mark.parametrize("name", [*PAPER, *PAPER_BERT])
+def test_paper_configs_cite_the_table_that_lists_them(name):
+    first_line = (CONFIG_DIR / f"{name}.toml").read_text().splitlines()[0]
+    cited = {int(n) for n in re.findall(r"Tables? (\d)(?: and (\d))?", first_line)[0] if n}
+    m = load_config(name).model
+    assert cited and all((m.num_layers, m.hidden, m.num_heads) in PAPER_TABLES[t] for t in cited), first_line
+
+
+@pytest.mark.parametrize("name", [*PAPER, *PAPER_BERT])
+def test_paper_configs_use_megatrons_tanh_gelu(name):
+    assert load_config(name).model.gelu == "tanh"
 
 
 def test_vocab_padding_is_a_property_of_the_config():

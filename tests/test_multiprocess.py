@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+from tolerances import F32
 
 from test_train_cli import ROOT, RUN_ARGS, env, losses, run
 
@@ -48,13 +49,13 @@ def test_two_processes_log_the_losses_of_one(one_process_reference, tmp_path):
     got = losses(wd)
     assert sorted(got) == [1, 2, 3]
     for s in got:
-        assert got[s] == pytest.approx(one_process_reference[s], rel=1e-6)
+        assert got[s] == pytest.approx(one_process_reference[s], rel=F32)
     # ... and the two-process checkpoint resumes in one process.
     p = run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", "6")
     assert "resuming from step 3" in p.stdout
     got = losses(wd)
     for s in range(4, 7):
-        assert got[s] == pytest.approx(one_process_reference[s], rel=1e-6)
+        assert got[s] == pytest.approx(one_process_reference[s], rel=F32)
 
 
 def test_one_process_checkpoint_resumes_in_two(one_process_reference, tmp_path):
@@ -64,7 +65,7 @@ def test_one_process_checkpoint_resumes_in_two(one_process_reference, tmp_path):
     assert "resuming from step 3" in out0
     got = losses(wd)
     for s in range(1, 7):
-        assert got[s] == pytest.approx(one_process_reference[s], rel=1e-6)
+        assert got[s] == pytest.approx(one_process_reference[s], rel=F32)
 
 
 def test_killing_one_process_ends_the_other(tmp_path):

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tolerances import F32
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -96,7 +97,8 @@ def test_resume_on_another_mesh(reference, tmp_path, mesh):
     assert "resuming from step 8" in p.stdout and f"model={mesh[-1]}" in p.stdout
     got = losses(wd)
     for s in range(9, 17):
-        assert got[s] == pytest.approx(ref[s], rel=2e-5), s
+        # Two legs on two meshes, each within float32's mesh bound (tests/tolerances.py).
+        assert got[s] == pytest.approx(ref[s], rel=2 * F32), s
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):

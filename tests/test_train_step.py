@@ -11,13 +11,20 @@ from megajax.model import ModelDef, init_model
 from megajax.train_step import lr_schedule, weight_decay_mask
 
 
-def test_weight_decay_only_on_matrices_and_embeddings():
-    model = init_model(tiny_config(scan_layers=False).model, mesh_for("1x1"))
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+def test_weight_decay_everywhere_but_biases_and_layernorm(kind):
+    """Megatron-LM's rule: every weight matrix and embedding table decays (BERT's token-type
+    table too); biases and LayerNorm scale/shift do not."""
+    model = init_model(tiny_config(kind=kind, scan_layers=False).model, mesh_for("1x1"))
     mask = weight_decay_mask(ModelDef(model).params(model))
     flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
-    assert flat["['embed']['table']"] and flat["['pos']"]
+    exempt = {name for name in flat if name.endswith(("['bias']", "['scale']", "['mlm_bias']"))}
+    assert exempt and all("ln" in n or "bias" in n for n in exempt)
     for name, decays in flat.items():
-        assert decays == name.endswith(("['kernel']", "['table']", "['pos']")), name
+        assert decays == (name not in exempt), name
+    assert flat["['embed']['table']"] and flat["['pos']"]
+    if kind == "bert":
+        assert flat["['types']"] and not flat["['mlm_bias']"]
     assert not flat["['layers']['layers']['0']['ln1']['scale']"]
     assert not flat["['layers']['layers']['0']['mlp']['fc1']['bias']"]
 
