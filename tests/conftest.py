@@ -7,12 +7,21 @@ and 1 in norm; Adam's per-entry amplification of gradient errors), never a numbe
 passed on one machine. The suite must pass on any x86-64 or ARM CPU and pinned to one core
 (`taskset -c 0 python -m pytest -q tests`), which changes XLA:CPU's kernels and summation order.
 """
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One XLA compilation cache for the session, inherited by the train.py / eval.py processes the
+# tests start: the many short runs of the same tiny config compile each program once.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="megajax-tests-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import mesh_for, tiny_config
 from tolerances import F32, adam_tolerance, assert_close, assert_tree_close
 
-from megajax.model import ModelDef, init_model
+from megajax.model import init_model
 from megajax.train_step import make_trainer
 
 MESHES = ["1x2", "2x2", "1x4", "2x4", "4x2", "1x8", "8x1"]
@@ -18,10 +18,10 @@ KEY = jax.random.key(3)
 
 def run(mesh):
     """Weights, logits, loss and gradients (dropout on), and three optimizer steps on `mesh`."""
-    model = init_model(CFG.model, mesh, seed=0)
-    md = ModelDef(model)
-    params = md.params(model)
     trainer = make_trainer(CFG, mesh)
+    md = trainer.modeldef
+    p, o = trainer.init_state(seed=0)          # init_model's weights, in this mesh's shardings
+    params = jax.tree.map(lambda x: x.copy(), p)   # the step below donates p
     tokens = jax.device_put(TOKENS, trainer.batch_sharding)
 
     @jax.jit
@@ -31,7 +31,6 @@ def run(mesh):
         return logits, loss, grads
 
     logits, loss, grads = jax.device_get(fwd_bwd(params, tokens))
-    p, o = trainer.init_state(seed=0)
     step = trainer.jit_step()
     losses = []
     for i in range(3):
