@@ -180,9 +180,11 @@ def eval_main(argv=None) -> int:
         raise
     import jax
 
+    from megajax.files import write_atomic
+
     if jax.process_index() == 0:
         out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_atomic(out, json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
     return 0
 

@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 
 from megajax.errors import UserError
+from megajax.files import write_atomic
 
 def _config_dir() -> Path:
     """configs/ of a checkout, or the copy installed with the package (pip install .)."""
@@ -107,6 +108,11 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("ln_eps", "init_std"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.ffn_hidden < 0:
+            raise ConfigError(f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}")
 
     def check_mesh(self, tp: int, dp: int | None = None, batch: int | None = None):
         """Megatron's divisibility rules for a model axis of size tp; raise ConfigError if broken."""
@@ -172,14 +178,25 @@ class TrainConfig:
     keep_checkpoints: int = 3
 
     def validate(self):
-        for name in ("batch_size", "microbatches", "steps"):
+        for name in ("batch_size", "microbatches", "steps", "log_every", "eval_every", "eval_batches",
+                     "save_every", "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        for name in ("warmup_steps", "decay_steps", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be 0 or more, got {getattr(self, name)}")
         if self.batch_size % self.microbatches:
             raise ConfigError(f"train.batch_size={self.batch_size} is not divisible by "
                               f"train.microbatches={self.microbatches}")
-        if self.lr <= 0:
-            raise ConfigError(f"train.lr must be positive, got {self.lr}")
+        for name in ("lr", "eps", "grad_clip"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        for name in ("min_lr", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be 0 or more, got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.schedule not in ("cosine", "linear"):
             raise ConfigError(f"train.schedule must be cosine or linear, got '{self.schedule}'")
 
@@ -203,8 +220,18 @@ class Config:
     name: str = "custom"
 
     def validate(self) -> "Config":
+        """Every value's range, before anything is written: a bad value is one clear line."""
+        for section in (self.model, self.train, self.data):
+            for f in dataclasses.fields(section):
+                value = getattr(section, f.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ConfigError(f"{SECTION_NAMES[type(section)]}.{f.name} must be a finite number, got {value}")
         self.model.validate()
         self.train.validate()
+        if not 0.0 < self.data.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
+        if self.data.bin_dtype not in ("uint16", "uint32"):
+            raise ConfigError(f"data.bin_dtype must be uint16 or uint32, got '{self.data.bin_dtype}'")
         if not 0.0 < self.data.mask_prob < 1.0:
             raise ConfigError(f"data.mask_prob must be in (0, 1), got {self.data.mask_prob}")
         if self.data.masking not in ("whole_word", "token"):
@@ -217,10 +244,11 @@ class Config:
         return dataclasses.asdict(self)
 
     def save(self, path: Path):
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+SECTION_NAMES = {cls: name for name, cls in SECTIONS.items()}
 
 
 def all_keys() -> list[str]:
@@ -246,8 +274,13 @@ def _coerce(key: str, value, typ):
                 return False
             raise ConfigError(f"{key} expects true or false, got '{value}'")
         try:
-            return typ(float(text)) if typ is int and "e" in text.lower() else typ(text)
-        except ValueError:
+            if typ is int and "e" in text.lower():    # 1e6 is an integer written as a float
+                number = float(text)
+                if not number.is_integer():
+                    raise ValueError
+                return int(number)
+            return typ(text)
+        except (ValueError, OverflowError):
             raise ConfigError(f"{key} expects {typ.__name__}, got '{value}'") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

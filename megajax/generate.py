@@ -90,12 +90,17 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
 
 
 def greedy_by_recomputation(model, prompt_tokens, max_new_tokens: int) -> np.ndarray:
-    """Reference decoder: the full forward pass over the whole sequence for every new token."""
+    """Reference decoder: the full forward pass over the whole sequence for every new token.
+    The sequence lives in one fixed-length buffer (one compiled shape): attention is causal,
+    so the tokens not yet written after position p cannot change the logits at p."""
     seq = np.atleast_2d(np.asarray(prompt_tokens, dtype=np.int32))
-    rows = seq.shape[0]
-    seq = _pad_rows(seq, model.layout.dp)
-    fwd = jax.jit(lambda m, x: m(x))
-    for _ in range(max_new_tokens):
-        logits = np.asarray(fwd(model, seq))
-        seq = np.concatenate([seq, logits[:, -1].argmax(-1)[:, None].astype(np.int32)], axis=1)
-    return seq[:rows, -max_new_tokens:]
+    rows, n = seq.shape
+    if n + max_new_tokens > model.cfg.seq_len:
+        raise ValueError(f"{n} + {max_new_tokens} tokens do not fit the context of {model.cfg.seq_len}")
+    buf = np.zeros((rows, n + max_new_tokens), np.int32)
+    buf[:, :n] = seq
+    buf = _pad_rows(buf, model.layout.dp)
+    fwd = jax.jit(lambda m, x, p: jnp.argmax(m(x)[:, p], -1).astype(jnp.int32))
+    for p in range(n, n + max_new_tokens):
+        buf[:, p] = np.asarray(fwd(model, buf, p - 1))
+    return buf[:rows, n:]

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from megajax.errors import UserError
+from megajax.files import read_jsonl, write_atomic
 
 # Dense bf16 peak TFLOP/s per device, for MFU where nothing was measured.
 KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0,
@@ -70,12 +74,16 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
     def truncate_after(self, step: int):
-        """Drop records past `step` (left by a run that died after its last checkpoint)."""
+        """Drop records past `step` (left by a run that died after its last checkpoint) and a
+        last line cut short by a kill; the file is replaced atomically, and only if needed."""
         if not self.enabled or not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        text = self.path.read_text(encoding="utf-8", errors="replace")
+        keep = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
+        new = "".join(json.dumps(r) + "\n" for r in keep)
+        lines = [line for line in text.splitlines() if line.strip()]
+        if len(keep) != len(lines) or (text and not text.endswith("\n")):
+            write_atomic(self.path, new)
 
 
 class Progress:
@@ -124,12 +132,10 @@ def plot_workdir(workdir: Path, out: Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megajax.errors import UserError
-
     path = Path(workdir) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"no metrics.jsonl in {workdir}")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_jsonl(path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
@@ -144,7 +150,9 @@ def plot_workdir(workdir: Path, out: Path | None = None) -> Path:
     ax.legend()
     fig.tight_layout()
     out = Path(out) if out else Path(workdir) / "loss.png"
-    fig.savefig(out)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp)
+    os.replace(tmp, out)     # never a half-written picture
     plt.close(fig)
     return out
 

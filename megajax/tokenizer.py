@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from megajax.errors import UserError
+from megajax.files import write_atomic
 from megajax.wordpiece import train_vocab
 
 FILE = "tokenizer.json"
@@ -46,7 +47,7 @@ class Tokenizer:
         return {"kind": self.kind}
 
     def save(self, workdir: Path):
-        (Path(workdir) / FILE).write_text(json.dumps(self.spec()) + "\n")
+        write_atomic(Path(workdir) / FILE, json.dumps(self.spec()) + "\n")
 
 
 class ByteTokenizer(Tokenizer):
@@ -138,8 +139,8 @@ class HFTokenizer(Tokenizer):
         return mask
 
     def save(self, workdir):
-        (Path(workdir) / HF_FILE).write_bytes(self.path.read_bytes())
-        (Path(workdir) / FILE).write_text(json.dumps({"kind": "hf", "file": HF_FILE}) + "\n")
+        write_atomic(Path(workdir) / HF_FILE, self.path.read_bytes())
+        write_atomic(Path(workdir) / FILE, json.dumps({"kind": "hf", "file": HF_FILE}) + "\n")
 
 
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -183,8 +184,8 @@ class WordPieceTokenizer(HFTokenizer):
         return cls(train_vocab(text, vocab_size, BERT_SPECIALS, lowercase), lowercase)
 
     def save(self, workdir):
-        (Path(workdir) / VOCAB_FILE).write_text("\n".join(self.vocab) + "\n", encoding="utf-8")
-        (Path(workdir) / FILE).write_text(json.dumps({"kind": self.kind, "file": VOCAB_FILE,
+        write_atomic(Path(workdir) / VOCAB_FILE, "\n".join(self.vocab) + "\n")
+        write_atomic(Path(workdir) / FILE, json.dumps({"kind": self.kind, "file": VOCAB_FILE,
                                                       "lowercase": self.lowercase}) + "\n")
 
 

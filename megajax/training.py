@@ -206,7 +206,7 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
     losses: dict[int, float] = {}
     pending = []          # (step, metrics on device) not yet checked on the host
     last_log = (start_step, time.perf_counter())
-    last_saved = start_step
+    last_saved = start_step if latest is not None else None   # the newest checkpoint on disk
     val_loss = None
     progress = Progress(t.steps, start_step, enabled=main)
 
@@ -214,11 +214,16 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
         nonlocal last_log
         fetched = jax.device_get([m for _, m in pending])
         for (s, _), m in zip(pending, fetched):
-            if not math.isfinite(float(m["loss"])):
+            # The loss is computed before the update, the gradient norm from what updates the
+            # weights: either one not finite means the weights after step s are not either.
+            bad = [(k, float(m[k])) for k in ("loss", "grad_norm") if not math.isfinite(float(m[k]))]
+            if bad:
                 progress.close()
                 ckpts.wait()
-                raise UserError(f"loss became {float(m['loss'])} at step {s}; stopped. "
-                                f"Last good checkpoint: step {last_saved} in {workdir / 'checkpoints'}")
+                what = " and ".join(f"{'gradient norm' if k == 'grad_norm' else k} {v}" for k, v in bad)
+                good = (f"last good checkpoint: step {last_saved} in {workdir / 'checkpoints'}"
+                        if last_saved is not None else "no checkpoint was saved before it")
+                raise UserError(f"{what} at step {s}; stopped, nothing of step {s} or later saved; {good}")
             losses[s] = float(m["loss"])
         pending.clear()
         now = time.perf_counter()

@@ -94,6 +94,35 @@ def test_indivisible_sizes(change, tp, message):
         cfg.model.check_mesh(tp)
 
 
+@pytest.mark.parametrize("override,message", [
+    ("train.keep_checkpoints=0", "train.keep_checkpoints must be positive"),
+    ("train.save_every=0", "train.save_every must be positive"),
+    ("train.log_every=0", "train.log_every must be positive"),
+    ("train.eval_every=0", "train.eval_every must be positive"),
+    ("train.eval_batches=0", "train.eval_batches must be positive"),
+    ("train.warmup_steps=-1", "train.warmup_steps must be 0 or more"),
+    ("train.lr=inf", "train.lr must be a finite number"),
+    ("train.lr=nan", "train.lr must be a finite number"),
+    ("train.lr=0", "train.lr must be positive"),
+    ("train.grad_clip=-1", "train.grad_clip must be positive"),
+    ("train.beta2=1.0", "train.beta2 must be in [0, 1)"),
+    ("train.weight_decay=-0.1", "train.weight_decay must be 0 or more"),
+    ("data.val_fraction=0", "data.val_fraction must be in (0, 1)"),
+    ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
+    ("data.bin_dtype=int8", "data.bin_dtype must be uint16 or uint32"),
+    ("model.ln_eps=0", "model.ln_eps must be positive"),
+    ("model.num_layers=2.5e0", "model.num_layers expects int, got '2.5e0'"),
+    ("model.hidden_dropout=1.0", "model.hidden_dropout must be in [0, 1)"),
+])
+def test_every_value_is_range_checked(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("tiny", [override])
+
+
+def test_integers_written_as_floats_are_accepted_when_integral():
+    assert load_config("tiny", ["train.steps=1e3", "model.num_layers=3.0e0"]).train.steps == 1000
+
+
 def test_batch_not_divisible_by_data_axis():
     with pytest.raises(ConfigError, match=r"global batch 8 is not divisible by the data axis \(3\)"):
         load_config("tiny").model.check_mesh(1, 3, 8)

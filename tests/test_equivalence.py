@@ -10,7 +10,8 @@ from tolerances import F32, adam_tolerance, assert_close, assert_tree_close
 from megajax.model import init_model
 from megajax.train_step import make_trainer
 
-MESHES = ["1x2", "2x2", "1x4", "2x4", "4x2", "1x8", "8x1"]
+# Every (data, model) factorisation of the 8 devices: pure data, pure model, and both mixes.
+MESHES = ["2x4", "4x2", "1x8", "8x1"]
 CFG = tiny_config()
 TOKENS = np.asarray(jax.random.randint(jax.random.key(7), (8, CFG.model.seq_len + 1), 0, CFG.model.vocab_size))
 KEY = jax.random.key(3)

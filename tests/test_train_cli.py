@@ -7,8 +7,14 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+from conftest import mesh_for
+from flax import nnx
 from tolerances import F32
+
+from megajax.evaluation import load_workdir
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -117,18 +123,29 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert (wd / "checkpoints" / str(step)).is_dir()
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+@pytest.mark.parametrize("lr,save_every", [("1e38", "2"), ("1e6", "1"), ("1e38", "1000")])
+def test_non_finite_step_is_never_saved_and_the_named_checkpoint_exists(tmp_path, lr, save_every):
+    """lr 1e38: the loss itself overflows. lr 1e6: the loss of the fatal step is still finite
+    (it is computed before the update) but its gradient norm is not, so the weights after it
+    are NaN: that step must not be saved either. With no save before it, none is named."""
     wd = tmp_path / "nan"
-    p = run(*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "40", "--save-every", "2",
-            "--set", "train.lr=1e38", "--set", "train.warmup_steps=1", "--set", "train.grad_clip=1e30", check=False)
+    p = run(*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "40", "--save-every", save_every,
+            "--set", f"train.lr={lr}", "--set", "train.warmup_steps=1", "--set", "train.grad_clip=1e30", check=False)
     assert p.returncode == 2, p.stderr
     line = p.stderr.strip()
     assert "\n" not in line and "Traceback" not in p.stderr
-    assert line.startswith("error: loss became nan at step") or line.startswith("error: loss became inf at step")
-    bad = int(line.split("at step ")[1].split(";")[0])
-    good = int(line.split("Last good checkpoint: step ")[1].split(" ")[0])
-    assert good < bad and (wd / "checkpoints" / str(good)).is_dir()
-    assert not (wd / "checkpoints" / str(bad)).exists()
+    assert line.startswith("error: ") and " at step " in line and ("nan" in line or "inf" in line), line
+    bad = int(line.split(" at step ")[1].split(";")[0])
+    saved = sorted(int(d.name) for d in (wd / "checkpoints").iterdir() if d.name.isdigit())
+    assert all(s < bad for s in saved)
+    if "no checkpoint was saved" in line:
+        assert not saved
+        return
+    good = int(line.split("last good checkpoint: step ")[1].split(" ")[0])
+    assert saved and good == max(saved)
+    for step in saved:   # every checkpoint on disk holds finite weights
+        loaded = load_workdir(wd, mesh_for("1x1"), step)
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param)))
 
 
 def test_dry_run_of_paper_model_allocates_nothing():
@@ -150,6 +167,10 @@ def test_dry_run_of_paper_model_allocates_nothing():
     (["--set", "model.num_layer=3"], "did you mean 'model.num_layers'"),
     (["--set", "train.lr=fast"], "train.lr expects float, got 'fast'"),
     (["--config", "nope"], "no config named 'nope'"),
+    (["--set", "train.keep_checkpoints=0"], "train.keep_checkpoints must be positive, got 0"),
+    (["--save-every", "0"], "train.save_every must be positive, got 0"),
+    (["--set", "model.num_layers=2.5e0"], "model.num_layers expects int, got '2.5e0'"),
+    (["--set", "train.lr=nan"], "train.lr must be a finite number, got nan"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     base = [a for a in BASE]

@@ -1,0 +1,44 @@
+"""Files megajax writes: a kill at any moment leaves either the old content or the new, never
+a truncated file; and JSON-lines logs read back even when a kill cut their last line short."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`
+    (rename is atomic on POSIX and Windows file systems)."""
+    path = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file. A line that does not parse is one a kill cut short
+    while it was being appended: it is skipped, not fatal."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
