@@ -6,6 +6,8 @@ current mesh, whatever mesh wrote them: no conversion step.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from pathlib import Path
 
 import jax
@@ -14,6 +16,25 @@ import orbax.checkpoint as ocp
 from megajax.errors import UserError
 
 logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def _quiet_abandoned_reads():
+    """A failed orbax restore leaves tensorstore reads in flight whose callbacks later find
+    their asyncio loop closed and print a traceback each ("Event loop is closed") through
+    sys.unraisablehook. They carry no information the warning has not given: drop exactly
+    those, and pass everything else on."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_megajax", False):
+        return
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook._megajax = True
+    sys.unraisablehook = hook
 
 
 class Checkpoints:
@@ -62,6 +83,42 @@ class Checkpoints:
             params=ocp.args.StandardRestore(abstract_params), opt_state=ocp.args.StandardRestore(abstract_opt_state),
             meta=ocp.args.JsonRestore()))
         return out["params"], out["opt_state"], out["meta"]
+
+    def restore_newest_intact(self, restore, warn, set_aside: bool = True):
+        """`restore(step)` of the newest step that reads back. A step that fails to read (a
+        truncated array file, a missing manifest: a disk or a kill that orbax's commit did not
+        cover) is skipped with one warning line and the one before is tried; a training run
+        (`set_aside`) also moves it to WORKDIR/damaged/STEP, kept for the user and out of the
+        way of the next save of that step. Returns (step, restore's result) or None if there
+        is no checkpoint; raises UserError if none reads back. A checkpoint of another model
+        shape is the user's mistake, not damage: that error is raised as it is."""
+        steps = sorted(self.all_steps(), reverse=True)
+        for step in steps:
+            try:
+                return step, restore(step)
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001  (orbax, tensorstore and OS errors alike)
+                _quiet_abandoned_reads()
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                where = f"moved to {self.set_aside(step)}" if set_aside else "left in place"
+                warn(f"warning: checkpoint step {step} cannot be read ({type(e).__name__}: {first}); "
+                     f"{where}; trying the one before")
+        if steps:
+            raise UserError(f"none of the checkpoints in {self.directory} can be read (steps "
+                            f"{', '.join(map(str, steps))})")
+        return None
+
+    def set_aside(self, step: int) -> Path:
+        """Move a damaged step out of orbax's way (so a later save of that step can happen)."""
+        target = self.directory.parent / "damaged" / str(step)
+        if jax.process_index() == 0:
+            target.parent.mkdir(exist_ok=True)
+            if target.exists():
+                target = target.with_name(f"{step}.{len(list(target.parent.iterdir()))}")
+            os.replace(self.directory / str(step), target)
+        self.manager.reload()
+        return target
 
     def restore_params(self, step: int, abstract_params):
         """Only the weights (for evaluation): the optimizer state is not read."""

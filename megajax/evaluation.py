@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 import jax
@@ -41,16 +42,22 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
     cfg = load_config(str(workdir / "config.json"))
     cfg.model.check_mesh(mesh.shape["model"])
     tokenizer = load_tokenizer(workdir)
+    if not (workdir / "checkpoints").is_dir():
+        raise UserError(f"no checkpoint in {workdir / 'checkpoints'}")
     ckpts = Checkpoints(workdir)
     steps = ckpts.all_steps()
     if not steps:
         raise UserError(f"no checkpoint in {workdir / 'checkpoints'}")
-    step = max(steps) if step is None else step
-    if step not in steps:
+    if step is not None and step not in steps:
         raise UserError(f"no checkpoint for step {step} in {workdir}; have {sorted(steps)}")
     modeldef = ModelDef(abstract_model(cfg.model, Layout(mesh)))
-    shardings = param_shardings(mesh, modeldef.specs())
-    params, _ = ckpts.restore_params(step, modeldef.abstract_sharded_params(shardings))
+    target = modeldef.abstract_sharded_params(param_shardings(mesh, modeldef.specs()))
+    if step is not None:
+        params, _ = ckpts.restore_params(step, target)
+    else:   # the newest one that reads back, as train.py resumes
+        step, (params, _) = ckpts.restore_newest_intact(lambda s: ckpts.restore_params(s, target),
+                                                        warn=lambda line: print(line, file=sys.stderr),
+                                                        set_aside=False)
     ckpts.close()
     return Loaded(cfg, modeldef.bind(params), tokenizer, step)
 
@@ -227,7 +234,6 @@ def evaluate_lambada(loaded: Loaded, path: Path, batch_size: int = 8, progress=N
 # --- the eval.py tasks -------------------------------------------------------------------
 
 def _progress(enabled: bool):
-    import sys
 
     if not enabled or not sys.stderr.isatty():
         return None

@@ -1,5 +1,6 @@
 """Files megajax writes: a kill at any moment leaves either the old content or the new, never
-a truncated file; and JSON-lines logs read back even when a kill cut their last line short."""
+a truncated file; JSON-lines logs read back even when a kill cut their last line short; and
+one training run at a time per workdir."""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +8,13 @@ import json
 import os
 import tempfile
 from pathlib import Path
+
+from megajax.errors import UserError
+
+try:
+    import fcntl
+except ImportError:        # not POSIX: no workdir lock
+    fcntl = None
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -42,3 +50,32 @@ def read_jsonl(path: Path) -> list[dict]:
         if isinstance(record, dict):
             records.append(record)
     return records
+
+
+class WorkdirLock:
+    """An exclusive lock on the workdir itself (flock on the directory: no lock file to go
+    stale). The operating system releases it when the process ends, however it ends, so a
+    crashed or killed run never leaves the workdir locked."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = Path(workdir)
+        self.fd = None
+
+    def __enter__(self):
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if fcntl is None:
+            return self
+        self.fd = os.open(self.workdir, os.O_RDONLY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            self.fd = None
+            raise UserError(f"another run is training in {self.workdir}; wait for it to finish "
+                            f"(or stop it), or give this one another --workdir") from None
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)     # closing the descriptor releases the lock
+            self.fd = None

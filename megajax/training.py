@@ -5,6 +5,7 @@ megajax/train_step.py, and nothing here gathers weights to the host.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -19,6 +20,7 @@ from megajax.config import Config, load_config
 from megajax.data import load_tokens
 from megajax.distributed import describe
 from megajax.errors import UserError
+from megajax.files import WorkdirLock
 from megajax.metrics import MetricsLog, Progress, device_peak_tflops, flops_per_token, plot_workdir
 from megajax.tokenizer import FILE as TOKENIZER_FILE
 from megajax.tokenizer import load_tokenizer
@@ -147,6 +149,12 @@ def init_from_pretrained(trainer: Trainer, params: dict, src: Path, out=print) -
 
 def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tokens: int = 200,
           out=print) -> RunResult | dict:
+    with contextlib.ExitStack() as held:     # the workdir lock, released however train() ends
+        return _train(cfg, mesh, workdir, held, dry_run, sample_tokens, out)
+
+
+def _train(cfg: Config, mesh, workdir: Path, held: contextlib.ExitStack, dry_run: bool, sample_tokens: int,
+           out) -> RunResult | dict:
     workdir = Path(workdir)
     main = _is_main()
     pretrained = apply_init_from(cfg, workdir)
@@ -157,13 +165,18 @@ def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tok
     data = prepare_data(cfg, workdir, tokenizer_dir=pretrained)
     trainer = make_trainer(cfg, mesh)   # checks sizes against the mesh: ConfigError
     t = cfg.train
+    if main:     # one run per workdir; taken before its checkpoints are read
+        held.enter_context(WorkdirLock(workdir))
     ckpts = Checkpoints(workdir, keep=t.keep_checkpoints)
     start_step, params, opt_state = 0, None, None
-    latest = ckpts.latest_step() if ckpt_dir_exists else None
-    if latest is not None:
+    latest = None
+    if ckpt_dir_exists:
         abstract_p, abstract_o = trainer.abstract_state()
-        params, opt_state, meta = ckpts.restore(latest, abstract_p, abstract_o)
-        start_step = latest
+        found = ckpts.restore_newest_intact(lambda s: ckpts.restore(s, abstract_p, abstract_o),
+                                            warn=out if main else lambda _: None)
+        if found is not None:
+            latest, (params, opt_state, _) = found
+            start_step = latest
     # Only now, with every check passed, write into the workdir.
     workdir.mkdir(parents=True, exist_ok=True)
     if main:

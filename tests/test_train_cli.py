@@ -107,7 +107,7 @@ def test_resume_on_another_mesh(reference, tmp_path, mesh):
         assert got[s] == pytest.approx(ref[s], rel=2 * F32), s
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
     wd = tmp_path / "term"
     args = [*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "100000", "--save-every", "100000"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
@@ -115,10 +115,17 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     deadline = time.time() + 180
     while time.time() < deadline and not ((wd / "metrics.jsonl").exists() and len(losses(wd)) >= 3):
         time.sleep(0.05)
+    # The same command again while the first runs: refused in one line, nothing touched.
+    second = run(*args, check=False)
+    assert second.returncode == 2 and "another run is training in" in second.stderr
+    assert second.stderr.strip().count("\n") == 0 and proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "SIGTERM: saved a checkpoint at step" in out
+    records = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == sorted(set(steps))      # one writer: no step twice, none out of order
     step = max(losses(wd))
     assert (wd / "checkpoints" / str(step)).is_dir()
 
@@ -199,3 +206,42 @@ def test_checkpoint_of_another_shape_is_refused_untouched(reference, tmp_path):
     assert "another model shape" in p.stderr and "in the checkpoint vs" in p.stderr
     after = {p: p.stat().st_mtime_ns for p in wd.rglob("*")}
     assert before == after
+
+
+def _damage(step_dir: Path, how: str):
+    if how == "truncated array file":
+        for f in (step_dir / "params" / "d").iterdir():
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    elif how == "missing manifest":
+        (step_dir / "params" / "manifest.ocdbt").unlink()
+    else:   # an empty step directory
+        import shutil
+
+        shutil.rmtree(step_dir)
+        step_dir.mkdir()
+
+
+@pytest.mark.parametrize("how", ["truncated array file", "missing manifest", "empty step directory"])
+def test_damaged_newest_checkpoint_falls_back_to_the_one_before(reference, tmp_path, how):
+    """eval reads the newest checkpoint that is intact and says which one it skipped."""
+    import shutil
+
+    wd = tmp_path / "damaged"
+    shutil.copytree(reference[0], wd)
+    _damage(wd / "checkpoints" / "16", how)
+    loaded = load_workdir(wd, mesh_for("1x1"))
+    assert loaded.step == 8 and (wd / "checkpoints" / "16").exists()   # eval only reads
+
+
+def test_training_resumes_past_a_damaged_checkpoint(reference, tmp_path):
+    """train.py warns in one line, sets the damaged step aside (kept), resumes from the one
+    before and reproduces the uninterrupted run bitwise, saving that step again."""
+    import shutil
+
+    wd = tmp_path / "damaged"
+    shutil.copytree(reference[0], wd)
+    _damage(wd / "checkpoints" / "16", "truncated array file")
+    p = run(*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "16", "--save-every", "8", "--eval-every", "8")
+    assert "warning: checkpoint step 16 cannot be read" in p.stdout and "resuming from step 8" in p.stdout
+    assert (wd / "damaged" / "16" / "params").is_dir() and (wd / "checkpoints" / "16" / "params").is_dir()
+    assert losses(wd) == reference[1]
