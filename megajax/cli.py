@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -81,9 +82,27 @@ def _start_distributed(args):
     initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
 
 
+class _Stopped(BaseException):   # not an Exception: nothing on the way may swallow it
+    pass
+
+
+def _stop_during_startup(signum, frame):
+    raise _Stopped(f"{signal.Signals(signum).name} during start-up: stopped before training any step")
+
+
 def train_main(argv=None) -> int:
     args = train_parser().parse_args(argv)
     _set_host_devices(args.host_devices)
+    # Until train() takes over the signals (megajax/training.py), one stops the run with a line.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_during_startup)
+    try:
+        return _train_main(args)
+    except _Stopped as e:
+        return _fail(str(e))
+
+
+def _train_main(args) -> int:
     from megajax.config import load_config
     from megajax.errors import UserError
     from megajax.mesh import make_mesh
@@ -157,6 +176,26 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_eval_args(args):
+    """Everything about eval.py's arguments that can be checked before loading a model."""
+    import math
+
+    from megajax.errors import UserError
+
+    if args.task == "sample":
+        if args.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        if not (math.isfinite(args.temperature) and args.temperature >= 0):
+            raise UserError(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
+        if args.top_k < 0:
+            raise UserError(f"--top-k must be 0 (no limit) or positive, got {args.top_k}")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    out = Path(args.out) if args.out else None
+    if out is not None and not (out.parent.is_dir() and os.access(out.parent, os.W_OK)):
+        raise UserError(f"--out {out}: the directory {out.parent} does not exist or is not writable")
+
+
 def eval_main(argv=None) -> int:
     args = eval_parser().parse_args(argv)
     _set_host_devices(args.host_devices)
@@ -167,6 +206,7 @@ def eval_main(argv=None) -> int:
     from megajax.mesh import make_mesh
 
     try:
+        _check_eval_args(args)
         _start_distributed(args)
         try:
             mesh = make_mesh(args.mesh)

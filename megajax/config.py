@@ -325,22 +325,35 @@ def find_config(name_or_path: str) -> Path:
 
 def _read(path: Path) -> dict:
     try:
-        if path.suffix == ".json":
-            return json.loads(path.read_text())
-        return tomllib.loads(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot parse {path}: not UTF-8 (byte {e.start})") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot parse {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a table of sections at the top, got {type(raw).__name__}")
+    return raw
 
 
-def load_config(name_or_path: str = "default", overrides: list[str] | None = None) -> Config:
+def load_config(name_or_path: str = "default", overrides: list[str] | None = None,
+                _seen: tuple[Path, ...] = ()) -> Config:
     """Load a config by name (configs/NAME.toml) or path (.toml or a saved .json), then apply `overrides`."""
     path = find_config(name_or_path)
+    if path.resolve() in _seen:
+        chain = " -> ".join(p.stem for p in (*_seen, path.resolve()))
+        raise ConfigError(f"{path}: its base chain loops ({chain})")
     raw = _read(path)
-    cfg = load_config(raw.pop("base")) if "base" in raw else Config()
-    cfg.name = raw.pop("name", path.stem)
+    base = raw.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be a config name, got {base!r}")
+    cfg = load_config(base, None, (*_seen, path.resolve())) if base else Config()
+    cfg.name = str(raw.pop("name", path.stem))
     for section, table in raw.items():
         if section not in SECTIONS:
             raise _unknown(section if not isinstance(table, dict) else f"{section}.?")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [{section}] must be a table of keys, got {table!r}")
         for key, value in table.items():
             set_value(cfg, f"{section}.{key}", value)
     return apply_overrides(cfg, overrides).validate()

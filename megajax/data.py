@@ -60,8 +60,18 @@ def _text_files(spec: str) -> list[Path]:
     return files
 
 
+def read_utf8(path: Path) -> str:
+    """A text file's content; not UTF-8 is refused with the file and the first bad byte's
+    offset (decoding with replacement characters would train on garbage silently)."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+
+
 def _read_text(spec: str) -> str:
-    text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in _text_files(spec))
+    text = "\n".join(read_utf8(p) for p in _text_files(spec))
     if not text.strip():
         raise UserError(f"data source text:{spec} is empty")
     return text
@@ -126,6 +136,10 @@ def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
             raise UserError(f"data file not found: {path}")
         if path.stat().st_size == 0:
             raise UserError(f"data file is empty: {path}")
+        width = np.dtype(bin_dtype).itemsize
+        if path.stat().st_size % width:
+            raise UserError(f"{path} has {path.stat().st_size} bytes, not a whole number of {bin_dtype} "
+                            f"tokens (is data.bin_dtype right?)")
         tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
         tok = tokenizer or (make_tokenizer(tokenizer_spec) if tokenizer_spec != "chars" else ByteTokenizer())
         return _split(tokens, val_fraction, tok)

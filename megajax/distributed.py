@@ -6,9 +6,15 @@ through gloo, so several processes on one machine can try this out.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import sys
+import threading
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from megajax.errors import UserError
 
@@ -37,16 +43,78 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return False
     if explicit and None in (coordinator, num_processes, process_id):
         raise UserError("--coordinator, --num-processes and --process-id go together")
+    if explicit and not (coordinator.rpartition(":")[0] and coordinator.rpartition(":")[2].isdigit()):
+        raise UserError(f"--coordinator must be HOST:PORT (e.g. 127.0.0.1:1234), got '{coordinator}'")
     if explicit and not 0 <= process_id < num_processes:
         raise UserError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeout = max(heartbeat_timeout_s, 60)
+    # A peer that never starts makes the runtime abort the process (C++, exit 134) when the
+    # timeout expires; a moment before that, say so in one line and leave.
+    watchdog = threading.Timer(timeout - 2, _give_up_waiting, (timeout, num_processes))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         jax.distributed.initialize(coordinator, num_processes, process_id,
                                    heartbeat_timeout_seconds=heartbeat_timeout_s,
-                                   initialization_timeout=max(heartbeat_timeout_s, 60))
+                                   initialization_timeout=timeout)
     except Exception as e:  # unreachable coordinator, timeouts
         raise UserError(f"jax.distributed.initialize failed: {str(e).splitlines()[0]}") from None
+    finally:
+        watchdog.cancel()
     return True
+
+
+def _give_up_waiting(timeout: int, num_processes):
+    print(f"error: not all {num_processes or ''} processes joined within {timeout} s (is every process "
+          f"started, with the same --coordinator?)", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+# -- agreement between processes (each call is a collective: every process makes it) -------
+
+_SIGNALS = (None, "SIGTERM", "SIGINT")
+
+
+def agreed_stop(local: str | None) -> str | None:
+    """The stop decision of the whole run: a signal that reached any process stops all of
+    them at the same step (one that reached only one process would leave the others waiting
+    in the next collective forever)."""
+    if jax.process_count() == 1:
+        return local
+    codes = np.asarray(multihost_utils.process_allgather(np.int32(_SIGNALS.index(local))))
+    return next((_SIGNALS[int(c)] for c in codes.ravel() if c), None)
+
+
+def check_same_run(settings: dict):
+    """Every process must run the same resolved config (and workdir): otherwise they disagree
+    later about when to save or evaluate and wait for each other forever. Names the first
+    setting that differs."""
+    if jax.process_count() == 1:
+        return
+    flat = _flatten(settings)
+    keys = sorted(flat)
+    digest = np.asarray([int.from_bytes(hashlib.sha256(json.dumps(flat[k], default=str).encode()).digest()[:4],
+                                        "little") & 0x7FFFFFFF for k in keys], np.int32)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(keys)))).ravel()
+    if len(set(sizes.tolist())) > 1:
+        raise UserError(f"the processes run different megajax versions ({sizes.tolist()} settings)")
+    everyone = np.asarray(multihost_utils.process_allgather(digest)).reshape(len(sizes), len(keys))
+    for i, key in enumerate(keys):
+        differ = [p for p in range(len(sizes)) if everyone[p, i] != everyone[0, i]]
+        if differ:
+            raise UserError(f"process {differ[0]} has a different {key} than process 0 (this one's: "
+                            f"{flat[key]!r}); start every process with the same command")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def describe() -> str:

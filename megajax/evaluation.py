@@ -18,6 +18,7 @@ import numpy as np
 
 from megajax.checkpoint import Checkpoints
 from megajax.config import FINETUNE_TASKS, Config, load_config
+from megajax.data import read_utf8
 from megajax.errors import UserError
 from megajax.model import ModelDef, abstract_model
 from megajax.sharding import Layout, param_shardings
@@ -175,7 +176,9 @@ def evaluate_wikitext(loaded: Loaded, path: Path, stride: int = 32, batch_size: 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"WikiText file not found: {path}")
-    raw = path.read_text(encoding="utf-8")
+    raw = read_utf8(path)
+    if not raw.strip():
+        raise UserError(f"WikiText file {path} is empty")
     t_o = original_token_count(raw)
     tokens = np.asarray(loaded.tokenizer.encode(wikitext_detokenize(raw)), np.int32)
     r = perplexity_of_tokens(loaded.model, tokens, stride, batch_size, progress)
@@ -195,13 +198,16 @@ def lambada_examples(path: Path, tokenizer: Tokenizer, seq_len: int):
     if not path.is_file():
         raise UserError(f"LAMBADA file not found: {path}")
     examples = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_utf8(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
-            text = json.loads(line)["text"].strip()
+            text = json.loads(line)["text"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise UserError(f"{path}:{n}: expected a JSON object with a \"text\" field") from None
+        if not isinstance(text, str) or len(text.split()) < 2:
+            raise UserError(f"{path}:{n}: \"text\" must be a passage of at least two words, got {text!r:.60}")
+        text = text.strip()
         *context, word = text.rsplit(None, 1)
         context = context[0] if context else ""
         ctx, tgt = tokenizer.encode(context), tokenizer.encode(" " + word)
@@ -327,6 +333,9 @@ def run_task(args, mesh, out=print) -> dict:
     elif args.task == "ppl":
         source = args.data if ":" in args.data else f"text:{args.data}"
         data = load_tokens(source, "bytes", 0.0, loaded.cfg.data.bin_dtype, tokenizer=loaded.tokenizer)
+        if int(np.max(data.train)) >= loaded.cfg.model.vocab_size:
+            raise UserError(f"{source} has token id {int(np.max(data.train))}, beyond the model's vocabulary "
+                            f"of {loaded.cfg.model.vocab_size:,} (another tokenizer, or data.bin_dtype?)")
         r = perplexity_of_tokens(loaded.model, data.train, args.stride, args.batch_size, progress)
         rows = [("tokens scored", r["tokens"]), ("loss", r["loss"]), ("perplexity", r["ppl"])]
     elif args.task == "wikitext":
@@ -342,7 +351,8 @@ def run_task(args, mesh, out=print) -> dict:
     else:
         prompt = loaded.tokenizer.encode(args.prompt) or [0]
         new = generate(loaded.model, np.asarray([prompt]), args.max_new_tokens, args.temperature,
-                       args.top_k or None, jax.random.key(args.seed), eos_id=loaded.tokenizer.eos_id)
+                       min(args.top_k, loaded.cfg.model.vocab_size) or None, jax.random.key(args.seed),
+                       eos_id=loaded.tokenizer.eos_id)
         text = loaded.tokenizer.decode(new[0])
         r = {"prompt": args.prompt, "completion": text, "tokens": new[0].tolist()}
         if main:

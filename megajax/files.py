@@ -62,7 +62,12 @@ class WorkdirLock:
         self.fd = None
 
     def __enter__(self):
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot use {self.workdir} as the workdir: {e.strerror}") from None
+        if not os.access(self.workdir, os.W_OK | os.X_OK):
+            raise UserError(f"cannot use {self.workdir} as the workdir: not writable")
         if fcntl is None:
             return self
         self.fd = os.open(self.workdir, os.O_RDONLY)

@@ -248,8 +248,11 @@ def load_tokenizer(workdir: Path) -> Tokenizer:
     path = Path(workdir) / FILE
     if not path.is_file():
         raise UserError(f"no {FILE} in {workdir}: is it a megajax workdir?")
-    spec = json.loads(path.read_text())
-    kind = spec["kind"]
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        kind = spec["kind"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise UserError(f"{path} is damaged (not a megajax tokenizer description)") from None
     if kind == "bytes":
         return ByteTokenizer()
     if kind == "chars":

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import math
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import numpy as np
 from megajax.checkpoint import Checkpoints
 from megajax.config import Config, load_config
 from megajax.data import load_tokens
-from megajax.distributed import describe
+from megajax.distributed import agreed_stop, check_same_run, describe
 from megajax.errors import UserError
 from megajax.files import WorkdirLock
 from megajax.metrics import MetricsLog, Progress, device_peak_tflops, flops_per_token, plot_workdir
@@ -28,10 +29,14 @@ from megajax.train_step import Trainer, make_trainer
 
 
 class StopRequested:
-    """SIGTERM or Ctrl-C: finish the current step, save, and exit cleanly."""
+    """SIGTERM or Ctrl-C. During start-up (reading data, compiling) nothing is at stake: stop at
+    once with one line. Once training (`training = True`): finish the current step, save, and
+    exit cleanly; further signals while that happens are noted, not obeyed, since interrupting
+    the save would lose the very checkpoint they ask for (SIGKILL still ends it at once)."""
 
     def __init__(self):
         self.requested = None
+        self.training = False
         self._old = {}
 
     def __enter__(self):
@@ -43,8 +48,12 @@ class StopRequested:
         return self
 
     def _handle(self, signum, frame):
-        if self.requested is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        if not self.training:
+            raise UserError(f"{signal.Signals(signum).name} during start-up: stopped before training any step")
+        if self.requested is not None:
+            print(f"{signal.Signals(signum).name}: already stopping; the checkpoint is being written",
+                  file=sys.stderr, flush=True)
+            return
         self.requested = signal.Signals(signum).name
 
     def __exit__(self, *exc):
@@ -92,9 +101,31 @@ def prepare_data(cfg: Config, workdir: Path, tokenizer_dir: Path | None = None):
         data = load_tokens(cfg.data.source, cfg.data.tokenizer, cfg.data.val_fraction, cfg.data.bin_dtype, tok)
     vocab = data.tokenizer.vocab_size
     if cfg.data.source.startswith("bin:"):
-        vocab = max(vocab, int(np.max(data.train)) + 1, cfg.model.vocab_size)
+        top = int(max(np.max(data.train), np.max(data.val) if len(data.val) else 0))
+        # Ids past the tokenizer are allowed for an untokenized file read with the default byte
+        # tokenizer (the vocabulary grows to cover them), within reason: a uint16 file read as
+        # uint32 has ids in the billions.
+        if top >= vocab and (data.tokenizer.kind != "bytes" or top >= MAX_UNTOKENIZED_VOCAB):
+            raise UserError(f"{cfg.data.source} has token id {top}, beyond the {data.tokenizer.kind} tokenizer's "
+                            f"{vocab:,} ids: give the tokenizer that made it (--tokenizer), or check "
+                            f"data.bin_dtype ({cfg.data.bin_dtype})")
+        vocab = max(vocab, top + 1, cfg.model.vocab_size)
     cfg.model.vocab_size = vocab
     return data
+
+
+MAX_UNTOKENIZED_VOCAB = 2 ** 20   # ids an untokenized bin: file may use before it looks misread
+
+
+def check_same_tokenizer(cfg: Config, workdir: Path):
+    """A workdir keeps the tokenizer it was started with (its ids are in the checkpoints):
+    asking for another one on resume is refused rather than silently ignored."""
+    saved = Path(workdir) / "config.json"
+    if saved.is_file() and (Path(workdir) / TOKENIZER_FILE).is_file():
+        before = load_config(str(saved)).data.tokenizer
+        if before != cfg.data.tokenizer:
+            raise UserError(f"{workdir} was trained with tokenizer '{before}', not '{cfg.data.tokenizer}': "
+                            f"resume without --tokenizer (or with '{before}'), or use another --workdir")
 
 
 # Fields a fine-tuning run takes from its pretrained workdir: they fix the weights' shapes.
@@ -150,20 +181,25 @@ def init_from_pretrained(trainer: Trainer, params: dict, src: Path, out=print) -
 def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tokens: int = 200,
           out=print) -> RunResult | dict:
     with contextlib.ExitStack() as held:     # the workdir lock, released however train() ends
-        return _train(cfg, mesh, workdir, held, dry_run, sample_tokens, out)
+        stop = held.enter_context(StopRequested())
+        return _train(cfg, mesh, workdir, held, stop, dry_run, sample_tokens, out)
 
 
-def _train(cfg: Config, mesh, workdir: Path, held: contextlib.ExitStack, dry_run: bool, sample_tokens: int,
-           out) -> RunResult | dict:
+def _train(cfg: Config, mesh, workdir: Path, held: contextlib.ExitStack, stop: StopRequested, dry_run: bool,
+           sample_tokens: int, out) -> RunResult | dict:
     workdir = Path(workdir)
     main = _is_main()
     pretrained = apply_init_from(cfg, workdir)
     if dry_run:
         return dry_run_report(cfg, mesh, out=out)
 
+    check_same_run({"config": cfg.to_dict(), "workdir": str(workdir)})
     ckpt_dir_exists = (workdir / "checkpoints").exists()
+    check_same_tokenizer(cfg, workdir)
     data = prepare_data(cfg, workdir, tokenizer_dir=pretrained)
     trainer = make_trainer(cfg, mesh)   # checks sizes against the mesh: ConfigError
+    train_batches = data.batches("train", cfg, trainer.batch_sharding)   # data too short: UserError
+    val_batches = data.batches("val", cfg, trainer.batch_sharding)
     t = cfg.train
     if main:     # one run per workdir; taken before its checkpoints are read
         held.enter_context(WorkdirLock(workdir))
@@ -190,8 +226,6 @@ def _train(cfg: Config, mesh, workdir: Path, held: contextlib.ExitStack, dry_run
         if pretrained is not None:
             params = init_from_pretrained(trainer, params, pretrained, out)
 
-    train_batches = data.batches("train", cfg, trainer.batch_sharding)
-    val_batches = data.batches("val", cfg, trainer.batch_sharding)
     t0 = time.perf_counter()
     step_fn = trainer.jit_step().lower(params, opt_state, train_batches(start_step), np.int32(0)).compile()
     eval_fn = trainer.jit_eval()
@@ -254,44 +288,44 @@ def _train(cfg: Config, mesh, workdir: Path, held: contextlib.ExitStack, dry_run
         return record
 
     stopped_by = None
-    with StopRequested() as stop:
-        step = start_step
-        while step < t.steps:
-            batch = train_batches(step)
-            params, opt_state, m = step_fn(params, opt_state, batch, np.int32(step))
-            step += 1
-            pending.append((step, m))
-            if len(pending) > 1:
-                # At most two steps in flight: the host keeps one step ahead of the devices.
-                # Deeper queues gain nothing and can deadlock XLA:CPU's simulated devices,
-                # whose collectives rendezvous on a shared thread pool.
-                pending[-2][1]["loss"].block_until_ready()
-            logged = False
-            if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
-                progress.update(step, flush(step))
-                logged = True
-            if val_batches is not None and (step % t.eval_every == 0 or step == t.steps):
-                val = evaluate()
-                val_loss = val["loss"]
-                record = {"step": step, "val_loss": val_loss}
-                if cfg.model.kind == "gpt":
-                    record["val_ppl"] = math.exp(min(val_loss, 50))
-                record.update({f"val_{k}": v for k, v in val.items() if k != "loss"})
-                metrics.write(record)
-                progress.write(f"step {step:>6}  " + "  ".join(
-                    f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
-            stopping = stop.requested  # read once: a signal may arrive at any moment
-            if step % t.save_every == 0 or step == t.steps or stopping:
-                if not logged:
-                    flush(step)  # never save weights from a step whose loss was not finite
-                ckpts.save(step, params, opt_state, {"step": step, "config": cfg.name})
-                last_saved = step
-                last_log = (step, time.perf_counter())  # throughput excludes saving
-            elif step % t.eval_every == 0:
-                last_log = (step, time.perf_counter())  # and evaluation
-            if stopping:
-                stopped_by = stopping
-                break
+    stop.training = True
+    step = start_step
+    while step < t.steps:
+        batch = train_batches(step)
+        params, opt_state, m = step_fn(params, opt_state, batch, np.int32(step))
+        step += 1
+        pending.append((step, m))
+        if len(pending) > 1:
+            # At most two steps in flight: the host keeps one step ahead of the devices.
+            # Deeper queues gain nothing and can deadlock XLA:CPU's simulated devices,
+            # whose collectives rendezvous on a shared thread pool.
+            pending[-2][1]["loss"].block_until_ready()
+        logged = False
+        if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
+            progress.update(step, flush(step))
+            logged = True
+        if val_batches is not None and (step % t.eval_every == 0 or step == t.steps):
+            val = evaluate()
+            val_loss = val["loss"]
+            record = {"step": step, "val_loss": val_loss}
+            if cfg.model.kind == "gpt":
+                record["val_ppl"] = math.exp(min(val_loss, 50))
+            record.update({f"val_{k}": v for k, v in val.items() if k != "loss"})
+            metrics.write(record)
+            progress.write(f"step {step:>6}  " + "  ".join(
+                f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+        stopping = agreed_stop(stop.requested)  # read once (a signal may arrive at any moment), agreed by all
+        if step % t.save_every == 0 or step == t.steps or stopping:
+            if not logged:
+                flush(step)  # never save weights from a step whose loss was not finite
+            ckpts.save(step, params, opt_state, {"step": step, "config": cfg.name})
+            last_saved = step
+            last_log = (step, time.perf_counter())  # throughput excludes saving
+        elif step % t.eval_every == 0:
+            last_log = (step, time.perf_counter())  # and evaluation
+        if stopping:
+            stopped_by = stopping
+            break
     progress.close()
     ckpts.wait()
     ckpts.close()

@@ -123,6 +123,22 @@ def test_integers_written_as_floats_are_accepted_when_integral():
     assert load_config("tiny", ["train.steps=1e3", "model.num_layers=3.0e0"]).train.steps == 1000
 
 
+@pytest.mark.parametrize("name,content,message", [
+    ("num.toml", "model = 3\n", "[model] must be a table of keys, got 3"),
+    ("loop.toml", 'base = "LOOP"\n', "base chain loops"),
+    ("latin.toml", "# caf\xe9\n".encode("latin-1"), "not UTF-8 (byte 5)"),
+    ("list.json", "[1, 2]", "expected a table of sections at the top, got list"),
+    ("basenum.toml", "base = 3\n", "base must be a config name, got 3"),
+])
+def test_malformed_config_files(tmp_path, name, content, message):
+    path = tmp_path / name
+    if isinstance(content, str):
+        content = content.replace("LOOP", str(path)).encode()
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(str(path))
+
+
 def test_batch_not_divisible_by_data_axis():
     with pytest.raises(ConfigError, match=r"global batch 8 is not divisible by the data axis \(3\)"):
         load_config("tiny").model.check_mesh(1, 3, 8)

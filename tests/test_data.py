@@ -119,6 +119,16 @@ def test_validation_sweeps_disjoint_windows_over_the_split():
     assert tiny.num_batches == 1 and set(tiny.starts(0)) == {0, 16}
 
 
+def test_malformed_sources_are_refused_with_where(tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(UserError, match=r"latin1.txt is not UTF-8 text \(byte 3: b'\\xe9'\)"):
+        load_tokens(f"text:{bad}", "bytes")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(UserError, match="3 bytes, not a whole number of uint16 tokens"):
+        load_tokens(f"bin:{tmp_path / 'odd.bin'}", "bytes")
+
+
 def test_missing_and_empty_sources(tmp_path):
     with pytest.raises(UserError, match="data file not found"):
         load_tokens(f"bin:{tmp_path / 'none.bin'}", "bytes")

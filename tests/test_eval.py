@@ -2,6 +2,7 @@
 KV cache; results on a 2x4 mesh equal those on one device."""
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,46 @@ def test_lambada_target_is_split_at_the_last_run_of_any_whitespace(tmp_path):
     want = [("he said to her", "farewell"), ("the cat sat on the", "mat"), ("one two", "three"),
             ("plain last", "word")]
     assert [(tok.decode(c), tok.decode(t)) for c, t in got] == [(c, " " + w) for c, w in want]
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"text": 5}', "must be a passage of at least two words"),
+    ('{"text": ""}', "must be a passage of at least two words"),
+    ('{"passage": "a b"}', 'expected a JSON object with a "text" field'),
+    ("not json", 'expected a JSON object with a "text" field'),
+])
+def test_malformed_lambada_lines_name_the_line(tmp_path, line, message):
+    from megajax.errors import UserError
+    from megajax.evaluation import lambada_examples
+    from megajax.tokenizer import make_tokenizer
+
+    path = tmp_path / "lambada.jsonl"
+    path.write_text(json.dumps({"text": "a good passage"}) + "\n" + line + "\n")
+    with pytest.raises(UserError, match=f"lambada.jsonl:2: .*{re.escape(message)}"):
+        lambada_examples(path, make_tokenizer("bytes"), seq_len=64)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--task", "sample", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--task", "sample", "--temperature", "-1"], "--temperature must be 0 (greedy) or positive"),
+    (["--task", "sample", "--temperature", "nan"], "--temperature must be 0 (greedy) or positive"),
+    (["--task", "sample", "--top-k", "-3"], "--top-k must be 0 (no limit) or positive"),
+    (["--task", "ppl", "--out", "/nonexistent/dir/r.json"], "the directory /nonexistent/dir does not exist"),
+])
+def test_eval_arguments_are_checked_before_loading(tmp_path, capsys, args, message):
+    from megajax.cli import eval_main
+
+    assert eval_main(["--workdir", str(tmp_path / "absent"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_empty_wikitext_file_is_refused(workdir, tmp_path):
+    from megajax.errors import UserError
+
+    (tmp_path / "empty.txt").write_text("\n \n")
+    with pytest.raises(UserError, match="is empty"):
+        evaluate_wikitext(load_workdir(workdir, mesh_for("1x1")), tmp_path / "empty.txt")
 
 
 def test_lambada_scoring_matches_independent_argmax(workdir, tmp_path):

@@ -1,5 +1,6 @@
 """Multi-process runs on jax.distributed: two processes with 4 simulated CPU devices each
 (gloo collectives, coordinator on 127.0.0.1) against one process with 8."""
+import signal
 import socket
 import subprocess
 import sys
@@ -93,3 +94,42 @@ def test_killing_one_process_ends_the_other(tmp_path):
     # The last complete checkpoint is still readable.
     p = run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", "7", "--save-every", "100")
     assert "resuming from step" in p.stdout
+
+
+def _start_two(args, port):
+    cmd = [sys.executable, str(ROOT / "train.py"), *args, "--host-devices", "4",
+           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    return [subprocess.Popen(cmd + ["--process-id", str(i)], env=env(), cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+
+
+def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
+    """Ctrl-C reaches only process 1 (the README's `... &` then foreground example): the stop is
+    agreed, both save the same step and exit 0; the checkpoint resumes in one process."""
+    wd = tmp_path / "sig"
+    procs = _start_two([*ARGS, "--workdir", str(wd), "--steps", "100000"], free_port())
+    deadline = time.time() + 180
+    while time.time() < deadline and not (wd / "checkpoints" / "3").is_dir():
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGINT)
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert "SIGINT: saved a checkpoint at step" in outs[0][0]
+    step = int(outs[0][0].split("saved a checkpoint at step ")[1].split()[0])
+    assert (wd / "checkpoints" / str(step)).is_dir()
+    p = run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", str(step + 1), "--save-every", "100")
+    assert f"resuming from step {step}" in p.stdout
+
+
+def test_processes_with_different_settings_are_refused_naming_the_field(tmp_path):
+    port = free_port()
+    base = [sys.executable, str(ROOT / "train.py"), *ARGS, "--workdir", str(tmp_path / "w"), "--steps", "6",
+            "--host-devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    procs = [subprocess.Popen(base + ["--process-id", "0"], env=env(), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE),
+             subprocess.Popen(base + ["--process-id", "1", "--save-every", "5"], env=env(), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 2 and "process 1 has a different config.train.save_every" in err, err[-2000:]
+        assert "Traceback" not in err

@@ -108,6 +108,7 @@ def test_resume_on_another_mesh(reference, tmp_path, mesh):
 
 
 def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
+    """A second run on the same workdir is refused; SIGTERM then Ctrl-C saves once and exits 0."""
     wd = tmp_path / "term"
     args = [*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "100000", "--save-every", "100000"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
@@ -120,9 +121,11 @@ def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
     assert second.returncode == 2 and "another run is training in" in second.stderr
     assert second.stderr.strip().count("\n") == 0 and proc.poll() is None
     proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)        # an impatient second Ctrl-C must not lose the checkpoint
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "SIGTERM: saved a checkpoint at step" in out
+    assert "Traceback" not in err and "SIGINT: already stopping" in err, err
     records = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == sorted(set(steps))      # one writer: no step twice, none out of order
@@ -131,6 +134,18 @@ def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("lr,save_every", [("1e38", "2"), ("1e6", "1"), ("1e38", "1000")])
+def test_sigterm_during_start_up_is_one_line(tmp_path):
+    """bert_tiny trains its WordPiece vocabulary at start-up: a SIGTERM then stops at once."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", "bert_tiny", "--host-devices", "8",
+                             "--workdir", str(tmp_path / "w")], env=env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and err.strip() == "error: SIGTERM during start-up: stopped before training any step", err
+    assert "step " not in out
+
+
 def test_non_finite_step_is_never_saved_and_the_named_checkpoint_exists(tmp_path, lr, save_every):
     """lr 1e38: the loss itself overflows. lr 1e6: the loss of the fatal step is still finite
     (it is computed before the update) but its gradient norm is not, so the weights after it
@@ -185,6 +200,38 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "Traceback" not in p.stderr, p.stderr
     assert message in p.stderr
+    assert not (tmp_path / "w").exists()
+
+
+def test_workdir_mistakes_are_one_line(reference, tmp_path):
+    """A workdir that is a file, a coordinator without a port, a resume asking for another
+    tokenizer, a damaged tokenizer file: one line, exit 2, nothing changed."""
+    import shutil
+
+    (tmp_path / "afile").write_text("x")
+    wd = tmp_path / "copy"
+    shutil.copytree(reference[0], wd)
+    cases = [([*BASE, "--workdir", str(tmp_path / "afile")], "cannot use"),
+             ([*BASE, "--workdir", str(tmp_path / "w"), "--coordinator", "localhost", "--num-processes", "2",
+               "--process-id", "0"], "--coordinator must be HOST:PORT"),
+             ([*BASE, "--mesh", "2x4", "--workdir", str(wd), "--tokenizer", "bytes", "--steps", "20"],
+              "was trained with tokenizer 'chars', not 'bytes'")]
+    for args, message in cases:
+        p = run(*args, check=False)
+        assert p.returncode == 2 and message in p.stderr and p.stderr.strip().count("\n") == 0, p.stderr
+    (wd / "tokenizer.json").write_text('{"kind": "ch')
+    p = run(*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "20", check=False)
+    assert p.returncode == 2 and "tokenizer.json is damaged" in p.stderr, p.stderr
+    assert sorted(losses(wd)) == list(range(1, 17))   # nothing trained, nothing rewritten
+
+
+def test_misread_bin_file_is_refused(tmp_path):
+    """uint16 token ids read as uint32 are ids in the billions: refused, not a vocabulary of them."""
+    ids = (np.arange(4000) % 200 + 20000).astype(np.uint16)
+    ids.tofile(tmp_path / "t.bin")
+    p = run(*RUN_ARGS, "--host-devices", "8", "--data", f"bin:{tmp_path / 't.bin'}", "--tokenizer", "bytes",
+            "--set", "data.bin_dtype=uint32", "--workdir", str(tmp_path / "w"), check=False)
+    assert p.returncode == 2 and "check data.bin_dtype (uint32)" in p.stderr, p.stderr
     assert not (tmp_path / "w").exists()
 
 
@@ -243,5 +290,6 @@ def test_training_resumes_past_a_damaged_checkpoint(reference, tmp_path):
     _damage(wd / "checkpoints" / "16", "truncated array file")
     p = run(*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "16", "--save-every", "8", "--eval-every", "8")
     assert "warning: checkpoint step 16 cannot be read" in p.stdout and "resuming from step 8" in p.stdout
+    assert "Traceback" not in p.stderr, p.stderr
     assert (wd / "damaged" / "16" / "params").is_dir() and (wd / "checkpoints" / "16" / "params").is_dir()
     assert losses(wd) == reference[1]
