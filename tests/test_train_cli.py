@@ -25,7 +25,9 @@ BASE = [*RUN_ARGS, "--host-devices", "8"]
 
 def env():
     e = dict(os.environ)
-    e.pop("XLA_FLAGS", None)  # train.py sets it from --host-devices
+    # train.py sets the device count from --host-devices; the other flags (conftest) carry over.
+    e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
     e["PYTHONPATH"] = str(ROOT)
     return e
 
