@@ -107,7 +107,11 @@ class HFTokenizer(Tokenizer):
         self.path = Path(path)
         if not self.path.is_file():
             raise UserError(f"tokenizer file not found: {self.path}")
-        self.tok = _Tok.from_file(str(self.path))
+        try:
+            self.tok = _Tok.from_file(str(self.path))
+        except Exception as e:  # noqa: BLE001  (the tokenizers package raises its own Exception)
+            raise UserError(f"{self.path} is not a Hugging Face tokenizer.json "
+                            f"({(str(e).splitlines() or [''])[0][:120]})") from None
         for token in ("<|endoftext|>", "</s>", "[SEP]", "<eos>"):
             if (i := self.tok.token_to_id(token)) is not None:
                 self.eos_id = i

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.data import Batches, EvalWindows, builtin_text, load_tokens
 from megajax.errors import UserError
-from megajax.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer
+from megajax.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer, make_tokenizer
 
 
 def test_builtin_corpus_is_real_python_source():
@@ -127,6 +127,12 @@ def test_malformed_sources_are_refused_with_where(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
     with pytest.raises(UserError, match="3 bytes, not a whole number of uint16 tokens"):
         load_tokens(f"bin:{tmp_path / 'odd.bin'}", "bytes")
+
+
+def test_garbage_tokenizer_file_is_one_line(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(UserError, match="is not a Hugging Face tokenizer.json"):
+        make_tokenizer(f"hf:{tmp_path / 'tokenizer.json'}")
 
 
 def test_missing_and_empty_sources(tmp_path):

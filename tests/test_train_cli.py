@@ -135,7 +135,6 @@ def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
     assert (wd / "checkpoints" / str(step)).is_dir()
 
 
-@pytest.mark.parametrize("lr,save_every", [("1e38", "2"), ("1e6", "1"), ("1e38", "1000")])
 def test_sigterm_during_start_up_is_one_line(tmp_path):
     """bert_tiny trains its WordPiece vocabulary at start-up: a SIGTERM then stops at once."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", "bert_tiny", "--host-devices", "8",
@@ -148,6 +147,7 @@ def test_sigterm_during_start_up_is_one_line(tmp_path):
     assert "step " not in out
 
 
+@pytest.mark.parametrize("lr,save_every", [("1e38", "2"), ("1e6", "1"), ("1e38", "1000")])
 def test_non_finite_step_is_never_saved_and_the_named_checkpoint_exists(tmp_path, lr, save_every):
     """lr 1e38: the loss itself overflows. lr 1e6: the loss of the fatal step is still finite
     (it is computed before the update) but its gradient norm is not, so the weights after it
