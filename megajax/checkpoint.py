@@ -93,13 +93,13 @@ class Checkpoints:
         is no checkpoint; raises UserError if none reads back. A checkpoint of another model
         shape is the user's mistake, not damage: that error is raised as it is."""
         steps = sorted(self.all_steps(), reverse=True)
+        _quiet_abandoned_reads()     # before any read: their callbacks can outrun the except clause
         for step in steps:
             try:
                 return step, restore(step)
             except UserError:
                 raise
             except Exception as e:  # noqa: BLE001  (orbax, tensorstore and OS errors alike)
-                _quiet_abandoned_reads()
                 first = (str(e).strip().splitlines() or [""])[0][:200]
                 where = f"moved to {self.set_aside(step)}" if set_aside else "left in place"
                 warn(f"warning: checkpoint step {step} cannot be read ({type(e).__name__}: {first}); "
