@@ -18,11 +18,15 @@ from megajax.errors import UserError
 logging.getLogger("absl").setLevel(logging.ERROR)
 
 
-def _quiet_abandoned_reads():
-    """A failed orbax restore leaves tensorstore reads in flight whose callbacks later find
-    their asyncio loop closed and print a traceback each ("Event loop is closed") through
-    sys.unraisablehook. They carry no information the warning has not given: drop exactly
-    those, and pass everything else on."""
+def _quiet_abandoned_reads(workdir: Path):
+    """A failed orbax restore leaves tensorstore reads of the damaged files in flight. Their
+    failures surface later, outside any caller: as "Task exception was never retrieved" from
+    asyncio's logger, or, once the loop is closed, as "Event loop is closed" tracebacks through
+    sys.unraisablehook. They say nothing the one-line warning has not said: drop exactly those
+    (the asyncio ones only when they name a file of this workdir), and pass everything else on."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedReads) and f.root == str(workdir) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_AbandonedReads(str(workdir)))
     previous = sys.unraisablehook
     if getattr(previous, "_megajax", False):
         return
@@ -35,6 +39,16 @@ def _quiet_abandoned_reads():
 
     hook._megajax = True
     sys.unraisablehook = hook
+
+
+class _AbandonedReads(logging.Filter):
+    def __init__(self, root: str):
+        super().__init__()
+        self.root = root
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved") and self.root in message)
 
 
 class Checkpoints:
@@ -93,7 +107,7 @@ class Checkpoints:
         is no checkpoint; raises UserError if none reads back. A checkpoint of another model
         shape is the user's mistake, not damage: that error is raised as it is."""
         steps = sorted(self.all_steps(), reverse=True)
-        _quiet_abandoned_reads()     # before any read: their callbacks can outrun the except clause
+        _quiet_abandoned_reads(self.directory.parent)   # before any read: failures can outrun the except
         for step in steps:
             try:
                 return step, restore(step)
