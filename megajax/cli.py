@@ -6,6 +6,7 @@ number of simulated CPU devices. User mistakes end as one line on stderr and exi
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -178,8 +179,6 @@ def eval_parser() -> argparse.ArgumentParser:
 
 def _check_eval_args(args):
     """Everything about eval.py's arguments that can be checked before loading a model."""
-    import math
-
     from megajax.errors import UserError
 
     if args.task == "sample":

@@ -211,6 +211,18 @@ class DataConfig:
     masking: str = "whole_word"       # whole_word (Megatron-LM: whole words in n-gram spans) | token (independent tokens)
     max_ngram: int = 3                # whole_word: spans of 1..max_ngram words, n drawn with probability ~ 1/n
 
+    def validate(self):
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.bin_dtype not in ("uint16", "uint32"):
+            raise ConfigError(f"data.bin_dtype must be uint16 or uint32, got '{self.bin_dtype}'")
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ConfigError(f"data.mask_prob must be in (0, 1), got {self.mask_prob}")
+        if self.masking not in ("whole_word", "token"):
+            raise ConfigError(f"data.masking must be whole_word or token, got '{self.masking}'")
+        if self.max_ngram < 1:
+            raise ConfigError(f"data.max_ngram must be at least 1, got {self.max_ngram}")
+
 
 @dataclasses.dataclass
 class Config:
@@ -228,16 +240,7 @@ class Config:
                     raise ConfigError(f"{SECTION_NAMES[type(section)]}.{f.name} must be a finite number, got {value}")
         self.model.validate()
         self.train.validate()
-        if not 0.0 < self.data.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
-        if self.data.bin_dtype not in ("uint16", "uint32"):
-            raise ConfigError(f"data.bin_dtype must be uint16 or uint32, got '{self.data.bin_dtype}'")
-        if not 0.0 < self.data.mask_prob < 1.0:
-            raise ConfigError(f"data.mask_prob must be in (0, 1), got {self.data.mask_prob}")
-        if self.data.masking not in ("whole_word", "token"):
-            raise ConfigError(f"data.masking must be whole_word or token, got '{self.data.masking}'")
-        if self.data.max_ngram < 1:
-            raise ConfigError(f"data.max_ngram must be at least 1, got {self.data.max_ngram}")
+        self.data.validate()
         return self
 
     def to_dict(self) -> dict:

@@ -37,10 +37,14 @@ def write_atomic(path: Path, data: str | bytes) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSON-lines file. A line that does not parse is one a kill cut short
+    return parse_jsonl(Path(path).read_text(encoding="utf-8", errors="replace"))
+
+
+def parse_jsonl(text: str) -> list[dict]:
+    """The records of a JSON-lines text. A line that does not parse is one a kill cut short
     while it was being appended: it is skipped, not fatal."""
     records = []
-    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from megajax.errors import UserError
-from megajax.files import read_jsonl, write_atomic
+from megajax.files import parse_jsonl, read_jsonl, write_atomic
 
 # Dense bf16 peak TFLOP/s per device, for MFU where nothing was measured.
 KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0,
@@ -79,11 +79,10 @@ class MetricsLog:
         if not self.enabled or not self.path.exists():
             return
         text = self.path.read_text(encoding="utf-8", errors="replace")
-        keep = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
-        new = "".join(json.dumps(r) + "\n" for r in keep)
+        keep = [r for r in parse_jsonl(text) if r.get("step", 0) <= step]
         lines = [line for line in text.splitlines() if line.strip()]
         if len(keep) != len(lines) or (text and not text.endswith("\n")):
-            write_atomic(self.path, new)
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 class Progress:

@@ -180,7 +180,7 @@ def init_from_pretrained(trainer: Trainer, params: dict, src: Path, out=print) -
 
 def train(cfg: Config, mesh, workdir: Path, *, dry_run: bool = False, sample_tokens: int = 200,
           out=print) -> RunResult | dict:
-    with contextlib.ExitStack() as held:     # the workdir lock, released however train() ends
+    with contextlib.ExitStack() as held:     # signal handlers and the workdir lock, released however train() ends
         stop = held.enter_context(StopRequested())
         return _train(cfg, mesh, workdir, held, stop, dry_run, sample_tokens, out)
 
