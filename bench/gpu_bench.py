@@ -5,7 +5,7 @@
     python bench/gpu_bench.py --configs bert_336m,bert_1.3b,bert_3.9b --batch 16
 
 For each config that fits: step time, tokens/s, model TFLOP/s per device and MFU against the
-GPU's dense bf16 peak (megajax.metrics.KNOWN_PEAK_TFLOPS, or --peak-tflops). Configs that do
+GPU's dense bf16 peak (megajax.training.metrics.KNOWN_PEAK_TFLOPS, or --peak-tflops). Configs that do
 not fit in memory are reported as such. Writes a Markdown table.
 """
 import argparse
@@ -17,27 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def synthetic_batch(trainer, step: int):
-    """Random ids in the model's batch layout (GPT tokens; BERT tokens, segments, masked
-    positions, labels): the step's speed does not depend on the text."""
+    """Random ids in the task's batch layout (megajax/tasks/): the step's speed does not depend on the text."""
     import jax
     import numpy as np
 
-    rng = np.random.default_rng(step)
-    m = trainer.cfg.model
-
-    def make(path, shape):
-        name = str(getattr(path[-1], "key", "tokens")) if path else "tokens"
-        if name in ("tokens", "mlm_ids"):
-            x = rng.integers(5, m.vocab_size, shape.shape)
-        elif name == "mlm_positions":
-            x = rng.integers(1, m.seq_len, shape.shape)
-        elif name in ("types", "sop_label", "label"):
-            x = rng.integers(0, 2, shape.shape)
-        else:                                   # attention mask, MLM weights
-            x = np.ones(shape.shape)
-        return jax.device_put(x.astype(np.int32), trainer.batch_sharding)
-
-    return jax.tree_util.tree_map_with_path(make, trainer.batch_shapes())
+    arrays = trainer.task.synthetic_batch(trainer.cfg, trainer.cfg.train.batch_size, np.random.default_rng(step))
+    return jax.device_put(arrays, trainer.batch_sharding)
 
 
 def main():
@@ -53,9 +38,10 @@ def main():
     import numpy as np
 
     from megajax.config import load_config
-    from megajax.mesh import make_mesh
-    from megajax.metrics import device_peak_tflops, flops_per_token
-    from megajax.train_step import make_trainer
+    from megajax.core.mesh import make_mesh
+    from megajax.tasks import param_count
+    from megajax.training.metrics import device_peak_tflops, flops_per_token
+    from megajax.training.step import make_trainer
 
     n = jax.device_count()
     mesh = make_mesh(a.mesh or f"model={n}")
@@ -79,13 +65,13 @@ def main():
             dt = (time.perf_counter() - t) / a.steps
         except Exception as e:  # out of memory and the like: report and go on
             msg = str(e).splitlines()[0][:80]
-            rows.append(f"| {name} | {cfg.model.param_count() / 1e9:.2f}B | {dict(mesh.shape)} | - | - | - | - | {msg} |")
+            rows.append(f"| {name} | {param_count(cfg) / 1e9:.2f}B | {dict(mesh.shape)} | - | - | - | - | {msg} |")
             print(rows[-1], flush=True)
             continue
-        tok = a.batch * cfg.model.tokens_per_example
+        tok = a.batch * tr.task.tokens_per_example(cfg)
         tflops = flops_per_token(cfg) * tok / dt / 1e12 / n
         mfu = f"{tflops / peak:.2f}" if peak else "n/a"
-        rows.append(f"| {name} | {cfg.model.param_count() / 1e9:.2f}B | {dict(mesh.shape)} | {tok // cfg.model.seq_len}x{cfg.model.seq_len} "
+        rows.append(f"| {name} | {param_count(cfg) / 1e9:.2f}B | {dict(mesh.shape)} | {tok // cfg.model.seq_len}x{cfg.model.seq_len} "
                     f"| {dt * 1000:.0f} | {tok / dt:,.0f} | {tflops:.1f} | {mfu} |")
         print(rows[-1], flush=True)
         del params, opt

@@ -36,8 +36,8 @@ def main():
     import jax
 
     from megajax.config import load_config
-    from megajax.mesh import make_mesh
-    from megajax.training import train
+    from megajax.core.mesh import make_mesh
+    from megajax.training.loop import train
 
     cfg = load_config("shakespeare_char", [f"data.source=text:{a.data}", f"train.steps={a.steps}",
                                            "train.log_every=50", f"train.eval_every={a.steps}",

@@ -45,9 +45,10 @@ def main():
     import jax.numpy as jnp
 
     from megajax.config import Config, ModelConfig, TrainConfig
-    from megajax.mesh import make_mesh
-    from megajax.metrics import flops_per_token, measure_matmul_tflops
-    from megajax.train_step import make_trainer
+    from megajax.core.mesh import make_mesh
+    from megajax.tasks import param_count
+    from megajax.training.metrics import flops_per_token, measure_matmul_tflops
+    from megajax.training.step import make_trainer
 
     peak = max(measure_matmul_tflops(2048, reps=5), measure_matmul_tflops(1024, reps=5))
     mesh = make_mesh(a.mesh, devices=jax.devices()[:1] if a.mesh == "1x1" else None)
@@ -73,7 +74,7 @@ def main():
         tokens_per_step = a.batch * a.seq
         flops = flops_per_token(cfg) * tokens_per_step / mesh.devices.size
         print(f"\n{'scanned' if scan else 'unrolled'} stack: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
-              f"batch {a.batch}, {cfg.model.param_count() / 1e6:.1f}M params, "
+              f"batch {a.batch}, {param_count(cfg) / 1e6:.1f}M params, "
               f"{flops_per_token(cfg) / 1e6:.0f} MFLOP/token")
         print(f"  step {t_step * 1000:.0f} ms | {tokens_per_step / t_step:,.0f} tokens/s | "
               f"{flops / t_step / 1e12 * 1000:.0f} GFLOP/s per device | MFU {flops / t_step / 1e12 / peak:.2f}")

@@ -1,11 +1,46 @@
-"""megajax: Megatron-LM tensor parallelism in JAX and Flax NNX."""
-from megajax.config import Config, ConfigError, ModelConfig, TrainConfig, load_config
-from megajax.mesh import make_mesh
-from megajax.bert import BERT
-from megajax.model import GPT, abstract_model, init_model, param_specs
-from megajax.train_step import make_trainer
-from megajax.generate import generate
-from megajax.audit import audit  # noqa: E402  (the function; the module stays megajax.audit in sys.modules)
+"""megajax: Megatron-LM tensor parallelism in JAX and Flax NNX.
 
-__all__ = ["BERT", "Config", "ConfigError", "GPT", "ModelConfig", "TrainConfig", "abstract_model", "audit",
-           "generate", "init_model", "load_config", "make_mesh", "make_trainer", "param_specs"]
+The package is laid out in layers; each imports only from the ones above it in this list:
+
+    errors, files, hostenv, config, shapes, progress   foundation: no jax
+    core/        the parallel core: mesh, partition specs, precision, layers, vocab-parallel loss
+    data/        text sources, tokenizers, GPT token batches, BERT pretraining and fine-tuning data
+    models/      GPT, BERT, the model registry and sharded init, sampling
+    tasks/       one object per training objective: batch layout, data, head sizes
+    training/    optimizer, compiled step, checkpoints, workdir, metrics, the loop
+    evaluation/  window scoring, WikiText, LAMBADA, BERT evaluation
+    tools/       HLO reading, the collective audit, the dry run
+    cli/         train.py, eval.py
+
+The names below are loaded on first use, so `import megajax.cli` stays free of jax until a
+program has read its --host-devices flag.
+"""
+import importlib
+
+_API = {
+    "Config": "megajax.config", "ConfigError": "megajax.config", "ModelConfig": "megajax.config",
+    "TrainConfig": "megajax.config", "load_config": "megajax.config",
+    "make_mesh": "megajax.core.mesh",
+    "GPT": "megajax.models.gpt", "BERT": "megajax.models.bert",
+    "abstract_model": "megajax.models.registry", "init_model": "megajax.models.registry",
+    "param_specs": "megajax.models.registry",
+    "generate": "megajax.models.generate",
+    "param_count": "megajax.tasks", "task_for": "megajax.tasks",
+    "make_trainer": "megajax.training.step",
+    "train": "megajax.training.loop",
+    "audit": "megajax.tools.audit",
+}
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name):
+    if name not in _API:
+        raise AttributeError(f"module 'megajax' has no attribute '{name}'")
+    value = getattr(importlib.import_module(_API[name]), name)
+    globals()[name] = value     # resolved once
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_API))

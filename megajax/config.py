@@ -15,6 +15,8 @@ from pathlib import Path
 
 from megajax.errors import UserError
 from megajax.files import write_atomic
+from megajax.shapes import MODEL_TASKS
+
 
 def _config_dir() -> Path:
     """configs/ of a checkout, or the copy installed with the package (pip install .)."""
@@ -26,10 +28,6 @@ def _config_dir() -> Path:
 CONFIG_DIR = _config_dir()
 
 
-FINETUNE_TASKS = ("race", "mnli", "qqp")     # BERT's fine-tuning heads (megajax/bert.py)
-TASKS = ("pretrain",) + FINETUNE_TASKS
-
-
 class ConfigError(UserError, ValueError):
     """A mistake in a config file or override that the user can fix."""
 
@@ -38,6 +36,7 @@ class ConfigError(UserError, ValueError):
 class ModelConfig:
     kind: str = "gpt"                 # gpt | bert
     task: str = "pretrain"            # pretrain (GPT: next token; BERT: MLM + SOP) | BERT fine-tuning: race | mnli | qqp
+                                      # (the pairs that exist: megajax/shapes.py, MODEL_TASKS)
     num_layers: int = 4
     hidden: int = 256
     num_heads: int = 4
@@ -66,34 +65,18 @@ class ModelConfig:
         return self.hidden // self.num_heads
 
     @property
-    def dtype(self):
-        """The activations' dtype; parameters, optimizer state, LayerNorm and the loss stay float32."""
-        import jax
-        import jax.numpy as jnp
-
-        if self.compute_dtype == "auto":
-            return jnp.dtype(jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32)
-        return jnp.dtype(jnp.float32 if self.compute_dtype == "mixed" else self.compute_dtype)
-
-    @property
-    def matmul_dtype(self):
-        """The dtype of the linear layers' matmul operands (they accumulate in float32 when mixed)."""
-        import jax.numpy as jnp
-
-        return jnp.dtype(jnp.bfloat16) if self.compute_dtype == "mixed" else self.dtype
-
-    @property
     def padded_vocab(self) -> int:
         m = self.vocab_multiple
         return int(math.ceil(self.vocab_size / m) * m)
 
     def validate(self):
-        if self.kind not in ("gpt", "bert"):
-            raise ConfigError(f"model.kind must be 'gpt' or 'bert', got '{self.kind}'")
-        if self.task not in TASKS:
-            raise ConfigError(f"model.task must be one of {', '.join(TASKS)}, got '{self.task}'")
-        if self.kind == "gpt" and self.task != "pretrain":
-            raise ConfigError(f"model.task '{self.task}' is a BERT fine-tuning task; set model.kind = \"bert\"")
+        if self.kind not in MODEL_TASKS:
+            raise ConfigError(f"model.kind must be one of {', '.join(MODEL_TASKS)}, got '{self.kind}'")
+        if self.task not in MODEL_TASKS[self.kind]:
+            other = [k for k, tasks in MODEL_TASKS.items() if self.task in tasks]
+            hint = f"; it is a {other[0]} task: set model.kind = \"{other[0]}\"" if other else ""
+            raise ConfigError(f"model.task must be one of {', '.join(MODEL_TASKS[self.kind])} for "
+                              f"model.kind = \"{self.kind}\", got '{self.task}'{hint}")
         if self.ln_placement not in ("pre", "post"):
             raise ConfigError(f"model.ln_placement must be 'pre' or 'post', got '{self.ln_placement}'")
         if self.compute_dtype not in ("auto", "float32", "bfloat16", "mixed"):
@@ -114,42 +97,11 @@ class ModelConfig:
         if self.ffn_hidden < 0:
             raise ConfigError(f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}")
 
-    def check_mesh(self, tp: int, dp: int | None = None, batch: int | None = None):
-        """Megatron's divisibility rules for a model axis of size tp; raise ConfigError if broken."""
-        for what, size in (("hidden", self.hidden), ("num_heads", self.num_heads),
-                           ("ffn_hidden", self.ffn), ("padded vocab", self.padded_vocab)):
-            if size % tp:
-                raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
-        if batch is not None and dp and batch % dp:
-            raise ConfigError(f"global batch {batch} is not divisible by the data axis ({dp})")
-
     @property
     def layer_params(self) -> int:
         """Parameters of one transformer layer: QKV, output projection, MLP, two LayerNorms."""
         h, f = self.hidden, self.ffn
         return (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
-
-    @property
-    def tokens_per_example(self) -> int:
-        """Tokens one batch row feeds the encoder: RACE encodes each of its options separately."""
-        from megajax.bert import NUM_CHOICES
-
-        return self.seq_len * (NUM_CHOICES if self.task == "race" else 1)
-
-    def param_count(self) -> int:
-        """Parameters of the model, from its shapes alone (see tests: equals the built model)."""
-        h = self.hidden
-        n = self.num_layers * self.layer_params + self.padded_vocab * h + self.seq_len * h + 2 * h
-        if self.kind == "bert":  # post-LN swaps the final LayerNorm for one after the embeddings
-            n += 2 * h + h * h + h                      # token-type embeddings, pooler
-            if self.task == "pretrain":
-                n += h * h + h + 2 * h + self.padded_vocab  # MLM transform, its LayerNorm, output bias
-                n += 2 * h + 2                              # sentence-order head
-            else:
-                from megajax.bert import NUM_CLASSES
-
-                n += h * NUM_CLASSES[self.task] + NUM_CLASSES[self.task]
-        return n
 
 
 @dataclasses.dataclass
@@ -320,7 +272,7 @@ def find_config(name_or_path: str) -> Path:
     for candidate in (CONFIG_DIR / f"{name_or_path}.toml", Path("configs") / f"{name_or_path}.toml"):
         if candidate.exists():
             return candidate
-    known = sorted(q.stem for q in CONFIG_DIR.glob("*.toml"))
+    known = available_configs()
     close = difflib.get_close_matches(name_or_path, known, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else f"; available: {', '.join(known)}"
     raise ConfigError(f"no config named '{name_or_path}'{hint}")

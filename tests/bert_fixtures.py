@@ -8,7 +8,7 @@ import json
 import random
 from pathlib import Path
 
-from megajax.tokenizer import BERT_SPECIALS
+from megajax.data.tokenizer import BERT_SPECIALS
 
 ANIMALS = ["cat", "dog", "fox", "owl", "bear", "wolf", "deer", "hare", "crow", "frog"]
 VERBS = ["saw", "found", "took", "lost", "moved", "watched", "chased", "carried"]

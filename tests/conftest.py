@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from megajax.config import Config, ModelConfig, TrainConfig  # noqa: E402
-from megajax.mesh import make_mesh  # noqa: E402
+from megajax.core.mesh import make_mesh  # noqa: E402
 
 
 def tiny_config(**model) -> Config:

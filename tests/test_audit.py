@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from conftest import mesh_for, tiny_config
 
-from megajax.audit import audit, groups_axis, parse_replica_groups
+from megajax.tools.audit import audit
+from megajax.tools.hlo import groups_axis, parse_replica_groups
 
 
 @pytest.mark.parametrize("layers,spec,scan", [(2, "2x4", True), (3, "2x4", True), (2, "1x8", True),
@@ -41,7 +42,7 @@ def test_megatron_collectives(layers, spec, scan):
         n_grad = sum(np.prod(c.shape) * c.count for c in grads)
         # Every device reduces its own shard of every gradient once; the tied embedding's two
         # contributions (lookup and output layer) are reduced separately, so its shard twice.
-        from megajax.train_step import make_trainer
+        from megajax.training.step import make_trainer
         shardings = make_trainer(cfg, mesh).param_shardings
         shapes = make_trainer(cfg, mesh).modeldef.abstract_params()
         local = {k: np.prod(sh.shard_shape(x.shape)) for k, sh, x in

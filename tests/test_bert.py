@@ -13,16 +13,18 @@ from conftest import mesh_for, tiny_config
 from tolerances import F32, assert_close, assert_tree_close
 from test_train_cli import ROOT, SHAKESPEARE, env, run
 
-from megajax.audit import audit
-from megajax.bert_data import PretrainBatches, Specials, choose_ngrams, load_pretraining, make_pairs, split_documents
+from megajax.tools.audit import audit
+from megajax.data.bert_pretrain import PretrainBatches, Specials, choose_ngrams, load_pretraining, make_pairs, split_documents
 from megajax.config import ConfigError, load_config
-from megajax.evaluation import evaluate_pretraining, load_workdir
-from megajax.finetune import Example, encode, evaluate_task, load_task_data, read_task
-from megajax.model import ModelDef
-from megajax.tokenizer import WordPieceTokenizer, load_tokenizer, make_tokenizer
-from megajax.train_step import make_trainer
-from megajax.training import init_from_pretrained, train
-from megajax.wordpiece import train_vocab
+from megajax.evaluation.bert import evaluate_pretraining, evaluate_task
+from megajax.training.workdir import load_workdir
+from megajax.data.finetune import Example, encode, load_task_data, read_task
+from megajax.models.registry import ModelDef
+from megajax.data.tokenizer import WordPieceTokenizer, load_tokenizer, make_tokenizer
+from megajax.training.step import make_trainer
+from megajax.training.loop import train
+from megajax.training.workdir import init_from_pretrained
+from megajax.data.wordpiece import train_vocab
 
 KEY = jax.random.key(3)
 
@@ -266,7 +268,7 @@ def test_wordpiece_vocab_file(files, tmp_path):
 def test_wordpiece_training_is_reproducible_across_processes(tmp_path):
     """The same corpus and size give a byte-identical vocab.txt in separate processes, whatever
     the hash seed and thread count (the `tokenizers` trainer gave a different one each run)."""
-    script = ("import sys; from megajax.tokenizer import WordPieceTokenizer; "
+    script = ("import sys; from megajax.data.tokenizer import WordPieceTokenizer; "
               "WordPieceTokenizer.train(open(sys.argv[1]).read()[:300_000], 1000).save(sys.argv[2])")
     files = []
     for seed, threads in (("1", "1"), ("2", "2")):
@@ -345,9 +347,9 @@ def test_pretraining_lowers_mlm_and_sop_losses(pretrained):
 
 def test_init_from_restores_the_encoder_exactly(pretrained, files):
     cfg = load_config("finetune_qqp", [f"train.init_from={pretrained}"])
-    from megajax.training import apply_init_from
+    from megajax.training.workdir import with_pretrained_shape
 
-    apply_init_from(cfg)
+    cfg, _ = with_pretrained_shape(cfg)
     assert (cfg.model.seq_len, cfg.model.hidden, cfg.model.vocab_size) == (32, 64, files["tok"].vocab_size)
     mesh = mesh_for("2x2")   # not the mesh it was trained on
     trainer = make_trainer(cfg, mesh)

@@ -3,10 +3,14 @@ import re
 
 import jax
 import pytest
+from conftest import mesh_for
 from flax import nnx
 
 from megajax.config import CONFIG_DIR, ConfigError, available_configs, load_config
-from megajax.model import abstract_model
+from megajax.core.mesh import check_fits
+from megajax.models.registry import abstract_model
+from megajax.shapes import MODEL_TASKS
+from megajax.tasks import TASKS, param_count, task_for
 
 PAPER = {"gpt2_355m": 355e6, "gpt2_1.2b": 1.2e9, "gpt2_2.5b": 2.5e9, "gpt2_4.2b": 4.2e9,
          "gpt2_8.3b": 8.3e9, "gpt2_8.3b_24h": 8.3e9}
@@ -19,7 +23,7 @@ def test_config_parses_and_builds_abstractly(name):
     cfg = load_config(name)
     model = abstract_model(cfg.model)  # shapes only: nothing allocated, even for 8.3B
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    assert n == cfg.model.param_count()
+    assert n == param_count(cfg)
     if name in PAPER:
         # Within 1% of the paper's name, except 1.2B: its exact count for the stated shape
         # (40 x 1536, vocab 51,200) is 1,213.5M, 1.1% above the two-digit label it rounds to.
@@ -66,7 +70,7 @@ def test_vocab_padding_is_a_property_of_the_config():
     m = load_config("gpt2_355m").model
     assert m.padded_vocab == 51200
     for tp in (1, 2, 4, 8):
-        m.check_mesh(tp)  # independent of tp, unlike Megatron's 128 x tp
+        check_fits(load_config("gpt2_355m"), mesh_for(f"1x{tp}"), batch=False)  # independent of tp, unlike Megatron's 128 x tp
 
 
 def test_overrides_are_typed_and_suggest_keys():
@@ -91,7 +95,7 @@ def test_overrides_are_typed_and_suggest_keys():
 def test_indivisible_sizes(change, tp, message):
     cfg = load_config("tiny", [f"model.{k}={v}" for k, v in change.items()])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        cfg.model.check_mesh(tp)
+        check_fits(cfg, mesh_for(f"1x{tp}"), batch=False)
 
 
 @pytest.mark.parametrize("override,message", [
@@ -141,4 +145,13 @@ def test_malformed_config_files(tmp_path, name, content, message):
 
 def test_batch_not_divisible_by_data_axis():
     with pytest.raises(ConfigError, match=r"global batch 8 is not divisible by the data axis \(3\)"):
-        load_config("tiny").model.check_mesh(1, 3, 8)
+        check_fits(load_config("tiny"), mesh_for("3x1"))
+
+
+def test_every_model_head_has_exactly_one_task():
+    """The (model.kind, model.task) pairs a config may name are the tasks the registry has."""
+    assert sorted((t.kind, t.model_task) for t in TASKS.values()) == \
+        sorted((kind, task) for kind, tasks in MODEL_TASKS.items() for task in tasks)
+    for name in available_configs():
+        cfg = load_config(name)
+        assert (task_for(cfg).kind, task_for(cfg).model_task) == (cfg.model.kind, cfg.model.task)

@@ -6,9 +6,10 @@ from conftest import mesh_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from megajax.data import Batches, EvalWindows, builtin_text, load_tokens
+from megajax.data.sources import builtin_text
+from megajax.data.tokens import Batches, EvalWindows, load_tokens
 from megajax.errors import UserError
-from megajax.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer, make_tokenizer
+from megajax.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer, make_tokenizer
 
 
 def test_builtin_corpus_is_real_python_source():

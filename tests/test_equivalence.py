@@ -7,8 +7,8 @@ import pytest
 from conftest import mesh_for, tiny_config
 from tolerances import F32, adam_tolerance, assert_close, assert_tree_close
 
-from megajax.model import init_model
-from megajax.train_step import make_trainer
+from megajax.models.registry import init_model
+from megajax.training.step import make_trainer
 
 # Every (data, model) factorisation of the 8 devices: pure data, pure model, and both mixes.
 MESHES = ["2x4", "4x2", "1x8", "8x1"]

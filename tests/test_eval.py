@@ -18,11 +18,31 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from megajax.config import load_config
-from megajax.data import EvalWindows, load_tokens
-from megajax.evaluation import (evaluate_lambada, evaluate_wikitext, load_workdir, original_token_count,
-                                perplexity_of_tokens, stride_windows, wikitext_detokenize)
-from megajax.generate import generate, greedy_by_recomputation
-from megajax.training import train
+from megajax.data.tokens import EvalWindows, load_tokens
+from megajax.evaluation.lambada import evaluate_lambada
+from megajax.evaluation.scoring import perplexity_of_tokens, stride_windows
+from megajax.evaluation.wikitext import evaluate_wikitext, original_token_count, wikitext_detokenize
+from megajax.core.mesh import padded_rows
+from megajax.models.generate import generate
+from megajax.training.loop import train
+from megajax.training.workdir import load_workdir
+
+def greedy_by_recomputation(model, prompt_tokens, max_new_tokens: int) -> np.ndarray:
+    """Reference decoder: the full forward pass over the whole sequence for every new token.
+    The sequence lives in one fixed-length buffer (one compiled shape): attention is causal,
+    so the tokens not yet written after position p cannot change the logits at p."""
+    seq = np.atleast_2d(np.asarray(prompt_tokens, dtype=np.int32))
+    rows, n = seq.shape
+    if n + max_new_tokens > model.cfg.seq_len:
+        raise ValueError(f"{n} + {max_new_tokens} tokens do not fit the context of {model.cfg.seq_len}")
+    buf = np.zeros((rows, n + max_new_tokens), np.int32)
+    buf[:, :n] = seq
+    buf = buf[padded_rows(rows, model.layout.dp)]
+    fwd = jax.jit(lambda m, x, p: jnp.argmax(m(x)[:, p], -1).astype(jnp.int32))
+    for p in range(n, n + max_new_tokens):
+        buf[:, p] = np.asarray(fwd(model, buf, p - 1))
+    return buf[:rows, n:]
+
 
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -73,7 +93,7 @@ def wikitext_slice(tmp_path_factory):
 
 def test_adjusted_perplexity_from_independent_sums(workdir, wikitext_slice):
     loaded = load_workdir(workdir, mesh_for("1x1"))
-    r = evaluate_wikitext(loaded, wikitext_slice, stride=32)
+    r = evaluate_wikitext(loaded.model, loaded.tokenizer, wikitext_slice, stride=32)
     raw = wikitext_slice.read_text(encoding="utf-8")
     t_o = len(raw.strip().split(" "))
     tokens = np.asarray(loaded.tokenizer.encode(wikitext_detokenize(raw)), np.int32)
@@ -146,8 +166,8 @@ def _lambada_fixture(loaded, path: Path):
 def test_lambada_target_is_split_at_the_last_run_of_any_whitespace(tmp_path):
     """As Megatron does: a newline (or tab, or several spaces) before the last word still makes
     that word alone the target, and the context loses its trailing whitespace."""
-    from megajax.evaluation import lambada_examples
-    from megajax.tokenizer import make_tokenizer
+    from megajax.evaluation.lambada import lambada_examples
+    from megajax.data.tokenizer import make_tokenizer
 
     tok = make_tokenizer("bytes")
     texts = ["he said to her\nfarewell", "the cat sat on the\t\tmat", "one two  three", "plain last word"]
@@ -167,8 +187,8 @@ def test_lambada_target_is_split_at_the_last_run_of_any_whitespace(tmp_path):
 ])
 def test_malformed_lambada_lines_name_the_line(tmp_path, line, message):
     from megajax.errors import UserError
-    from megajax.evaluation import lambada_examples
-    from megajax.tokenizer import make_tokenizer
+    from megajax.evaluation.lambada import lambada_examples
+    from megajax.data.tokenizer import make_tokenizer
 
     path = tmp_path / "lambada.jsonl"
     path.write_text(json.dumps({"text": "a good passage"}) + "\n" + line + "\n")
@@ -196,7 +216,8 @@ def test_empty_wikitext_file_is_refused(workdir, tmp_path):
 
     (tmp_path / "empty.txt").write_text("\n \n")
     with pytest.raises(UserError, match="is empty"):
-        evaluate_wikitext(load_workdir(workdir, mesh_for("1x1")), tmp_path / "empty.txt")
+        loaded = load_workdir(workdir, mesh_for("1x1"))
+        evaluate_wikitext(loaded.model, loaded.tokenizer, tmp_path / "empty.txt")
 
 
 def test_lambada_scoring_matches_independent_argmax(workdir, tmp_path):
@@ -204,7 +225,7 @@ def test_lambada_scoring_matches_independent_argmax(workdir, tmp_path):
     path = tmp_path / "lambada.jsonl"
     expected = _lambada_fixture(loaded, path)
     assert True in expected and False in expected
-    r = evaluate_lambada(loaded, path)
+    r = evaluate_lambada(loaded.model, loaded.tokenizer, path)
     assert r["per_passage_correct"] == expected
     assert r["accuracy"] == pytest.approx(np.mean(expected)) and r["passages"] == 6
 
@@ -228,14 +249,14 @@ def test_training_validation_is_the_splits_own_loss(workdir):
 
 def test_results_on_2x4_equal_1x1(workdir, wikitext_slice, tmp_path):
     one, many = load_workdir(workdir, mesh_for("1x1")), load_workdir(workdir, mesh_for("2x4"))
-    a, b = evaluate_wikitext(one, wikitext_slice), evaluate_wikitext(many, wikitext_slice)
+    a, b = evaluate_wikitext(one.model, one.tokenizer, wikitext_slice), evaluate_wikitext(many.model, many.tokenizer, wikitext_slice)
     assert a["tokens"] == b["tokens"] and a["loss_sum"] == pytest.approx(b["loss_sum"], rel=F32)
     tokens = np.asarray(one.tokenizer.encode(SHAKESPEARE.read_text()[:3000]), np.int32)
     pa, pb = perplexity_of_tokens(one.model, tokens, 64, 8), perplexity_of_tokens(many.model, tokens, 64, 8)
     assert pa["ppl"] == pytest.approx(pb["ppl"], rel=F32 * max(1.0, pb["loss"]))
     path = tmp_path / "l.jsonl"
     _lambada_fixture(one, path)
-    la, lb = evaluate_lambada(one, path), evaluate_lambada(many, path)
+    la, lb = evaluate_lambada(one.model, one.tokenizer, path), evaluate_lambada(many.model, many.tokenizer, path)
     assert la["per_passage_correct"] == lb["per_passage_correct"]
     assert la["mean_target_loss"] == pytest.approx(lb["mean_target_loss"], rel=F32)
 

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from megajax.files import read_jsonl, write_atomic
-from megajax.metrics import MetricsLog, plot_workdir
+from megajax.training.metrics import MetricsLog, plot_workdir
 
 
 def test_write_atomic_replaces_whole_or_not_at_all(tmp_path, monkeypatch):

@@ -9,8 +9,8 @@ from tolerances import assert_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from megajax.loss import vocab_parallel_cross_entropy, vocab_parallel_lookup
-from megajax.sharding import Layout
+from megajax.core.loss import vocab_parallel_cross_entropy, vocab_parallel_lookup
+from megajax.core.sharding import Layout
 
 VOCAB, PADDED = 1000, 1024
 

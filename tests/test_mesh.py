@@ -1,6 +1,6 @@
 import pytest
 
-from megajax.mesh import make_mesh, parse_mesh_spec
+from megajax.core.mesh import make_mesh, parse_mesh_spec
 
 
 @pytest.mark.parametrize("spec,expected", [

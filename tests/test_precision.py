@@ -10,9 +10,9 @@ import pytest
 from conftest import mesh_for, tiny_config
 from tolerances import BF16_ELEMENT, BF16_NORM, BF16_U, F32_U, assert_close, assert_tree_close
 
-from megajax.audit import audit
-from megajax.precision import matmul
-from megajax.train_step import make_trainer
+from megajax.tools.audit import audit
+from megajax.core.precision import matmul
+from megajax.training.step import make_trainer
 
 
 def _bf16(a):

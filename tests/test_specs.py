@@ -5,7 +5,7 @@ from conftest import mesh_for, tiny_config
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from megajax.model import init_model, param_specs
+from megajax.models.registry import init_model, param_specs
 
 EXPECTED = {
     ("attention", "qkv", "kernel"): P(None, "model"), ("attention", "qkv", "bias"): P("model"),

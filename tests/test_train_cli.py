@@ -14,7 +14,7 @@ from conftest import mesh_for
 from flax import nnx
 from tolerances import F32
 
-from megajax.evaluation import load_workdir
+from megajax.training.workdir import load_workdir
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -179,8 +179,9 @@ def test_dry_run_of_paper_model_allocates_nothing():
     p = run("--config", "gpt2_355m", "--host-devices", "8", "--mesh", "2x4", "--dry-run",
             "--set", "train.batch_size=16", "--set", "train.microbatches=1", "--set", "model.seq_len=128")
     from megajax.config import load_config
+    from megajax.tasks import param_count
 
-    n = load_config("gpt2_355m", ["model.seq_len=128"]).model.param_count()
+    n = param_count(load_config("gpt2_355m", ["model.seq_len=128"]))
     assert f"dry run: gpt2_355m, {n:,} parameters" in p.stdout
     assert "per device: params" in p.stdout and "compiled step peak" in p.stdout
     assert "forward [2], backward [2]" in p.stdout

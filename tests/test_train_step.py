@@ -7,8 +7,8 @@ import pytest
 from conftest import mesh_for, tiny_config
 
 from megajax.config import TrainConfig
-from megajax.model import ModelDef, init_model
-from megajax.train_step import lr_schedule, weight_decay_mask
+from megajax.models.registry import ModelDef, init_model
+from megajax.training.optimizer import lr_schedule, weight_decay_mask
 
 
 @pytest.mark.parametrize("kind", ["gpt", "bert"])

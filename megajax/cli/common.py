@@ -1,0 +1,69 @@
+"""What the command lines share: simulated devices, one-line errors, multi-process flags.
+
+Nothing here imports jax at module level: the programs import it only after their arguments
+are read, because --host-devices must be in XLA_FLAGS before JAX starts its CPU backend.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from megajax.hostenv import restart_with_malloc_tuning
+
+
+def set_host_devices(n: int | None):
+    if n:
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def lost_peer(e: Exception):
+    """In a multi-process run, a failed collective or barrier almost always means another
+    process died: say so in one line and leave at once, without JAX's shutdown barrier
+    (which would wait for the dead peer). Checkpoints already finalised stay valid."""
+    import jax   # loaded by now (this runs after a failed step); imported here to keep the module light
+
+    if jax.process_count() > 1:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        print(f"error: process {jax.process_index()} of {jax.process_count()}: {type(e).__name__}: {first} "
+              f"(another process has probably died; completed checkpoints are intact)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def add_distributed_args(p):
+    g = p.add_argument_group("multi-process (jax.distributed; on SLURM/Open MPI/... detected automatically)")
+    g.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
+    g.add_argument("--num-processes", type=int)
+    g.add_argument("--process-id", type=int)
+    g.add_argument("--heartbeat-timeout", type=int, default=60,
+                   help="seconds after which a silent peer counts as dead (default 60)")
+
+
+def start_distributed(args):
+    from megajax.training.distributed import initialize   # imports jax: after set_host_devices
+
+    initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
+
+
+class Stopped(BaseException):   # not an Exception: nothing on the way may swallow it
+    pass
+
+
+def stop_during_startup(signum, frame):
+    raise Stopped(f"{signal.Signals(signum).name} during start-up: stopped before training any step")
+
+
+def command(main):
+    """A program's entry point: first restart with the host settings of megajax/hostenv.py."""
+    def run() -> int:
+        restart_with_malloc_tuning()
+        return main()
+    return run

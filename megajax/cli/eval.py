@@ -1,0 +1,83 @@
+"""eval.py / megajax-eval: the parser and the checks that need no model. What each --task
+does is the table in megajax/cli/eval_tasks.py."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+from megajax.cli.common import add_distributed_args, fail, lost_peer, set_host_devices, start_distributed
+from megajax.errors import UserError
+from megajax.files import write_atomic
+
+TASK_CHOICES = ["ppl", "wikitext", "lambada", "sample", "mlm", "race", "mnli", "qqp"]
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="eval.py", description="Evaluate or sample a train.py workdir (GPT or BERT) on any mesh.",
+        epilog="examples:\n"
+               "  python eval.py --workdir runs/default --task ppl --data text:notes.txt\n"
+               "  python eval.py --workdir runs/gpt --task wikitext --data ../shared/data/wikitext-2/test.txt\n"
+               "  python eval.py --workdir runs/gpt --task lambada --data lambada_test.jsonl\n"
+               "  python eval.py --workdir runs/default --task sample --prompt 'def main(' --host-devices 8 --mesh 2x4\n"
+               "  python eval.py --workdir runs/bert_race --task race --data RACE",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--task", required=True, choices=TASK_CHOICES)
+    p.add_argument("--data", help="ppl: text:PATH | bin:PATH | PATH; wikitext: the .txt file; lambada: the .jsonl file; "
+                                   "mlm: text:PATH | PATH | builtin; race/mnli/qqp: the task's directory")
+    p.add_argument("--split", help="race: dev | test (default test); mnli: dev_matched | dev_mismatched; qqp: dev")
+    p.add_argument("--mesh", default="auto")
+    p.add_argument("--host-devices", type=int)
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--out", help="JSON result file (default: WORKDIR/eval_TASK.json)")
+    p.add_argument("--stride", type=int, default=32, help="overlapping-window stride (the paper: 32)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--prompt", default="", help="sample: the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    add_distributed_args(p)
+    return p
+
+
+def check_eval_args(args):
+    """Everything about eval.py's arguments that can be checked before loading a model."""
+    if args.task == "sample":
+        if args.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        if not (math.isfinite(args.temperature) and args.temperature >= 0):
+            raise UserError(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
+        if args.top_k < 0:
+            raise UserError(f"--top-k must be 0 (no limit) or positive, got {args.top_k}")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    out = Path(args.out) if args.out else None
+    if out is not None and not (out.parent.is_dir() and os.access(out.parent, os.W_OK)):
+        raise UserError(f"--out {out}: the directory {out.parent} does not exist or is not writable")
+
+
+def eval_main(argv=None) -> int:
+    args = eval_parser().parse_args(argv)
+    set_host_devices(args.host_devices)
+    try:
+        check_eval_args(args)
+        start_distributed(args)
+        # jax is imported only now, with --host-devices in XLA_FLAGS (megajax/cli/common.py).
+        from megajax.cli.eval_tasks import run_task
+
+        result, is_main = run_task(args)
+    except UserError as e:
+        return fail(str(e))
+    except Exception as e:  # noqa: BLE001
+        lost_peer(e)
+        raise
+    if is_main:
+        out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
+        write_atomic(out, json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0

@@ -1,0 +1,114 @@
+"""What each `eval.py --task` does: a table of small functions, each (args, loaded workdir,
+progress) -> (result dict, table rows), and the workdir tasks it accepts."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from megajax.core.mesh import make_mesh
+from megajax.core.sharding import DATA, MODEL
+from megajax.data.bert_pretrain import load_pretraining
+from megajax.data.sources import source_text
+from megajax.data.tokens import load_tokens
+from megajax.errors import UserError
+from megajax.evaluation.bert import evaluate_pretraining, evaluate_task
+from megajax.evaluation.lambada import evaluate_lambada
+from megajax.evaluation.scoring import perplexity_of_tokens
+from megajax.evaluation.wikitext import evaluate_wikitext
+from megajax.models.generate import generate
+from megajax.progress import Progress
+from megajax.tasks import task_for
+from megajax.training.workdir import Loaded, is_main, load_workdir
+
+
+def ppl(args, loaded: Loaded, progress):
+    source = args.data if ":" in args.data else f"text:{args.data}"
+    data = load_tokens(source, "bytes", 0.0, loaded.cfg.data.bin_dtype, tokenizer=loaded.tokenizer)
+    if int(np.max(data.train)) >= loaded.cfg.model.vocab_size:
+        raise UserError(f"{source} has token id {int(np.max(data.train))}, beyond the model's vocabulary "
+                        f"of {loaded.cfg.model.vocab_size:,} (another tokenizer, or data.bin_dtype?)")
+    r = perplexity_of_tokens(loaded.model, data.train, args.stride, args.batch_size, progress)
+    return r, [("tokens scored", r["tokens"]), ("loss", r["loss"]), ("perplexity", r["ppl"])]
+
+
+def wikitext(args, loaded: Loaded, progress):
+    r = evaluate_wikitext(loaded.model, loaded.tokenizer, Path(args.data), args.stride, args.batch_size, progress)
+    return r, [("subword tokens T", r["tokens"]), ("original tokens T_o", r["original_tokens"]),
+               ("loss per token", r["loss"]), ("perplexity", r["ppl"]),
+               ("adjusted perplexity exp(L/T_o), the paper's", r["adjusted_ppl"]),
+               ("adjusted perplexity exp(L/(T_o-1)), Megatron's script", r["adjusted_ppl_megatron"])]
+
+
+def lambada(args, loaded: Loaded, progress):
+    r = evaluate_lambada(loaded.model, loaded.tokenizer, Path(args.data), args.batch_size, progress)
+    return r, [("passages", r["passages"]), ("correct", r["correct"]), ("accuracy", r["accuracy"]),
+               ("mean target loss", r["mean_target_loss"])]
+
+
+def sample(args, loaded: Loaded, progress):
+    prompt = loaded.tokenizer.encode(args.prompt) or [0]
+    new = generate(loaded.model, np.asarray([prompt]), args.max_new_tokens, args.temperature,
+                   min(args.top_k, loaded.cfg.model.vocab_size) or None, jax.random.key(args.seed),
+                   eos_id=loaded.tokenizer.eos_id)
+    text = loaded.tokenizer.decode(new[0])
+    return {"prompt": args.prompt, "completion": text, "tokens": new[0].tolist()}, None
+
+
+def mlm(args, loaded: Loaded, progress):
+    source = args.data if ":" in args.data or args.data == "builtin" else f"text:{args.data}"
+    cfg = dataclasses.replace(loaded.cfg, data=dataclasses.replace(loaded.cfg.data, val_fraction=0.0))
+    data = load_pretraining(source_text(source), loaded.tokenizer, cfg)
+    r = evaluate_pretraining(loaded.model, data.train_pairs, cfg, data.specials, loaded.tokenizer, args.batch_size)
+    return r, [("sentence pairs", r["pairs"]), ("masked tokens", r["masked_tokens"]),
+               ("MLM loss", r["mlm_loss"]), ("MLM accuracy", r["mlm_accuracy"]),
+               ("SOP loss", r["sop_loss"]), ("SOP accuracy", r["sop_accuracy"])]
+
+
+def fine_tuned(args, loaded: Loaded, progress):
+    split = args.split or ("test" if args.task == "race" else "dev")
+    r = evaluate_task(loaded.model, args.task, Path(args.data), split, loaded.tokenizer, args.batch_size)
+    rows = [("split", split), ("examples", r["examples"]), ("accuracy", r["accuracy"])]
+    rows += [(f"accuracy ({lvl}, {r[f'examples_{lvl}']})", r[f"accuracy_{lvl}"])
+             for lvl in ("middle", "high") if f"accuracy_{lvl}" in r]
+    return r, rows
+
+
+GPT = ("gpt", "a GPT workdir")
+# eval.py --task -> (the training task its workdir must hold, what to call it, the function)
+EVAL_TASKS = {
+    "ppl": (*GPT, ppl), "wikitext": (*GPT, wikitext), "lambada": (*GPT, lambada), "sample": (*GPT, sample),
+    "mlm": ("bert", "a pretrained BERT workdir", mlm),
+    **{name: (name, f"a BERT workdir fine-tuned on {name}", fine_tuned) for name in ("race", "mnli", "qqp")},
+}
+
+
+def run_task(args) -> tuple[dict, bool]:
+    """What `eval.py` does for args.task: prints a short table; returns the full result and
+    whether this process writes it."""
+    try:
+        mesh = make_mesh(args.mesh)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    loaded = load_workdir(Path(args.workdir), mesh, args.step)
+    needs, what, run = EVAL_TASKS[args.task]
+    m = loaded.cfg.model
+    if task_for(loaded.cfg).name != needs:
+        raise UserError(f"--task {args.task} needs {what}; {args.workdir} holds {m.kind} ({m.task})")
+    if args.task != "sample" and not args.data:
+        raise UserError(f"--task {args.task} needs --data")
+    main = is_main()
+    result, rows = run(args, loaded, Progress(unit="row", enabled=main).advance)
+    head = {"task": args.task, "workdir": str(args.workdir), "step": loaded.step,
+            "mesh": {DATA: mesh.shape[DATA], MODEL: mesh.shape[MODEL]}}
+    if main:
+        print(args.prompt + result["completion"] if rows is None else table([("step", loaded.step), *rows]))
+    return {**head, **result}, main
+
+
+def table(rows: list[tuple[str, object]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    fmt = lambda v: f"{v:,.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)  # noqa: E731
+    return "\n".join(f"{k.ljust(width)}  {fmt(v)}" for k, v in rows)

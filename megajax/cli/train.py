@@ -1,0 +1,101 @@
+"""train.py / megajax-train, and megajax-plot."""
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+
+from megajax.cli.common import (Stopped, add_distributed_args, fail, lost_peer, set_host_devices, start_distributed,
+                                stop_during_startup)
+from megajax.config import load_config
+from megajax.errors import UserError
+
+
+def train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py", description="Train a tensor-parallel GPT or BERT with megajax.",
+        epilog="examples:\n  python train.py\n  python train.py --host-devices 8 --mesh 2x4\n"
+               "  python train.py --config shakespeare_char --mesh model=2 --workdir runs/shakespeare\n"
+               "  python train.py --config gpt2_8.3b --mesh model=8 --host-devices 8 --dry-run\n"
+               "  python train.py --config bert_small --workdir runs/bert\n"
+               "  python train.py --config finetune_race --init-from runs/bert --data RACE --workdir runs/bert_race",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="default", help="a name from configs/ or a path to a .toml/.json (default: default)")
+    p.add_argument("--mesh", default="auto", help="data=2,model=4 | 2x4 | model=8 | auto (all devices on data)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set model.num_layers=4 --set train.lr=3e-4")
+    p.add_argument("--data", help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | tfds:NAME[/CONFIG]")
+    p.add_argument("--tokenizer", help="bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME")
+    p.add_argument("--workdir", help="where checkpoints, metrics and the config go (default: runs/CONFIG)")
+    p.add_argument("--init-from", metavar="DIR", help="BERT fine-tuning: start the encoder from this pretraining workdir")
+    p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
+    p.add_argument("--host-devices", type=int, help="simulate N devices on the CPU")
+    p.add_argument("--log-every", type=int)
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--save-every", type=int)
+    p.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate at the end (0: none)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="compile abstractly; print sizes, per-device memory and the collective audit")
+    add_distributed_args(p)
+    return p
+
+
+# Flags that are shorthands for config keys.
+FLAG_KEYS = (("steps", "train.steps"), ("log_every", "train.log_every"), ("eval_every", "train.eval_every"),
+             ("save_every", "train.save_every"), ("data", "data.source"), ("tokenizer", "data.tokenizer"),
+             ("init_from", "train.init_from"))
+
+
+def train_main(argv=None) -> int:
+    args = train_parser().parse_args(argv)
+    set_host_devices(args.host_devices)
+    # Until train() takes over the signals (megajax/training/signals.py), one stops the run with a line.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_during_startup)
+    try:
+        return _train_main(args)
+    except Stopped as e:
+        return fail(str(e))
+
+
+def _train_main(args) -> int:
+    # jax is imported only now, with --host-devices in XLA_FLAGS (megajax/cli/common.py).
+    from megajax.core.mesh import make_mesh
+    from megajax.tools.dry_run import dry_run_report
+    from megajax.training.loop import train
+    from megajax.training.workdir import with_pretrained_shape
+
+    try:
+        start_distributed(args)
+        overrides = list(args.set) + [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS
+                                      if getattr(args, flag) is not None]
+        cfg = load_config(args.config, overrides)
+        try:
+            mesh = make_mesh(args.mesh)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        workdir = Path(args.workdir or Path("runs") / cfg.name)
+        if args.dry_run:
+            dry_run_report(with_pretrained_shape(cfg, workdir)[0], mesh)
+        else:
+            train(cfg, mesh, workdir, sample_tokens=args.sample_tokens)
+    except UserError as e:
+        return fail(str(e))
+    except Exception as e:  # noqa: BLE001
+        lost_peer(e)
+        raise
+    return 0
+
+
+def plot_main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="megajax-plot", description="Draw WORKDIR/loss.png from metrics.jsonl")
+    p.add_argument("workdir")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    from megajax.training.metrics import plot_workdir   # imports jax: after the arguments, as everywhere
+
+    try:
+        print(plot_workdir(Path(args.workdir), args.out and Path(args.out)))
+    except UserError as e:
+        return fail(str(e))
+    return 0

@@ -1,0 +1,81 @@
+"""Vocab-parallel embedding lookup and fused vocab-parallel cross-entropy (Megatron section 3).
+
+Both run under `jax.shard_map`, so the collectives are written out: each device sees only
+its slice of the vocabulary, and only (batch, seq)-sized numbers cross the model axis,
+never the (batch, seq, vocab) logits.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from megajax.core.sharding import DATA, MODEL
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def _shard_map(fn, layout, in_specs, out_specs):
+    return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _vocab_range(local_size: int):
+    start = jax.lax.axis_index(MODEL) * local_size
+    return start, start + local_size
+
+
+def vocab_parallel_lookup(table, ids, layout):
+    """Embedding rows for `ids` from a table split over "model": one all-reduce of (b, s, h)."""
+
+    def local(table, ids):
+        start, end = _vocab_range(table.shape[0])
+        owned = (ids >= start) & (ids < end)
+        rows = jnp.take(table, jnp.where(owned, ids - start, 0), axis=0)
+        rows = jnp.where(owned[..., None], rows, jnp.zeros_like(rows))
+        with jax.named_scope("embedding_all_reduce"):
+            return jax.lax.psum(rows, MODEL)
+
+    with jax.named_scope("embedding"):
+        return _shard_map(local, layout, (P(MODEL, None), P(DATA, None)), P(DATA, None, None))(table, ids)
+
+
+def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None = None,
+                                 with_accuracy: bool = False):
+    """Per-token -log softmax(logits)[target] for logits split over "model" on their last axis.
+
+    Three all-reduces of (b, s) numbers: the max (for stability), the sum of exponentials and
+    the target logit, which only the device owning that vocabulary slice contributes.
+    Columns >= `vocab_size` (vocabulary padding) are excluded from the softmax.
+    The backward pass is local: softmax - onehot on each device's own slice.
+    With `with_accuracy`, also return whether the target is the argmax (target logit equal
+    to the global max): a by-product of the two reductions, no extra collective.
+    """
+
+    def local(logits, targets):
+        logits = logits.astype(jnp.float32)
+        start, end = _vocab_range(logits.shape[-1])
+        if vocab_size is not None:
+            vocab_ids = start + jnp.arange(logits.shape[-1])
+            logits = jnp.where(vocab_ids < vocab_size, logits, _NEG)
+        with jax.named_scope("loss_all_reduce"):
+            gmax = jax.lax.pmax(jax.lax.stop_gradient(logits.max(-1)), MODEL)
+        sum_exp = jnp.exp(logits - gmax[..., None]).sum(-1)
+        owned = (targets >= start) & (targets < end)
+        local_t = jnp.where(owned, targets - start, 0)
+        picked = jnp.take_along_axis(logits, local_t[..., None], axis=-1)[..., 0]
+        picked = jnp.where(owned, picked, 0.0)
+        with jax.named_scope("loss_all_reduce"):
+            sum_exp = jax.lax.psum(sum_exp, MODEL)
+            target_logit = jax.lax.psum(picked, MODEL)
+        loss = jnp.log(sum_exp) + gmax - target_logit
+        return (loss, jax.lax.stop_gradient(target_logit) >= gmax) if with_accuracy else loss
+
+    out_specs = (P(DATA, None), P(DATA, None)) if with_accuracy else P(DATA, None)
+    with jax.named_scope("loss"):
+        return _shard_map(local, layout, (P(DATA, None, MODEL), P(DATA, None)), out_specs)(logits, targets)
+
+
+def mask_padded_vocab(logits, vocab_size: int):
+    """Logits with the padded vocabulary columns set to -inf-ish, for sampling and argmax."""
+    ids = jnp.arange(logits.shape[-1])
+    return jnp.where(ids < vocab_size, logits, _NEG)

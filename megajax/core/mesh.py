@@ -1,0 +1,124 @@
+"""The ("data", "model") device mesh: built from a short user-facing spec string, the rules a
+run must meet to fit on it, and batches padded to split over its data axis.
+
+Accepted specs:
+  "data=2,model=4"  explicit sizes (either may be omitted; it then takes the remaining devices)
+  "2x4"             shorthand for data x model
+  "model=8"         model axis of 8, data takes whatever is left
+  "auto"            every device on the data axis (pure data parallelism)
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from megajax.config import ConfigError
+from megajax.core.sharding import AXES, DATA, MODEL
+
+
+def _describe_devices(devices) -> str:
+    kinds = sorted({d.platform for d in devices})
+    return f"{len(devices)} {'/'.join(kinds)} device{'s' if len(devices) != 1 else ''} available"
+
+
+def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, int]:
+    """Return (data, model) sizes for `spec` on `num_devices` devices, or raise ValueError."""
+    s = (spec or "auto").strip().lower().replace(" ", "")
+    if s == "auto":
+        return num_devices, 1
+    sizes: dict[str, int] = {}
+    if "x" in s and "=" not in s:
+        parts = s.split("x")
+        if len(parts) != 2:
+            raise ValueError(f"mesh '{spec}': the shorthand is DATAxMODEL, e.g. 2x4")
+        pairs = list(zip(AXES, parts))
+    else:
+        pairs = []
+        for item in filter(None, s.split(",")):
+            if "=" not in item:
+                raise ValueError(f"mesh '{spec}': expected AXIS=SIZE items such as data=2,model=4")
+            pairs.append(tuple(item.split("=", 1)))
+    for name, value in pairs:
+        if name not in AXES:
+            raise ValueError(f"mesh '{spec}': unknown axis '{name}' (axes are 'data' and 'model')")
+        if name in sizes:
+            raise ValueError(f"mesh '{spec}': axis '{name}' given twice")
+        try:
+            size = int(value)
+        except ValueError:
+            raise ValueError(f"mesh '{spec}': size of '{name}' must be an integer, got '{value}'") from None
+        if size <= 0:
+            raise ValueError(f"mesh '{spec}': size of '{name}' must be positive, got {size}")
+        sizes[name] = size
+    if not sizes:
+        raise ValueError(f"mesh '{spec}' names no axis")
+    for name, other in ((DATA, MODEL), (MODEL, DATA)):
+        if name not in sizes:
+            if num_devices % sizes[other]:
+                raise ValueError(
+                    f"mesh '{spec}': {other}={sizes[other]} does not divide the {num_devices} devices available")
+            sizes[name] = num_devices // sizes[other]
+    if sizes[DATA] * sizes[MODEL] != num_devices:
+        raise ValueError(
+            f"mesh '{spec}' needs {sizes[DATA] * sizes[MODEL]} devices "
+            f"(data={sizes[DATA]} x model={sizes[MODEL]}), but {num_devices} are available")
+    return sizes[DATA], sizes[MODEL]
+
+
+def make_mesh(spec: str = "auto", devices=None) -> Mesh:
+    """A `Mesh` with axes ("data", "model") over `devices` (default: all devices of all processes).
+
+    The axes are Auto (GSPMD-style): weights carry PartitionSpecs and XLA inserts the
+    collectives; megajax pins them to Megatron's places with sharding constraints.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    try:
+        data, model = parse_mesh_spec(spec, len(devices))
+    except ValueError as e:
+        raise ValueError(f"{e} ({_describe_devices(devices)})") from None
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
+        # jax.make_mesh orders devices so that the model axis gets the fastest links.
+        return jax.make_mesh((data, model), AXES, axis_types=auto)
+    return Mesh(np.asarray(devices).reshape(data, model), AXES, axis_types=auto)
+
+
+def single_device_mesh() -> Mesh:
+    """A 1x1 mesh on the first device: the reference that multi-device runs must reproduce."""
+    return make_mesh("1x1", devices=jax.devices()[:1])
+
+
+def check_fits(cfg, mesh, *, batch: bool = True):
+    """Every divisibility rule of a run on `mesh`, in one place; ConfigError names the first
+    broken one. Megatron's: hidden, heads, ffn and the padded vocabulary split over "model".
+    With `batch` (training), the global batch and each microbatch split over "data"."""
+    m, tp, dp = cfg.model, mesh.shape[MODEL], mesh.shape[DATA]
+    for what, size in (("hidden", m.hidden), ("num_heads", m.num_heads),
+                       ("ffn_hidden", m.ffn), ("padded vocab", m.padded_vocab)):
+        if size % tp:
+            raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
+    if not batch:
+        return
+    t = cfg.train
+    if t.batch_size % dp:
+        raise ConfigError(f"global batch {t.batch_size} is not divisible by the data axis ({dp})")
+    if (t.batch_size // t.microbatches) % dp:
+        raise ConfigError(f"microbatch of {t.batch_size // t.microbatches} rows (batch {t.batch_size} / "
+                          f"{t.microbatches} microbatches) is not divisible by the data axis ({dp})")
+
+
+def padded_rows(n: int, dp: int) -> np.ndarray:
+    """Row indices 0..n-1, then the last row repeated until the count divides the data axis:
+    every batch megajax builds for inference splits evenly over "data"; callers drop the copies."""
+    return np.minimum(np.arange(n + -n % dp), n - 1)
+
+
+def padded_batches(n: int, batch_size: int, dp: int):
+    """(row indices, 0/1 real-row weights) of equal batches covering n rows: the batch size
+    rounded down to a multiple of the data axis (at least one row per shard), the last batch
+    padded with copies of the final row."""
+    batch_size = max(dp, batch_size - batch_size % dp)
+    for start in range(0, n, batch_size):
+        rows = np.arange(start, start + batch_size)
+        yield np.minimum(rows, n - 1), (rows < n).astype(np.float32)

@@ -1,0 +1,99 @@
+"""Where text comes from (DataConfig.source):
+  builtin              the Python standard library's own source files: real text, offline
+  text:PATH[,PATH...]  text files or globs (UTF-8, refused otherwise)
+  tfds:NAME[/CONFIG]   a TFDS dataset through tfds.data_source (ArrayRecord, no TensorFlow)
+(`bin:PATH` token files are read in megajax/data/tokens.py.)
+"""
+from __future__ import annotations
+
+import glob
+import sysconfig
+from pathlib import Path
+
+from megajax.errors import UserError
+
+BUILTIN_MAX_BYTES = 12_000_000
+
+
+def builtin_text(max_bytes: int = BUILTIN_MAX_BYTES) -> str:
+    """Python source of the standard library, in a fixed order (about 12 MB)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        parts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    if not parts:
+        raise UserError(f"no Python source files found under {root} for the built-in corpus")
+    return "\n".join(parts)
+
+
+def _text_files(spec: str) -> list[Path]:
+    files = []
+    for item in filter(None, spec.split(",")):
+        matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else [item]
+        if not matches:
+            raise UserError(f"no file matches '{item}'")
+        for m in matches:
+            p = Path(m)
+            if not p.is_file():
+                raise UserError(f"data file not found: {p}")
+            files.append(p)
+    return files
+
+
+def read_utf8(path: Path) -> str:
+    """A text file's content; not UTF-8 is refused with the file and the first bad byte's
+    offset (decoding with replacement characters would train on garbage silently)."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+
+
+def read_text(spec: str) -> str:
+    text = "\n".join(read_utf8(p) for p in _text_files(spec))
+    if not text.strip():
+        raise UserError(f"data source text:{spec} is empty")
+    return text
+
+
+def tfds_texts(spec: str, split: str) -> list[str]:
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise UserError("tfds: sources need tensorflow-datasets (pip install tensorflow-datasets array_record)") from None
+    try:
+        source = tfds.data_source(spec, split=split)
+    except Exception as e:
+        raise UserError(f"cannot open tfds:{spec} split '{split}': {e}".splitlines()[0]) from None
+    texts = []
+    for i in range(len(source)):
+        record = source[i]
+        value = next((v for v in record.values() if isinstance(v, (str, bytes))), None) \
+            if isinstance(record, dict) else record
+        if value is None:
+            raise UserError(f"tfds:{spec} has no text feature")
+        texts.append(value.decode("utf-8", "replace") if isinstance(value, bytes) else value)
+    return texts
+
+
+
+def source_text(source: str) -> str:
+    """The whole text of a builtin, text: or tfds: source (tfds records become paragraphs)."""
+    kind, _, arg = source.partition(":")
+    if kind == "builtin":
+        return builtin_text()
+    if kind == "text":
+        return read_text(arg)
+    if kind == "tfds":
+        return "\n\n".join(tfds_texts(arg, "train"))
+    raise UserError(f"data source '{source}' has no text (use builtin, text:PATH or tfds:NAME)")

@@ -1,0 +1,266 @@
+"""Tokenizers: raw bytes, characters, Hugging Face tokenizer.json, tiktoken encodings, BERT WordPiece.
+
+Each is saved into the workdir (`tokenizer.json`), so evaluation and sampling need no flags.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+import tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+from megajax.data.wordpiece import train_vocab
+from megajax.errors import UserError
+from megajax.files import write_atomic
+
+FILE = "tokenizer.json"
+HF_FILE = "hf_tokenizer.json"
+
+
+class Tokenizer:
+    kind = ""
+    eos_id: int | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a special token such as [MASK], if this tokenizer has it."""
+        return None
+
+    def continuation_mask(self):
+        """Per token id, whether it continues the word before it (WordPiece's `##` pieces);
+        None when the tokenizer does not mark word pieces."""
+        return None
+
+    def spec(self) -> dict:
+        return {"kind": self.kind}
+
+    def save(self, workdir: Path):
+        write_atomic(Path(workdir) / FILE, json.dumps(self.spec()) + "\n")
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes: 256 ids, no training, works on any text."""
+
+    kind = "bytes"
+
+    @property
+    def vocab_size(self):
+        return 256
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class CharTokenizer(Tokenizer):
+    """One id per distinct character of the training corpus (nanoGPT's shakespeare_char)."""
+
+    kind = "chars"
+
+    def __init__(self, chars: list[str]):
+        self.chars = list(chars)
+        self.index = {c: i for i, c in enumerate(self.chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self):
+        return len(self.chars)
+
+    def encode(self, text):
+        try:
+            return [self.index[c] for c in text]
+        except KeyError as e:
+            raise UserError(f"character {e.args[0]!r} is not in the character vocabulary") from None
+
+    def decode(self, ids):
+        return "".join(self.chars[int(i)] for i in ids if 0 <= int(i) < len(self.chars))
+
+    def spec(self):
+        return {"kind": self.kind, "chars": self.chars}
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json` (BPE, WordPiece, ...) through the `tokenizers` package."""
+
+    kind = "hf"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"tokenizer file not found: {self.path}")
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(str(self.path))
+        except Exception as e:  # noqa: BLE001  (the tokenizers package raises its own Exception)
+            raise UserError(f"{self.path} is not a Hugging Face tokenizer.json "
+                            f"({(str(e).splitlines() or [''])[0][:120]})") from None
+        for token in ("<|endoftext|>", "</s>", "[SEP]", "<eos>"):
+            if (i := self.tok.token_to_id(token)) is not None:
+                self.eos_id = i
+                break
+
+    @property
+    def vocab_size(self):
+        return self.tok.get_vocab_size()
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids])
+
+    def encode_batch(self, texts):
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def token_id(self, token):
+        return self.tok.token_to_id(token)
+
+    def continuation_mask(self):
+        prefix = getattr(self.tok.model, "continuing_subword_prefix", None)
+        if not prefix:
+            return None
+        mask = np.zeros(self.vocab_size, bool)
+        for token, i in self.tok.get_vocab().items():
+            mask[i] = token.startswith(prefix)
+        return mask
+
+    def save(self, workdir):
+        write_atomic(Path(workdir) / HF_FILE, self.path.read_bytes())
+        write_atomic(Path(workdir) / FILE, json.dumps({"kind": "hf", "file": HF_FILE}) + "\n")
+
+
+BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+VOCAB_FILE = "vocab.txt"
+
+
+class WordPieceTokenizer(HFTokenizer):
+    """BERT's WordPiece from a `vocab.txt` (one token per line, id = line number), with BERT's
+    normaliser (lower-casing by default) and pre-tokenizer, run by the `tokenizers` package.
+    `train` builds such a vocabulary from a corpus, offline."""
+
+    kind = "wordpiece"
+
+    def __init__(self, vocab: list[str], lowercase: bool = True):
+        missing = [t for t in BERT_SPECIALS if t not in vocab]
+        if missing:
+            raise UserError(f"the WordPiece vocabulary lacks {', '.join(missing)}")
+        self.vocab, self.lowercase = list(vocab), lowercase
+        self.tok = tokenizers.Tokenizer(models.WordPiece({t: i for i, t in enumerate(self.vocab)}, unk_token="[UNK]"))
+        self.tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+        self.tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        self.tok.decoder = decoders.WordPiece()
+        self.eos_id = self.tok.token_to_id("[SEP]")
+
+    @classmethod
+    def from_file(cls, path: Path, lowercase: bool = True) -> "WordPieceTokenizer":
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"vocabulary file not found: {path}")
+        vocab = path.read_text(encoding="utf-8").splitlines()
+        if not vocab:
+            raise UserError(f"vocabulary file is empty: {path}")
+        return cls(vocab, lowercase)
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int = 8000, lowercase: bool = True) -> "WordPieceTokenizer":
+        """A vocabulary trained on `text`, reproducibly (megajax/wordpiece.py)."""
+        return cls(train_vocab(text, vocab_size, BERT_SPECIALS, lowercase), lowercase)
+
+    def save(self, workdir):
+        write_atomic(Path(workdir) / VOCAB_FILE, "\n".join(self.vocab) + "\n")
+        write_atomic(Path(workdir) / FILE, json.dumps({"kind": self.kind, "file": VOCAB_FILE,
+                                                      "lowercase": self.lowercase}) + "\n")
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A tiktoken encoding (e.g. gpt2) whose files are already in tiktoken's local cache."""
+
+    kind = "tiktoken"
+
+    def __init__(self, name: str, encoding=None):
+        self.name = name
+        if encoding is None:
+            try:
+                encoding = tiktoken.get_encoding(name)
+            except Exception as e:  # network errors, unknown names
+                raise UserError(f"tiktoken encoding '{name}' is not available offline "
+                                f"(put its files in TIKTOKEN_CACHE_DIR): {type(e).__name__}") from None
+        self.enc = encoding
+        self.eos_id = getattr(encoding, "eot_token", None)
+
+    @property
+    def vocab_size(self):
+        return self.enc.n_vocab
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode([int(i) for i in ids])
+
+    def spec(self):
+        return {"kind": self.kind, "name": self.name}
+
+
+def make_tokenizer(spec: str, corpus_text: str | None = None) -> Tokenizer:
+    """From a config string: bytes | chars | hf:PATH | tiktoken:NAME."""
+    kind, _, arg = spec.partition(":")
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind == "chars":
+        if corpus_text is None:
+            raise UserError("the chars tokenizer needs the training text to build its vocabulary")
+        return CharTokenizer.from_text(corpus_text)
+    if kind == "hf":
+        return HFTokenizer(Path(arg))
+    if kind == "tiktoken":
+        return TiktokenTokenizer(arg or "gpt2")
+    if kind == "wordpiece":
+        if arg and not arg.isdigit():
+            return WordPieceTokenizer.from_file(Path(arg))
+        if corpus_text is None:
+            raise UserError("training a WordPiece vocabulary needs the training text")
+        return WordPieceTokenizer.train(corpus_text, int(arg or 8000))
+    raise UserError(f"unknown tokenizer '{spec}' (use bytes, chars, hf:PATH/tokenizer.json, tiktoken:NAME, "
+                    f"wordpiece:PATH/vocab.txt or wordpiece[:SIZE])")
+
+
+def load_tokenizer(workdir: Path) -> Tokenizer:
+    path = Path(workdir) / FILE
+    if not path.is_file():
+        raise UserError(f"no {FILE} in {workdir}: is it a megajax workdir?")
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        kind = spec["kind"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise UserError(f"{path} is damaged (not a megajax tokenizer description)") from None
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind == "chars":
+        return CharTokenizer(spec["chars"])
+    if kind == "hf":
+        return HFTokenizer(Path(workdir) / spec["file"])
+    if kind == "tiktoken":
+        return TiktokenTokenizer(spec["name"])
+    if kind == "wordpiece":
+        return WordPieceTokenizer.from_file(Path(workdir) / spec["file"], spec.get("lowercase", True))
+    raise UserError(f"{path}: unknown tokenizer kind '{kind}'")

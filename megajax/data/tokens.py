@@ -1,0 +1,138 @@
+"""Token streams and deterministic, data-sharded GPT batches.
+
+Sources: those of megajax/data/sources.py, tokenized, or `bin:PATH`, a flat array of
+uint16/uint32 token ids (nanoGPT's .bin format).
+
+Training batch `step` is a pure function of (seed, step): a resumed run sees exactly the
+batches of an uninterrupted one. Validation sweeps fixed, non-overlapping windows spread over
+the held-out split. Each process materialises only the rows its devices own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from megajax.data.sources import builtin_text, read_text, tfds_texts
+from megajax.data.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
+from megajax.errors import UserError
+
+
+@dataclasses.dataclass
+class TokenData:
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer: Tokenizer
+    vocab_size: int = 0          # ids the model must embed: the tokenizer's, or more (see megajax/tasks/lm.py)
+
+    def __post_init__(self):
+        self.vocab_size = self.vocab_size or self.tokenizer.vocab_size
+
+    def describe(self) -> str:
+        return f"{len(self.train):,} train tokens"
+
+    def batches(self, split: str, cfg, sharding):
+        """GPT batches of a split (None for a validation split too short for one sequence)."""
+        t, s = cfg.train, cfg.model.seq_len
+        if split == "train":
+            return Batches(self.train, s, t.batch_size, t.seed, sharding)
+        return EvalWindows(self.val, s, t.batch_size, t.eval_batches, sharding) if len(self.val) >= s + 2 else None
+
+
+def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
+                bin_dtype: str = "uint16", tokenizer: Tokenizer | None = None) -> TokenData:
+    """Tokenize `source` and hold out the last `val_fraction` of it for validation."""
+    kind, _, arg = source.partition(":")
+    if kind == "bin":
+        path = Path(arg)
+        if not path.is_file():
+            raise UserError(f"data file not found: {path}")
+        if path.stat().st_size == 0:
+            raise UserError(f"data file is empty: {path}")
+        width = np.dtype(bin_dtype).itemsize
+        if path.stat().st_size % width:
+            raise UserError(f"{path} has {path.stat().st_size} bytes, not a whole number of {bin_dtype} "
+                            f"tokens (is data.bin_dtype right?)")
+        tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
+        tok = tokenizer or (make_tokenizer(tokenizer_spec) if tokenizer_spec != "chars" else ByteTokenizer())
+        return _split(tokens, val_fraction, tok)
+    if kind == "tfds":
+        train_texts = tfds_texts(arg, "train")
+        tok = tokenizer or make_tokenizer(tokenizer_spec, "\n".join(train_texts))
+        train = _encode(tok, "\n".join(train_texts))
+        for split in ("validation", "test"):
+            try:
+                val = _encode(tok, "\n".join(tfds_texts(arg, split)))
+                return TokenData(train, val, tok)
+            except UserError:
+                continue
+        return _split(train, val_fraction, tok)
+    if kind == "builtin":
+        text = builtin_text()
+    elif kind == "text":
+        text = read_text(arg)
+    else:
+        raise UserError(f"unknown data source '{source}' (use builtin, text:PATH, bin:PATH or tfds:NAME)")
+    tok = tokenizer or make_tokenizer(tokenizer_spec, text)
+    return _split(_encode(tok, text), val_fraction, tok)
+
+
+def _encode(tok: Tokenizer, text: str) -> np.ndarray:
+    ids = np.asarray(tok.encode(text), dtype=np.uint32 if tok.vocab_size > 65535 else np.uint16)
+    if ids.size == 0:
+        raise UserError("the data source has no tokens")
+    return ids
+
+
+def _split(tokens: np.ndarray, val_fraction: float, tok: Tokenizer) -> TokenData:
+    n_val = int(len(tokens) * val_fraction)
+    return TokenData(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], tok)
+
+
+class Batches:
+    """Random windows of seq_len + 1 tokens; row r of batch `step` depends only on (seed, step, r)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, sharding, name="train"):
+        if len(tokens) < seq_len + 2:
+            raise UserError(f"the {name} split has {len(tokens)} tokens, fewer than one sequence "
+                            f"of {seq_len + 1}; use more data or a smaller model.seq_len")
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.seed, self.sharding = seed, sharding
+        self.stream = 0 if name == "train" else 1
+
+    def starts(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.stream, step])
+        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+
+    def rows(self, step: int, row_slice: slice) -> np.ndarray:
+        starts = self.starts(step)[row_slice]
+        return np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1], dtype=np.int32) for s in starts])
+
+    def __call__(self, step: int) -> jax.Array:
+        """The global (batch, seq_len + 1) array for `step`, each process filling only its rows."""
+        shape = (self.batch_size, self.seq_len + 1)
+        return jax.make_array_from_callback(shape, self.sharding, lambda idx: self.rows(step, idx[0]))
+
+
+class EvalWindows(Batches):
+    """`num_batches` validation batches of non-overlapping windows, evenly spread over the split.
+
+    Window w holds tokens [w * seq_len, w * seq_len + seq_len + 1), so every token is a target
+    at most once, with the same spread of context lengths as random windows. Unlike random
+    windows (nanoGPT's estimate) the sweep is fixed: the validation loss of two runs, or two
+    evaluations of one run, differ only by the model. When `max_batches` batches have room
+    for every window the sweep covers the whole split (less the tail of fewer than
+    batch_size windows that would not fill a batch), and the mean is the split's own loss.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int, sharding):
+        super().__init__(tokens, seq_len, batch_size, 0, sharding, "val")
+        n_windows = (len(tokens) - 1) // seq_len
+        self.num_batches = max(1, min(max_batches, n_windows // batch_size))
+        count = self.num_batches * batch_size   # may exceed n_windows for a tiny split: windows repeat
+        self.window_starts = np.arange(count) * n_windows // count * seq_len
+
+    def starts(self, step: int) -> np.ndarray:
+        return self.window_starts[step * self.batch_size: (step + 1) * self.batch_size]

@@ -1,0 +1,86 @@
+"""Autoregressive sampling with a KV cache split over the model axis like the heads."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from megajax.core.mesh import padded_rows
+
+
+def sample_logits(logits, key, temperature: float, top_k: int | None):
+    """One token id per row from (b, vocab) float32 logits; temperature 0 means greedy."""
+    if temperature <= 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _sample_replicated(model, logits, key, temperature, top_k):
+    """Sampled ids replicated on every device, so every process can read them."""
+    tok = sample_logits(logits.astype(jnp.float32), key, temperature, top_k)
+    return model.layout.constrain(tok, P())
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k"))
+def _prefill(model, prompt, cache, key, temperature, top_k):
+    logits, cache = model.decode(prompt, cache, 0)
+    return _sample_replicated(model, logits[:, -1], key, temperature, top_k), cache
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k"), donate_argnames=("cache",))
+def _step(model, token, cache, pos, key, temperature, top_k):
+    logits, cache = model.decode(token[:, None], cache, pos)
+    return _sample_replicated(model, logits[:, -1], key, temperature, top_k), cache
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k"))
+def _window_step(model, window, last, key, temperature, top_k):
+    logits = model(window)
+    return _sample_replicated(model, jnp.take(logits, last, axis=1), key, temperature, top_k)
+
+
+def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, rng=None, eos_id: int | None = None) -> np.ndarray:
+    """Continue each row of `prompt_tokens` (b, t), equal-length prompts, by `max_new_tokens`.
+
+    The prompt fills the cache in one pass, then each new token costs one position's worth of
+    compute. Past the model's context (learned positions end there) it slides a window and
+    recomputes. Rows that emitted `eos_id` keep emitting it; all rows done ends early.
+    Returns the new tokens, (b, n).
+    """
+    prompt = np.atleast_2d(np.asarray(prompt_tokens, dtype=np.int32))
+    rows, t = prompt.shape
+    ctx = model.cfg.seq_len
+    if t >= ctx:
+        prompt, t = prompt[:, -(ctx - 1):], ctx - 1
+    prompt = prompt[padded_rows(rows, model.layout.dp)]
+    b = prompt.shape[0]
+    rng = jax.random.key(0) if rng is None else rng
+    cache = model.init_cache(b, ctx)
+    tok, cache = _prefill(model, prompt, cache, jax.random.fold_in(rng, 0), temperature, top_k)
+    out = [np.asarray(tok)]
+    done = out[0] == eos_id if eos_id is not None else np.zeros(b, bool)
+    seq = np.concatenate([prompt, out[0][:, None]], axis=1)
+    for i in range(1, max_new_tokens):
+        if done.all():
+            break
+        key = jax.random.fold_in(rng, i)
+        pos = t + i - 1  # position of the token being fed
+        if pos < ctx:
+            tok, cache = _step(model, out[-1], cache, np.int32(pos), key, temperature, top_k)
+        else:
+            tok = _window_step(model, seq[:, -ctx:], ctx - 1, key, temperature, top_k)
+        tok = np.asarray(tok)
+        if eos_id is not None:
+            tok = np.where(done, eos_id, tok)
+            done |= tok == eos_id
+        out.append(tok)
+        seq = np.concatenate([seq, tok[:, None]], axis=1)
+    return np.stack(out, axis=1)[:rows]

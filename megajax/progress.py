@@ -1,0 +1,54 @@
+"""Progress display: a tqdm bar on a terminal, plain log lines otherwise (CI, files, pipes)."""
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+
+class Progress:
+    """Training steps (`update` with the step's record) or evaluated rows (`advance`). Disabled
+    (on every process but the first) it shows nothing."""
+
+    def __init__(self, total: int | None = None, start: int = 0, unit: str = "step", enabled: bool = True):
+        self.enabled = enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            self.bar = tqdm(total=total, initial=start, unit=unit, dynamic_ncols=True)
+
+    def update(self, step: int, record: dict):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:,.0f}",
+                                 refresh=False)
+            self.bar.refresh()
+        else:
+            print(f"step {step:>6}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                  f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_sec']:,.0f} tok/s  "
+                  f"{record['step_time_s'] * 1000:.1f} ms/step"
+                  + "".join(f"  {k} {record[k]:.3f}" for k in ("mlm_accuracy", "sop_accuracy", "accuracy") if k in record),
+                  flush=True)
+
+    def advance(self, done: int, total: int):
+        """`done` of `total` rows evaluated: the bar only (a log line per batch would be noise)."""
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.n = done
+            self.bar.refresh()
+            if done >= total:
+                self.close()
+
+    def write(self, text: str):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -1,0 +1,30 @@
+"""The registry of training objectives, keyed by name; `task_for(cfg)` finds a run's task
+from (model.kind, model.task). Each task is in its own module (lm.py, bert.py); the shared
+interface is tasks/base.py."""
+from __future__ import annotations
+
+from megajax.config import ConfigError
+from megajax.tasks.base import Task
+from megajax.tasks.bert import BertPretraining, fine_tuning_tasks
+from megajax.tasks.lm import LanguageModelling
+
+TASKS: dict[str, Task] = {t.name: t for t in (LanguageModelling(), BertPretraining(), *fine_tuning_tasks())}
+
+
+def task_for(cfg) -> Task:
+    """The task of a config (whose (model.kind, model.task) pair load_config has checked)."""
+    m = cfg.model
+    for task in TASKS.values():
+        if (task.kind, task.model_task) == (m.kind, m.task):
+            return task
+    raise ConfigError(f"no task for model.kind = \"{m.kind}\", model.task = \"{m.task}\"")
+
+
+def param_count(cfg) -> int:
+    """Parameters of the model, from its shapes alone (tests: equal to the built model)."""
+    m = cfg.model
+    shared = m.num_layers * m.layer_params + m.padded_vocab * m.hidden + m.seq_len * m.hidden + 2 * m.hidden
+    return shared + task_for(cfg).head_params(cfg)
+
+
+__all__ = ["TASKS", "Task", "param_count", "task_for"]

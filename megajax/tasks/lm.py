@@ -1,0 +1,51 @@
+"""GPT language modelling: next-token cross-entropy over (b, seq_len + 1) token windows."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from megajax.data.tokens import load_tokens
+from megajax.errors import UserError
+from megajax.tasks.base import Field, Task
+
+MAX_UNTOKENIZED_VOCAB = 2 ** 20   # ids an untokenized bin: file may use before it looks misread
+
+
+class LanguageModelling(Task):
+    name, kind = "gpt", "gpt"
+    sample_after_training = True
+
+    def batch_fields(self, cfg):
+        """One token array: inputs and next-token targets."""
+        return Field((cfg.model.seq_len + 1,), 0, cfg.model.vocab_size)
+
+    def load_data(self, cfg, tokenizer=None):
+        d = cfg.data
+        data = load_tokens(d.source, d.tokenizer, d.val_fraction, d.bin_dtype, tokenizer)
+        if d.source.startswith("bin:"):
+            data.vocab_size = _bin_vocab(data, cfg)
+        return data
+
+    def head_rows(self, cfg) -> int:
+        return cfg.model.seq_len
+
+    def matmul_params_per_token(self, cfg) -> float:
+        m = cfg.model    # every weight but the position embeddings; the tied embedding is the output layer
+        return float(m.num_layers * m.layer_params + m.padded_vocab * m.hidden + 2 * m.hidden)
+
+    def val_extras(self, val: dict) -> dict:
+        return {"val_ppl": math.exp(min(val["loss"], 50))}
+
+
+def _bin_vocab(data, cfg) -> int:
+    """Ids past the tokenizer are allowed for an untokenized file read with the default byte
+    tokenizer (the vocabulary grows to cover them), within reason: a uint16 file read as
+    uint32 has ids in the billions."""
+    vocab = data.tokenizer.vocab_size
+    top = int(max(np.max(data.train), np.max(data.val) if len(data.val) else 0))
+    if top >= vocab and (data.tokenizer.kind != "bytes" or top >= MAX_UNTOKENIZED_VOCAB):
+        raise UserError(f"{cfg.data.source} has token id {top}, beyond the {data.tokenizer.kind} tokenizer's "
+                        f"{vocab:,} ids: give the tokenizer that made it (--tokenizer), or check "
+                        f"data.bin_dtype ({cfg.data.bin_dtype})")
+    return max(vocab, top + 1, cfg.model.vocab_size)

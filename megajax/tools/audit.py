@@ -1,0 +1,146 @@
+"""The collective audit: compile a train step, read its HLO, and account for every collective.
+
+Megatron's claim is that a tensor-parallel transformer layer needs exactly two all-reduces
+over the model axis in the forward pass and two in the backward pass. `audit()` checks it
+from the program XLA actually compiled (megajax/tools/hlo.py reads it) and compares the
+model-axis traffic with the analytic minimum.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+
+from megajax.core.sharding import DATA, MODEL
+from megajax.tasks import task_for
+from megajax.tools.hlo import Collective, parse_collectives
+from megajax.training.step import make_trainer
+
+
+@dataclasses.dataclass
+class AuditResult:
+    collectives: list[Collective]
+    num_layers: int
+    mesh_shape: tuple[int, int]
+    batch_local: int          # rows per data shard per microbatch
+    seq_len: int
+    hidden: int
+    microbatches: int
+    scanned: bool
+    remat: bool
+    head_rows: int = 0        # positions per sequence through the tied output layer and loss (GPT: seq_len)
+
+    def select(self, **kw) -> list[Collective]:
+        return [c for c in self.collectives if all(getattr(c, k) == v for k, v in kw.items())]
+
+    def model_axis_layer_counts(self) -> dict[str, Counter]:
+        """{layer: Counter((origin, direction) -> executions per microbatch)} of model-axis all-reduces."""
+        per = defaultdict(Counter)
+        for c in self.select(kind="all-reduce", axis=MODEL):
+            if c.origin in ("attention", "mlp"):
+                if c.layer == "all":  # one scanned body, executed once per layer
+                    for i in range(self.num_layers):
+                        per[str(i)][(c.origin, c.direction)] += c.count // (self.num_layers * self.microbatches)
+                else:
+                    per[c.layer][(c.origin, c.direction)] += c.count // self.microbatches
+        return dict(per)
+
+    @property
+    def analytic_min_elements(self) -> int:
+        """Megatron's minimum per step and device: 4 L b s h for the layers, the embedding's forward
+        all-reduce (b s h), and for the r positions per sequence that reach the tied output layer
+        (GPT: all s; BERT: the masked ones; fine-tuning: none) its backward all-reduce (b r h)
+        and the fused loss (3 b r). Without remat; remat adds the recomputed forward on top."""
+        bsh = self.batch_local * self.seq_len * self.hidden
+        br = self.batch_local * self.head_rows
+        return self.microbatches * (4 * self.num_layers * bsh + bsh + br * self.hidden + 3 * br)
+
+    @property
+    def model_axis_elements(self) -> int:
+        return sum(c.elements * c.count for c in self.collectives if MODEL in c.axis)
+
+    @property
+    def ratio(self) -> float:
+        return self.model_axis_elements / self.analytic_min_elements if self.mesh_shape[1] > 1 else 0.0
+
+    def summary(self) -> dict:
+        by = Counter()
+        for c in self.collectives:
+            by[(c.kind, c.axis, c.origin, c.direction)] += c.count
+        return {
+            "mesh": {DATA: self.mesh_shape[0], MODEL: self.mesh_shape[1]},
+            "per_layer_model_all_reduces": {k: {f"{o}/{d}": n for (o, d), n in v.items()}
+                                            for k, v in sorted(self.model_axis_layer_counts().items(),
+                                                               key=lambda kv: int(kv[0]))},
+            "counts": {"/".join(k): n for k, n in sorted(by.items())},
+            "model_axis_elements": self.model_axis_elements,
+            "analytic_min_elements": self.analytic_min_elements,
+            "ratio_to_megatron_min": round(self.ratio, 4),
+            "non_all_reduce_on_model_axis": sum(c.count for c in self.collectives
+                                                if MODEL in c.axis and c.kind != "all-reduce"),
+        }
+
+    def table(self) -> str:
+        """One row per activation collective; gradient and optimizer tensors summed per layer."""
+        rows, grouped = [], {}
+        for c in sorted(self.collectives, key=_order):
+            if c.origin in ("gradients", "optimizer"):
+                key = (c.kind, c.axis, c.direction, c.origin, c.layer or "-")
+                n, el, by, cnt = grouped.get(key, (0, 0, 0, c.count))
+                grouped[key] = (n + 1, el + c.elements, by + c.bytes, cnt)
+                continue
+            rows.append((c.kind, c.axis, c.direction, c.origin, c.layer or "-",
+                         f"{c.dtype}{list(c.shape)}", f"{c.elements:,}", f"{c.bytes:,}", f"x{c.count}"))
+        for key, (n, el, by, cnt) in grouped.items():
+            rows.append(key + (f"{n} tensors", f"{el:,}", f"{by:,}", f"x{cnt}"))
+        head = ("kind", "axis", "pass", "origin", "layer", "shape", "elements", "bytes", "count")
+        widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+        fmt = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths))  # noqa: E731
+        lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+        per = self.model_axis_layer_counts()
+        count = lambda d: sorted({sum(n for (o, dd), n in c.items() if dd == d) for c in per.values()})  # noqa: E731
+        recompute = f", recomputed by remat {count('recompute')}" if self.remat else ""
+        lines += ["",
+                  f"model-axis all-reduces per layer{' and microbatch' if self.microbatches > 1 else ''}: forward {count('forward')}, backward {count('backward')}"
+                  f"{recompute} ({self.num_layers} layers{', scanned' if self.scanned else ''})",
+                  f"model-axis elements per step and device: {self.model_axis_elements:,} "
+                  f"= {self.ratio:.3f} x Megatron's analytic minimum {self.analytic_min_elements:,}"]
+        if self.remat:
+            extra = self.microbatches * self.num_layers * self.batch_local * self.seq_len * self.hidden
+            lines.append(f"with remat's one recomputed all-reduce per layer ({extra:,} elements) the minimum is "
+                         f"{self.analytic_min_elements + extra:,}: ratio "
+                         f"{self.model_axis_elements / (self.analytic_min_elements + extra):.3f}")
+        return "\n".join(lines)
+
+    def print(self):
+        print(self.table())
+
+
+def _order(c: Collective):
+    """Program order: embedding, layers, logits, loss forward; the reverse backward; then the rest."""
+    stage = {"embedding": 0, "attention": 1, "mlp": 1, "logits": 2, "loss": 3}.get(c.origin, 4)
+    layer = -1 if c.layer in ("", "all") else int(c.layer)
+    within = 0 if c.origin == "attention" else 1
+    pass_rank = {"forward": 0, "recompute": 1, "backward": 1}.get(c.direction, 2)
+    if pass_rank == 1:
+        stage, layer, within = -stage, -layer, -within
+    return (pass_rank, c.axis != MODEL, c.origin in ("gradients", "optimizer"), stage, layer, within, c.hlo_name)
+
+
+def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
+    """Compile `cfg`'s train step on `mesh` (abstractly: no weights allocated) and audit it."""
+    trainer = make_trainer(cfg, mesh)
+    hlo = trainer.lower_step().compile().as_text()
+    return audit_hlo(hlo, cfg, (mesh.shape[DATA], mesh.shape[MODEL]), verbose=verbose)
+
+
+def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False) -> AuditResult:
+    m, t = cfg.model, cfg.train
+    task = task_for(cfg)
+    # sequences per data shard and microbatch (each RACE option is a sequence of its own)
+    rows = t.batch_size // t.microbatches // mesh_shape[0] * task.sequences_per_example
+    head_rows = task.head_rows(cfg)
+    result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), m.num_layers, tuple(mesh_shape),
+                         rows, m.seq_len, m.hidden, t.microbatches, m.scan_layers, m.remat, head_rows)
+    if verbose:
+        result.print()
+    return result

@@ -1,0 +1,73 @@
+"""`train.py --dry-run`: everything about a run that needs no weights, from the step compiled
+for abstract inputs: sizes, per-device memory and the collective audit."""
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+
+from megajax.config import Config
+from megajax.core.precision import Precision
+from megajax.core.sharding import DATA, MODEL
+from megajax.tasks import param_count
+from megajax.tools.audit import audit_hlo
+from megajax.training.step import make_trainer
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def memory_report(compiled) -> dict:
+    """The compiled step's own accounting of its buffers (absent on backends that give none)."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return {}
+    return {"step_argument_bytes": int(mem.argument_size_in_bytes),
+            "step_temp_bytes": int(mem.temp_size_in_bytes),
+            "step_output_bytes": int(mem.output_size_in_bytes),
+            "step_alias_bytes": int(mem.alias_size_in_bytes),
+            "step_peak_bytes": int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                   - mem.alias_size_in_bytes + mem.temp_size_in_bytes)}
+
+
+def dry_run_report(cfg: Config, mesh, out=print) -> dict:
+    """Compile `cfg`'s train step on `mesh` abstractly (nothing allocated), print the report
+    and return it as a dict."""
+    trainer = make_trainer(cfg, mesh)
+    params, opt = trainer.abstract_state()
+    t0 = time.perf_counter()
+    compiled = trainer.lower_step().compile()
+    compile_s = time.perf_counter() - t0
+    report = {
+        "config": cfg.name, "params": param_count(cfg),
+        "mesh": {DATA: mesh.shape[DATA], MODEL: mesh.shape[MODEL]},
+        "param_bytes_per_device": per_device_bytes(params),
+        "optimizer_bytes_per_device": per_device_bytes(opt),
+        "compile_s": compile_s,
+        **memory_report(compiled),
+    }
+    audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape[DATA], mesh.shape[MODEL]))
+    report["audit"] = audit.summary()
+    _print(report, cfg, out)
+    out(audit.table())
+    return report
+
+
+def _gib(b: int) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+def _print(report: dict, cfg: Config, out):
+    m, t = cfg.model, cfg.train
+    out(f"dry run: {cfg.name}, {report['params']:,} parameters "
+        f"({m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, seq {m.seq_len}, vocab {m.padded_vocab})")
+    out(f"mesh data={report['mesh'][DATA]} model={report['mesh'][MODEL]}; global batch {t.batch_size} "
+        f"in {t.microbatches} microbatch(es); compute {Precision.of(m).name}, remat {m.remat}")
+    out(f"per device: params {_gib(report['param_bytes_per_device'])}, "
+        f"optimizer state {_gib(report['optimizer_bytes_per_device'])}"
+        + (f", compiled step peak {_gib(report['step_peak_bytes'])} "
+           f"(temporaries {_gib(report['step_temp_bytes'])})" if "step_peak_bytes" in report else ""))
+    out(f"step compiled in {report['compile_s']:.1f}s\n")

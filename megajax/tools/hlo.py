@@ -1,0 +1,225 @@
+"""Reading collectives out of a compiled program's HLO text: pure text processing.
+
+Each collective gets its kind, the mesh axis its device groups span, shape, bytes,
+forward/backward, and where in the model it comes from (layer, attention/MLP, embedding,
+logits, loss, optimizer), from the JAX name stack XLA keeps in op metadata; ops inside loops
+(the scanned layer stack, gradient accumulation) are multiplied by their trip counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter, defaultdict
+
+import numpy as np
+
+from megajax.core.sharding import AXES, DATA
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+               "f8e4m3fn": 1, "f8e5m2": 1}
+
+_COMP = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BODY = re.compile(r"\bbody=%([^\s,]+)")
+_CALLS = re.compile(r"\b(?:calls|to_apply|branch_computations|true_computation|false_computation)=\{?%([^\s,}]+)")
+_GTE = re.compile(r"get-tuple-element\(%([^)\s]+)\), index=(\d+)")
+
+
+# --- replica groups ---------------------------------------------------------------------
+
+def _iota(spec: str) -> np.ndarray:
+    """'[2,4]<=[8]' / '[4,2]<=[2,4]T(1,0)' -> the device-id array they describe."""
+    m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", spec.strip())
+    if not m:
+        raise ValueError(f"cannot parse iota replica groups '{spec}'")
+    shape = [int(x) for x in m.group(1).split(",")]
+    base = [int(x) for x in m.group(2).split(",")]
+    ids = np.arange(math.prod(base)).reshape(base)
+    if m.group(3):
+        ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return ids.reshape(shape)
+
+
+def _device_list(spec: str) -> np.ndarray:
+    """device_ids=(...) of the mesh form: an iota like '[2,4]T(1,0)' or a plain list."""
+    spec = spec.strip()
+    if spec.startswith("["):
+        m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spec)
+        base = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(math.prod(base)).reshape(base)
+        if m.group(2):
+            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+        return ids.reshape(-1)
+    return np.array([int(x) for x in spec.split(",")])
+
+
+def parse_replica_groups(line: str, num_devices: int) -> list[list[int]]:
+    """Device groups of a collective, from any HLO spelling:
+    explicit lists {{0,1,2,3},{4,5,6,7}}, iota forms [2,4]<=[8] or [4,2]<=[2,4]T(1,0),
+    Shardy's mesh form mesh['axis_0'=2,'axis_1'=4] {'axis_1'} (optionally with device_ids=(...)),
+    and collective-permute's source_target_pairs."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}", line)
+    if m:
+        axes = [(a.split("=")[0].strip("' "), int(a.split("=")[1])) for a in m.group(1).split(",")]
+        names, sizes = [a for a, _ in axes], [s for _, s in axes]
+        ids = _device_list(m.group(2)) if m.group(2) else np.arange(math.prod(sizes))
+        ids = ids.reshape(sizes)
+        reduced = [names.index(a.strip("' ")) for a in m.group(3).split(",") if a.strip()]
+        kept = [i for i in range(len(names)) if i not in reduced]
+        ids = ids.transpose(kept + reduced).reshape(-1, math.prod(sizes[i] for i in reduced) if reduced else 1)
+        return ids.tolist()
+    m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", line)
+    if m:
+        ids = _iota(m.group(1))
+        return ids.reshape(-1, ids.shape[-1]).tolist()
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m:
+        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        if "source_target_pairs" in line[:m.start() + 25]:
+            return groups
+        return groups or [list(range(num_devices))]
+    return [list(range(num_devices))]
+
+
+def groups_axis(groups, mesh_shape: tuple[int, int], axis_names=AXES) -> str:
+    """Which mesh axes the groups span: 'model', 'data', 'data+model' or 'none'."""
+    coords = lambda d: np.unravel_index(d, mesh_shape)  # noqa: E731
+    varying = set()
+    for g in groups:
+        c = np.array([coords(d) for d in g])
+        for ax in range(len(mesh_shape)):
+            if len(set(c[:, ax])) > 1:
+                varying.add(axis_names[ax])
+    return "+".join(a for a in axis_names if a in varying) or "none"
+
+
+# --- HLO walking ------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Collective:
+    kind: str              # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
+    axis: str              # model, data, data+model, none
+    dtype: str
+    shape: tuple[int, ...]
+    count: int             # executions per step (loop trip counts multiplied in)
+    direction: str         # forward, backward, optimizer
+    origin: str            # embedding, logits, loss, attention, mlp, gradients, optimizer, other
+    layer: str             # "0", "1", ... ; "all" for the scanned stack; "" outside layers
+    op_name: str
+    hlo_name: str
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * DTYPE_BYTES.get(self.dtype, 4)
+
+
+def _split_computations(hlo: str) -> dict[str, list[str]]:
+    comps, cur = {}, None
+    for line in hlo.splitlines():
+        m = _COMP.match(line)
+        if m:
+            cur = m.group(1)
+            comps[cur] = []
+            if line.startswith("ENTRY"):
+                comps["__entry__"] = cur
+        elif cur is not None and line.strip() != "}":
+            comps[cur].append(line)
+    return comps
+
+
+def _multiplicities(comps) -> dict[str, int]:
+    """How many times each computation runs per step (while bodies times their trip count)."""
+    mult = defaultdict(int)
+    entry = comps.get("__entry__")
+    stack = [(entry, 1)]
+    while stack:
+        name, n = stack.pop()
+        mult[name] += n
+        for line in comps.get(name, []):
+            body = _BODY.search(line)
+            if body and " while(" in line:
+                trip = _TRIP.search(line)
+                stack.append((body.group(1), n * (int(trip.group(1)) if trip else 1)))
+            for callee in _CALLS.findall(line):
+                if callee in comps and callee != name:
+                    stack.append((callee, n))
+    return mult
+
+
+def _classify(op_name: str, axis: str):
+    """(direction, origin, layer) from the JAX name stack that XLA keeps in op metadata.
+
+    Backward ops sit under transpose(...); forward ops that remat recomputes in the backward
+    pass sit under checkpoint/rematted_computation.
+    """
+    layer = ""
+    m = re.search(r"layer_(\d+)", op_name)
+    if m:
+        layer = m.group(1)
+    elif "(layers)" in op_name or "/layers/" in op_name:
+        layer = "all"
+    if "optimizer" in op_name:
+        return "optimizer", "optimizer", layer
+    if "rematted_computation" in op_name:
+        direction = "recompute"
+    else:
+        direction = "backward" if "transpose(" in op_name else "forward"
+    origin = "other"
+    for key in ("attention", "mlp", "embedding", "logits", "loss"):
+        if key in op_name:
+            origin = key
+            break
+    if axis == DATA and direction == "backward":
+        origin = "gradients"
+    return direction, origin, layer
+
+
+def parse_collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[Collective]:
+    comps = _split_computations(hlo)
+    mult = _multiplicities(comps)
+    num_devices = math.prod(mesh_shape)
+    gte_names = {}
+    for lines in comps.values():
+        if isinstance(lines, str):
+            continue
+        for line in lines:
+            g = _GTE.search(line)
+            if g and (op := _OPNAME.search(line)):
+                gte_names[(g.group(1), int(g.group(2)))] = op.group(1)
+    out = []
+    for comp, lines in comps.items():
+        if isinstance(lines, str) or mult.get(comp, 0) == 0:
+            continue
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            name, shape_str, opcode = m.group(1), m.group(2), m.group(3)
+            kind = opcode.removesuffix("-start")
+            if kind not in KINDS:
+                continue
+            arrays = [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(shape_str)]
+            if opcode == "all-gather-start":
+                arrays = arrays[len(arrays) // 2:]
+            elif opcode == "collective-permute-start":
+                arrays = arrays[:1]
+            groups = parse_replica_groups(line, num_devices)
+            axis = groups_axis(groups, mesh_shape)
+            op = _OPNAME.search(line)
+            combined = op.group(1) if op else ""
+            for i, (dtype, shape) in enumerate(arrays):
+                op_name = gte_names.get((name, i), combined) if len(arrays) > 1 else combined
+                direction, origin, layer = _classify(op_name, axis)
+                out.append(Collective(kind, axis, dtype, shape, mult[comp], direction, origin, layer,
+                                      op_name, name if len(arrays) == 1 else f"{name}[{i}]"))
+    return out

@@ -1,0 +1,272 @@
+"""The training loop: what `python train.py` runs.
+
+    train()            = validate()          every check, before anything is written
+                       + restore_or_init()   the newest intact checkpoint, or fresh weights
+                       + the steps           the compiled Trainer step (megajax/training/step.py)
+                       + finish()            loss curve, a sample
+
+Nothing here gathers weights to the host; a StepLogger reads each step's metrics.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from megajax.config import Config
+from megajax.errors import UserError
+from megajax.files import WorkdirLock
+from megajax.models.generate import generate
+from megajax.progress import Progress
+from megajax.tasks import Task, param_count, task_for
+from megajax.training.checkpoint import Checkpoints
+from megajax.training.distributed import agreed_stop, check_same_run, describe
+from megajax.training.metrics import MetricsLog, device_peak_tflops, flops_per_token, plot_workdir
+from megajax.training.signals import StopRequested
+from megajax.training.step import Trainer, make_trainer
+from megajax.training.workdir import (check_same_tokenizer, init_from_pretrained, is_main, run_tokenizer,
+                                      with_pretrained_shape, write_run_files)
+
+
+@dataclasses.dataclass
+class RunResult:
+    workdir: Path
+    final_step: int
+    losses: dict[int, float]
+    val_loss: float | None
+    stopped_by: str | None = None
+    sample: str | None = None
+
+
+@dataclasses.dataclass
+class Run:
+    """A run that passed every check: its final config, data, trainer and batches."""
+    cfg: Config
+    workdir: Path
+    task: Task
+    data: object
+    trainer: Trainer
+    train_batches: object
+    val_batches: object | None
+    pretrained: Path | None
+
+
+def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=print) -> RunResult:
+    """Train `cfg` on `mesh` in `workdir`, resuming from its newest intact checkpoint."""
+    workdir = Path(workdir)
+    with contextlib.ExitStack() as held:     # signal handlers and the workdir lock, released however train() ends
+        stop = held.enter_context(StopRequested())
+        run = validate(cfg, mesh, workdir)
+        if is_main():     # one run per workdir; taken before its checkpoints are read
+            held.enter_context(WorkdirLock(workdir))
+        ckpts = Checkpoints(workdir, keep=run.cfg.train.keep_checkpoints)
+        start, params, opt_state = restore_or_init(run, ckpts, out)
+        write_run_files(run.cfg, workdir, run.data.tokenizer)   # only now, with every check passed
+        logger = StepLogger(run, ckpts, start, out)
+        t0 = time.perf_counter()
+        step_fn = run.trainer.jit_step().lower(params, opt_state, run.train_batches(start or 0),
+                                               np.int32(0)).compile()
+        logger.announce(time.perf_counter() - t0)
+        stop.training = True
+        step, params, stopped_by = _steps(run, logger, ckpts, stop, step_fn, params, opt_state, start or 0)
+        logger.close()
+        ckpts.close()
+        return finish(run, logger, step, params, stopped_by, sample_tokens, out)
+
+
+def validate(cfg: Config, mesh, workdir: Path) -> Run:
+    """Every check of a run before anything is written: the config against the workdir and
+    the other processes, the data, the sizes against the mesh. Returns the final config: its
+    vocabulary size is set here, and only here, from the data."""
+    cfg, pretrained = with_pretrained_shape(cfg, workdir)
+    task = task_for(cfg)
+    check_same_run({"config": cfg.to_dict(), "workdir": str(workdir)})
+    check_same_tokenizer(cfg, workdir)
+    data = task.load_data(cfg, run_tokenizer(workdir, pretrained))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=data.vocab_size))
+    trainer = make_trainer(cfg, mesh)   # checks sizes against the mesh: ConfigError
+    sharding = trainer.batch_sharding
+    return Run(cfg, workdir, task, data, trainer, data.batches("train", cfg, sharding),   # data too short: UserError
+               data.batches("val", cfg, sharding), pretrained)
+
+
+def restore_or_init(run: Run, ckpts: Checkpoints, out) -> tuple[int | None, dict, object]:
+    """(step, params, optimizer state) of the newest checkpoint that reads back, or (None,
+    fresh state): new weights, with --init-from's encoder when fine-tuning."""
+    abstract_p, abstract_o = run.trainer.abstract_state()
+    found = ckpts.restore_newest_intact(lambda s: ckpts.restore(s, abstract_p, abstract_o),
+                                        warn=out if is_main() else lambda _: None)
+    if found is not None:
+        step, (params, opt_state, _) = found
+        return step, params, opt_state
+    params, opt_state = run.trainer.init_state()
+    if run.pretrained is not None:
+        params = init_from_pretrained(run.trainer, params, run.pretrained, out)
+    return None, params, opt_state
+
+
+def _steps(run: Run, logger: StepLogger, ckpts: Checkpoints, stop: StopRequested, step_fn,
+           params, opt_state, start: int):
+    """Train until train.steps or an agreed stop; returns (last step, params, the signal that stopped it)."""
+    t = run.cfg.train
+    eval_fn = run.trainer.jit_eval()
+    step = start
+    while step < t.steps:
+        params, opt_state, m = step_fn(params, opt_state, run.train_batches(step), np.int32(step))
+        step += 1
+        logger.add(step, m)
+        logged = step % t.log_every == 0 or step == t.steps or step == start + 1
+        if logged:
+            logger.log(step)
+        if run.val_batches is not None and (step % t.eval_every == 0 or step == t.steps):
+            logger.log_eval(step, evaluate(eval_fn, params, run.val_batches, t.eval_batches))
+        stopping = agreed_stop(stop.requested)  # read once (a signal may arrive at any moment), agreed by all
+        if step % t.save_every == 0 or step == t.steps or stopping:
+            if not logged:
+                logger.flush(step)  # never save weights from a step whose loss was not finite
+            ckpts.save(step, params, opt_state, {"step": step, "config": run.cfg.name})
+            logger.saved(step)
+        elif step % t.eval_every == 0:
+            logger.restart_clock(step)   # throughput excludes evaluation
+        if stopping:
+            return step, params, stopping
+    return step, params, None
+
+
+def evaluate(eval_fn, params, val_batches, max_batches: int) -> dict:
+    """Mean of every metric over the validation batches (at most train.eval_batches)."""
+    n = getattr(val_batches, "num_batches", max_batches)
+    results = jax.device_get([eval_fn(params, val_batches(i)) for i in range(n)])
+    return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+
+
+class StepLogger:
+    """Each step's metrics, read on the host a log interval at a time: checked (a step whose
+    loss or gradient norm is not finite stops the run before it can be saved), written to
+    metrics.jsonl with throughput and MFU, and shown as progress."""
+
+    def __init__(self, run: Run, ckpts: Checkpoints, start: int | None, out):
+        cfg, mesh = run.cfg, run.trainer.mesh
+        self.run, self.ckpts, self.out, self.main = run, ckpts, out, is_main()
+        self.start = start or 0
+        self.last_saved = start                  # the newest checkpoint on disk
+        self.pending = []                        # (step, metrics on device) not yet read
+        self.losses: dict[int, float] = {}
+        self.val_loss = None
+        self.tokens_per_step = cfg.train.batch_size * run.task.tokens_per_example(cfg)
+        self.flops = flops_per_token(cfg) * self.tokens_per_step / mesh.devices.size
+        self.peak = device_peak_tflops() if self.main else None
+        self.metrics = MetricsLog(run.workdir, enabled=self.main)
+        self.metrics.truncate_after(self.start)
+        self.progress = Progress(cfg.train.steps, self.start, enabled=self.main)
+        self.restart_clock(self.start)
+
+    def announce(self, compile_s: float):
+        """The run's header line, once the step is compiled; the throughput clock starts here."""
+        cfg, mesh, start = self.run.cfg, self.run.trainer.mesh, self.start
+        self.restart_clock(start)
+        if not self.main:
+            return
+        self.out(f"megajax: {cfg.name} | {param_count(cfg) / 1e6:.2f}M params | mesh data={mesh.shape['data']} "
+                 f"model={mesh.shape['model']} on {mesh.devices.size} {jax.devices()[0].platform} device(s) | "
+                 f"{self.run.data.describe()} | step compiled in {compile_s:.1f}s"
+                 + (f" | {describe()}" if describe() else "")
+                 + (f" | resuming from step {start}" if start else ""))
+        if start >= cfg.train.steps:
+            self.out(f"the checkpoint in {self.run.workdir} is at step {start}, train.steps is {cfg.train.steps}: "
+                     f"nothing to train (raise --steps to continue)")
+
+    def add(self, step: int, metrics):
+        self.pending.append((step, metrics))
+        if len(self.pending) > 1:
+            # At most two steps in flight: the host keeps one step ahead of the devices.
+            # Deeper queues gain nothing and can deadlock XLA:CPU's simulated devices,
+            # whose collectives rendezvous on a shared thread pool.
+            self.pending[-2][1]["loss"].block_until_ready()
+
+    def log(self, step: int):
+        self.progress.update(step, self.flush(step))
+
+    def flush(self, step: int) -> dict:
+        """Read the pending steps, check them, and write the record of `step`."""
+        fetched = jax.device_get([m for _, m in self.pending])
+        for (s, _), m in zip(self.pending, fetched):
+            self._check_finite(s, m)
+            self.losses[s] = float(m["loss"])
+        self.pending.clear()
+        dt = (time.perf_counter() - self.clock[1]) / max(step - self.clock[0], 1)
+        self.restart_clock(step)
+        m = fetched[-1]
+        record = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
+                  "grad_norm": float(m["grad_norm"]), "tokens_per_sec": self.tokens_per_step / dt,
+                  "step_time_s": dt, "tflops_per_device": self.flops / dt / 1e12}
+        record.update({k: float(v) for k, v in m.items() if k not in record})  # BERT: mlm_loss, sop_accuracy, ...
+        if self.peak:
+            record["mfu"] = record["tflops_per_device"] / self.peak
+        self.metrics.write(record)
+        return record
+
+    def _check_finite(self, step: int, m: dict):
+        # The loss is computed before the update, the gradient norm from what updates the
+        # weights: either one not finite means the weights after `step` are not either.
+        bad = [(k, float(m[k])) for k in ("loss", "grad_norm") if not math.isfinite(float(m[k]))]
+        if not bad:
+            return
+        self.progress.close()
+        self.ckpts.wait()
+        what = " and ".join(f"{'gradient norm' if k == 'grad_norm' else k} {v}" for k, v in bad)
+        good = (f"last good checkpoint: step {self.last_saved} in {self.run.workdir / 'checkpoints'}"
+                if self.last_saved is not None else "no checkpoint was saved before it")
+        raise UserError(f"{what} at step {step}; stopped, nothing of step {step} or later saved; {good}")
+
+    def log_eval(self, step: int, val: dict):
+        self.val_loss = val["loss"]
+        record = {"step": step, "val_loss": self.val_loss, **self.run.task.val_extras(val)}
+        record.update({f"val_{k}": v for k, v in val.items() if k != "loss"})
+        self.metrics.write(record)
+        self.progress.write(f"step {step:>6}  " + "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+
+    def saved(self, step: int):
+        self.last_saved = step
+        self.restart_clock(step)   # throughput excludes saving
+
+    def restart_clock(self, step: int):
+        self.clock = (step, time.perf_counter())
+
+    def close(self):
+        self.progress.close()
+        self.ckpts.wait()
+
+
+def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | None, sample_tokens: int,
+           out) -> RunResult:
+    result = RunResult(run.workdir, step, logger.losses, logger.val_loss, stopped_by)
+    main = is_main()
+    if stopped_by:
+        if main:
+            out(f"{stopped_by}: saved a checkpoint at step {step} in {run.workdir}; "
+                f"run the same command again to resume")
+        return result
+    if main:
+        png = plot_workdir(run.workdir)
+        final = f", final train loss {logger.losses[step]:.4f}" if step in logger.losses else ""
+        out(f"done: {step} steps{final}"
+            + (f", val loss {logger.val_loss:.4f}" if logger.val_loss is not None else "") + f"; loss curve {png}")
+    if sample_tokens and run.task.sample_after_training:   # every process takes part: the model is sharded over all
+        result.sample = sample_text(run.trainer, params, run.data, sample_tokens)
+        if main:
+            out("sample:\n" + result.sample)
+    return result
+
+
+def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: float = 0.8, top_k: int = 40) -> str:
+    model = trainer.modeldef.bind(params)
+    prompt = np.asarray(data.val[:16] if len(data.val) >= 16 else data.train[:16], dtype=np.int32)
+    new = generate(model, prompt[None], n_tokens, temperature, top_k, jax.random.key(trainer.cfg.train.seed),
+                   eos_id=data.tokenizer.eos_id)
+    return data.tokenizer.decode(prompt) + data.tokenizer.decode(new[0])

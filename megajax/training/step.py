@@ -1,0 +1,161 @@
+"""The jit-compiled, sharded train step.
+
+One step: forward and backward on each microbatch (gradient accumulation), then the optimizer
+(megajax/training/optimizer.py). Params and optimizer state are float32 and keep their mesh
+shardings in and out; their buffers are donated so the step updates in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from megajax.config import Config
+from megajax.core import sharding as S
+from megajax.core.mesh import check_fits
+from megajax.models.registry import ModelDef, abstract_model, init_model
+from megajax.tasks import Task, task_for
+from megajax.training.optimizer import lr_schedule, make_optimizer
+
+
+@dataclasses.dataclass
+class Trainer:
+    """A model definition, its optimizer and the compiled step for one mesh."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    task: Task
+    modeldef: ModelDef
+    tx: optax.GradientTransformation
+    param_shardings: dict
+    opt_shardings: object
+
+    @property
+    def batch_sharding(self):
+        """Every batch array is split over "data" by rows (a prefix spec: the rest stays whole)."""
+        return NamedSharding(self.mesh, S.BATCH)
+
+    def batch_shapes(self):
+        """The task's global batch as ShapeDtypeStructs (GPT: a token array; BERT: a dict)."""
+        return self.task.batch_shapes(self.cfg, self.cfg.train.batch_size, self.batch_sharding)
+
+    def replicated(self):
+        return NamedSharding(self.mesh, P())
+
+    # -- state ---------------------------------------------------------------------------
+    def init_state(self, seed: int | None = None):
+        """Fresh float32 params (same values on every mesh for a seed) and optimizer state."""
+        seed = self.cfg.train.seed if seed is None else seed
+        params = self.modeldef.params(init_model(self.cfg.model, self.mesh, seed))
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+        return params, opt_state
+
+    def abstract_state(self):
+        """ShapeDtypeStructs with shardings for params and optimizer state: nothing allocated."""
+        params = self.modeldef.abstract_sharded_params(self.param_shardings)
+        opt = jax.eval_shape(self.tx.init, params)
+        opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                           opt, self.opt_shardings)
+        return params, opt
+
+    # -- step ----------------------------------------------------------------------------
+    def objective(self, params, batch, key):
+        """(loss, metrics) of the model's training objective on one batch."""
+        return self.modeldef.bind(params).objective(batch, key=key)
+
+    def loss_fn(self, params, batch, key):
+        return self.objective(params, batch, key)[0]
+
+    def _step(self, params, opt_state, batch, step):
+        t = self.cfg.train
+        key = jax.random.fold_in(jax.random.key(t.seed), step)
+        grad_fn = jax.value_and_grad(self.objective, has_aux=True)
+        if t.microbatches == 1:
+            (_, metrics), grads = grad_fn(params, batch, key)
+        else:
+            # Microbatch j takes rows j, j+m, j+2m, ...: every data shard keeps its own rows.
+            m = t.microbatches
+
+            def split(x):
+                x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+                return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, S.DATA)))
+
+            def accumulate(carry, xs):
+                mb, j = xs
+                (_, metrics), grads = grad_fn(params, mb, jax.random.fold_in(key, j))
+                return jax.tree.map(jnp.add, carry, (metrics, grads)), None
+
+            micro = jax.tree.map(split, batch)
+            metric_shapes = jax.eval_shape(lambda mb: self.objective(params, mb, key)[1],
+                                           jax.tree.map(lambda x: x[0], micro))
+            zeros = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), metric_shapes),
+                     jax.tree.map(jnp.zeros_like, params))
+            if t.unroll_microbatches:
+                # Independent subgraphs, summed in the scan's order: XLA may run them at once.
+                total = zeros
+                for j in range(m):
+                    total, _ = accumulate(total, (jax.tree.map(lambda x: x[j], micro), j))
+                metrics, grads = total
+            else:
+                (metrics, grads), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(m)))
+            metrics, grads = jax.tree.map(lambda x: x / m, (metrics, grads))
+        with jax.named_scope("optimizer"):
+            grad_norm = optax.tree.norm(grads)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(t)(step)}
+        return params, opt_state, metrics
+
+    def jit_step(self, donate: bool = True):
+        return jax.jit(
+            self._step,
+            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding, self.replicated()),
+            out_shardings=(self.param_shardings, self.opt_shardings, self.replicated()),
+            donate_argnums=(0, 1) if donate else ())
+
+    def jit_eval(self):
+        """Metrics of one batch without dropout (a dict; "loss" always among them)."""
+        def eval_metrics(params, batch):
+            return self.objective(params, batch, None)[1]
+        return jax.jit(eval_metrics, in_shardings=(self.param_shardings, self.batch_sharding),
+                       out_shardings=self.replicated())
+
+    def lower_step(self):
+        """The train step lowered for abstract inputs (for compiling, the audit and memory analysis)."""
+        params, opt = self.abstract_state()
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated())
+        return self.jit_step(donate=True).lower(params, opt, self.batch_shapes(), step)
+
+
+def make_trainer(cfg: Config, mesh) -> Trainer:
+    """Check the config against the mesh and build the optimizer and shardings (nothing allocated)."""
+    task = task_for(cfg)
+    check_fits(cfg, mesh)
+    modeldef = ModelDef(abstract_model(cfg.model, S.Layout(mesh)))
+    shardings = S.param_shardings(mesh, modeldef.specs())
+    tx = make_optimizer(cfg.train)
+    opt_shapes = jax.eval_shape(tx.init, modeldef.abstract_params())
+    return Trainer(cfg, mesh, task, modeldef, tx, shardings, _opt_shardings(opt_shapes, shardings, mesh))
+
+
+def _path(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _opt_shardings(opt_shapes, param_shardings, mesh):
+    """Optimizer-state leaves that mirror a param (Adam's mu and nu) get that param's
+    sharding, found by the param's path at the end of theirs; the rest is replicated."""
+    by_path = {_path(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+
+    def pick(path, leaf):
+        keys = _path(path)
+        for n in range(len(keys)):
+            if keys[n:] in by_path and leaf.ndim == len(by_path[keys[n:]].spec):
+                return by_path[keys[n:]]
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(pick, opt_shapes)

@@ -1,0 +1,146 @@
+"""A run's workdir: what is in it, and reading it back.
+
+    WORKDIR/config.json        the resolved config (vocabulary size included)
+    WORKDIR/tokenizer.json     the tokenizer (and its vocab.txt / hf_tokenizer.json)
+    WORKDIR/checkpoints/STEP   orbax checkpoints (megajax/training/checkpoint.py)
+    WORKDIR/damaged/STEP       checkpoints that could not be read, set aside
+    WORKDIR/metrics.jsonl      one JSON record per logged step and evaluation
+    WORKDIR/loss.png           the loss curve
+
+Also here: `--init-from`, which takes a fine-tuning run's model shape and encoder weights
+from a pretraining workdir.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import jax
+
+from megajax.config import Config, load_config
+from megajax.core.mesh import check_fits
+from megajax.core.sharding import Layout, param_shardings
+from megajax.data.tokenizer import FILE as TOKENIZER_FILE
+from megajax.data.tokenizer import Tokenizer, load_tokenizer
+from megajax.errors import UserError
+from megajax.models.registry import ModelDef, abstract_model
+from megajax.training.checkpoint import Checkpoints
+
+CONFIG_FILE = "config.json"
+CHECKPOINTS = "checkpoints"
+
+
+def is_main() -> bool:
+    """Process 0 writes the workdir's files and prints; every process reads and computes."""
+    return jax.process_index() == 0
+
+
+def write_run_files(cfg: Config, workdir: Path, tokenizer: Tokenizer):
+    """config.json (rewritten: a resumed run may change steps or intervals) and the tokenizer
+    (written once: its ids are in the checkpoints)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if is_main():
+        cfg.save(workdir / CONFIG_FILE)
+        if not (workdir / TOKENIZER_FILE).exists():
+            tokenizer.save(workdir)
+
+
+def run_tokenizer(workdir: Path, pretrained: Path | None) -> Tokenizer | None:
+    """The tokenizer a run must use: the workdir's own when resuming, else the pretrained
+    workdir's when fine-tuning; None when the run makes its own from data.tokenizer."""
+    source = workdir if (workdir / TOKENIZER_FILE).exists() else pretrained
+    return load_tokenizer(source) if source is not None else None
+
+
+def check_same_tokenizer(cfg: Config, workdir: Path):
+    """A workdir keeps the tokenizer it was started with (its ids are in the checkpoints):
+    asking for another one on resume is refused rather than silently ignored."""
+    saved = Path(workdir) / CONFIG_FILE
+    if saved.is_file() and (Path(workdir) / TOKENIZER_FILE).is_file():
+        before = load_config(str(saved)).data.tokenizer
+        if before != cfg.data.tokenizer:
+            raise UserError(f"{workdir} was trained with tokenizer '{before}', not '{cfg.data.tokenizer}': "
+                            f"resume without --tokenizer (or with '{before}'), or use another --workdir")
+
+
+# Fields a fine-tuning run takes from its pretrained workdir: they fix the weights' shapes.
+PRETRAINED_SHAPE = ("kind", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len", "vocab_size",
+                    "vocab_multiple", "ln_placement", "ln_eps", "scan_layers")
+
+
+def with_pretrained_shape(cfg: Config, workdir: Path | None = None) -> tuple[Config, Path | None]:
+    """With train.init_from: the config with the model's shape taken from that workdir's
+    config (or, when this run is resuming, from its own saved one), and the pretrained
+    workdir. Without: the config unchanged and None."""
+    if not cfg.train.init_from:
+        return cfg, None
+    src = Path(cfg.train.init_from)
+    own = Path(workdir) / CONFIG_FILE if workdir is not None else None
+    resuming = own is not None and own.is_file() and (own.parent / CHECKPOINTS).is_dir()
+    if not resuming and not (src / CONFIG_FILE).is_file():
+        raise UserError(f"--init-from {src}: not a megajax workdir (no {CONFIG_FILE})")
+    pre = load_config(str(own if resuming else src / CONFIG_FILE)).model
+    if pre.kind != "bert" or cfg.model.kind != "bert":
+        raise UserError(f"--init-from loads a BERT encoder; {src} holds a {pre.kind} model")
+    shape = {name: getattr(pre, name) for name in PRETRAINED_SHAPE}
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape)), src
+
+
+@dataclasses.dataclass
+class Loaded:
+    cfg: Config
+    model: object
+    tokenizer: Tokenizer
+    step: int
+
+
+def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
+    """The resolved config, tokenizer and checkpointed weights of a train.py workdir, on `mesh`
+    (whatever mesh trained it). Reads only: nothing in the workdir is created or moved."""
+    workdir = Path(workdir)
+    if not (workdir / CONFIG_FILE).is_file():
+        raise UserError(f"{workdir} is not a megajax workdir (no {CONFIG_FILE})")
+    cfg = load_config(str(workdir / CONFIG_FILE))
+    check_fits(cfg, mesh, batch=False)
+    tokenizer = load_tokenizer(workdir)
+    ckpts = Checkpoints(workdir) if (workdir / CHECKPOINTS).is_dir() else None
+    steps = ckpts.all_steps() if ckpts else []
+    if not steps:
+        raise UserError(f"no checkpoint in {workdir / CHECKPOINTS}")
+    if step is not None and step not in steps:
+        raise UserError(f"no checkpoint for step {step} in {workdir}; have {sorted(steps)}")
+    modeldef = ModelDef(abstract_model(cfg.model, Layout(mesh)))
+    target = modeldef.abstract_sharded_params(param_shardings(mesh, modeldef.specs()))
+    if step is not None:
+        params, _ = ckpts.restore_params(step, target)
+    else:   # the newest one that reads back, as train.py resumes
+        step, (params, _) = ckpts.restore_newest_intact(lambda s: ckpts.restore_params(s, target),
+                                                        warn=lambda line: print(line, file=sys.stderr),
+                                                        set_aside=False)
+    ckpts.close()
+    return Loaded(cfg, modeldef.bind(params), tokenizer, step)
+
+
+def init_from_pretrained(trainer, params: dict, src: Path, out=print) -> dict:
+    """Fresh params with every tensor that the pretrained workdir also has (the encoder and
+    pooler) replaced by its checkpointed value, placed straight into this mesh's shardings."""
+    loaded = load_workdir(src, trainer.mesh)
+    pre = {jax.tree_util.keystr(p): x for p, x in
+           jax.tree_util.tree_flatten_with_path(ModelDef(loaded.model).params(loaded.model))[0]}
+    taken, new = set(), set()
+
+    def pick(path, x):
+        name = jax.tree_util.keystr(path)
+        top = name.split("'")[1]
+        if name in pre and pre[name].shape == x.shape:
+            taken.add(top)
+            return pre[name]
+        new.add(top)
+        return x
+
+    params = jax.tree_util.tree_map_with_path(pick, params)
+    if is_main():
+        out(f"initialised from {src} (step {loaded.step}): {', '.join(sorted(taken))}; "
+            f"new: {', '.join(sorted(new)) or 'nothing'}")
+    return params

@@ -1,0 +1,65 @@
+"""The package's shape, as megajax/__init__.py describes it: layers whose imports only point
+down, small modules and functions, and no import done inside a function except where a
+comment says why (optional heavy packages; the command lines' deferral of jax)."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "megajax"
+# Lowest first; a module may import from its own layer and the ones before it.
+LAYERS = [("errors", "files", "hostenv", "shapes", "config", "progress"), ("core",), ("data",), ("models",),
+          ("tasks",), ("training", "evaluation"), ("tools",), ("cli",)]
+# Imports inside functions that are there on purpose (module -> what it imports there).
+DEFERRED = {
+    "cli.common": {"jax", "megajax.training.distributed"},
+    "cli.train": {"megajax.core.mesh", "megajax.tools.dry_run", "megajax.training.loop",
+                  "megajax.training.workdir", "megajax.training.metrics"},
+    "cli.eval": {"megajax.cli.eval_tasks"},
+    "data.sources": {"tensorflow_datasets"},
+    "training.metrics": {"matplotlib", "matplotlib.pyplot"},
+}
+
+
+def modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+        yield name, path, ast.parse(path.read_text())
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[0]
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_modules_and_functions_are_small():
+    for name, path, tree in modules():
+        assert len(path.read_text().splitlines()) <= 350, name
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno + 1 <= 60, f"{name}.{node.name}"
+
+
+def test_imports_point_down_and_stay_at_the_top():
+    for name, _, tree in modules():
+        if name == "":   # megajax/__init__.py: the lazy public API
+            continue
+        in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            if id(node) in in_function:
+                assert set(targets) <= DEFERRED.get(name, set()), f"{name} imports {targets} inside a function"
+            for target in targets:
+                if target.startswith("megajax."):
+                    assert layer(target.removeprefix("megajax.")) <= layer(name), f"{name} imports {target}"
+
+
+def test_command_lines_import_jax_only_after_their_flags():
+    code = "import sys, megajax.cli, megajax; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
