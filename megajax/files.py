@@ -64,8 +64,10 @@ class WorkdirLock:
     def __init__(self, workdir: Path):
         self.workdir = Path(workdir)
         self.fd = None
+        self.created = False
 
     def __enter__(self):
+        self.created = not self.workdir.exists()
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -88,3 +90,6 @@ class WorkdirLock:
         if self.fd is not None:
             os.close(self.fd)     # closing the descriptor releases the lock
             self.fd = None
+        if self.created:          # a run refused after the lock leaves no empty workdir behind
+            with contextlib.suppress(OSError):
+                self.workdir.rmdir()

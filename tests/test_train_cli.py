@@ -199,6 +199,7 @@ def test_dry_run_of_paper_model_allocates_nothing():
     (["--save-every", "0"], "train.save_every must be positive, got 0"),
     (["--set", "model.num_layers=2.5e0"], "model.num_layers expects int, got '2.5e0'"),
     (["--set", "train.lr=nan"], "train.lr must be a finite number, got nan"),
+    (["--set", "model.seq_len=100000"], "per device, more than the"),   # the compiled step's memory
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     base = [a for a in BASE]
@@ -299,3 +300,47 @@ def test_training_resumes_past_a_damaged_checkpoint(reference, tmp_path):
     assert "Traceback" not in p.stderr, p.stderr
     assert (wd / "damaged" / "16" / "params").is_dir() and (wd / "checkpoints" / "16" / "params").is_dir()
     assert losses(wd) == reference[1]
+
+
+class _FullDisk:
+    """An orbax commit future that fails as a full disk does, after the write has begun."""
+
+    def result(self, timeout=None):
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("fails,save_every,outcome", [
+    (4, 2, "goes on"),     # step 2 is intact: a one-line warning, training goes on, steps 6 and 8 are saved
+    (8, 4, "stops"),       # the last save fails: an error naming the intact step 4
+    (2, 2, "stops"),       # nothing intact: stop at once
+])
+def test_a_failed_save_is_reported_in_one_line(tmp_path, monkeypatch, capsys, fails, save_every, outcome):
+    import orbax.checkpoint as ocp
+
+    from megajax.config import load_config
+    from megajax.errors import UserError
+    from megajax.training.loop import train
+
+    write = ocp.StandardCheckpointHandler.async_save
+
+    async def full_disk(self, directory, *args, **kwargs):
+        futures = await write(self, directory, *args, **kwargs)
+        step = int(Path(directory).parent.name.split(".")[0])
+        return [*(futures or []), _FullDisk()] if step == fails else futures
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", full_disk)
+    cfg = load_config("tiny", [f"data.source=text:{SHAKESPEARE}", "data.tokenizer=chars", "model.num_layers=1",
+                               "train.steps=8", f"train.save_every={save_every}", "train.log_every=1"])
+    lines = []
+    if outcome == "goes on":
+        result = train(cfg, mesh_for("2x4"), tmp_path / "w", sample_tokens=0, out=lines.append)
+        assert result.final_step == 8
+        assert ("warning: saving step 4 failed (OSError: [Errno 28] No space left on device); step 2 in "
+                in capsys.readouterr().out)
+    else:
+        with pytest.raises(UserError) as e:
+            train(cfg, mesh_for("2x4"), tmp_path / "w", sample_tokens=0, out=lines.append)
+        intact = "step 4 in" if fails == 8 else "no checkpoint of this run is intact"
+        assert f"saving step {fails} failed (OSError: [Errno 28] No space left on device); {intact}" in str(e.value)
+    steps = sorted(int(p.name) for p in (tmp_path / "w" / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == {4: [2, 6, 8], 8: [4], 2: []}[fails]

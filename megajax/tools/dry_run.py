@@ -12,25 +12,13 @@ from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL
 from megajax.tasks import param_count
 from megajax.tools.audit import audit_hlo
+from megajax.training.memory import device_memory_bytes, gib, step_memory
 from megajax.training.step import make_trainer
 
 
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs."""
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def memory_report(compiled) -> dict:
-    """The compiled step's own accounting of its buffers (absent on backends that give none)."""
-    mem = compiled.memory_analysis()
-    if mem is None:
-        return {}
-    return {"step_argument_bytes": int(mem.argument_size_in_bytes),
-            "step_temp_bytes": int(mem.temp_size_in_bytes),
-            "step_output_bytes": int(mem.output_size_in_bytes),
-            "step_alias_bytes": int(mem.alias_size_in_bytes),
-            "step_peak_bytes": int(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                   - mem.alias_size_in_bytes + mem.temp_size_in_bytes)}
 
 
 def dry_run_report(cfg: Config, mesh, out=print) -> dict:
@@ -47,7 +35,8 @@ def dry_run_report(cfg: Config, mesh, out=print) -> dict:
         "param_bytes_per_device": per_device_bytes(params),
         "optimizer_bytes_per_device": per_device_bytes(opt),
         "compile_s": compile_s,
-        **memory_report(compiled),
+        **step_memory(compiled),
+        "device_bytes": device_memory_bytes(),
     }
     audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape[DATA], mesh.shape[MODEL]))
     report["audit"] = audit.summary()
@@ -56,18 +45,18 @@ def dry_run_report(cfg: Config, mesh, out=print) -> dict:
     return report
 
 
-def _gib(b: int) -> str:
-    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
-
-
 def _print(report: dict, cfg: Config, out):
     m, t = cfg.model, cfg.train
     out(f"dry run: {cfg.name}, {report['params']:,} parameters "
         f"({m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, seq {m.seq_len}, vocab {m.padded_vocab})")
     out(f"mesh data={report['mesh'][DATA]} model={report['mesh'][MODEL]}; global batch {t.batch_size} "
         f"in {t.microbatches} microbatch(es); compute {Precision.of(m).name}, remat {m.remat}")
-    out(f"per device: params {_gib(report['param_bytes_per_device'])}, "
-        f"optimizer state {_gib(report['optimizer_bytes_per_device'])}"
-        + (f", compiled step peak {_gib(report['step_peak_bytes'])} "
-           f"(temporaries {_gib(report['step_temp_bytes'])})" if "step_peak_bytes" in report else ""))
+    out(f"per device: params {gib(report['param_bytes_per_device'])}, "
+        f"optimizer state {gib(report['optimizer_bytes_per_device'])}"
+        + (f", compiled step peak {gib(report['step_peak_bytes'])} "
+           f"(temporaries {gib(report['step_temp_bytes'])})" if "step_peak_bytes" in report else ""))
+    if report.get("step_peak_bytes") and report["device_bytes"]:
+        fits = report["step_peak_bytes"] <= report["device_bytes"]
+        out(f"{'fits' if fits else 'does NOT fit'}: a device has {gib(report['device_bytes'])}"
+            + ("" if fits else " (train.py would refuse this run)"))
     out(f"step compiled in {report['compile_s']:.1f}s\n")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -16,6 +18,18 @@ import orbax.checkpoint as ocp
 from megajax.errors import UserError
 
 logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+class _ReportedSaveFailures(logging.Filter):
+    """orbax logs a failed background save with its traceback, twice; megajax reports it
+    itself, in one line (Checkpoints.failed_save), so those records are dropped."""
+    MARKS = ("in background save thread", "Save Finalize thread")
+
+    def filter(self, record) -> bool:
+        return not any(mark in record.getMessage() for mark in self.MARKS)
+
+
+logging.getLogger("absl").addFilter(_ReportedSaveFailures())
 
 
 def _quiet_abandoned_reads(workdir: Path):
@@ -51,9 +65,14 @@ class _AbandonedReads(logging.Filter):
         return not (message.startswith("Task exception was never retrieved") and self.root in message)
 
 
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
 class Checkpoints:
     def __init__(self, directory: Path, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute() / "checkpoints"
+        self.in_flight = None      # the step being written in the background
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
@@ -69,13 +88,41 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, params, opt_state, meta: dict, force: bool = True):
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(meta)), force=force)
+    def save(self, step: int, params, opt_state, meta: dict) -> tuple[int, str] | None:
+        """Start writing `step` in the background; (step, why) if it could not start. Collect
+        the save before with `failed_save(block=True)` first: orbax finishes it before this one."""
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+                meta=ocp.args.JsonSave(meta)), force=True)
+            self.in_flight = step
+        except Exception as e:  # noqa: BLE001  (OS errors, orbax's own)
+            return step, _first_line(e)
+        return None
+
+    def failed_save(self, block: bool = False) -> tuple[int, str] | None:
+        """(step, why) if the background save has finished and failed (a full disk, a lost
+        file system), else None. Without `block` it never waits: None while the save runs."""
+        if self.in_flight is None or (not block and self.manager.is_saving_in_progress()):
+            return None
+        step, self.in_flight = self.in_flight, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            return step, _first_line(e)
+        return None
 
     def wait(self):
         self.manager.wait_until_finished()
+
+    def settle(self, timeout: float = 60.0):
+        """After a failed save, let its other background writers run out before the process
+        exits: once the interpreter shuts down they could not schedule their last steps and
+        would print tracebacks about it."""
+        deadline = time.monotonic() + timeout
+        for thread in threading.enumerate():
+            if type(thread).__name__ == "_SignalingThread" and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def check_shapes(self, step: int, abstract_params):
         """Raise UserError naming every parameter whose saved shape differs from the model's."""
@@ -114,9 +161,8 @@ class Checkpoints:
             except UserError:
                 raise
             except Exception as e:  # noqa: BLE001  (orbax, tensorstore and OS errors alike)
-                first = (str(e).strip().splitlines() or [""])[0][:200]
                 where = f"moved to {self.set_aside(step)}" if set_aside else "left in place"
-                warn(f"warning: checkpoint step {step} cannot be read ({type(e).__name__}: {first}); "
+                warn(f"warning: checkpoint step {step} cannot be read ({_first_line(e)}); "
                      f"{where}; trying the one before")
         if steps:
             raise UserError(f"none of the checkpoints in {self.directory} can be read (steps "

@@ -1,6 +1,7 @@
 """The training loop: what `python train.py` runs.
 
-    train()            = validate()          every check, before anything is written
+    train()            = validate()          every check, before anything is written (and the
+                                             compiled step's memory against the devices')
                        + restore_or_init()   the newest intact checkpoint, or fresh weights
                        + the steps           the compiled Trainer step (megajax/training/step.py)
                        + finish()            loss curve, a sample
@@ -26,6 +27,7 @@ from megajax.progress import Progress
 from megajax.tasks import Task, param_count, task_for
 from megajax.training.checkpoint import Checkpoints
 from megajax.training.distributed import agreed_stop, check_same_run, describe
+from megajax.training.memory import check_step_fits
 from megajax.training.metrics import MetricsLog, device_peak_tflops, flops_per_token, plot_workdir
 from megajax.training.signals import StopRequested
 from megajax.training.step import Trainer, make_trainer
@@ -64,14 +66,15 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
         run = validate(cfg, mesh, workdir)
         if is_main():     # one run per workdir; taken before its checkpoints are read
             held.enter_context(WorkdirLock(workdir))
+        t0 = time.perf_counter()
+        step_fn = run.trainer.lower_step().compile()   # for the task's batch layout; nothing allocated yet
+        compile_s = time.perf_counter() - t0
+        check_step_fits(step_fn)
         ckpts = Checkpoints(workdir, keep=run.cfg.train.keep_checkpoints)
         start, params, opt_state = restore_or_init(run, ckpts, out)
         write_run_files(run.cfg, workdir, run.data.tokenizer)   # only now, with every check passed
         logger = StepLogger(run, ckpts, start, out)
-        t0 = time.perf_counter()
-        step_fn = run.trainer.jit_step().lower(params, opt_state, run.train_batches(start or 0),
-                                               np.int32(0)).compile()
-        logger.announce(time.perf_counter() - t0)
+        logger.announce(compile_s)
         stop.training = True
         step, params, stopped_by = _steps(run, logger, ckpts, stop, step_fn, params, opt_state, start or 0)
         logger.close()
@@ -129,10 +132,12 @@ def _steps(run: Run, logger: StepLogger, ckpts: Checkpoints, stop: StopRequested
         if step % t.save_every == 0 or step == t.steps or stopping:
             if not logged:
                 logger.flush(step)  # never save weights from a step whose loss was not finite
-            ckpts.save(step, params, opt_state, {"step": step, "config": run.cfg.name})
-            logger.saved(step)
-        elif step % t.eval_every == 0:
-            logger.restart_clock(step)   # throughput excludes evaluation
+            logger.save_failed(ckpts.failed_save(block=True))   # the save before: orbax finishes it first
+            logger.saved(step, ckpts.save(step, params, opt_state, {"step": step, "config": run.cfg.name}))
+        else:
+            logger.save_failed(ckpts.failed_save())   # a background save that failed: known at once
+            if step % t.eval_every == 0:
+                logger.restart_clock(step)   # throughput excludes evaluation
         if stopping:
             return step, params, stopping
     return step, params, None
@@ -154,7 +159,7 @@ class StepLogger:
         cfg, mesh = run.cfg, run.trainer.mesh
         self.run, self.ckpts, self.out, self.main = run, ckpts, out, is_main()
         self.start = start or 0
-        self.last_saved = start                  # the newest checkpoint on disk
+        self.saves = [] if start is None else [start]   # checkpoints on disk (the last may be in flight)
         self.pending = []                        # (step, metrics on device) not yet read
         self.losses: dict[int, float] = {}
         self.val_loss = None
@@ -218,10 +223,10 @@ class StepLogger:
         if not bad:
             return
         self.progress.close()
-        self.ckpts.wait()
+        self._forget(self.ckpts.failed_save(block=True))
         what = " and ".join(f"{'gradient norm' if k == 'grad_norm' else k} {v}" for k, v in bad)
-        good = (f"last good checkpoint: step {self.last_saved} in {self.run.workdir / 'checkpoints'}"
-                if self.last_saved is not None else "no checkpoint was saved before it")
+        good = (f"last good checkpoint: step {self.saves[-1]} in {self.run.workdir / 'checkpoints'}"
+                if self.saves else "no checkpoint was saved before it")
         raise UserError(f"{what} at step {step}; stopped, nothing of step {step} or later saved; {good}")
 
     def log_eval(self, step: int, val: dict):
@@ -231,16 +236,38 @@ class StepLogger:
         self.metrics.write(record)
         self.progress.write(f"step {step:>6}  " + "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
 
-    def saved(self, step: int):
-        self.last_saved = step
+    def saved(self, step: int, failure: tuple[int, str] | None):
+        """A save of `step` started, unless `failure` says it could not."""
+        if failure is None:
+            self.saves.append(step)
+        self.save_failed(failure)
         self.restart_clock(step)   # throughput excludes saving
+
+    def save_failed(self, failure: tuple[int, str] | None, last: bool = False):
+        """One line for a failed save. Training goes on only while an older checkpoint is intact;
+        after the last step there is nothing to go on with: the run fails, naming that one."""
+        if failure is None:
+            return
+        self._forget(failure)
+        step, why = failure
+        where = self.run.workdir / "checkpoints"
+        intact = f"step {self.saves[-1]} in {where} is intact" if self.saves else "no checkpoint of this run is intact"
+        if last or not self.saves:
+            self.progress.close()
+            self.ckpts.settle()
+            raise UserError(f"saving step {step} failed ({why}); {intact}")
+        self.progress.write(f"warning: saving step {step} failed ({why}); {intact}: training goes on")
+
+    def _forget(self, failure: tuple[int, str] | None):
+        if failure is not None:
+            self.saves = [s for s in self.saves if s != failure[0]]
 
     def restart_clock(self, step: int):
         self.clock = (step, time.perf_counter())
 
     def close(self):
+        self.save_failed(self.ckpts.failed_save(block=True), last=True)
         self.progress.close()
-        self.ckpts.wait()
 
 
 def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | None, sample_tokens: int,
