@@ -133,3 +133,23 @@ def test_processes_with_different_settings_are_refused_naming_the_field(tmp_path
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 2 and "process 1 has a different config.train.save_every" in err, err[-2000:]
         assert "Traceback" not in err
+
+
+def test_a_frozen_process_ends_the_other_in_one_line(tmp_path):
+    """A peer that stops answering (SIGSTOP: a hung host, swapped out) leaves the other waiting in
+    a collective: it says so in one line and exits 1, before the runtime's heartbeat check would
+    abort it from C++ (exit 134)."""
+    wd = tmp_path / "frozen"
+    procs = _start_two([*ARGS, "--workdir", str(wd), "--steps", "100000", "--heartbeat-timeout", "10"], free_port())
+    deadline = time.time() + 180
+    while time.time() < deadline and not (wd / "checkpoints" / "3").is_dir():
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGSTOP)
+    try:
+        _, err = procs[0].communicate(timeout=60)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode == 1, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: process 0 of 2: no progress for"), err[-2000:]
+    assert "one has probably frozen or died" in err and "Check failure" not in err

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -48,6 +49,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if explicit and not 0 <= process_id < num_processes:
         raise UserError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    global _HEARTBEAT_S
+    _HEARTBEAT_S = heartbeat_timeout_s
     timeout = max(heartbeat_timeout_s, 60)
     # A peer that never starts makes the runtime abort the process (C++, exit 134) when the
     # timeout expires; a moment before that, say so in one line and leave.
@@ -55,8 +58,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     watchdog.daemon = True
     watchdog.start()
     try:
+        # The runtime's own check gets three times the time: it aborts from C++, so the Watchdog
+        # below, which says the same in one line, must come first.
         jax.distributed.initialize(coordinator, num_processes, process_id,
-                                   heartbeat_timeout_seconds=heartbeat_timeout_s,
+                                   heartbeat_timeout_seconds=3 * heartbeat_timeout_s,
                                    initialization_timeout=timeout)
     except Exception as e:  # unreachable coordinator, timeouts
         raise UserError(f"jax.distributed.initialize failed: {str(e).splitlines()[0]}") from None
@@ -69,6 +74,47 @@ def _give_up_waiting(timeout: int, num_processes):
     print(f"error: not all {num_processes or ''} processes joined within {timeout} s (is every process "
           f"started, with the same --coordinator?)", file=sys.stderr, flush=True)
     os._exit(2)
+
+
+_HEARTBEAT_S: int | None = None   # the runtime's heartbeat timeout, once initialize() started it
+
+
+class Watchdog:
+    """A frozen peer (stopped, swapped out, a hung host) leaves this process waiting in a
+    collective, and the runtime's heartbeat check then aborts it from C++ (exit 134, a stack
+    dump) within its heartbeat timeout (set to three times --heartbeat-timeout) of the peer stopping.
+    This says so in one line first: when no step, evaluation or save has finished for 0.8 of
+    --heartbeat-timeout (and for 5 times the slowest interval seen, so a slow step is never
+    mistaken for a frozen peer), it exits.
+    Only in multi-process runs; `beat()` marks progress."""
+
+    def __init__(self):
+        self.limit = 0.8 * _HEARTBEAT_S if jax.process_count() > 1 and _HEARTBEAT_S else None
+        self.last, self.slowest, self.beats, self.done = time.monotonic(), 0.0, 0, threading.Event()
+
+    def __enter__(self):
+        if self.limit:
+            self.last = time.monotonic()
+            threading.Thread(target=self._watch, name="megajax-watchdog", daemon=True).start()
+        return self
+
+    def beat(self):
+        now = time.monotonic()
+        if self.beats:     # the first interval holds one-off start-up work
+            self.slowest = max(self.slowest, now - self.last)
+        self.last, self.beats = now, self.beats + 1
+
+    def _watch(self):
+        while not self.done.wait(0.5):
+            stalled = time.monotonic() - self.last
+            if stalled > self.limit and stalled > 5 * self.slowest:
+                print(f"error: process {jax.process_index()} of {jax.process_count()}: no progress for "
+                      f"{stalled:.0f} s, waiting on the other processes: one has probably frozen or died "
+                      f"(completed checkpoints are intact)", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    def __exit__(self, *exc):
+        self.done.set()
 
 
 # -- agreement between processes (each call is a collective: every process makes it) -------

@@ -26,7 +26,7 @@ from megajax.models.generate import generate
 from megajax.progress import Progress
 from megajax.tasks import Task, param_count, task_for
 from megajax.training.checkpoint import Checkpoints
-from megajax.training.distributed import agreed_stop, check_same_run, describe
+from megajax.training.distributed import Watchdog, agreed_stop, check_same_run, describe
 from megajax.training.memory import check_step_fits
 from megajax.training.metrics import MetricsLog, device_peak_tflops, flops_per_token, plot_workdir
 from megajax.training.signals import StopRequested
@@ -76,7 +76,8 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
         logger = StepLogger(run, ckpts, start, out)
         logger.announce(compile_s)
         stop.training = True
-        step, params, stopped_by = _steps(run, logger, ckpts, stop, step_fn, params, opt_state, start or 0)
+        with logger.watchdog:     # a frozen peer: one line, not the runtime's abort
+            step, params, stopped_by = _steps(run, logger, ckpts, stop, step_fn, params, opt_state, start or 0)
         logger.close()
         ckpts.close()
         return finish(run, logger, step, params, stopped_by, sample_tokens, out)
@@ -169,6 +170,7 @@ class StepLogger:
         self.metrics = MetricsLog(run.workdir, enabled=self.main)
         self.metrics.truncate_after(self.start)
         self.progress = Progress(cfg.train.steps, self.start, enabled=self.main)
+        self.watchdog = Watchdog()
         self.restart_clock(self.start)
 
     def announce(self, compile_s: float):
@@ -187,6 +189,7 @@ class StepLogger:
                      f"nothing to train (raise --steps to continue)")
 
     def add(self, step: int, metrics):
+        self.watchdog.beat()
         self.pending.append((step, metrics))
         if len(self.pending) > 1:
             # At most two steps in flight: the host keeps one step ahead of the devices.
@@ -230,6 +233,7 @@ class StepLogger:
         raise UserError(f"{what} at step {step}; stopped, nothing of step {step} or later saved; {good}")
 
     def log_eval(self, step: int, val: dict):
+        self.watchdog.beat()
         self.val_loss = val["loss"]
         record = {"step": step, "val_loss": self.val_loss, **self.run.task.val_extras(val)}
         record.update({f"val_{k}": v for k, v in val.items() if k != "loss"})
@@ -238,6 +242,7 @@ class StepLogger:
 
     def saved(self, step: int, failure: tuple[int, str] | None):
         """A save of `step` started, unless `failure` says it could not."""
+        self.watchdog.beat()
         if failure is None:
             self.saves.append(step)
         self.save_failed(failure)
