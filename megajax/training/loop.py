@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from megajax.config import Config
+from megajax.core.sharding import DATA, MODEL
 from megajax.errors import UserError
 from megajax.files import WorkdirLock
 from megajax.models.generate import generate
@@ -179,8 +180,8 @@ class StepLogger:
         self.restart_clock(start)
         if not self.main:
             return
-        self.out(f"megajax: {cfg.name} | {param_count(cfg) / 1e6:.2f}M params | mesh data={mesh.shape['data']} "
-                 f"model={mesh.shape['model']} on {mesh.devices.size} {jax.devices()[0].platform} device(s) | "
+        self.out(f"megajax: {cfg.name} | {param_count(cfg) / 1e6:.2f}M params | mesh data={mesh.shape[DATA]} "
+                 f"model={mesh.shape[MODEL]} on {mesh.devices.size} {jax.devices()[0].platform} device(s) | "
                  f"{self.run.data.describe()} | step compiled in {compile_s:.1f}s"
                  + (f" | {describe()}" if describe() else "")
                  + (f" | resuming from step {start}" if start else ""))
