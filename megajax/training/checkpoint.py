@@ -17,8 +17,6 @@ import orbax.checkpoint as ocp
 
 from megajax.errors import UserError
 
-logging.getLogger("absl").setLevel(logging.ERROR)
-
 
 class _ReportedSaveFailures(logging.Filter):
     """orbax logs a failed background save with its traceback, twice; megajax reports it
@@ -29,7 +27,13 @@ class _ReportedSaveFailures(logging.Filter):
         return not any(mark in record.getMessage() for mark in self.MARKS)
 
 
-logging.getLogger("absl").addFilter(_ReportedSaveFailures())
+def _quiet_orbax():
+    """orbax logs through absl at INFO; only errors are worth a user's screen, and not the save
+    failures megajax reports itself. Done when checkpoints are first used, not at import."""
+    absl_log = logging.getLogger("absl")
+    absl_log.setLevel(logging.ERROR)
+    if not any(isinstance(f, _ReportedSaveFailures) for f in absl_log.filters):
+        absl_log.addFilter(_ReportedSaveFailures())
 
 
 def _quiet_abandoned_reads(workdir: Path):
@@ -71,6 +75,7 @@ def _first_line(e: Exception) -> str:
 
 class Checkpoints:
     def __init__(self, directory: Path, keep: int = 3, async_save: bool = True):
+        _quiet_orbax()
         self.directory = Path(directory).absolute() / "checkpoints"
         self.in_flight = None      # the step being written in the background
         self.manager = ocp.CheckpointManager(
