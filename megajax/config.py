@@ -32,6 +32,10 @@ class ConfigError(UserError, ValueError):
     """A mistake in a config file or override that the user can fix."""
 
 
+REMAT_MODES = ("none", "selective", "full")
+REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}   # the boolean it once was
+
+
 @dataclasses.dataclass
 class ModelConfig:
     kind: str = "gpt"                 # gpt | bert
@@ -53,7 +57,8 @@ class ModelConfig:
                                       # (mixed: bfloat16 matmul operands, float32 accumulation and activations)
     gelu: str = "tanh"                # tanh (Megatron-LM's fused bias-GeLU and openai_gelu, GPT-2) | exact (erf;
                                       # Hugging Face's BERT)
-    remat: bool = False               # recompute each layer's activations in the backward pass
+    remat: str = "none"               # none | selective (recompute the attention core: scores, softmax, dropout,
+                                      # probabilities x values) | full (recompute each layer); true/false: full/none
     scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
 
     @property
@@ -70,6 +75,9 @@ class ModelConfig:
         return int(math.ceil(self.vocab_size / m) * m)
 
     def validate(self):
+        self.remat = REMAT_ALIASES.get(self.remat, self.remat)
+        if self.remat not in REMAT_MODES:
+            raise ConfigError(f"model.remat must be none, selective or full (true/false: full/none), got {self.remat!r}")
         if self.kind not in MODEL_TASKS:
             raise ConfigError(f"model.kind must be one of {', '.join(MODEL_TASKS)}, got '{self.kind}'")
         if self.task not in MODEL_TASKS[self.kind]:
@@ -252,6 +260,8 @@ def set_value(cfg: Config, key: str, value) -> None:
     names = {f.name: f for f in dataclasses.fields(cls)} if cls else {}
     if field not in names:
         raise _unknown(key)
+    if key == "model.remat" and isinstance(value, (bool, str)):
+        value = REMAT_ALIASES.get(value.lower() if isinstance(value, str) else value, value)
     types = typing.get_type_hints(cls)
     setattr(getattr(cfg, section), field, _coerce(key, value, types[field]))
 

@@ -81,3 +81,24 @@ def test_remat_recomputes_only_the_attention_all_reduce():
         assert counts == {("attention", "forward"): 1, ("mlp", "forward"): 1, ("attention", "recompute"): 1,
                           ("attention", "backward"): 1, ("mlp", "backward"): 1}, i
     assert "recomputed by remat [1]" in r.table()
+
+
+def test_selective_remat_adds_no_collective_and_drops_the_attention_matrices():
+    """Selective remat recomputes only the attention core, which has no collective: the audit
+    is that of no remat. What it saves is the per-layer (b, heads/tp, s, s) scores,
+    probabilities and dropout mask kept for the backward pass: the compiled step's temporary
+    bytes fall by at least one f32 (b, heads/tp, s, s) array per layer."""
+    from megajax.training.step import make_trainer
+
+    mesh = mesh_for("2x4")
+    none, selective = (tiny_config(num_layers=2, seq_len=128, remat=m) for m in ("none", "selective"))
+    r = audit(selective, mesh)
+    assert r.summary()["counts"] == audit(none, mesh).summary()["counts"]
+    for counts in r.model_axis_layer_counts().values():
+        assert counts == {("attention", "forward"): 1, ("mlp", "forward"): 1,
+                          ("attention", "backward"): 1, ("mlp", "backward"): 1}
+    temp = {m: make_trainer(c, mesh).lower_step().compile().memory_analysis().temp_size_in_bytes
+            for m, c in (("none", none), ("selective", selective))}
+    b_local, heads_local, s = 8 // 2, 8 // 4, 128
+    one_matrix = b_local * heads_local * s * s * 4
+    assert temp["none"] - temp["selective"] >= 2 * one_matrix, temp   # 2 layers

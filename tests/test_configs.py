@@ -75,12 +75,14 @@ def test_vocab_padding_is_a_property_of_the_config():
 
 def test_overrides_are_typed_and_suggest_keys():
     cfg = load_config("tiny", ["model.num_layers=3", "train.lr=3e-4", "model.remat=true"])
-    assert (cfg.model.num_layers, cfg.train.lr, cfg.model.remat) == (3, 3e-4, True)
+    assert (cfg.model.num_layers, cfg.train.lr, cfg.model.remat) == (3, 3e-4, "full")   # true: the old boolean
     with pytest.raises(ConfigError, match="did you mean 'model.num_layers'"):
         load_config("tiny", ["model.num_layer=3"])
     with pytest.raises(ConfigError, match="expects int"):
         load_config("tiny", ["model.hidden=big"])
     with pytest.raises(ConfigError, match="expects true or false"):
+        load_config("tiny", ["model.scan_layers=maybe"])
+    with pytest.raises(ConfigError, match="model.remat must be none, selective or full"):
         load_config("tiny", ["model.remat=maybe"])
     with pytest.raises(ConfigError, match="no config named 'tinyy'; did you mean 'tiny'"):
         load_config("tinyy")

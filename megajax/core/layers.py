@@ -153,6 +153,7 @@ class ParallelSelfAttention(nnx.Module):
         self.layout, self.causal = layout, causal
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.attention_dropout = cfg.attention_dropout
+        self.selective_remat = cfg.remat == "selective"
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, layout=layout, precision=precision,
                                         std=cfg.init_std, rngs=rngs)
@@ -175,6 +176,16 @@ class ParallelSelfAttention(nnx.Module):
             v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, 0, pos, 0))
             k, v = (self.layout.constrain(t, S.KV_CACHE) for t in (k, v))
             cache, q_pos = (k, v), pos + q_pos
+        core = jax.checkpoint(self.core) if self.selective_remat else self.core
+        ctx = core(q, k, v, q_pos, mask, key)
+        ctx = self.layout.constrain(jnp.moveaxis(ctx, 1, 2), S.ACT_HEADS).reshape(b, s, self.num_heads * self.head_dim)
+        out = self.out(ctx)
+        return out if cache is None else (out, cache)
+
+    def core(self, q, k, v, q_pos, mask, key):
+        """softmax(q k^T / sqrt(d) + masks) v, with attention dropout: (b, heads/tp, q, d). Its
+        intermediates grow with s^2; selective remat (Korthikanti et al. 2022) recomputes just
+        this in the backward pass, from q, k and v, and keeps everything else."""
         scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = self.layout.constrain(scores / math.sqrt(self.head_dim), S.ATTN_SCORES)
         if self.causal:
@@ -182,12 +193,9 @@ class ParallelSelfAttention(nnx.Module):
             scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         if mask is not None:  # (b, k) True where a key may be attended to
             scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         probs = dropout(probs, self.attention_dropout, key, self.layout, S.ATTN_SCORES)
-        ctx = jnp.einsum("bhqk,bhkd->bhqd", probs, v.astype(x.dtype))
-        ctx = self.layout.constrain(jnp.moveaxis(ctx, 1, 2), S.ACT_HEADS).reshape(b, s, self.num_heads * self.head_dim)
-        out = self.out(ctx)
-        return out if cache is None else (out, cache)
+        return jnp.einsum("bhqk,bhkd->bhqd", probs, v.astype(q.dtype))
 
 
 class TransformerLayer(nnx.Module):
@@ -243,7 +251,7 @@ class LayerStack(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
                  causal: bool = True):
-        self.num_layers, self.scan, self.remat = cfg.num_layers, cfg.scan_layers, cfg.remat
+        self.num_layers, self.scan, self.remat = cfg.num_layers, cfg.scan_layers, cfg.remat == "full"
         if self.scan:
             self.stacked = _stacked_layers(cfg, layout, precision, rngs, causal)
         else:

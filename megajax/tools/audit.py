@@ -26,7 +26,7 @@ class AuditResult:
     hidden: int
     microbatches: int
     scanned: bool
-    remat: bool
+    remat: bool               # full remat: the backward pass recomputes each layer's forward collectives
     head_rows: int = 0        # positions per sequence through the tied output layer and loss (GPT: seq_len)
 
     def select(self, **kw) -> list[Collective]:
@@ -140,7 +140,7 @@ def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False) -> AuditResult:
     rows = t.batch_size // t.microbatches // mesh_shape[0] * task.sequences_per_example
     head_rows = task.head_rows(cfg)
     result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), m.num_layers, tuple(mesh_shape),
-                         rows, m.seq_len, m.hidden, t.microbatches, m.scan_layers, m.remat, head_rows)
+                         rows, m.seq_len, m.hidden, t.microbatches, m.scan_layers, m.remat == "full", head_rows)
     if verbose:
         result.print()
     return result

@@ -52,4 +52,4 @@ def check_step_fits(compiled):
         return
     raise UserError(f"the compiled train step needs {gib(peak)} per device, more than the {gib(limit)} a device "
                     f"has here: lower train.batch_size or model.seq_len, raise train.microbatches, set "
-                    f"model.remat = true, or use a larger model axis (--dry-run shows the figures)")
+                    f"model.remat = \"selective\" or \"full\", or use a larger model axis (--dry-run shows the figures)")
