@@ -103,20 +103,30 @@ def _start_two(args, port):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
 
 
-def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
-    """Ctrl-C reaches only process 1 (the README's `... &` then foreground example): the stop is
-    agreed, both save the same step and exit 0; the checkpoint resumes in one process."""
+@pytest.mark.parametrize("who", ["one", "both"])
+def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, who):
+    """one: Ctrl-C reaches only process 1 (the README's `... &` then foreground example). both:
+    SIGTERM reaches process 0, then process 1 0.4 s later, as a preemption reaching two nodes.
+    Either way the stop is agreed, both save the same step and exit 0; the checkpoint resumes
+    in one process."""
     wd = tmp_path / "sig"
     procs = _start_two([*ARGS, "--workdir", str(wd), "--steps", "100000"], free_port())
     deadline = time.time() + 180
     while time.time() < deadline and not (wd / "checkpoints" / "3").is_dir():
         time.sleep(0.1)
-    procs[1].send_signal(signal.SIGINT)
+    if who == "one":
+        procs[1].send_signal(signal.SIGINT)
+    else:
+        procs[0].send_signal(signal.SIGTERM)
+        time.sleep(0.4)
+        procs[1].send_signal(signal.SIGTERM)
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    assert "SIGINT: saved a checkpoint at step" in outs[0][0]
+    name = "SIGINT" if who == "one" else "SIGTERM"
+    assert f"{name}: saved a checkpoint at step" in outs[0][0]
     step = int(outs[0][0].split("saved a checkpoint at step ")[1].split()[0])
     assert (wd / "checkpoints" / str(step)).is_dir()
+    assert sorted(int(d.name) for d in (wd / "checkpoints").iterdir() if d.name.isdigit())[-1] == step
     p = run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", str(step + 1), "--save-every", "100")
     assert f"resuming from step {step}" in p.stdout
 

@@ -57,8 +57,17 @@ class Stopped(BaseException):   # not an Exception: nothing on the way may swall
     pass
 
 
+class StartUp:
+    """Whether the program is still starting up. Once train() runs, it handles the signals
+    itself (megajax/training/signals.py); when it has returned, the run is ending anyway."""
+    active = True
+
+
 def stop_during_startup(signum, frame):
-    raise Stopped(f"{signal.Signals(signum).name} during start-up: stopped before training any step")
+    name = signal.Signals(signum).name
+    if StartUp.active:
+        raise Stopped(f"{name} during start-up: stopped before training any step")
+    print(f"{name}: the run is already ending", file=sys.stderr, flush=True)
 
 
 def command(main):

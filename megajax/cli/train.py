@@ -5,8 +5,8 @@ import argparse
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (Stopped, add_distributed_args, fail, lost_peer, set_host_devices, start_distributed,
-                                stop_during_startup)
+from megajax.cli.common import (StartUp, Stopped, add_distributed_args, fail, lost_peer, set_host_devices,
+                                start_distributed, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
 
@@ -78,7 +78,10 @@ def _train_main(args) -> int:
         if args.dry_run:
             dry_run_report(with_pretrained_shape(cfg, workdir)[0], mesh)
         else:
-            train(cfg, mesh, workdir, sample_tokens=args.sample_tokens)
+            try:
+                train(cfg, mesh, workdir, sample_tokens=args.sample_tokens)   # handles the signals itself
+            finally:
+                StartUp.active = False   # a signal from now on is late: the run is ending anyway
     except UserError as e:
         return fail(str(e))
     except Exception as e:  # noqa: BLE001
