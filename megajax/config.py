@@ -60,6 +60,8 @@ class ModelConfig:
     remat: str = "none"               # none | selective (recompute the attention core: scores, softmax, dropout,
                                       # probabilities x values) | full (recompute each layer); true/false: full/none
     scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
+    sequence_parallel: bool = False   # between blocks, activations split over "model" along the sequence
+                                      # (Korthikanti et al. 2022); model.seq_len must divide by the model axis
 
     @property
     def ffn(self) -> int:

@@ -77,19 +77,44 @@ class _Linear(nnx.Module):
 
 
 class ColumnParallelLinear(_Linear):
-    """y = x W + b with W split by columns: each device computes out/tp features, no communication."""
+    """y = x W + b with W split by columns: each device computes out/tp features, no communication.
+    With sequence parallelism x arrives split along the sequence and is all-gathered first
+    (Megatron's f becomes an all-gather forward, a reduce-scatter backward)."""
     KERNEL_SPEC, BIAS_SPEC = S.COLUMN, S.COLUMN_BIAS
 
     def __call__(self, x):
-        return self.layout.constrain(self.local_matmul(x) + self.local_bias(), S.ACT_COLUMN)
+        y = self.gathered_matmul(x) if self.layout.sequence_parallel else self.local_matmul(x)
+        return self.layout.constrain(y + self.local_bias(), S.ACT_COLUMN)
+
+    def gathered_matmul(self, x):
+        def local(x, w):
+            with jax.named_scope("f_all_gather"):
+                x = jax.lax.all_gather(x, S.MODEL, axis=1, tiled=True)
+            return matmul(x.astype(self.precision.compute), w, self.precision.matmul)
+        return _shard_map(self.layout, local, (S.ACT_SEQUENCE, S.P(*S.COLUMN)), S.ACT_COLUMN)(x, self.kernel[...])
 
 
 class RowParallelLinear(_Linear):
-    """y = x W + b with W split by rows: partial sums all-reduced over "model", then the bias."""
+    """y = x W + b with W split by rows: partial sums all-reduced over "model", then the bias.
+    With sequence parallelism they are reduce-scattered along the sequence instead (g becomes
+    a reduce-scatter forward, an all-gather backward)."""
     KERNEL_SPEC, BIAS_SPEC = S.ROW, S.REPLICATED_BIAS
 
     def __call__(self, x):
+        if self.layout.sequence_parallel:
+            return self.scattered_matmul(x) + self.local_bias()
         return self.layout.reduce_to_replicated(self.local_matmul(x)) + self.local_bias()
+
+    def scattered_matmul(self, x):
+        def local(x, w):
+            y = matmul(x.astype(self.precision.compute), w, self.precision.matmul)
+            with jax.named_scope("g_reduce_scatter"):
+                return jax.lax.psum_scatter(y, S.MODEL, scatter_dimension=1, tiled=True)
+        return _shard_map(self.layout, local, (S.ACT_COLUMN, S.P(*S.ROW)), S.ACT_SEQUENCE)(x, self.kernel[...])
+
+
+def _shard_map(layout: S.Layout, fn, in_specs, out_specs):
+    return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 class ReplicatedLinear(_Linear):
@@ -212,7 +237,7 @@ class TransformerLayer(nnx.Module):
 
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
         k_attn, k1, k2 = jax.random.split(key, 3) if key is not None else (None, None, None)
-        drop = lambda y, k: dropout(y, self.hidden_dropout, k, self.layout, S.ACT_REPLICATED)  # noqa: E731
+        drop = lambda y, k: dropout(y, self.hidden_dropout, k, self.layout, self.layout.between_blocks)  # noqa: E731
 
         def attend(h):
             if cache is None:
@@ -231,7 +256,7 @@ class TransformerLayer(nnx.Module):
                 x = x + drop(self.mlp(self.ln2(x)), k2)
             else:
                 x = self.ln2(x + drop(self.mlp(x), k2))
-        x = self.layout.constrain(x, S.ACT_REPLICATED)
+        x = self.layout.constrain(x, self.layout.between_blocks)
         return x if cache is None else (x, new_cache)
 
 

@@ -25,18 +25,22 @@ def _vocab_range(local_size: int):
 
 
 def vocab_parallel_lookup(table, ids, layout):
-    """Embedding rows for `ids` from a table split over "model": one all-reduce of (b, s, h)."""
+    """Embedding rows for `ids` from a table split over "model": one all-reduce of (b, s, h), or
+    with sequence parallelism one reduce-scatter straight into sequence shards (b, s/tp, h)."""
 
     def local(table, ids):
         start, end = _vocab_range(table.shape[0])
         owned = (ids >= start) & (ids < end)
         rows = jnp.take(table, jnp.where(owned, ids - start, 0), axis=0)
         rows = jnp.where(owned[..., None], rows, jnp.zeros_like(rows))
+        if layout.sequence_parallel:
+            with jax.named_scope("embedding_reduce_scatter"):
+                return jax.lax.psum_scatter(rows, MODEL, scatter_dimension=1, tiled=True)
         with jax.named_scope("embedding_all_reduce"):
             return jax.lax.psum(rows, MODEL)
 
     with jax.named_scope("embedding"):
-        return _shard_map(local, layout, (P(MODEL, None), P(DATA, None)), P(DATA, None, None))(table, ids)
+        return _shard_map(local, layout, (P(MODEL, None), P(DATA, None)), layout.between_blocks)(table, ids)
 
 
 def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None = None,

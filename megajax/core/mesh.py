@@ -98,6 +98,9 @@ def check_fits(cfg, mesh, *, batch: bool = True):
                        ("ffn_hidden", m.ffn), ("padded vocab", m.padded_vocab)):
         if size % tp:
             raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
+    if m.sequence_parallel and m.seq_len % tp:
+        raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by the model axis ({tp}), which "
+                          f"sequence parallelism splits the sequence over")
     if not batch:
         return
     t = cfg.train

@@ -6,13 +6,16 @@ Weights (Megatron-LM, Shoeybi et al. 2019, section 3):
   vocab-parallel table    (V, h)     -> ("model", None)   input embedding = tied output layer
   LayerNorm, position embeddings, row-parallel biases     -> replicated
 
-Activations are batch-sharded over "data" and replicated over "model" between blocks;
+Activations are batch-sharded over "data" and replicated over "model" between blocks (or,
+with sequence parallelism, split over "model" along the sequence: Korthikanti et al. 2022);
 inside a block the hidden features of column-parallel outputs are split over "model".
-Sequence parallelism would only change the activation specs below.
 
 The collectives come from exactly two places:
   * `Layout.reduce_to_replicated` after each row-parallel matmul (Megatron's g: all-reduce
-    forward; its transpose, Megatron's f, is the all-reduce of the backward pass);
+    forward; its transpose, Megatron's f, is the all-reduce of the backward pass); with
+    sequence parallelism, the shard_map'd gather before each column-parallel matmul and
+    reduce-scatter after each row-parallel one (megajax/core/layers.py: all-gather forward,
+    reduce-scatter backward, and the reverse);
   * the shard_map'd vocab-parallel embedding lookup and cross-entropy (megajax/core/loss.py).
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ REPLICATED_2D = (None, None)
 
 # Activation specs.
 ACT_REPLICATED = P(DATA, None, None)       # (batch, seq, hidden) between blocks
+ACT_SEQUENCE = P(DATA, MODEL, None)        # (batch, seq/tp, hidden) between blocks, sequence parallel
 ACT_COLUMN = P(DATA, None, MODEL)          # (batch, seq, features/tp) after a column-parallel matmul
 ACT_HEADS = P(DATA, None, MODEL, None)     # (batch, seq, heads/tp, head_dim)
 ATTN_SCORES = P(DATA, MODEL, None, None)   # (batch, heads/tp, q, k)
@@ -50,6 +54,12 @@ class Layout:
     """The mesh a model runs on. Hashable, so Flax NNX keeps it as static module metadata."""
 
     mesh: Mesh | None = None
+    sequence_parallel: bool = False
+
+    @property
+    def between_blocks(self) -> P:
+        """The activations' spec between blocks (LayerNorm, dropout, residuals run on it)."""
+        return ACT_SEQUENCE if self.sequence_parallel else ACT_REPLICATED
 
     @property
     def tp(self) -> int:

@@ -33,7 +33,7 @@ from megajax.shapes import NUM_CLASSES, TYPE_VOCAB
 
 class BERT(nnx.Module):
     def __init__(self, cfg, layout: S.Layout | None = None, *, rngs: nnx.Rngs):
-        layout = layout or S.Layout(single_device_mesh())
+        layout = S.Layout((layout or S.Layout(single_device_mesh())).mesh, cfg.sequence_parallel)
         precision = Precision.of(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
         h, std = cfg.hidden, cfg.init_std
@@ -63,12 +63,13 @@ class BERT(nnx.Module):
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
         x = (self.embed(tokens) + self.pos[...][:s].astype(self.dtype)
              + jnp.take(self.types[...], types, axis=0).astype(self.dtype))
-        x = self.layout.constrain(x, S.ACT_REPLICATED)
+        x = self.layout.constrain(x, self.layout.between_blocks)
         if self.cfg.ln_placement == "post":
             x = self.ln_embed(x)
-        x = dropout(x, self.cfg.hidden_dropout, k_embed, self.layout, S.ACT_REPLICATED)
+        x = dropout(x, self.cfg.hidden_dropout, k_embed, self.layout, self.layout.between_blocks)
         x = self.layers(x, key=k_layers, mask=mask.astype(bool))
-        return self.ln_f(x) if self.cfg.ln_placement == "pre" else x
+        x = self.ln_f(x) if self.cfg.ln_placement == "pre" else x
+        return self.layout.constrain(x, S.ACT_REPLICATED)   # sequence parallel: gathered once, for the heads
 
     def pooled(self, h):
         """BERT's pooler: tanh(W h[CLS] + b)."""

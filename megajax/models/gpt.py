@@ -16,7 +16,8 @@ from megajax.core.precision import Precision
 
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, layout: S.Layout | None = None, *, rngs: nnx.Rngs):
-        layout = layout or S.Layout(single_device_mesh())
+        # Sequence parallelism is a property of this model's layout (its activations' specs).
+        layout = S.Layout((layout or S.Layout(single_device_mesh())).mesh, cfg.sequence_parallel)
         precision = Precision.of(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
         self.embed = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, layout=layout, precision=precision,
@@ -35,12 +36,13 @@ class GPT(nnx.Module):
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
         positions = jnp.arange(s) if pos is None else pos + jnp.arange(s)
         x = self.embed(tokens) + jnp.take(self.pos[...], positions, axis=0).astype(self.dtype)
-        x = self.layout.constrain(x, S.ACT_REPLICATED)
-        x = dropout(x, self.cfg.hidden_dropout, k_embed, self.layout, S.ACT_REPLICATED)
+        x = self.layout.constrain(x, self.layout.between_blocks)
+        x = dropout(x, self.cfg.hidden_dropout, k_embed, self.layout, self.layout.between_blocks)
         out = self.layers(x, key=k_layers, cache=cache, pos=pos)
         x, cache = (out, None) if cache is None else out
         if self.cfg.ln_placement == "pre":
             x = self.ln_f(x)
+        x = self.layout.constrain(x, S.ACT_REPLICATED)   # sequence parallel: gathered once, for the logits
         return x if cache is None else (x, cache)
 
     def init_cache(self, batch: int, max_len: int | None = None):
