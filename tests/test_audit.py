@@ -102,3 +102,37 @@ def test_selective_remat_adds_no_collective_and_drops_the_attention_matrices():
     b_local, heads_local, s = 8 // 2, 8 // 4, 128
     one_matrix = b_local * heads_local * s * s * 4
     assert temp["none"] - temp["selective"] >= 2 * one_matrix, temp   # 2 layers
+
+
+@pytest.mark.parametrize("layers,scan,spec", [(2, False, "2x4"), (3, True, "1x8")])
+def test_sequence_parallel_collectives(layers, scan, spec):
+    """Sequence parallelism: around each block an all-gather of the sequence (b, s, h) before
+    the column-parallel matmul and a reduce-scatter (b, s/t, h) after the row-parallel one,
+    forward and backward; no all-reduce of activations anywhere on the model axis. Outside
+    the layers: the embedding reduce-scatters straight into sequence shards, the logits gather
+    once, the loss's three (b, s) all-reduces; the rest are gradient reductions of replicated
+    h-sized vectors (LayerNorm, row-parallel biases) and of the (s, h) position table."""
+    mesh = mesh_for(spec)
+    cfg = tiny_config(num_layers=layers, scan_layers=scan, sequence_parallel=True)
+    r = audit(cfg, mesh)
+    t = mesh.shape["model"]
+    b, s, h = cfg.train.batch_size // mesh.shape["data"], cfg.model.seq_len, cfg.model.hidden
+    block = {("attention", "forward"): 1, ("mlp", "forward"): 1, ("attention", "backward"): 1, ("mlp", "backward"): 1}
+    for kind in ("all-gather", "reduce-scatter"):
+        per = r.model_axis_layer_counts(kind)
+        assert sorted(per) == [str(i) for i in range(layers)] and all(c == block for c in per.values()), kind
+    assert r.model_axis_layer_counts("all-reduce") == {}
+    model = [c for c in r.collectives if c.axis == "model" and c.direction != "optimizer"]
+    for c in model:
+        if c.kind == "all-gather":
+            assert c.shape == (b, s, h), c
+        elif c.kind == "reduce-scatter":
+            assert c.shape == (b, s // t, h), c
+        elif c.origin == "loss":
+            assert c.shape == (b, s) and c.direction == "forward", c
+        else:   # gradient reductions of replicated parameters
+            assert c.kind == "all-reduce" and c.direction == "backward" and c.elements <= s * h, c
+    outside = sorted((c.kind, c.origin, c.direction) for c in model if c.kind != "all-reduce" and c.layer == "")
+    assert outside == [("all-gather", "embedding", "backward"), ("all-gather", "logits", "forward"),
+                       ("reduce-scatter", "embedding", "forward"), ("reduce-scatter", "logits", "backward")]
+    assert "all-gathers per layer: forward [2], backward [2]" in r.table()

@@ -65,12 +65,15 @@ def metrics_and_grads(cfg, files, spec):
     return (*jax.device_get((metrics, grads)), counts)
 
 
-@pytest.mark.parametrize("task,spec", [("pretrain", "2x4"), ("pretrain", "1x8"), ("race", "2x4"), ("mnli", "1x8")])
-def test_bert_matches_single_device(files, task, spec):
-    """Loss, every metric and every gradient equal one device's, dropout on."""
+@pytest.mark.parametrize("task,spec,sp", [("pretrain", "2x4", False), ("pretrain", "1x8", False), ("race", "2x4", False),
+                                          ("mnli", "1x8", False), ("pretrain", "2x4", True), ("race", "1x8", True),
+                                          ("qqp", "2x4", True)])
+def test_bert_matches_single_device(files, task, spec, sp):
+    """Loss, every metric and every gradient equal one device's (without sequence
+    parallelism), dropout on; `sp`: the multi-device run is sequence parallel."""
     cfg = bert_config(files["tok"], task)
     ref_metrics, ref_grads, counts = metrics_and_grads(cfg, files, "1x1")
-    metrics, grads, _ = metrics_and_grads(cfg, files, spec)
+    metrics, grads, _ = metrics_and_grads(bert_config(files["tok"], task, sequence_parallel=sp), files, spec)
     assert set(metrics) == set(ref_metrics)
     # float32: losses and gradients within F32 of their scale; an accuracy may differ by one
     # prediction whose two best scores tie within rounding (tests/tolerances.py). RACE's

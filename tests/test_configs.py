@@ -93,6 +93,7 @@ def test_overrides_are_typed_and_suggest_keys():
     ({"hidden": 66, "num_heads": 2}, 4, "hidden=66"),
     ({"ffn_hidden": 250}, 4, "ffn_hidden=250"),
     ({"vocab_multiple": 90, "vocab_size": 90}, 4, "padded vocab=90"),
+    ({"seq_len": 18, "sequence_parallel": "true"}, 4, "model.seq_len=18 is not divisible by the model axis (4)"),
 ])
 def test_indivisible_sizes(change, tp, message):
     cfg = load_config("tiny", [f"model.{k}={v}" for k, v in change.items()])

@@ -17,9 +17,9 @@ TOKENS = np.asarray(jax.random.randint(jax.random.key(7), (8, CFG.model.seq_len 
 KEY = jax.random.key(3)
 
 
-def run(mesh):
+def run(mesh, cfg=CFG):
     """Weights, logits, loss and gradients (dropout on), and three optimizer steps on `mesh`."""
-    trainer = make_trainer(CFG, mesh)
+    trainer = make_trainer(cfg, mesh)
     md = trainer.modeldef
     p, o = trainer.init_state(seed=0)          # init_model's weights, in this mesh's shardings
     params = jax.tree.map(lambda x: x.copy(), p)   # the step below donates p
@@ -48,7 +48,17 @@ def reference():
 
 @pytest.mark.parametrize("spec", MESHES)
 def test_mesh_matches_single_device(reference, spec):
-    got = run(mesh_for(spec))
+    assert_matches_reference(reference, run(mesh_for(spec)))
+
+
+@pytest.mark.parametrize("spec", ["1x2", "2x2", "1x4", *MESHES])
+def test_sequence_parallel_matches_single_device(reference, spec):
+    """Activations split along the sequence between blocks (all-gather / reduce-scatter around
+    each block instead of all-reduces): the same numbers as one device without it."""
+    assert_matches_reference(reference, run(mesh_for(spec), tiny_config(sequence_parallel=True)))
+
+
+def assert_matches_reference(reference, got):
     # The same seed gives bit-identical global weights on every mesh.
     for x, y in zip(jax.tree.leaves(reference["params"]), jax.tree.leaves(got["params"])):
         np.testing.assert_array_equal(x, y)
@@ -126,13 +136,14 @@ def test_gradient_accumulation_equals_one_big_batch():
     assert results[2][:2] == results[1][:2]
 
 
-@pytest.mark.parametrize("remat,scan", [("selective", True), ("full", True), ("selective", False)])
-def test_remat_recomputes_the_same_numbers(remat, scan):
+@pytest.mark.parametrize("remat,scan,sp", [("selective", True, False), ("full", True, False),
+                                          ("selective", False, False), ("selective", True, True), ("full", False, True)])
+def test_remat_recomputes_the_same_numbers(remat, scan, sp):
     """Selective (the attention core) and full (each layer) recomputation give the loss and
     every gradient of no recomputation, dropout on, on 2x4: only the backward pass's schedule
     changes. Full remat is compared scanned only, as the rest of the suite runs it unrolled."""
     def loss_and_grads(mode):
-        cfg = tiny_config(remat=mode, scan_layers=scan)
+        cfg = tiny_config(remat=mode, scan_layers=scan, sequence_parallel=sp)
         trainer = make_trainer(cfg, mesh_for("2x4"))
         params, _ = trainer.init_state(seed=0)
         tokens = jax.device_put(TOKENS, trainer.batch_sharding)

@@ -344,3 +344,22 @@ def test_a_failed_save_is_reported_in_one_line(tmp_path, monkeypatch, capsys, fa
         assert f"saving step {fails} failed (OSError: [Errno 28] No space left on device); {intact}" in str(e.value)
     steps = sorted(int(p.name) for p in (tmp_path / "w" / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == {4: [2, 6, 8], 8: [4], 2: []}[fails]
+
+
+def test_a_sequence_parallel_run_samples_and_evaluates(tmp_path):
+    """Trained with sequence parallelism (2x4), the workdir serves inference like any other:
+    the sample at the end and evaluation run the same weights with the switch off (decoding
+    feeds one token at a time, which cannot be split over the model axis)."""
+    from megajax.config import load_config
+    from megajax.evaluation.scoring import perplexity_of_tokens
+    from megajax.training.loop import train
+
+    cfg = load_config("tiny", [f"data.source=text:{SHAKESPEARE}", "data.tokenizer=chars", "model.num_layers=1",
+                               "model.sequence_parallel=true", "train.steps=4", "train.save_every=4"])
+    result = train(cfg, mesh_for("2x4"), tmp_path / "w", sample_tokens=8, out=lambda *a: None)
+    assert result.final_step == 4 and result.sample is not None and len(result.sample) >= 16
+    tokens = np.asarray(load_workdir(tmp_path / "w", mesh_for("1x1")).tokenizer.encode(SHAKESPEARE.read_text()[:3000]))
+    one, many = (load_workdir(tmp_path / "w", mesh_for(spec)) for spec in ("1x1", "2x4"))
+    assert one.cfg.model.sequence_parallel and not one.model.cfg.sequence_parallel
+    a, b = (perplexity_of_tokens(x.model, tokens, 16, 8) for x in (one, many))
+    assert abs(a["loss"] - b["loss"]) <= F32 * a["loss"]

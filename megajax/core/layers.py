@@ -39,16 +39,19 @@ def dropout(x, rate: float, key, layout: S.Layout, spec):
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm with float32 statistics; its parameters are replicated over the mesh."""
+    """LayerNorm with float32 statistics; its parameters are replicated over the mesh.
+    `rows_2d`: normalise a (rows, hidden) view, faster on XLA:CPU; off for sequence-parallel
+    activations, whose (b, s/tp) split the merged rows would lose (XLA would gather them)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5):
-        self.eps = eps
+    def __init__(self, dim: int, eps: float = 1e-5, rows_2d: bool = True):
+        self.eps, self.rows_2d = eps, rows_2d
         self.scale = param(nnx.initializers.ones, S.REPLICATED_BIAS, jax.random.key(0), (dim,))
         self.bias = param(nnx.initializers.zeros, S.REPLICATED_BIAS, jax.random.key(0), (dim,))
 
     def __call__(self, x):
         # On (rows, hidden): XLA:CPU's backward (column sums for scale/bias) is ~1.5x faster in 2-D.
-        x32 = x.astype(jnp.float32).reshape(-1, x.shape[-1])
+        x32 = x.astype(jnp.float32)
+        x32 = x32.reshape(-1, x.shape[-1]) if self.rows_2d else x32
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
@@ -139,12 +142,27 @@ class VocabParallelEmbedding(nnx.Module):
         """Each device looks up the ids it owns (zeros elsewhere); one all-reduce sums them."""
         return vocab_parallel_lookup(self.table[...].astype(self.dtype), ids, self.layout)
 
-    def attend(self, x):
-        """Vocab-parallel logits x E^T, float32, left split over "model" (never gathered)."""
+    def attend(self, x, sequence_sharded: bool = False):
+        """Vocab-parallel logits x E^T, float32, left split over "model" (never gathered).
+        `sequence_sharded` x (b, s/tp, h) is all-gathered first, in the same shard_map, so the
+        backward pass reduce-scatters x's gradient instead of all-reducing it."""
+        if sequence_sharded:
+            return self.gathered_attend(x)
         with jax.named_scope("logits"):
             logits = jnp.einsum("bsh,vh->bsv", x.astype(self.dtype), self.table[...].astype(self.dtype),
                                 preferred_element_type=jnp.float32)
             return self.layout.constrain(logits, S.P(S.DATA, None, S.MODEL))
+
+
+    def gathered_attend(self, x):
+        def local(x, table):
+            with jax.named_scope("f_all_gather"):
+                x = jax.lax.all_gather(x, S.MODEL, axis=1, tiled=True)
+            return jnp.einsum("bsh,vh->bsv", x.astype(self.dtype), table.astype(self.dtype),
+                              preferred_element_type=jnp.float32)
+        with jax.named_scope("logits"):
+            return _shard_map(self.layout, local, (S.ACT_SEQUENCE, S.P(*S.VOCAB)), S.P(S.DATA, None, S.MODEL))(
+                x, self.table[...])
 
 
 class ParallelMLP(nnx.Module):
@@ -230,9 +248,9 @@ class TransformerLayer(nnx.Module):
                  causal: bool = True):
         self.layout, self.placement = layout, cfg.ln_placement
         self.hidden_dropout = cfg.hidden_dropout
-        self.ln1 = LayerNorm(cfg.hidden, cfg.ln_eps)
+        self.ln1 = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not cfg.sequence_parallel)
         self.attention = ParallelSelfAttention(cfg, layout=layout, precision=precision, rngs=rngs, causal=causal)
-        self.ln2 = LayerNorm(cfg.hidden, cfg.ln_eps)
+        self.ln2 = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not cfg.sequence_parallel)
         self.mlp = ParallelMLP(cfg, layout=layout, precision=precision, rngs=rngs)
 
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):

@@ -43,9 +43,9 @@ class BERT(nnx.Module):
         self.pos = param(normal, S.REPLICATED_2D, rngs.params(), (cfg.seq_len, h))
         self.types = param(normal, S.REPLICATED_2D, rngs.params(), (TYPE_VOCAB, h))
         if cfg.ln_placement == "post":
-            self.ln_embed = LayerNorm(h, cfg.ln_eps)
+            self.ln_embed = LayerNorm(h, cfg.ln_eps, rows_2d=not cfg.sequence_parallel)
         else:
-            self.ln_f = LayerNorm(h, cfg.ln_eps)
+            self.ln_f = LayerNorm(h, cfg.ln_eps, rows_2d=not cfg.sequence_parallel)
         self.layers = LayerStack(cfg, layout, precision, rngs, causal=False)
         self.pooler = ReplicatedLinear(h, h, **dense)
         if cfg.task == "pretrain":

@@ -25,10 +25,11 @@ class GPT(nnx.Module):
         self.pos = param(nnx.initializers.normal(cfg.init_std), S.REPLICATED_2D, rngs.params(),
                          (cfg.seq_len, cfg.hidden))
         self.layers = LayerStack(cfg, layout, precision, rngs, causal=True)
-        self.ln_f = LayerNorm(cfg.hidden, cfg.ln_eps)
+        self.ln_f = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not cfg.sequence_parallel)
 
     def hidden_states(self, tokens, *, key=None, cache=None, pos=None):
-        """(b, s) token ids -> (b, s, h) final hidden states, replicated over "model".
+        """(b, s) token ids -> (b, s, h) final hidden states, replicated over "model" (with
+        sequence parallelism split along the sequence: the logits gather it).
 
         With a KV `cache` (see `init_cache`) the tokens sit at positions pos..pos+s-1 and the
         new cache is returned too."""
@@ -42,7 +43,7 @@ class GPT(nnx.Module):
         x, cache = (out, None) if cache is None else out
         if self.cfg.ln_placement == "pre":
             x = self.ln_f(x)
-        x = self.layout.constrain(x, S.ACT_REPLICATED)   # sequence parallel: gathered once, for the logits
+        x = self.layout.constrain(x, self.layout.between_blocks)
         return x if cache is None else (x, cache)
 
     def init_cache(self, batch: int, max_len: int | None = None):
@@ -57,15 +58,15 @@ class GPT(nnx.Module):
     def decode(self, tokens, cache, pos):
         """Logits (b, s, vocab) for tokens at positions pos.. given the cache, and the new cache."""
         h, cache = self.hidden_states(tokens, cache=cache, pos=pos)
-        return mask_padded_vocab(self.embed.attend(h), self.cfg.vocab_size), cache
+        return mask_padded_vocab(self.embed.attend(h, self.layout.sequence_parallel), self.cfg.vocab_size), cache
 
     def __call__(self, tokens, *, key=None):
         """Logits over the real vocabulary (padding columns masked), split over "model"."""
-        return mask_padded_vocab(self.embed.attend(self.hidden_states(tokens, key=key)), self.cfg.vocab_size)
+        return mask_padded_vocab(self.embed.attend(self.hidden_states(tokens, key=key), self.layout.sequence_parallel), self.cfg.vocab_size)
 
     def token_losses(self, tokens, targets, *, key=None):
         """(b, s) per-token cross-entropy through the fused vocab-parallel loss."""
-        logits = self.embed.attend(self.hidden_states(tokens, key=key))
+        logits = self.embed.attend(self.hidden_states(tokens, key=key), self.layout.sequence_parallel)
         return vocab_parallel_cross_entropy(logits, targets, self.layout, self.cfg.vocab_size)
 
     def loss(self, tokens, targets, *, key=None, weights=None):

@@ -5,6 +5,8 @@ its own slices, and the same seed gives the same global weights on every mesh.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from flax import nnx
 
@@ -20,6 +22,12 @@ def model_class(cfg: ModelConfig):
     if cfg.kind not in MODELS:
         raise ConfigError(f"model.kind must be one of {', '.join(MODELS)}, got '{cfg.kind}'")
     return MODELS[cfg.kind]
+
+
+def for_inference(cfg: ModelConfig) -> ModelConfig:
+    """The model as evaluation and sampling run it: without sequence parallelism (decoding feeds
+    one token at a time, which cannot be split over the model axis). The weights are the same."""
+    return dataclasses.replace(cfg, sequence_parallel=False) if cfg.sequence_parallel else cfg
 
 
 def abstract_model(cfg: ModelConfig, layout: S.Layout | None = None):

@@ -28,15 +28,19 @@ class AuditResult:
     scanned: bool
     remat: bool               # full remat: the backward pass recomputes each layer's forward collectives
     head_rows: int = 0        # positions per sequence through the tied output layer and loss (GPT: seq_len)
+    sequence_parallel: bool = False   # all-gathers and reduce-scatters around the blocks instead of all-reduces
 
     def select(self, **kw) -> list[Collective]:
         return [c for c in self.collectives if all(getattr(c, k) == v for k, v in kw.items())]
 
-    def model_axis_layer_counts(self) -> dict[str, Counter]:
-        """{layer: Counter((origin, direction) -> executions per microbatch)} of model-axis all-reduces."""
+    def model_axis_layer_counts(self, kind: str = "all-reduce") -> dict[str, Counter]:
+        """{layer: Counter((origin, direction) -> executions per microbatch)} of the model-axis
+        collectives of `kind` that carry a block's activations (at least b s h / tp elements;
+        the h-sized gradient reductions of sequence parallelism's LayerNorms are not counted)."""
         per = defaultdict(Counter)
-        for c in self.select(kind="all-reduce", axis=MODEL):
-            if c.origin in ("attention", "mlp"):
+        least = self.batch_local * self.seq_len * self.hidden // self.mesh_shape[1]
+        for c in self.select(kind=kind, axis=MODEL):
+            if c.origin in ("attention", "mlp") and c.elements >= least:
                 if c.layer == "all":  # one scanned body, executed once per layer
                     for i in range(self.num_layers):
                         per[str(i)][(c.origin, c.direction)] += c.count // (self.num_layers * self.microbatches)
@@ -59,7 +63,10 @@ class AuditResult:
         return sum(c.elements * c.count for c in self.collectives if MODEL in c.axis)
 
     @property
-    def ratio(self) -> float:
+    def ratio(self) -> float | None:
+        """Model-axis elements over the analytic minimum (not yet derived for sequence parallelism)."""
+        if self.sequence_parallel:
+            return None
         return self.model_axis_elements / self.analytic_min_elements if self.mesh_shape[1] > 1 else 0.0
 
     def summary(self) -> dict:
@@ -74,7 +81,10 @@ class AuditResult:
             "counts": {"/".join(k): n for k, n in sorted(by.items())},
             "model_axis_elements": self.model_axis_elements,
             "analytic_min_elements": self.analytic_min_elements,
-            "ratio_to_megatron_min": round(self.ratio, 4),
+            "ratio_to_megatron_min": None if self.ratio is None else round(self.ratio, 4),
+            **({f"per_layer_model_{k.replace('-', '_')}s": {i: {f"{o}/{d}": n for (o, d), n in v.items()}
+                                                            for i, v in self.model_axis_layer_counts(k).items()}
+                for k in ("all-gather", "reduce-scatter")} if self.sequence_parallel else {}),
             "non_all_reduce_on_model_axis": sum(c.count for c in self.collectives
                                                 if MODEL in c.axis and c.kind != "all-reduce"),
         }
@@ -96,20 +106,29 @@ class AuditResult:
         widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
         fmt = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths))  # noqa: E731
         lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
-        per = self.model_axis_layer_counts()
-        count = lambda d: sorted({sum(n for (o, dd), n in c.items() if dd == d) for c in per.values()})  # noqa: E731
-        recompute = f", recomputed by remat {count('recompute')}" if self.remat else ""
-        lines += ["",
-                  f"model-axis all-reduces per layer{' and microbatch' if self.microbatches > 1 else ''}: forward {count('forward')}, backward {count('backward')}"
-                  f"{recompute} ({self.num_layers} layers{', scanned' if self.scanned else ''})",
-                  f"model-axis elements per step and device: {self.model_axis_elements:,} "
-                  f"= {self.ratio:.3f} x Megatron's analytic minimum {self.analytic_min_elements:,}"]
+        lines.append("")
+        for kind in ("all-gather", "reduce-scatter", "all-reduce") if self.sequence_parallel else ("all-reduce",):
+            lines.append(self._per_layer_line(kind))
+        if self.sequence_parallel:
+            lines.append(f"model-axis elements per step and device: {self.model_axis_elements:,} (sequence "
+                         f"parallel: the analytic minimum is not derived yet)")
+            return "\n".join(lines)
+        lines.append(f"model-axis elements per step and device: {self.model_axis_elements:,} "
+                     f"= {self.ratio:.3f} x Megatron's analytic minimum {self.analytic_min_elements:,}")
         if self.remat:
             extra = self.microbatches * self.num_layers * self.batch_local * self.seq_len * self.hidden
             lines.append(f"with remat's one recomputed all-reduce per layer ({extra:,} elements) the minimum is "
                          f"{self.analytic_min_elements + extra:,}: ratio "
                          f"{self.model_axis_elements / (self.analytic_min_elements + extra):.3f}")
         return "\n".join(lines)
+
+    def _per_layer_line(self, kind: str) -> str:
+        per = self.model_axis_layer_counts(kind)
+        count = lambda d: sorted({sum(n for (o, dd), n in c.items() if dd == d) for c in per.values()} or {0})  # noqa: E731
+        recompute = f", recomputed by remat {count('recompute')}" if self.remat else ""
+        return (f"model-axis {kind}s per layer{' and microbatch' if self.microbatches > 1 else ''}: "
+                f"forward {count('forward')}, backward {count('backward')}{recompute} "
+                f"({self.num_layers} layers{', scanned' if self.scanned else ''})")
 
     def print(self):
         print(self.table())
@@ -140,7 +159,8 @@ def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False) -> AuditResult:
     rows = t.batch_size // t.microbatches // mesh_shape[0] * task.sequences_per_example
     head_rows = task.head_rows(cfg)
     result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), m.num_layers, tuple(mesh_shape),
-                         rows, m.seq_len, m.hidden, t.microbatches, m.scan_layers, m.remat == "full", head_rows)
+                         rows, m.seq_len, m.hidden, t.microbatches, m.scan_layers, m.remat == "full", head_rows,
+                         m.sequence_parallel)
     if verbose:
         result.print()
     return result

@@ -20,10 +20,11 @@ import jax
 import numpy as np
 
 from megajax.config import Config
-from megajax.core.sharding import DATA, MODEL
+from megajax.core.sharding import DATA, MODEL, Layout
 from megajax.errors import UserError
 from megajax.files import WorkdirLock
 from megajax.models.generate import generate
+from megajax.models.registry import ModelDef, abstract_model, for_inference
 from megajax.progress import Progress
 from megajax.tasks import Task, param_count, task_for
 from megajax.training.checkpoint import Checkpoints
@@ -298,7 +299,7 @@ def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | No
 
 
 def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: float = 0.8, top_k: int = 40) -> str:
-    model = trainer.modeldef.bind(params)
+    model = ModelDef(abstract_model(for_inference(trainer.cfg.model), Layout(trainer.mesh))).bind(params)
     prompt = np.asarray(data.val[:16] if len(data.val) >= 16 else data.train[:16], dtype=np.int32)
     new = generate(model, prompt[None], n_tokens, temperature, top_k, jax.random.key(trainer.cfg.train.seed),
                    eos_id=data.tokenizer.eos_id)
