@@ -63,3 +63,19 @@ def test_command_lines_import_jax_only_after_their_flags():
     code = "import sys, megajax.cli, megajax; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_eval_task_choices_are_the_table():
+    """eval.py's --task choices (its parser cannot import jax) are exactly the tasks of the table."""
+    from megajax.cli.eval import TASK_CHOICES
+    from megajax.cli.eval_tasks import EVAL_TASKS
+
+    assert sorted(TASK_CHOICES) == sorted(EVAL_TASKS)
+
+
+def test_first_line_of_any_exception():
+    from megajax.errors import first_line
+
+    assert first_line(ValueError("\n  bad thing \nmore")) == "bad thing"
+    assert first_line(OSError()) == "OSError"
+    assert first_line(RuntimeError("x" * 500), 10) == "x" * 10

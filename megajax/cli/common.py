@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 
+from megajax.errors import first_line
 from megajax.hostenv import restart_with_malloc_tuning
 
 
@@ -31,8 +32,7 @@ def lost_peer(e: Exception):
     import jax   # loaded by now (this runs after a failed step); imported here to keep the module light
 
     if jax.process_count() > 1:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        print(f"error: process {jax.process_index()} of {jax.process_count()}: {type(e).__name__}: {first} "
+        print(f"error: process {jax.process_index()} of {jax.process_count()}: {type(e).__name__}: {first_line(e, 300)} "
               f"(another process has probably died; completed checkpoints are intact)", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)

@@ -10,7 +10,7 @@ import glob
 import sysconfig
 from pathlib import Path
 
-from megajax.errors import UserError
+from megajax.errors import UserError, first_line
 
 BUILTIN_MAX_BYTES = 12_000_000
 
@@ -74,7 +74,7 @@ def tfds_texts(spec: str, split: str) -> list[str]:
     try:
         source = tfds.data_source(spec, split=split)
     except Exception as e:
-        raise UserError(f"cannot open tfds:{spec} split '{split}': {e}".splitlines()[0]) from None
+        raise UserError(f"cannot open tfds:{spec} split '{split}': {first_line(e)}") from None
     texts = []
     for i in range(len(source)):
         record = source[i]

@@ -13,7 +13,7 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from megajax.data.wordpiece import train_vocab
-from megajax.errors import UserError
+from megajax.errors import UserError, first_line
 from megajax.files import write_atomic
 
 FILE = "tokenizer.json"
@@ -112,7 +112,7 @@ class HFTokenizer(Tokenizer):
             self.tok = tokenizers.Tokenizer.from_file(str(self.path))
         except Exception as e:  # noqa: BLE001  (the tokenizers package raises its own Exception)
             raise UserError(f"{self.path} is not a Hugging Face tokenizer.json "
-                            f"({(str(e).splitlines() or [''])[0][:120]})") from None
+                            f"({first_line(e, 120)})") from None
         for token in ("<|endoftext|>", "</s>", "[SEP]", "<eos>"):
             if (i := self.tok.token_to_id(token)) is not None:
                 self.eos_id = i

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from megajax.errors import UserError
+from megajax.errors import UserError, first_line
 
 
 class _ReportedSaveFailures(logging.Filter):
@@ -70,7 +70,7 @@ class _AbandonedReads(logging.Filter):
 
 
 def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    return f"{type(e).__name__}: {first_line(e)}"
 
 
 class Checkpoints:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from megajax.errors import UserError
+from megajax.errors import UserError, first_line
 
 # Environment variables by which JAX's cluster detection recognises a multi-process launch.
 _CLUSTER_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JAX_COORDINATOR_ADDRESS",
@@ -64,7 +64,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                                    heartbeat_timeout_seconds=3 * heartbeat_timeout_s,
                                    initialization_timeout=timeout)
     except Exception as e:  # unreachable coordinator, timeouts
-        raise UserError(f"jax.distributed.initialize failed: {str(e).splitlines()[0]}") from None
+        raise UserError(f"jax.distributed.initialize failed: {first_line(e)}") from None
     finally:
         watchdog.cancel()
     return True

@@ -87,8 +87,8 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
 
 def validate(cfg: Config, mesh, workdir: Path) -> Run:
     """Every check of a run before anything is written: the config against the workdir and
-    the other processes, the data, the sizes against the mesh. Returns the final config: its
-    vocabulary size is set here, and only here, from the data."""
+    the other processes, the data, the sizes against the mesh. Returns the Run, whose final
+    config has its vocabulary size set here, and only here, from the data."""
     cfg, pretrained = with_pretrained_shape(cfg, workdir)
     task = task_for(cfg)
     check_same_run({"config": cfg.to_dict(), "workdir": str(workdir)})
