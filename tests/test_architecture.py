@@ -10,7 +10,7 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "megajax"
 # Lowest first; a module may import from its own layer and the ones before it.
-LAYERS = [("errors", "files", "hostenv", "shapes", "config", "progress"), ("core",), ("data",), ("models",),
+LAYERS = [("errors", "files", "hostenv", "shapes", "config", "progress", "memory_model"), ("core",), ("data",), ("models",),
           ("tasks",), ("training", "evaluation"), ("tools",), ("cli",)]
 # Imports inside functions that are there on purpose (module -> what it imports there).
 DEFERRED = {

@@ -104,23 +104,39 @@ def test_selective_remat_adds_no_collective_and_drops_the_attention_matrices():
     assert temp["none"] - temp["selective"] >= 2 * one_matrix, temp   # 2 layers
 
 
-@pytest.mark.parametrize("layers,scan,spec", [(2, False, "2x4"), (3, True, "1x8")])
-def test_sequence_parallel_collectives(layers, scan, spec):
+def exact_model_axis_elements(r):
+    """Model-axis elements but the optimizer's scalar partial sums of the global grad norm."""
+    scalars = [c for c in r.collectives if c.axis == "model" and c.origin == "optimizer"]
+    assert all(c.shape == () for c in scalars)
+    return r.model_axis_elements - sum(c.count for c in scalars)
+
+
+@pytest.mark.parametrize("layers,scan,spec,remat", [(2, False, "2x4", "none"), (3, True, "1x8", "none"),
+                                                    (3, False, "1x8", "selective"), (2, True, "2x4", "full")])
+def test_sequence_parallel_collectives(layers, scan, spec, remat):
     """Sequence parallelism: around each block an all-gather of the sequence (b, s, h) before
     the column-parallel matmul and a reduce-scatter (b, s/t, h) after the row-parallel one,
     forward and backward; no all-reduce of activations anywhere on the model axis. Outside
     the layers: the embedding reduce-scatters straight into sequence shards, the logits gather
     once, the loss's three (b, s) all-reduces; the rest are gradient reductions of replicated
-    h-sized vectors (LayerNorm, row-parallel biases) and of the (s, h) position table."""
+    h-sized vectors (LayerNorm, row-parallel biases) and of the (s, h) position table. Each
+    block's input is all-gathered again in the backward pass. The total is the
+    sequence-parallel analytic minimum to the element. Selective remat adds no collective;
+    full remat recomputes the attention reduce-scatter (its all-gathers are the re-gathers)."""
     mesh = mesh_for(spec)
-    cfg = tiny_config(num_layers=layers, scan_layers=scan, sequence_parallel=True)
+    cfg = tiny_config(num_layers=layers, scan_layers=scan, sequence_parallel=True, remat=remat)
     r = audit(cfg, mesh)
     t = mesh.shape["model"]
     b, s, h = cfg.train.batch_size // mesh.shape["data"], cfg.model.seq_len, cfg.model.hidden
     block = {("attention", "forward"): 1, ("mlp", "forward"): 1, ("attention", "backward"): 1, ("mlp", "backward"): 1}
+    # In a scanned stack each block's input is all-gathered again for the backward pass
+    # (Megatron keeps only the shard; unrolled, XLA merges the two gathers); full remat recomputes the attention block's reduce-scatter as well.
+    recomputed = {"all-gather": {("attention", "recompute"): 1, ("mlp", "recompute"): 1} if scan else {},
+                  "reduce-scatter": {("attention", "recompute"): 1} if remat == "full" else {}}
     for kind in ("all-gather", "reduce-scatter"):
         per = r.model_axis_layer_counts(kind)
-        assert sorted(per) == [str(i) for i in range(layers)] and all(c == block for c in per.values()), kind
+        want = {**block, **recomputed[kind]}
+        assert sorted(per) == [str(i) for i in range(layers)] and all(c == want for c in per.values()), kind
     assert r.model_axis_layer_counts("all-reduce") == {}
     model = [c for c in r.collectives if c.axis == "model" and c.direction != "optimizer"]
     for c in model:
@@ -135,4 +151,12 @@ def test_sequence_parallel_collectives(layers, scan, spec):
     outside = sorted((c.kind, c.origin, c.direction) for c in model if c.kind != "all-reduce" and c.layer == "")
     assert outside == [("all-gather", "embedding", "backward"), ("all-gather", "logits", "forward"),
                        ("reduce-scatter", "embedding", "forward"), ("reduce-scatter", "logits", "backward")]
+    pair = b * s * h + b * s * h // t                          # one all-gather + one reduce-scatter
+    replicated_grads = layers * 6 * h + 2 * h + s * h          # LNs and row biases, final LN, positions
+    minimum = (4 * layers + 2) * pair + 2 * layers * b * s * h * scan + 3 * b * s + replicated_grads
+    assert r.analytic_min_elements == minimum
+    recompute = layers * b * s * h // t if remat == "full" else 0
+    assert exact_model_axis_elements(r) == minimum + recompute
+    assert r.ratio == pytest.approx((minimum + recompute) / minimum, abs=1e-3)   # the grad norm's scalars
     assert "all-gathers per layer: forward [2], backward [2]" in r.table()
+    assert "sequence-parallel analytic minimum" in r.table()

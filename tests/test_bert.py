@@ -120,6 +120,41 @@ def test_bert_has_megatrons_collectives(files, task, spec, scan):
     assert r.ratio == pytest.approx(1.0, abs=0.005)
 
 
+@pytest.mark.parametrize("task,spec", [("pretrain", "2x4"), ("mnli", "1x8")])
+def test_bert_sequence_parallel_collectives(files, task, spec):
+    """Sequence-parallel BERT: GPT's all-gather + reduce-scatter around each block, and no
+    gather of the sequence for the heads: one all-reduce of the rows they read ([CLS] and,
+    pretraining, the masked positions) out of the shards; the tied output layer's backward
+    all-reduce of the masked rows; the fused loss. The total is the sequence-parallel
+    analytic minimum to the element, with post-LayerNorm's embedding LayerNorm too."""
+    from test_audit import exact_model_axis_elements
+
+    for placement in ("pre", "post"):
+        cfg = bert_config(files["tok"], task, sequence_parallel=True, ln_placement=placement)
+        mesh = mesh_for(spec)
+        r = audit(cfg, mesh)
+        t, L = mesh.shape["model"], cfg.model.num_layers
+        b, s, h = cfg.train.batch_size // mesh.shape["data"], cfg.model.seq_len, cfg.model.hidden
+        for kind in ("all-gather", "reduce-scatter"):   # (+ 2 all-gathers again in a scanned stack's backward)
+            want = 4 + 2 * (kind == "all-gather" and cfg.model.scan_layers)
+            assert all(sum(c.values()) == want for c in r.model_axis_layer_counts(kind).values()), kind
+        assert r.model_axis_layer_counts("all-reduce") == {}
+        p = r.head_rows
+        outside = sorted((c.kind, c.origin, c.direction, c.elements) for c in r.collectives
+                         if c.axis == "model" and c.layer == "" and c.origin in ("embedding", "logits", "loss"))
+        want = [("all-gather", "embedding", "backward", b * s * h), ("reduce-scatter", "embedding", "forward", b * s * h // t),
+                ("all-reduce", "logits", "forward", b * (p + 1) * h)]
+        if task == "pretrain":
+            want += [("all-reduce", "logits", "backward", b * p * h)] + [("all-reduce", "loss", "forward", b * p)] * 3
+        assert outside == sorted(want), placement
+        pair = b * s * h + b * s * h // t
+        replicated_grads = L * 6 * h + 2 * h + (s + 2) * h    # LNs, row biases, one more LN, positions, types
+        heads = b * (p + 1) * h + b * p * h + 3 * b * p
+        regather = 2 * L * b * s * h * cfg.model.scan_layers  # each block's input, again for the backward pass
+        assert exact_model_axis_elements(r) == r.analytic_min_elements == (4 * L + 1) * pair + regather + heads + replicated_grads
+        assert "= 1.000 x Megatron's sequence-parallel analytic minimum" in r.table()
+
+
 def test_pre_and_post_layernorm_differ_and_both_train(files):
     losses, params = {}, {}
     for placement in ("pre", "post"):

@@ -16,6 +16,7 @@ from flax import nnx
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
 from megajax.core.loss import vocab_parallel_lookup
+from megajax.core.ops import apply_dropout, layer_norm, masked_softmax
 from megajax.core.precision import Precision, matmul
 
 
@@ -35,7 +36,7 @@ def dropout(x, rate: float, key, layout: S.Layout, spec):
     if key is None or rate == 0.0:
         return x
     keep = layout.constrain(jax.random.bernoulli(key, 1.0 - rate, x.shape), spec)
-    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+    return apply_dropout(x, keep, rate)
 
 
 class LayerNorm(nnx.Module):
@@ -50,12 +51,8 @@ class LayerNorm(nnx.Module):
 
     def __call__(self, x):
         # On (rows, hidden): XLA:CPU's backward (column sums for scale/bias) is ~1.5x faster in 2-D.
-        x32 = x.astype(jnp.float32)
-        x32 = x32.reshape(-1, x.shape[-1]) if self.rows_2d else x32
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
-        return y.astype(x.dtype).reshape(x.shape)
+        rows = x.reshape(-1, x.shape[-1]) if self.rows_2d else x
+        return layer_norm(rows, self.scale[...], self.bias[...], self.eps).reshape(x.shape)
 
 
 class _Linear(nnx.Module):
@@ -90,6 +87,10 @@ class ColumnParallelLinear(_Linear):
         return self.layout.constrain(y + self.local_bias(), S.ACT_COLUMN)
 
     def gathered_matmul(self, x):
+        # Checkpointed, as Megatron does: the backward pass keeps the (b, s/tp, h) shard and
+        # all-gathers it again for the weight gradient, instead of keeping the whole sequence.
+        # In a scanned stack; unrolled layers let XLA merge the two gathers (the whole is kept).
+        @jax.checkpoint
         def local(x, w):
             with jax.named_scope("f_all_gather"):
                 x = jax.lax.all_gather(x, S.MODEL, axis=1, tiled=True)
@@ -231,12 +232,12 @@ class ParallelSelfAttention(nnx.Module):
         this in the backward pass, from q, k and v, and keeps everything else."""
         scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = self.layout.constrain(scores / math.sqrt(self.head_dim), S.ATTN_SCORES)
+        keep = jnp.ones((1, 1, 1, 1), bool)     # broadcast, never (b, heads, q, k): it is kept for backward
         if self.causal:
-            causal = q_pos[:, None] >= jnp.arange(k.shape[2])[None, :]
-            scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+            keep = keep & (q_pos[:, None] >= jnp.arange(k.shape[2])[None, :])
         if mask is not None:  # (b, k) True where a key may be attended to
-            scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+            keep = keep & mask[:, None, None, :]
+        probs = masked_softmax(scores, keep, q.dtype)
         probs = dropout(probs, self.attention_dropout, key, self.layout, S.ATTN_SCORES)
         return jnp.einsum("bhqk,bhkd->bhqd", probs, v.astype(q.dtype))
 

@@ -16,13 +16,15 @@ The collectives come from exactly two places:
     sequence parallelism, the shard_map'd gather before each column-parallel matmul and
     reduce-scatter after each row-parallel one (megajax/core/layers.py: all-gather forward,
     reduce-scatter backward, and the reverse);
-  * the shard_map'd vocab-parallel embedding lookup and cross-entropy (megajax/core/loss.py).
+  * the shard_map'd vocab-parallel embedding lookup and cross-entropy (megajax/core/loss.py);
+  * with sequence parallelism, `Layout.take_rows`: the rows BERT's heads read (one all-reduce).
 """
 from __future__ import annotations
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -86,6 +88,28 @@ class Layout:
         """
         with jax.named_scope("g_all_reduce"):
             return self.constrain(partial_sum, ACT_REPLICATED)
+
+    def take_rows(self, x, positions):
+        """x (b, s, h) at `positions` (b, r) -> (b, r, h), replicated over "model".
+
+        With sequence parallelism x is split along the sequence: each device picks the rows it
+        holds and zeros the rest, and one all-reduce of b·r·h completes them (BERT reads the
+        masked positions and [CLS], far fewer than the b·s·h an all-gather would move). The
+        sum has one non-zero term, so it is exact in any dtype; the backward pass needs no
+        collective, since each device's rows take their own share of the cotangent.
+        """
+        if not self.sequence_parallel:
+            return jnp.take_along_axis(x, positions[..., None], axis=1)
+
+        def local(x, positions):
+            n = x.shape[1]
+            offset = positions - jax.lax.axis_index(MODEL) * n
+            picked = jnp.take_along_axis(x, jnp.clip(offset, 0, n - 1)[..., None], axis=1)
+            mine = ((offset >= 0) & (offset < n))[..., None]
+            with jax.named_scope("rows_all_reduce"):
+                return jax.lax.psum(jnp.where(mine, picked, jnp.zeros_like(picked)), MODEL)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(ACT_SEQUENCE, TOKENS), out_specs=ACT_REPLICATED)(
+            x, positions)
 
 
 def param_shardings(mesh: Mesh, specs):

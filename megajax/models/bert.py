@@ -14,7 +14,9 @@ Tasks (`model.task`):
              scored by a 1-output head on the pooled vector, softmax over the options.
 The heads are small and replicated over the model axis, so BERT has exactly GPT's
 collectives: 2 all-reduces forward and 2 backward per layer, plus the embedding, the tied
-output layer and the loss (pretraining only).
+output layer and the loss (pretraining only). With sequence parallelism the heads read only
+their rows ([CLS] and the masked positions) out of the sequence shards: one all-reduce of
+b·r·h instead of GPT's all-gather of the whole sequence.
 """
 from __future__ import annotations
 
@@ -58,27 +60,35 @@ class BERT(nnx.Module):
 
     # -- encoder ----------------------------------------------------------------------------
     def hidden_states(self, tokens, types, mask, *, key=None):
-        """(b, s) ids, segment ids and a 0/1 padding mask -> (b, s, h), replicated over "model"."""
-        s = tokens.shape[1]
+        """(b, s) ids, segment ids and a 0/1 padding mask -> (b, s, h), replicated over "model"
+        (with sequence parallelism: split over it along the sequence)."""
+        positions = jnp.arange(tokens.shape[1])
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
-        x = (self.embed(tokens) + self.pos[...][:s].astype(self.dtype)
+        # A gather, as in GPT, not a slice: with sequence parallelism a slice's gradient is sharded
+        # over "model" and XLA all-gathers the position table in the optimizer update instead.
+        x = (self.embed(tokens) + jnp.take(self.pos[...], positions, axis=0).astype(self.dtype)
              + jnp.take(self.types[...], types, axis=0).astype(self.dtype))
         x = self.layout.constrain(x, self.layout.between_blocks)
         if self.cfg.ln_placement == "post":
             x = self.ln_embed(x)
         x = dropout(x, self.cfg.hidden_dropout, k_embed, self.layout, self.layout.between_blocks)
         x = self.layers(x, key=k_layers, mask=mask.astype(bool))
-        x = self.ln_f(x) if self.cfg.ln_placement == "pre" else x
-        return self.layout.constrain(x, S.ACT_REPLICATED)   # sequence parallel: gathered once, for the heads
+        return self.ln_f(x) if self.cfg.ln_placement == "pre" else x
 
-    def pooled(self, h):
+    def head_rows(self, h, positions):
+        """The rows the heads read, (b, r, h) replicated over "model": [CLS] is position 0.
+        With sequence parallelism h is split along the sequence and only these rows cross
+        devices (`Layout.take_rows`)."""
+        with jax.named_scope("logits"):
+            return self.layout.take_rows(h, positions)
+
+    def pooled(self, cls):
         """BERT's pooler: tanh(W h[CLS] + b)."""
-        return jnp.tanh(self.pooler(h[:, 0]).astype(jnp.float32))
+        return jnp.tanh(self.pooler(cls).astype(jnp.float32))
 
     # -- pretraining heads --------------------------------------------------------------------
-    def mlm_logits(self, h, positions):
-        """Vocab-parallel logits (b, P, vocab/tp) at the masked positions only."""
-        picked = jnp.take_along_axis(h, positions[..., None], axis=1)
+    def mlm_logits(self, picked):
+        """Vocab-parallel logits (b, P, vocab/tp) from the hidden states at the masked positions."""
         t = self.mlm_ln(jax.nn.gelu(self.mlm_dense(picked), approximate=self.cfg.gelu == "tanh"))
         return self.embed.attend(t) + self.mlm_bias[...]
 
@@ -87,11 +97,12 @@ class BERT(nnx.Module):
         and hits (b,). The objective averages them; evaluation sums them exactly."""
         k_enc, k_pool = jax.random.split(key) if key is not None else (None, None)
         h = self.hidden_states(batch["tokens"], batch["types"], batch["mask"], key=k_enc)
+        cls = jnp.zeros_like(batch["mlm_positions"][:, :1])
+        rows = self.head_rows(h, jnp.concatenate([cls, batch["mlm_positions"]], axis=1))
         mlm_losses, mlm_hits = vocab_parallel_cross_entropy(
-            self.mlm_logits(h, batch["mlm_positions"]), batch["mlm_ids"], self.layout, self.cfg.vocab_size,
-            with_accuracy=True)
+            self.mlm_logits(rows[:, 1:]), batch["mlm_ids"], self.layout, self.cfg.vocab_size, with_accuracy=True)
         with jax.named_scope("sop_loss"):   # replicated over "model": no collective but the data-axis means
-            pooled = dropout(self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
+            pooled = dropout(self.pooled(rows[:, 0]), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
             sop_logits = self.sop(pooled).astype(jnp.float32)
             sop_losses = optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_label"])
             sop_hits = sop_logits.argmax(-1) == batch["sop_label"]
@@ -117,7 +128,8 @@ class BERT(nnx.Module):
         flat = lambda x: x.reshape(-1, x.shape[-1])   # noqa: E731  options become rows
         k_enc, k_pool = jax.random.split(key) if key is not None else (None, None)
         h = self.hidden_states(flat(tokens), flat(batch["types"]), flat(batch["mask"]), key=k_enc)
-        pooled = dropout(self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
+        cls = self.head_rows(h, jnp.zeros((h.shape[0], 1), jnp.int32))[:, 0]
+        pooled = dropout(self.pooled(cls), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
         logits = self.classifier(pooled).astype(jnp.float32)
         return logits.reshape(lead) if len(lead) == 2 else logits
 

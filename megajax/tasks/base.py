@@ -28,6 +28,10 @@ class Task:
     model_task = "pretrain"         # model.task
     sequences_per_example = 1       # sequences one example feeds the encoder (RACE: its options)
     sample_after_training = False   # train.py prints a sample at the end
+    # With sequence parallelism: the heads read only their rows of the last hidden states
+    # ([CLS] and the masked positions: BERT) rather than the whole gathered sequence (GPT).
+    heads_read_rows = False
+    extra_embedding_rows = 0        # replicated embedding rows added besides positions (BERT: token types)
 
     # -- the batch ---------------------------------------------------------------------------
     def batch_fields(self, cfg):

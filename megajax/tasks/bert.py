@@ -23,6 +23,7 @@ def _encoder_head_params(h: int) -> int:
 
 class BertPretraining(Task):
     name, kind = "bert", "bert"
+    heads_read_rows, extra_embedding_rows = True, TYPE_VOCAB
 
     def batch_fields(self, cfg):
         p = mlm_predictions(cfg.model.seq_len, cfg.data.mask_prob)
@@ -53,6 +54,7 @@ class BertPretraining(Task):
 class FineTuning(Task):
     """A classifier on the pooled [CLS] vector; multiple choice scores each option's sequence."""
     kind = "bert"
+    heads_read_rows, extra_embedding_rows = True, TYPE_VOCAB
 
     def __init__(self, name: str, choices: int = 0):
         self.name = self.model_task = name

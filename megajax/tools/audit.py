@@ -29,6 +29,8 @@ class AuditResult:
     remat: bool               # full remat: the backward pass recomputes each layer's forward collectives
     head_rows: int = 0        # positions per sequence through the tied output layer and loss (GPT: seq_len)
     sequence_parallel: bool = False   # all-gathers and reduce-scatters around the blocks instead of all-reduces
+    heads_read_rows: bool = False     # sequence parallel: the heads take their rows (BERT), not the sequence (GPT)
+    replicated_grad_elements: int = 0  # sequence parallel: gradients of model-replicated parameters to reduce
 
     def select(self, **kw) -> list[Collective]:
         return [c for c in self.collectives if all(getattr(c, k) == v for k, v in kw.items())]
@@ -54,19 +56,58 @@ class AuditResult:
         all-reduce (b s h), and for the r positions per sequence that reach the tied output layer
         (GPT: all s; BERT: the masked ones; fine-tuning: none) its backward all-reduce (b r h)
         and the fused loss (3 b r). Without remat; remat adds the recomputed forward on top."""
+        if self.sequence_parallel:
+            return self.sequence_parallel_min_elements
         bsh = self.batch_local * self.seq_len * self.hidden
         br = self.batch_local * self.head_rows
         return self.microbatches * (4 * self.num_layers * bsh + bsh + br * self.hidden + 3 * br)
+
+    @property
+    def sequence_parallel_min_elements(self) -> int:
+        """The minimum with sequence parallelism (Korthikanti et al. 2022), counting each
+        collective by its result as the audit does: an all-gather of b·s·h and a reduce-scatter
+        to b·s·h/t per block and pass (4 L of each), Megatron's second all-gather of each
+        block's input in the backward pass (2 L: the forward keeps only the shard; in a scanned
+        stack only, as an unrolled one lets XLA merge it with the forward's), the embedding's reduce-scatter and its
+        backward all-gather, the heads' input and its backward, the fused loss (3 b r), and the
+        gradients of the replicated parameters the sequence shards use (LayerNorms, row-parallel
+        biases, position and token-type tables: partial sums on each shard). GSPMD reduces those
+        where they are computed, once per microbatch: deferring them past gradient accumulation
+        would need an unreduced accumulator it cannot express (they are h-sized: 6h per layer
+        against the activations' 8 b s h (1 + 1/t)).
+        The heads' input: GPT gathers the whole sequence into the tied output layer (b·s·h,
+        reduce-scattered back: b·s·h/t); BERT's heads take their rows (b·(r+1)·h with [CLS],
+        `Layout.take_rows`) and the tied output layer's backward all-reduces b·r·h."""
+        b, s, h, t = self.batch_local, self.seq_len, self.hidden, self.mesh_shape[1]
+        pair = b * s * h + b * s * h // t
+        r = self.head_rows
+        if self.heads_read_rows:
+            heads = b * (r + 1) * h + b * r * h
+        else:
+            heads = pair if r else 0
+        regather = 2 * self.num_layers * b * s * h if self.scanned else 0
+        return self.microbatches * (4 * self.num_layers * pair + regather + pair + heads + 3 * b * r
+                                    + self.replicated_grad_elements)
+
+    @property
+    def remat_extra_elements(self) -> int:
+        """What full remat recomputes per layer: the layer's forward collectives but the last
+        (the layer's output is the next checkpoint, not recomputed): Megatron's attention
+        all-reduce (b s h), or with sequence parallelism the attention block's reduce-scatter
+        (b s h / t; its two all-gathers are the backward pass's re-gathers, already counted)."""
+        if not self.remat:
+            return 0
+        bsh = self.batch_local * self.seq_len * self.hidden
+        per_layer = bsh // self.mesh_shape[1] if self.sequence_parallel else bsh
+        return self.microbatches * self.num_layers * per_layer
 
     @property
     def model_axis_elements(self) -> int:
         return sum(c.elements * c.count for c in self.collectives if MODEL in c.axis)
 
     @property
-    def ratio(self) -> float | None:
-        """Model-axis elements over the analytic minimum (not yet derived for sequence parallelism)."""
-        if self.sequence_parallel:
-            return None
+    def ratio(self) -> float:
+        """Model-axis elements over the analytic minimum of the scheme (tensor or sequence parallel)."""
         return self.model_axis_elements / self.analytic_min_elements if self.mesh_shape[1] > 1 else 0.0
 
     def summary(self) -> dict:
@@ -81,7 +122,7 @@ class AuditResult:
             "counts": {"/".join(k): n for k, n in sorted(by.items())},
             "model_axis_elements": self.model_axis_elements,
             "analytic_min_elements": self.analytic_min_elements,
-            "ratio_to_megatron_min": None if self.ratio is None else round(self.ratio, 4),
+            "ratio_to_megatron_min": round(self.ratio, 4),
             **({f"per_layer_model_{k.replace('-', '_')}s": {i: {f"{o}/{d}": n for (o, d), n in v.items()}
                                                             for i, v in self.model_axis_layer_counts(k).items()}
                 for k in ("all-gather", "reduce-scatter")} if self.sequence_parallel else {}),
@@ -109,15 +150,13 @@ class AuditResult:
         lines.append("")
         for kind in ("all-gather", "reduce-scatter", "all-reduce") if self.sequence_parallel else ("all-reduce",):
             lines.append(self._per_layer_line(kind))
-        if self.sequence_parallel:
-            lines.append(f"model-axis elements per step and device: {self.model_axis_elements:,} (sequence "
-                         f"parallel: the analytic minimum is not derived yet)")
-            return "\n".join(lines)
+        scheme = "sequence-parallel " if self.sequence_parallel else ""
         lines.append(f"model-axis elements per step and device: {self.model_axis_elements:,} "
-                     f"= {self.ratio:.3f} x Megatron's analytic minimum {self.analytic_min_elements:,}")
+                     f"= {self.ratio:.3f} x Megatron's {scheme}analytic minimum {self.analytic_min_elements:,}")
         if self.remat:
-            extra = self.microbatches * self.num_layers * self.batch_local * self.seq_len * self.hidden
-            lines.append(f"with remat's one recomputed all-reduce per layer ({extra:,} elements) the minimum is "
+            what = "attention reduce-scatter" if self.sequence_parallel else "all-reduce"
+            extra = self.remat_extra_elements
+            lines.append(f"with remat's recomputed {what} per layer ({extra:,} elements) the minimum is "
                          f"{self.analytic_min_elements + extra:,}: ratio "
                          f"{self.model_axis_elements / (self.analytic_min_elements + extra):.3f}")
         return "\n".join(lines)
@@ -125,7 +164,8 @@ class AuditResult:
     def _per_layer_line(self, kind: str) -> str:
         per = self.model_axis_layer_counts(kind)
         count = lambda d: sorted({sum(n for (o, dd), n in c.items() if dd == d) for c in per.values()} or {0})  # noqa: E731
-        recompute = f", recomputed by remat {count('recompute')}" if self.remat else ""
+        label = "recomputed by remat" if self.remat else "re-gathered for the backward pass"
+        recompute = f", {label} {count('recompute')}" if self.remat or self.sequence_parallel else ""
         return (f"model-axis {kind}s per layer{' and microbatch' if self.microbatches > 1 else ''}: "
                 f"forward {count('forward')}, backward {count('backward')}{recompute} "
                 f"({self.num_layers} layers{', scanned' if self.scanned else ''})")
@@ -152,6 +192,17 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
     return audit_hlo(hlo, cfg, (mesh.shape[DATA], mesh.shape[MODEL]), verbose=verbose)
 
 
+def _replicated_grad_elements(cfg, task) -> int:
+    """Sequence parallelism's gradient reductions of replicated parameters: per layer two
+    LayerNorms (scale, bias) and two row-parallel biases, one more LayerNorm, the position and
+    token-type tables. Without sequence parallelism every device holds whole activations and
+    computes these gradients whole: nothing to reduce."""
+    m = cfg.model
+    if not m.sequence_parallel:
+        return 0
+    return m.num_layers * 6 * m.hidden + 2 * m.hidden + (m.seq_len + task.extra_embedding_rows) * m.hidden
+
+
 def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False) -> AuditResult:
     m, t = cfg.model, cfg.train
     task = task_for(cfg)
@@ -160,7 +211,7 @@ def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False) -> AuditResult:
     head_rows = task.head_rows(cfg)
     result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), m.num_layers, tuple(mesh_shape),
                          rows, m.seq_len, m.hidden, t.microbatches, m.scan_layers, m.remat == "full", head_rows,
-                         m.sequence_parallel)
+                         m.sequence_parallel, task.heads_read_rows, _replicated_grad_elements(cfg, task))
     if verbose:
         result.print()
     return result

@@ -1,0 +1,95 @@
+"""LayerNorm and the attention softmax with hand-written backward passes that keep only what
+Megatron keeps for them (Korthikanti et al. 2022, section 4.1).
+
+Left to autodiff, a float32-statistics LayerNorm on 16-bit activations saves three float32
+copies of its input for the backward pass (12 bytes an element instead of 2), and a softmax
+over float32 scores saves the scores, their exponentials and the broadcast masks (9 bytes a
+score instead of 2). At GPT-2 shapes that was two thirds of a layer's activation memory. Here
+LayerNorm saves its input in the activations' dtype and two float32 numbers per row; the
+softmax saves its output in the activations' dtype, from which its backward pass follows
+(masked positions have probability 0, so their gradient is 0 with no mask kept).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x, scale, bias, eps: float):
+    """LayerNorm over the last axis with float32 statistics; the result in x's dtype."""
+    return _layer_norm_fwd(x, scale, bias, eps)[0]
+
+
+def _stats(x32, eps):
+    mean = x32.mean(-1, keepdims=True)
+    return mean, jax.lax.rsqrt(jnp.square(x32 - mean).mean(-1, keepdims=True) + eps)
+
+
+def _layer_norm_fwd(x, scale, bias, eps):
+    mean, rstd = _stats(x.astype(jnp.float32), eps)
+    y = (x.astype(jnp.float32) - mean) * rstd * scale + bias
+    return y.astype(x.dtype), (x, mean, rstd, scale)
+
+
+def _layer_norm_bwd(eps, residuals, g):
+    x, mean, rstd, scale = residuals
+    g32 = g.astype(jnp.float32)
+    xhat = (x.astype(jnp.float32) - mean) * rstd
+    rows = tuple(range(x.ndim - 1))
+    gx = g32 * scale
+    dx = rstd * (gx - gx.mean(-1, keepdims=True) - xhat * (gx * xhat).mean(-1, keepdims=True))
+    return dx.astype(x.dtype), (g32 * xhat).sum(rows), g32.sum(rows)
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def masked_softmax(scores, keep, dtype):
+    """softmax(scores) over the last axis where `keep` (broadcastable) is True, 0 elsewhere,
+    computed in float32 and returned in `dtype`."""
+    return _softmax_fwd(scores, keep, dtype)[0]
+
+
+def _softmax_fwd(scores, keep, dtype):
+    s = jnp.where(keep, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(s, axis=-1).astype(dtype)
+    return probs, (probs, keep)
+
+
+def _softmax_bwd(dtype, residuals, g):
+    probs, keep = residuals
+    p, g32 = probs.astype(jnp.float32), g.astype(jnp.float32)
+    ds = p * (g32 - (g32 * p).sum(-1, keepdims=True))
+    # keep is a function of positions and the padding mask: no gradient (float0 for bools).
+    return ds, jax.tree.map(lambda k: jnp.zeros(k.shape, jax.dtypes.float0), keep)
+
+
+masked_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def apply_dropout(x, keep, rate: float):
+    """x / (1 - rate) where `keep`, 0 elsewhere. Its backward pass keeps the boolean mask only
+    (1 byte an element): autodiff of a select also keeps a broadcast array of zeros."""
+    return _scaled_select(x, keep, rate)
+
+
+def _scaled_select(x, keep, rate):
+    # The scale in float32: 1 - rate rounded to bfloat16 (0.9 -> 0.898) would bias every kept value.
+    scaled = (x.astype(jnp.float32) / (1.0 - rate)).astype(x.dtype)
+    return jax.lax.select(keep, scaled, jnp.zeros_like(x))
+
+
+def _dropout_fwd(x, keep, rate):
+    return _scaled_select(x, keep, rate), keep
+
+
+def _dropout_bwd(rate, keep, g):
+    return _scaled_select(g, keep, rate), jnp.zeros(keep.shape, jax.dtypes.float0)
+
+
+apply_dropout.defvjp(_dropout_fwd, _dropout_bwd)

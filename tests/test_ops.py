@@ -1,0 +1,78 @@
+"""The hand-written backward passes of megajax/core/ops.py equal autodiff of the plain formulas,
+and keep only what they claim to keep."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import ad_checkpoint
+from tolerances import assert_tree_close
+
+from megajax.core.ops import apply_dropout, layer_norm, masked_softmax
+
+RNG = np.random.default_rng(0)
+
+
+def plain_layer_norm(x, scale, bias, eps):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + eps) * scale + bias
+
+
+def plain_masked_softmax(scores, keep):
+    return jax.nn.softmax(jnp.where(keep, scores, jnp.finfo(jnp.float32).min), axis=-1)
+
+
+def grads(f, *args):
+    """Gradients of a random projection of f's output (every output element weighs in)."""
+    w = jnp.asarray(np.random.default_rng(1).normal(size=jax.eval_shape(f, *args).shape), jnp.float32)
+    return jax.grad(lambda *a: (f(*a) * w).sum(), argnums=tuple(range(len(args))))(*args)
+
+
+def test_layer_norm_matches_autodiff():
+    x = jnp.asarray(RNG.normal(2.0, 3.0, (6, 5, 32)), jnp.float32)
+    scale, bias = (jnp.asarray(RNG.normal(size=32), jnp.float32) for _ in range(2))
+    ours = lambda x, s, b: layer_norm(x, s, b, 1e-5)   # noqa: E731
+    plain = lambda x, s, b: plain_layer_norm(x, s, b, 1e-5)   # noqa: E731
+    assert_tree_close(plain(x, scale, bias), ours(x, scale, bias), what="forward")
+    assert_tree_close(grads(plain, x, scale, bias), grads(ours, x, scale, bias), what="gradients")
+
+
+def test_masked_softmax_matches_autodiff_and_masks():
+    scores = jnp.asarray(RNG.normal(size=(2, 3, 8, 8)) * 4, jnp.float32)
+    causal = jnp.tril(jnp.ones((8, 8), bool))[None, None]
+    padding = jnp.asarray(RNG.random((2, 1, 1, 8)) > 0.3).at[..., 0].set(True)
+    for keep in (causal, causal & padding):
+        ours = lambda s: masked_softmax(s, keep, jnp.float32)   # noqa: E731
+        probs = ours(scores)
+        assert float(jnp.abs(jnp.where(keep, 0.0, probs)).max()) == 0.0
+        assert_tree_close(plain_masked_softmax(scores, keep), probs, what="forward")
+        assert_tree_close(grads(lambda s: plain_masked_softmax(s, keep), scores), grads(ours, scores), what="gradients")
+
+
+def test_dropout_matches_autodiff_and_keeps_only_the_mask():
+    x = jnp.asarray(RNG.normal(size=(4, 16, 32)), jnp.bfloat16)
+    keep = jnp.asarray(RNG.random((4, 16, 32)) > 0.1)
+    plain = lambda x: jnp.where(keep, x.astype(jnp.float32) / 0.9, 0.0)   # noqa: E731
+    ours = lambda x: apply_dropout(x, keep, 0.1).astype(jnp.float32)   # noqa: E731
+    # one bfloat16 rounding of the exactly scaled value
+    np.testing.assert_allclose(ours(x), plain(x), rtol=2 ** -8, atol=0)
+    np.testing.assert_array_equal(grads(ours, x)[0], grads(lambda x: apply_dropout(x, keep, 0.1), x)[0])
+    expected = jnp.where(keep, jnp.ones_like(x, jnp.float32) / 0.9, 0.0).astype(jnp.bfloat16)
+    np.testing.assert_allclose(jax.grad(lambda x: ours(x).sum())(x).astype(jnp.float32),
+                               expected.astype(jnp.float32), rtol=2 ** -8)
+
+
+def test_residuals_are_what_megatron_keeps(capsys):
+    """LayerNorm keeps its 16-bit input and two float32 numbers per row; the softmax its 16-bit
+    output and the (broadcast, not materialised) mask; dropout its boolean mask."""
+    x = jnp.ones((4, 16, 32), jnp.bfloat16)
+    scale = bias = jnp.ones((32,), jnp.float32)
+    ad_checkpoint.print_saved_residuals(lambda x, s, b: layer_norm(x, s, b, 1e-5).sum(), x, scale, bias)
+    scores = jnp.ones((4, 2, 16, 16), jnp.float32)
+    keep = jnp.tril(jnp.ones((16, 16), bool))[None, None]
+    ad_checkpoint.print_saved_residuals(lambda s: masked_softmax(s, keep, jnp.bfloat16).astype(jnp.float32).sum(),
+                                        scores)
+    ad_checkpoint.print_saved_residuals(lambda x: apply_dropout(x, keep[0, 0][None].repeat(4, 0)[..., :16], 0.1)
+                                        .astype(jnp.float32).sum(), jnp.ones((4, 16, 16), jnp.bfloat16))
+    shapes = sorted(line.split(" ")[0] for line in capsys.readouterr().out.splitlines() if "[" in line)
+    assert shapes == sorted(["bf16[4,16,32]", "f32[4,16,1]", "f32[4,16,1]", "f32[32]",    # LayerNorm (+ scale)
+                             "bf16[4,2,16,16]", "bool[1,1,16,16]",                           # softmax
+                             "bool[4,16,16]"]), shapes                                       # dropout
