@@ -1,6 +1,7 @@
 """train.py end to end, through the real command line (subprocesses on 8 simulated CPU devices)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -185,6 +186,20 @@ def test_dry_run_of_paper_model_allocates_nothing():
     assert f"dry run: gpt2_355m, {n:,} parameters" in p.stdout
     assert "per device: params" in p.stdout and "compiled step peak" in p.stdout
     assert "forward [2], backward [2]" in p.stdout
+    assert "activations per sequence" not in p.stdout   # only with --costs
+
+
+def test_dry_run_costs_follow_the_memory_model():
+    """--costs: activation bytes per sequence compiled (whole step and layers) and modelled;
+    FLOPs with recomputation's share. Float32 SP + selective on 2x4: the layers' compiled
+    bytes are the model's within 15% (tests/test_memory_model.py holds the model to XLA)."""
+    p = run("--config", "tiny", "--host-devices", "8", "--mesh", "2x4", "--dry-run", "--costs", "--set",
+            "model.sequence_parallel=true", "--set", "model.remat=selective", "--set", "model.compute_dtype=float32")
+    line = next(x for x in p.stdout.splitlines() if x.startswith("activations per sequence: "))
+    assert "slope over 4 more per microbatch" in line and "the 2 layers" in line, line
+    assert "recomputation +" in p.stdout and "step FLOPs per device: " in p.stdout
+    compiled, modelled = (float(x) for x in re.findall(r"layers ([0-9.]+) KiB compiled, modelled ([0-9.]+) KiB", line)[0])
+    assert compiled == pytest.approx(modelled, rel=0.15), line
 
 
 @pytest.mark.parametrize("args,message", [

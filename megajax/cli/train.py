@@ -36,6 +36,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate at the end (0: none)")
     p.add_argument("--dry-run", action="store_true",
                    help="compile abstractly; print sizes, per-device memory and the collective audit")
+    p.add_argument("--costs", action="store_true",
+                   help="with --dry-run: compile variants of the step too, for activation bytes per sequence and "
+                        "per layer (compiled and modelled) and the step's FLOPs with recomputation's share")
     add_distributed_args(p)
     return p
 
@@ -76,7 +79,9 @@ def _train_main(args) -> int:
             raise UserError(str(e)) from None
         workdir = Path(args.workdir or Path("runs") / cfg.name)
         if args.dry_run:
-            dry_run_report(with_pretrained_shape(cfg, workdir)[0], mesh)
+            dry_run_report(with_pretrained_shape(cfg, workdir)[0], mesh, costs=args.costs)
+        elif args.costs:
+            raise UserError("--costs goes with --dry-run")
         else:
             try:
                 train(cfg, mesh, workdir, sample_tokens=args.sample_tokens)   # handles the signals itself

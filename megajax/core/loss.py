@@ -6,6 +6,8 @@ never the (batch, seq, vocab) logits.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -50,33 +52,65 @@ def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None
     Three all-reduces of (b, s) numbers: the max (for stability), the sum of exponentials and
     the target logit, which only the device owning that vocabulary slice contributes.
     Columns >= `vocab_size` (vocabulary padding) are excluded from the softmax.
-    The backward pass is local: softmax - onehot on each device's own slice.
+    The backward pass is local: softmax - onehot on each device's own slice, recomputed from
+    the logits and the (b, s) log-sum-exp, so the logits are the only (b, s, vocab/tp) array
+    kept for it (as Megatron's fused kernel keeps one).
     With `with_accuracy`, also return whether the target is the argmax (target logit equal
     to the global max): a by-product of the two reductions, no extra collective.
     """
 
     def local(logits, targets):
-        logits = logits.astype(jnp.float32)
-        start, end = _vocab_range(logits.shape[-1])
-        if vocab_size is not None:
-            vocab_ids = start + jnp.arange(logits.shape[-1])
-            logits = jnp.where(vocab_ids < vocab_size, logits, _NEG)
-        with jax.named_scope("loss_all_reduce"):
-            gmax = jax.lax.pmax(jax.lax.stop_gradient(logits.max(-1)), MODEL)
-        sum_exp = jnp.exp(logits - gmax[..., None]).sum(-1)
-        owned = (targets >= start) & (targets < end)
-        local_t = jnp.where(owned, targets - start, 0)
-        picked = jnp.take_along_axis(logits, local_t[..., None], axis=-1)[..., 0]
-        picked = jnp.where(owned, picked, 0.0)
-        with jax.named_scope("loss_all_reduce"):
-            sum_exp = jax.lax.psum(sum_exp, MODEL)
-            target_logit = jax.lax.psum(picked, MODEL)
-        loss = jnp.log(sum_exp) + gmax - target_logit
-        return (loss, jax.lax.stop_gradient(target_logit) >= gmax) if with_accuracy else loss
+        start = jax.lax.axis_index(MODEL) * logits.shape[-1]
+        loss, hits = _cross_entropy(logits.astype(jnp.float32), targets, start, vocab_size)
+        return (loss, hits) if with_accuracy else loss
 
     out_specs = (P(DATA, None), P(DATA, None)) if with_accuracy else P(DATA, None)
     with jax.named_scope("loss"):
         return _shard_map(local, layout, (P(DATA, None, MODEL), P(DATA, None)), out_specs)(logits, targets)
+
+
+def _local_columns(logits, targets, start, vocab_size):
+    """Which columns are real vocabulary, and each row's target column here (if this slice owns it)."""
+    ids = start + jnp.arange(logits.shape[-1])
+    real = ids < vocab_size if vocab_size is not None else jnp.ones_like(ids, bool)
+    owned = (targets >= start) & (targets < start + logits.shape[-1])
+    return real, owned, jnp.where(owned, targets - start, 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cross_entropy(logits, targets, start, vocab_size):
+    return _cross_entropy_fwd(logits, targets, start, vocab_size)[0]
+
+
+def _cross_entropy_fwd(logits, targets, start, vocab_size):
+    real, owned, local_t = _local_columns(logits, targets, start, vocab_size)
+    masked = jnp.where(real, logits, _NEG)
+    with jax.named_scope("loss_all_reduce"):
+        gmax = jax.lax.pmax(masked.max(-1), MODEL)
+    sum_exp = jnp.exp(masked - gmax[..., None]).sum(-1)
+    picked = jnp.where(owned, jnp.take_along_axis(logits, local_t[..., None], axis=-1)[..., 0], 0.0)
+    with jax.named_scope("loss_all_reduce"):
+        sum_exp = jax.lax.psum(sum_exp, MODEL)
+        target_logit = jax.lax.psum(picked, MODEL)
+    lse = jnp.log(sum_exp) + gmax
+    return (lse - target_logit, target_logit >= gmax), (logits, targets, start, lse)
+
+
+def _cross_entropy_bwd(vocab_size, residuals, cotangents):
+    logits, targets, start, lse = residuals
+    g = cotangents[0]
+    real, owned, local_t = _local_columns(logits, targets, start, vocab_size)
+    softmax = jnp.where(real, jnp.exp(logits - lse[..., None]), 0.0)
+    onehot = owned[..., None] & (jnp.arange(logits.shape[-1]) == local_t[..., None])
+    grad = (softmax - onehot) * g[..., None]
+    return grad, _zero_cotangent(targets), _zero_cotangent(start)
+
+
+def _zero_cotangent(x):
+    return jnp.zeros(jnp.shape(x), jax.dtypes.float0)
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def mask_padded_vocab(logits, vocab_size: int):

@@ -164,8 +164,12 @@ class AuditResult:
     def _per_layer_line(self, kind: str) -> str:
         per = self.model_axis_layer_counts(kind)
         count = lambda d: sorted({sum(n for (o, dd), n in c.items() if dd == d) for c in per.values()} or {0})  # noqa: E731
-        label = "recomputed by remat" if self.remat else "re-gathered for the backward pass"
-        recompute = f", {label} {count('recompute')}" if self.remat or self.sequence_parallel else ""
+        if self.remat:
+            recompute = f", recomputed by remat {count('recompute')}"
+        elif self.sequence_parallel and kind == "all-gather":
+            recompute = f", again for the backward pass {count('recompute')}"
+        else:
+            recompute = ""
         return (f"model-axis {kind}s per layer{' and microbatch' if self.microbatches > 1 else ''}: "
                 f"forward {count('forward')}, backward {count('backward')}{recompute} "
                 f"({self.num_layers} layers{', scanned' if self.scanned else ''})")

@@ -12,6 +12,7 @@ from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL
 from megajax.tasks import param_count
 from megajax.tools.audit import audit_hlo
+from megajax.tools.step_figures import step_figures
 from megajax.training.memory import device_memory_bytes, gib, step_memory
 from megajax.training.step import make_trainer
 
@@ -21,16 +22,16 @@ def per_device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def dry_run_report(cfg: Config, mesh, out=print) -> dict:
+def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
     """Compile `cfg`'s train step on `mesh` abstractly (nothing allocated), print the report
-    and return it as a dict."""
+    and return it as a dict. `costs`: also activation bytes and FLOPs (megajax/tools/step_figures.py)."""
     trainer = make_trainer(cfg, mesh)
     params, opt = trainer.abstract_state()
     t0 = time.perf_counter()
     compiled = trainer.lower_step().compile()
     compile_s = time.perf_counter() - t0
     report = {
-        "config": cfg.name, "params": param_count(cfg),
+        "config": cfg.name, "params": param_count(cfg), "num_layers": cfg.model.num_layers,
         "mesh": {DATA: mesh.shape[DATA], MODEL: mesh.shape[MODEL]},
         "param_bytes_per_device": per_device_bytes(params),
         "optimizer_bytes_per_device": per_device_bytes(opt),
@@ -40,6 +41,8 @@ def dry_run_report(cfg: Config, mesh, out=print) -> dict:
     }
     audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape[DATA], mesh.shape[MODEL]))
     report["audit"] = audit.summary()
+    if costs:
+        report.update(step_figures(cfg, mesh, report.get("step_temp_bytes")))
     _print(report, cfg, out)
     out(audit.table())
     return report
@@ -59,4 +62,24 @@ def _print(report: dict, cfg: Config, out):
         fits = report["step_peak_bytes"] <= report["device_bytes"]
         out(f"{'fits' if fits else 'does NOT fit'}: a device has {gib(report['device_bytes'])}"
             + ("" if fits else " (train.py would refuse this run)"))
+    if "step_flops" in report:
+        _print_costs(report, out)
     out(f"step compiled in {report['compile_s']:.1f}s\n")
+
+
+def _print_costs(report: dict, out):
+    """Activation bytes per sequence, compiled and modelled, and the step's FLOPs."""
+    layers, dtype = report["num_layers"], report["modelled_activation_dtype"]
+    model = f"modelled {gib(report['modelled_bytes_per_layer_and_sequence'] * layers)} in {dtype}"
+    if dtype != "float32":
+        model += (f" ({gib(report['modelled_float32_bytes_per_layer_and_sequence'] * layers)} in float32, "
+                  f"as XLA:CPU keeps 16-bit activations)")
+    if "activation_bytes_per_sequence" in report:
+        out(f"activations per sequence: {gib(int(report['activation_bytes_per_sequence']))} compiled "
+            f"(step temporaries, slope over {report['sequences_per_microbatch']} more per microbatch); "
+            f"the {layers} layers {gib(int(report['activation_bytes_per_layer_and_sequence'] * layers))} "
+            f"compiled, {model}")
+    else:
+        out(f"activations per sequence: the {layers} layers {model}")
+    out(f"step FLOPs per device: {report['step_flops']:.3e}, recomputation "
+        f"{100 * report['recompute_overhead']:+.1f}% over none")

@@ -40,7 +40,9 @@ def device_memory_bytes() -> int | None:
 
 
 def gib(b: int) -> str:
-    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+    if b >= 2**30:
+        return f"{b / 2**30:.2f} GiB"
+    return f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
 
 
 def check_step_fits(compiled):
