@@ -89,7 +89,8 @@ class ColumnParallelLinear(_Linear):
     def gathered_matmul(self, x):
         # Checkpointed, as Megatron does: the backward pass keeps the (b, s/tp, h) shard and
         # all-gathers it again for the weight gradient, instead of keeping the whole sequence.
-        # In a scanned stack; unrolled layers let XLA merge the two gathers (the whole is kept).
+        # In a scanned stack; in unrolled layers XLA may merge the two gathers (jax 0.10's does),
+        # which keeps the whole input as without the checkpoint.
         @jax.checkpoint
         def local(x, w):
             with jax.named_scope("f_all_gather"):

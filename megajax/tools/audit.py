@@ -66,9 +66,7 @@ class AuditResult:
     def sequence_parallel_min_elements(self) -> int:
         """The minimum with sequence parallelism (Korthikanti et al. 2022), counting each
         collective by its result as the audit does: an all-gather of b·s·h and a reduce-scatter
-        to b·s·h/t per block and pass (4 L of each), Megatron's second all-gather of each
-        block's input in the backward pass (2 L: the forward keeps only the shard; in a scanned
-        stack only, as an unrolled one lets XLA merge it with the forward's), the embedding's reduce-scatter and its
+        to b·s·h/t per block and pass (4 L of each), the embedding's reduce-scatter and its
         backward all-gather, the heads' input and its backward, the fused loss (3 b r), and the
         gradients of the replicated parameters the sequence shards use (LayerNorms, row-parallel
         biases, position and token-type tables: partial sums on each shard). GSPMD reduces those
@@ -85,16 +83,24 @@ class AuditResult:
             heads = b * (r + 1) * h + b * r * h
         else:
             heads = pair if r else 0
-        regather = 2 * self.num_layers * b * s * h if self.scanned else 0
-        return self.microbatches * (4 * self.num_layers * pair + regather + pair + heads + 3 * b * r
+        return self.microbatches * (4 * self.num_layers * pair + pair + heads + 3 * b * r
                                     + self.replicated_grad_elements)
+
+    @property
+    def regathered_elements(self) -> int:
+        """Sequence parallelism's all-gathers of each block's input again in the backward pass
+        (Megatron keeps only the shard, trading b·s·h of communication per block for memory):
+        counted as they occur, since XLA may merge them with the forward's in an unrolled stack."""
+        per = self.model_axis_layer_counts("all-gather")
+        bsh = self.batch_local * self.seq_len * self.hidden
+        return self.microbatches * bsh * sum(n for c in per.values() for (_, d), n in c.items() if d == "recompute")
 
     @property
     def remat_extra_elements(self) -> int:
         """What full remat recomputes per layer: the layer's forward collectives but the last
         (the layer's output is the next checkpoint, not recomputed): Megatron's attention
         all-reduce (b s h), or with sequence parallelism the attention block's reduce-scatter
-        (b s h / t; its two all-gathers are the backward pass's re-gathers, already counted)."""
+        (b s h / t; its two all-gathers serve as the backward pass's re-gathers)."""
         if not self.remat:
             return 0
         bsh = self.batch_local * self.seq_len * self.hidden
@@ -153,12 +159,16 @@ class AuditResult:
         scheme = "sequence-parallel " if self.sequence_parallel else ""
         lines.append(f"model-axis elements per step and device: {self.model_axis_elements:,} "
                      f"= {self.ratio:.3f} x Megatron's {scheme}analytic minimum {self.analytic_min_elements:,}")
+        parts = []
+        if self.regathered_elements:
+            parts.append(f"the block inputs all-gathered again for the backward pass ({self.regathered_elements:,} elements)")
         if self.remat:
             what = "attention reduce-scatter" if self.sequence_parallel else "all-reduce"
-            extra = self.remat_extra_elements
-            lines.append(f"with remat's recomputed {what} per layer ({extra:,} elements) the minimum is "
-                         f"{self.analytic_min_elements + extra:,}: ratio "
-                         f"{self.model_axis_elements / (self.analytic_min_elements + extra):.3f}")
+            parts.append(f"remat's recomputed {what} per layer ({self.remat_extra_elements:,} elements)")
+        if parts:
+            total = self.analytic_min_elements + self.regathered_elements + self.remat_extra_elements
+            lines.append(f"with {' and '.join(parts)} the minimum is {total:,}: ratio "
+                         f"{self.model_axis_elements / total:.3f}")
         return "\n".join(lines)
 
     def _per_layer_line(self, kind: str) -> str:
