@@ -82,6 +82,10 @@ class ColumnParallelLinear(_Linear):
     (Megatron's f becomes an all-gather forward, a reduce-scatter backward)."""
     KERNEL_SPEC, BIAS_SPEC = S.COLUMN, S.COLUMN_BIAS
 
+    def __init__(self, *args, regather: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.regather = regather    # False under full remat, which recomputes the gather anyway
+
     def __call__(self, x):
         y = self.gathered_matmul(x) if self.layout.sequence_parallel else self.local_matmul(x)
         return self.layout.constrain(y + self.local_bias(), S.ACT_COLUMN)
@@ -91,11 +95,11 @@ class ColumnParallelLinear(_Linear):
         # all-gathers it again for the weight gradient, instead of keeping the whole sequence.
         # In a scanned stack; in unrolled layers XLA may merge the two gathers (jax 0.10's does),
         # which keeps the whole input as without the checkpoint.
-        @jax.checkpoint
         def local(x, w):
             with jax.named_scope("f_all_gather"):
                 x = jax.lax.all_gather(x, S.MODEL, axis=1, tiled=True)
             return matmul(x.astype(self.precision.compute), w, self.precision.matmul)
+        local = jax.checkpoint(local) if self.regather else local
         return _shard_map(self.layout, local, (S.ACT_SEQUENCE, S.P(*S.COLUMN)), S.ACT_COLUMN)(x, self.kernel[...])
 
 
@@ -174,7 +178,7 @@ class ParallelMLP(nnx.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.approximate_gelu = cfg.gelu == "tanh"
         self.fc1 = ColumnParallelLinear(cfg.hidden, cfg.ffn, layout=layout, precision=precision,
-                                        std=cfg.init_std, rngs=rngs)
+                                        regather=cfg.remat != "full", std=cfg.init_std, rngs=rngs)
         self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden, layout=layout, precision=precision,
                                      std=out_std, rngs=rngs)
 
@@ -201,6 +205,7 @@ class ParallelSelfAttention(nnx.Module):
         self.selective_remat = cfg.remat == "selective"
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, layout=layout, precision=precision,
+                                        regather=cfg.remat != "full",
                                         std=cfg.init_std, rngs=rngs)
         self.out = RowParallelLinear(cfg.hidden, cfg.hidden, layout=layout, precision=precision,
                                      std=out_std, rngs=rngs)
