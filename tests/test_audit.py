@@ -49,6 +49,8 @@ def test_megatron_collectives(layers, spec, scan):
                  zip(range(10**6), jax.tree.leaves(shardings), jax.tree.leaves(shapes))}
         table = np.prod(shardings["embed"]["table"].shard_shape(shapes["embed"]["table"].shape))
         assert n_grad == sum(local.values()) + table
+        assert r.gradient_shard_elements == sum(local.values()) and r.data_axis_gradient_elements == n_grad
+        assert f"= {n_grad / sum(local.values()):.3f} x the minimum {sum(local.values()):,}" in r.table()
     assert not [c for c in r.collectives if "+" in c.axis]
     assert r.ratio == pytest.approx(1.0, abs=0.005)
     assert "forward [2], backward [2]" in r.table()
@@ -167,3 +169,19 @@ def test_sequence_parallel_collectives(layers, scan, spec, remat):
         assert f"the minimum is {minimum + recompute:,}: ratio 1.000" in r.table()
     assert "all-gathers per layer: forward [2], backward [2]" in r.table()
     assert "sequence-parallel analytic minimum" in r.table()
+
+
+def test_data_axis_gradients_are_reduced_once_per_microbatch_today():
+    """The audit's data-axis line: GSPMD reduces each gradient shard over "data" where it is
+    computed, so with gradient accumulation once per microbatch (issue 15 defers it to once
+    per step). Twice the microbatches, twice the traffic; the minimum does not move."""
+    one, two = (audit(_with_microbatches(m), mesh_for("2x4")) for m in (1, 2))
+    assert one.gradient_shard_elements == two.gradient_shard_elements > 0
+    assert two.data_axis_gradient_elements == 2 * one.data_axis_gradient_elements
+    assert "here 2" in two.table()
+
+
+def _with_microbatches(m: int):
+    cfg = tiny_config()
+    cfg.train.microbatches = m
+    return cfg.validate()

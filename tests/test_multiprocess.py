@@ -90,7 +90,10 @@ def test_killing_one_process_ends_the_other(tmp_path):
         pytest.fail("the surviving process hung after its peer died")
     assert procs[0].returncode != 0
     assert time.time() - t < 90
-    assert "another process has probably died" in err or "another task died" in err, err[-2000:]
+    # Whichever notices first: the failed collective (the peer's connection closed) or, when
+    # the host is loaded and the collective only hangs, the watchdog; both name a lost peer.
+    assert any(m in err for m in ("another process has probably died", "another task died",
+                                  "one has probably frozen or died")), err[-2000:]
     # The last complete checkpoint is still readable.
     p = run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", "7", "--save-every", "100")
     assert "resuming from step" in p.stdout

@@ -8,7 +8,10 @@ model-axis traffic with the analytic minimum.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter, defaultdict
+
+import jax
 
 from megajax.core.sharding import DATA, MODEL
 from megajax.tasks import task_for
@@ -31,6 +34,7 @@ class AuditResult:
     sequence_parallel: bool = False   # all-gathers and reduce-scatters around the blocks instead of all-reduces
     heads_read_rows: bool = False     # sequence parallel: the heads take their rows (BERT), not the sequence (GPT)
     replicated_grad_elements: int = 0  # sequence parallel: gradients of model-replicated parameters to reduce
+    gradient_shard_elements: int = 0   # one device's shard of every parameter: its gradient reduction over "data"
 
     def select(self, **kw) -> list[Collective]:
         return [c for c in self.collectives if all(getattr(c, k) == v for k, v in kw.items())]
@@ -108,6 +112,19 @@ class AuditResult:
         return self.microbatches * self.num_layers * per_layer
 
     @property
+    def data_axis_gradient_elements(self) -> int:
+        return sum(c.elements * c.count for c in self.collectives if c.axis == DATA and c.origin == "gradients")
+
+    def data_axis_line(self) -> str:
+        """Data parallelism's traffic against its minimum: each device's gradient shards reduced
+        once per step. GSPMD reduces them where they are computed, once per microbatch, and the
+        tied embedding's two contributions (lookup, output layer) separately."""
+        n, least = self.data_axis_gradient_elements, self.gradient_shard_elements
+        return (f"data-axis gradient elements per step and device: {n:,} = {n / least:.3f} x the minimum {least:,} "
+                f"(every gradient shard once per step; GSPMD reduces once per microbatch, here {self.microbatches}, "
+                f"and the tied embedding's two contributions apart)")
+
+    @property
     def model_axis_elements(self) -> int:
         return sum(c.elements * c.count for c in self.collectives if MODEL in c.axis)
 
@@ -132,6 +149,8 @@ class AuditResult:
             **({f"per_layer_model_{k.replace('-', '_')}s": {i: {f"{o}/{d}": n for (o, d), n in v.items()}
                                                             for i, v in self.model_axis_layer_counts(k).items()}
                 for k in ("all-gather", "reduce-scatter")} if self.sequence_parallel else {}),
+            "data_axis_gradient_elements": self.data_axis_gradient_elements,
+            "data_axis_gradient_min_elements": self.gradient_shard_elements,
             "non_all_reduce_on_model_axis": sum(c.count for c in self.collectives
                                                 if MODEL in c.axis and c.kind != "all-reduce"),
         }
@@ -159,6 +178,8 @@ class AuditResult:
         scheme = "sequence-parallel " if self.sequence_parallel else ""
         lines.append(f"model-axis elements per step and device: {self.model_axis_elements:,} "
                      f"= {self.ratio:.3f} x Megatron's {scheme}analytic minimum {self.analytic_min_elements:,}")
+        if self.mesh_shape[0] > 1 and self.gradient_shard_elements:
+            lines.append(self.data_axis_line())
         parts = []
         if self.regathered_elements:
             parts.append(f"the block inputs all-gathered again for the backward pass ({self.regathered_elements:,} elements)")
@@ -203,7 +224,13 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
     """Compile `cfg`'s train step on `mesh` (abstractly: no weights allocated) and audit it."""
     trainer = make_trainer(cfg, mesh)
     hlo = trainer.lower_step().compile().as_text()
-    return audit_hlo(hlo, cfg, (mesh.shape[DATA], mesh.shape[MODEL]), verbose=verbose)
+    return audit_hlo(hlo, cfg, (mesh.shape[DATA], mesh.shape[MODEL]), verbose=verbose,
+                     gradient_shard_elements=per_device_elements(trainer.abstract_state()[0]))
+
+
+def per_device_elements(tree) -> int:
+    """Elements one device holds of a tree of sharded ShapeDtypeStructs."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
 
 
 def _replicated_grad_elements(cfg, task) -> int:
@@ -217,7 +244,7 @@ def _replicated_grad_elements(cfg, task) -> int:
     return m.num_layers * 6 * m.hidden + 2 * m.hidden + (m.seq_len + task.extra_embedding_rows) * m.hidden
 
 
-def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False) -> AuditResult:
+def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, gradient_shard_elements: int = 0) -> AuditResult:
     m, t = cfg.model, cfg.train
     task = task_for(cfg)
     # sequences per data shard and microbatch (each RACE option is a sequence of its own)
@@ -225,7 +252,8 @@ def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False) -> AuditResult:
     head_rows = task.head_rows(cfg)
     result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), m.num_layers, tuple(mesh_shape),
                          rows, m.seq_len, m.hidden, t.microbatches, m.scan_layers, m.remat == "full", head_rows,
-                         m.sequence_parallel, task.heads_read_rows, _replicated_grad_elements(cfg, task))
+                         m.sequence_parallel, task.heads_read_rows, _replicated_grad_elements(cfg, task),
+                         gradient_shard_elements)
     if verbose:
         result.print()
     return result

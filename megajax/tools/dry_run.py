@@ -11,7 +11,7 @@ from megajax.config import Config
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL
 from megajax.tasks import param_count
-from megajax.tools.audit import audit_hlo
+from megajax.tools.audit import audit_hlo, per_device_elements
 from megajax.tools.step_figures import step_figures
 from megajax.training.memory import device_memory_bytes, gib, step_memory
 from megajax.training.step import make_trainer
@@ -34,12 +34,14 @@ def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
         "config": cfg.name, "params": param_count(cfg), "num_layers": cfg.model.num_layers,
         "mesh": {DATA: mesh.shape[DATA], MODEL: mesh.shape[MODEL]},
         "param_bytes_per_device": per_device_bytes(params),
+        "gradient_bytes_per_device": per_device_bytes(params),   # float32, sharded like the parameters
         "optimizer_bytes_per_device": per_device_bytes(opt),
         "compile_s": compile_s,
         **step_memory(compiled),
         "device_bytes": device_memory_bytes(),
     }
-    audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape[DATA], mesh.shape[MODEL]))
+    audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape[DATA], mesh.shape[MODEL]),
+                      gradient_shard_elements=per_device_elements(params))
     report["audit"] = audit.summary()
     if costs:
         report.update(step_figures(cfg, mesh, report.get("step_temp_bytes")))
@@ -55,6 +57,7 @@ def _print(report: dict, cfg: Config, out):
     out(f"mesh data={report['mesh'][DATA]} model={report['mesh'][MODEL]}; global batch {t.batch_size} "
         f"in {t.microbatches} microbatch(es); compute {Precision.of(m).name}, remat {m.remat}")
     out(f"per device: params {gib(report['param_bytes_per_device'])}, "
+        f"gradients {gib(report['gradient_bytes_per_device'])}, "
         f"optimizer state {gib(report['optimizer_bytes_per_device'])}"
         + (f", compiled step peak {gib(report['step_peak_bytes'])} "
            f"(temporaries {gib(report['step_temp_bytes'])})" if "step_peak_bytes" in report else ""))
