@@ -82,13 +82,21 @@ class BERT(nnx.Module):
         with jax.named_scope("logits"):
             return self.layout.take_rows(h, positions)
 
-    def pooled(self, cls):
-        """BERT's pooler: tanh(W h[CLS] + b)."""
+    def pooled(self, h):
+        """BERT's pooler on hidden states (b, s, h): tanh(W h[CLS] + b)."""
+        return self.pool(self.head_rows(h, jnp.zeros((h.shape[0], 1), jnp.int32))[:, 0])
+
+    def pool(self, cls):
+        """The pooler on the [CLS] rows (b, h)."""
         return jnp.tanh(self.pooler(cls).astype(jnp.float32))
 
     # -- pretraining heads --------------------------------------------------------------------
-    def mlm_logits(self, picked):
-        """Vocab-parallel logits (b, P, vocab/tp) from the hidden states at the masked positions."""
+    def mlm_logits(self, h, positions):
+        """Vocab-parallel logits (b, P, vocab/tp) at the masked positions only."""
+        return self.mlm_head(self.head_rows(h, positions))
+
+    def mlm_head(self, picked):
+        """The MLM transform and tied output layer on the hidden states at the masked positions."""
         t = self.mlm_ln(jax.nn.gelu(self.mlm_dense(picked), approximate=self.cfg.gelu == "tanh"))
         return self.embed.attend(t) + self.mlm_bias[...]
 
@@ -100,9 +108,9 @@ class BERT(nnx.Module):
         cls = jnp.zeros_like(batch["mlm_positions"][:, :1])
         rows = self.head_rows(h, jnp.concatenate([cls, batch["mlm_positions"]], axis=1))
         mlm_losses, mlm_hits = vocab_parallel_cross_entropy(
-            self.mlm_logits(rows[:, 1:]), batch["mlm_ids"], self.layout, self.cfg.vocab_size, with_accuracy=True)
+            self.mlm_head(rows[:, 1:]), batch["mlm_ids"], self.layout, self.cfg.vocab_size, with_accuracy=True)
         with jax.named_scope("sop_loss"):   # replicated over "model": no collective but the data-axis means
-            pooled = dropout(self.pooled(rows[:, 0]), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
+            pooled = dropout(self.pool(rows[:, 0]), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
             sop_logits = self.sop(pooled).astype(jnp.float32)
             sop_losses = optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_label"])
             sop_hits = sop_logits.argmax(-1) == batch["sop_label"]
@@ -128,8 +136,7 @@ class BERT(nnx.Module):
         flat = lambda x: x.reshape(-1, x.shape[-1])   # noqa: E731  options become rows
         k_enc, k_pool = jax.random.split(key) if key is not None else (None, None)
         h = self.hidden_states(flat(tokens), flat(batch["types"]), flat(batch["mask"]), key=k_enc)
-        cls = self.head_rows(h, jnp.zeros((h.shape[0], 1), jnp.int32))[:, 0]
-        pooled = dropout(self.pooled(cls), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
+        pooled = dropout(self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
         logits = self.classifier(pooled).astype(jnp.float32)
         return logits.reshape(lead) if len(lead) == 2 else logits
 
