@@ -96,9 +96,7 @@ class ColumnParallelLinear(_Linear):
         # In a scanned stack; in unrolled layers XLA may merge the two gathers (jax 0.10's does),
         # which keeps the whole input as without the checkpoint.
         def local(x, w):
-            with jax.named_scope("f_all_gather"):
-                x = jax.lax.all_gather(x, S.MODEL, axis=1, tiled=True)
-            return matmul(x.astype(self.precision.compute), w, self.precision.matmul)
+            return matmul(_gather_sequence(x).astype(self.precision.compute), w, self.precision.matmul)
         local = jax.checkpoint(local) if self.regather else local
         return _shard_map(self.layout, local, (S.ACT_SEQUENCE, S.P(*S.COLUMN)), S.ACT_COLUMN)(x, self.kernel[...])
 
@@ -124,6 +122,12 @@ class RowParallelLinear(_Linear):
 
 def _shard_map(layout: S.Layout, fn, in_specs, out_specs):
     return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _gather_sequence(x):
+    """Inside a shard_map: (b, s/tp, h) -> (b, s, h), Megatron's f under sequence parallelism."""
+    with jax.named_scope("f_all_gather"):
+        return jax.lax.all_gather(x, S.MODEL, axis=1, tiled=True)
 
 
 class ReplicatedLinear(_Linear):
@@ -159,12 +163,9 @@ class VocabParallelEmbedding(nnx.Module):
                                 preferred_element_type=jnp.float32)
             return self.layout.constrain(logits, S.P(S.DATA, None, S.MODEL))
 
-
     def gathered_attend(self, x):
         def local(x, table):
-            with jax.named_scope("f_all_gather"):
-                x = jax.lax.all_gather(x, S.MODEL, axis=1, tiled=True)
-            return jnp.einsum("bsh,vh->bsv", x.astype(self.dtype), table.astype(self.dtype),
+            return jnp.einsum("bsh,vh->bsv", _gather_sequence(x).astype(self.dtype), table.astype(self.dtype),
                               preferred_element_type=jnp.float32)
         with jax.named_scope("logits"):
             return _shard_map(self.layout, local, (S.ACT_SEQUENCE, S.P(*S.VOCAB)), S.P(S.DATA, None, S.MODEL))(

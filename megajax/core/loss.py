@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from megajax.core.ops import zero_cotangent
 from megajax.core.sharding import DATA, MODEL
 
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -103,11 +104,7 @@ def _cross_entropy_bwd(vocab_size, residuals, cotangents):
     softmax = jnp.where(real, jnp.exp(logits - lse[..., None]), 0.0)
     onehot = owned[..., None] & (jnp.arange(logits.shape[-1]) == local_t[..., None])
     grad = (softmax - onehot) * g[..., None]
-    return grad, _zero_cotangent(targets), _zero_cotangent(start)
-
-
-def _zero_cotangent(x):
-    return jnp.zeros(jnp.shape(x), jax.dtypes.float0)
+    return grad, zero_cotangent(targets), zero_cotangent(start)
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)

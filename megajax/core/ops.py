@@ -1,5 +1,5 @@
-"""LayerNorm and the attention softmax with hand-written backward passes that keep only what
-Megatron keeps for them (Korthikanti et al. 2022, section 4.1).
+"""LayerNorm, the attention softmax and dropout with hand-written backward passes that keep
+only what Megatron keeps for them (Korthikanti et al. 2022, section 4.1).
 
 Left to autodiff, a float32-statistics LayerNorm on 16-bit activations saves three float32
 copies of its input for the backward pass (12 bytes an element instead of 2), and a softmax
@@ -7,7 +7,8 @@ over float32 scores saves the scores, their exponentials and the broadcast masks
 score instead of 2). At GPT-2 shapes that was two thirds of a layer's activation memory. Here
 LayerNorm saves its input in the activations' dtype and two float32 numbers per row; the
 softmax saves its output in the activations' dtype, from which its backward pass follows
-(masked positions have probability 0, so their gradient is 0 with no mask kept).
+(masked positions have probability 0, so their gradient is 0 with no mask kept); dropout
+saves its boolean mask alone.
 """
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+
+def zero_cotangent(x):
+    """The cotangent of an integer or boolean input of a custom VJP: float0 zeros."""
+    return jnp.zeros(jnp.shape(x), jax.dtypes.float0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -64,8 +70,7 @@ def _softmax_bwd(dtype, residuals, g):
     probs, keep = residuals
     p, g32 = probs.astype(jnp.float32), g.astype(jnp.float32)
     ds = p * (g32 - (g32 * p).sum(-1, keepdims=True))
-    # keep is a function of positions and the padding mask: no gradient (float0 for bools).
-    return ds, jax.tree.map(lambda k: jnp.zeros(k.shape, jax.dtypes.float0), keep)
+    return ds, zero_cotangent(keep)   # keep: positions and the padding mask, no gradient
 
 
 masked_softmax.defvjp(_softmax_fwd, _softmax_bwd)
@@ -89,7 +94,7 @@ def _dropout_fwd(x, keep, rate):
 
 
 def _dropout_bwd(rate, keep, g):
-    return _scaled_select(g, keep, rate), jnp.zeros(keep.shape, jax.dtypes.float0)
+    return _scaled_select(g, keep, rate), zero_cotangent(keep)
 
 
 apply_dropout.defvjp(_dropout_fwd, _dropout_bwd)

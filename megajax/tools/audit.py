@@ -8,14 +8,12 @@ model-axis traffic with the analytic minimum.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter, defaultdict
-
-import jax
 
 from megajax.core.sharding import DATA, MODEL
 from megajax.tasks import task_for
 from megajax.tools.hlo import Collective, parse_collectives
+from megajax.training.memory import per_device_elements
 from megajax.training.step import make_trainer
 
 
@@ -226,11 +224,6 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
     hlo = trainer.lower_step().compile().as_text()
     return audit_hlo(hlo, cfg, (mesh.shape[DATA], mesh.shape[MODEL]), verbose=verbose,
                      gradient_shard_elements=per_device_elements(trainer.abstract_state()[0]))
-
-
-def per_device_elements(tree) -> int:
-    """Elements one device holds of a tree of sharded ShapeDtypeStructs."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
 
 
 def _replicated_grad_elements(cfg, task) -> int:

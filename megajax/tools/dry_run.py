@@ -2,24 +2,16 @@
 for abstract inputs: sizes, per-device memory and the collective audit."""
 from __future__ import annotations
 
-import math
 import time
-
-import jax
 
 from megajax.config import Config
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL
 from megajax.tasks import param_count
-from megajax.tools.audit import audit_hlo, per_device_elements
+from megajax.tools.audit import audit_hlo
 from megajax.tools.step_figures import step_figures
-from megajax.training.memory import device_memory_bytes, gib, step_memory
+from megajax.training.memory import device_memory_bytes, gib, per_device_bytes, per_device_elements, step_memory
 from megajax.training.step import make_trainer
-
-
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:

@@ -16,6 +16,7 @@ from megajax.config import Config, set_value
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA
 from megajax.memory_model import activation_bytes_per_layer
+from megajax.training.memory import step_memory
 from megajax.training.step import make_trainer
 
 
@@ -55,8 +56,7 @@ def _doubled_rows(cfg: Config) -> Config:
 
 
 def _temp_bytes(cfg: Config, mesh) -> int | None:
-    mem = compile_step(cfg, mesh).memory_analysis()
-    return None if mem is None else int(mem.temp_size_in_bytes)
+    return step_memory(compile_step(cfg, mesh)).get("step_temp_bytes")
 
 
 def activation_bytes_per_sequence(cfg: Config, mesh, temp_bytes: int) -> dict:

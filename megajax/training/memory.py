@@ -2,6 +2,7 @@
 fit is refused before anything is written or allocated."""
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -21,6 +22,16 @@ def step_memory(compiled) -> dict:
             "step_alias_bytes": int(mem.alias_size_in_bytes),
             "step_peak_bytes": int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                                    - mem.alias_size_in_bytes + mem.temp_size_in_bytes)}
+
+
+def per_device_elements(tree) -> int:
+    """Elements one device holds of a tree of sharded ShapeDtypeStructs (or arrays)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (or arrays)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def device_memory_bytes() -> int | None:
