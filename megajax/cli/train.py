@@ -59,6 +59,14 @@ def train_main(argv=None) -> int:
         return _train_main(args)
     except Stopped as e:
         return fail(str(e))
+    finally:
+        if not StartUp.active:
+            # The run has saved and decided its exit status. Python resets its own handlers to the
+            # default (die) while the interpreter shuts down, and the multi-process runtime's
+            # shutdown at exit waits for the peers: a signal then (a preemption reaching this node
+            # after the other) would end the process by signal instead of with its status.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def _train_main(args) -> int:
