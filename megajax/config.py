@@ -120,6 +120,8 @@ class TrainConfig:
     microbatches: int = 1             # gradient accumulation steps per optimizer step
     unroll_microbatches: bool = False # True: microbatches as independent branches XLA can run at once
                                       # (uses the cores of a CPU better; memory of all, not one)
+    shard_optimizer: bool = False     # ZeRO-1: optimizer state split over "data", gradients reduce-scattered once per step
+    shard_params: bool = False        # FSDP (implies shard_optimizer): parameters split over "data" too, gathered per layer
     steps: int = 1000
     lr: float = 6e-4
     min_lr: float = 6e-5

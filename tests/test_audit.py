@@ -171,10 +171,11 @@ def test_sequence_parallel_collectives(layers, scan, spec, remat):
     assert "sequence-parallel analytic minimum" in r.table()
 
 
-def test_data_axis_gradients_are_reduced_once_per_microbatch_today():
+def test_plain_data_parallelism_reduces_gradients_once_per_microbatch():
     """The audit's data-axis line: GSPMD reduces each gradient shard over "data" where it is
-    computed, so with gradient accumulation once per microbatch (issue 15 defers it to once
-    per step). Twice the microbatches, twice the traffic; the minimum does not move."""
+    computed, so with gradient accumulation once per microbatch (train.shard_optimizer defers
+    it to once per step: tests/test_data_parallel.py). Twice the microbatches, twice the
+    traffic; the minimum does not move."""
     one, two = (audit(_with_microbatches(m), mesh_for("2x4")) for m in (1, 2))
     assert one.gradient_shard_elements == two.gradient_shard_elements > 0
     assert two.data_axis_gradient_elements == 2 * one.data_axis_gradient_elements

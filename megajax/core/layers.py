@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.extend.random import threefry2x32_p
 
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
@@ -28,15 +29,22 @@ def param(init, spec, key, shape):
 
 
 def dropout(x, rate: float, key, layout: S.Layout, spec):
-    """Dropout whose mask depends only on (key, global shape): identical on every mesh.
-
-    With partitionable threefry each device generates just its own slice of the mask,
-    so sharded dropout needs no communication.
-    """
+    """Dropout whose mask depends only on the key and each element's global position: identical
+    on every mesh, whether the rows are computed whole (GSPMD) or per data shard (the data-manual
+    step of ZeRO / FSDP, where `layout.row_ids` offsets them)."""
     if key is None or rate == 0.0:
         return x
-    keep = layout.constrain(jax.random.bernoulli(key, 1.0 - rate, x.shape), spec)
-    return apply_dropout(x, keep, rate)
+    return apply_dropout(x, layout.constrain(keep_mask(key, x.shape, rate, layout.row_ids(x.shape[0])), spec), rate)
+
+
+def keep_mask(key, shape, rate: float, rows):
+    """True with probability 1 - rate: counter-based threefry bits of (global row, position in
+    the row), so each device computes just its own slice of the mask with no communication."""
+    words = jax.random.key_data(key).reshape(-1)
+    counter_row = jnp.broadcast_to(rows.astype(jnp.uint32).reshape(-1, *([1] * (len(shape) - 1))), shape)
+    counter_pos = jnp.broadcast_to(jnp.arange(math.prod(shape[1:]), dtype=jnp.uint32).reshape(shape[1:]), shape)
+    bits, _ = threefry2x32_p.bind(words[0], words[1], counter_row, counter_pos)
+    return bits >= jnp.uint32(round(rate * 2.0 ** 32))
 
 
 class LayerNorm(nnx.Module):
@@ -98,7 +106,7 @@ class ColumnParallelLinear(_Linear):
         def local(x, w):
             return matmul(_gather_sequence(x).astype(self.precision.compute), w, self.precision.matmul)
         local = jax.checkpoint(local) if self.regather else local
-        return _shard_map(self.layout, local, (S.ACT_SEQUENCE, S.P(*S.COLUMN)), S.ACT_COLUMN)(x, self.kernel[...])
+        return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.COLUMN)), S.ACT_COLUMN)(x, self.kernel[...])
 
 
 class RowParallelLinear(_Linear):
@@ -117,11 +125,7 @@ class RowParallelLinear(_Linear):
             y = matmul(x.astype(self.precision.compute), w, self.precision.matmul)
             with jax.named_scope("g_reduce_scatter"):
                 return jax.lax.psum_scatter(y, S.MODEL, scatter_dimension=1, tiled=True)
-        return _shard_map(self.layout, local, (S.ACT_COLUMN, S.P(*S.ROW)), S.ACT_SEQUENCE)(x, self.kernel[...])
-
-
-def _shard_map(layout: S.Layout, fn, in_specs, out_specs):
-    return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs)
+        return self.layout.shard_map(local, (S.ACT_COLUMN, S.P(*S.ROW)), S.ACT_SEQUENCE)(x, self.kernel[...])
 
 
 def _gather_sequence(x):
@@ -168,7 +172,7 @@ class VocabParallelEmbedding(nnx.Module):
             return jnp.einsum("bsh,vh->bsv", _gather_sequence(x).astype(self.dtype), table.astype(self.dtype),
                               preferred_element_type=jnp.float32)
         with jax.named_scope("logits"):
-            return _shard_map(self.layout, local, (S.ACT_SEQUENCE, S.P(*S.VOCAB)), S.P(S.DATA, None, S.MODEL))(
+            return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.VOCAB)), S.P(S.DATA, None, S.MODEL))(
                 x, self.table[...])
 
 
@@ -284,60 +288,3 @@ class TransformerLayer(nnx.Module):
                 x = self.ln2(x + drop(self.mlp(x), k2))
         x = self.layout.constrain(x, self.layout.between_blocks)
         return x if cache is None else (x, new_cache)
-
-
-def _stacked_layers(cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs, causal: bool):
-    """num_layers layers whose parameters are stacked on a new leading (unsharded) axis."""
-    keys = jax.random.split(rngs.params(), cfg.num_layers)
-
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-    def make(key):
-        return TransformerLayer(cfg, layout=layout, precision=precision, rngs=nnx.Rngs(params=key), causal=causal)
-
-    return make(keys)
-
-
-class LayerStack(nnx.Module):
-    """The transformer layers, run as a scan over stacked weights or as a Python loop."""
-
-    def __init__(self, cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
-                 causal: bool = True):
-        self.num_layers, self.scan, self.remat = cfg.num_layers, cfg.scan_layers, cfg.remat == "full"
-        if self.scan:
-            self.stacked = _stacked_layers(cfg, layout, precision, rngs, causal)
-        else:
-            self.layers = nnx.List([TransformerLayer(cfg, layout=layout, precision=precision, rngs=rngs,
-                                                     causal=causal) for _ in range(cfg.num_layers)])
-
-    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
-        """Run the layers; with `cache` (k, v stacked over layers) also return the new cache."""
-        keys = None if key is None else jax.random.split(key, self.num_layers)
-        if self.scan:
-            graphdef, state = nnx.split(self.stacked)
-
-            def body(h, xs):
-                layer_state, k, c = xs
-                out = nnx.merge(graphdef, layer_state)(h, key=k, mask=mask, cache=c, pos=pos)
-                return (out, None) if c is None else out
-
-            if self.remat:
-                body = jax.checkpoint(body)
-            with jax.named_scope("layers"):
-                x, new_cache = jax.lax.scan(body, x, (state, keys, cache))
-            return x if cache is None else (x, new_cache)
-        new_cache = []
-        for i, layer in enumerate(self.layers):
-            call = (lambda lyr, h, k, c: lyr(h, key=k, mask=mask, cache=c, pos=pos))
-            if self.remat:
-                call = nnx.remat(call)
-            with jax.named_scope(f"layer_{i}"):
-                out = call(layer, x, None if keys is None else keys[i],
-                           None if cache is None else (cache[0][i], cache[1][i]))
-            if cache is None:
-                x = out
-            else:
-                x, c = out
-                new_cache.append(c)
-        if cache is None:
-            return x
-        return x, (jnp.stack([c[0] for c in new_cache]), jnp.stack([c[1] for c in new_cache]))

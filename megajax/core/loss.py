@@ -18,10 +18,6 @@ from megajax.core.sharding import DATA, MODEL
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def _shard_map(fn, layout, in_specs, out_specs):
-    return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs)
-
-
 def _vocab_range(local_size: int):
     start = jax.lax.axis_index(MODEL) * local_size
     return start, start + local_size
@@ -43,7 +39,7 @@ def vocab_parallel_lookup(table, ids, layout):
             return jax.lax.psum(rows, MODEL)
 
     with jax.named_scope("embedding"):
-        return _shard_map(local, layout, (P(MODEL, None), P(DATA, None)), layout.between_blocks)(table, ids)
+        return layout.shard_map(local, (P(MODEL, None), P(DATA, None)), layout.between_blocks)(table, ids)
 
 
 def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None = None,
@@ -67,7 +63,7 @@ def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None
 
     out_specs = (P(DATA, None), P(DATA, None)) if with_accuracy else P(DATA, None)
     with jax.named_scope("loss"):
-        return _shard_map(local, layout, (P(DATA, None, MODEL), P(DATA, None)), out_specs)(logits, targets)
+        return layout.shard_map(local, (P(DATA, None, MODEL), P(DATA, None)), out_specs)(logits, targets)
 
 
 def _local_columns(logits, targets, start, vocab_size):

@@ -18,6 +18,14 @@ The collectives come from exactly two places:
     reduce-scatter backward, and the reverse);
   * the shard_map'd vocab-parallel embedding lookup and cross-entropy (megajax/core/loss.py);
   * with sequence parallelism, `Layout.take_rows`: the rows BERT's heads read (one all-reduce).
+
+Over "data" (megajax/training/step.py): GSPMD reduces the gradients, unless the optimizer state
+or the parameters are sharded over "data" too (ZeRO-1 / FSDP). Then the gradient computation
+runs under a shard_map that is manual over "data" (`Layout.data_manual`: the activation specs
+here lose their "data" entry, each device sees its own rows) and the data-axis collectives are
+written out: `Layout.gather_weights` (FSDP's per-layer all-gather; its transpose is the
+gradients' reduce-scatter) and the step's one reduce-scatter of the accumulated gradients.
+`data_sharded_spec` says which dimension of each weight "data" splits.
 """
 from __future__ import annotations
 
@@ -57,6 +65,11 @@ class Layout:
 
     mesh: Mesh | None = None
     sequence_parallel: bool = False
+    # Inside the train step's data-manual shard_map: arrays are this device's rows.
+    data_manual: bool = False
+    # FSDP: (path inside a layer, (dimension split over "data", the weight's model-axis spec))
+    # of every layer weight that is.
+    fsdp_layer_dims: tuple = ()
 
     @property
     def between_blocks(self) -> P:
@@ -74,11 +87,49 @@ class Layout:
     def sharding(self, spec) -> NamedSharding:
         return NamedSharding(self.mesh, spec if isinstance(spec, P) else P(*spec))
 
+    def spec(self, spec: P) -> P:
+        """An activation spec as this layout writes it: without "data" when that axis is manual."""
+        if not self.data_manual:
+            return spec
+        return P(*(None if e == DATA else e for e in spec))
+
     def constrain(self, x, spec: P):
         """Pin an activation's layout so XLA cannot choose a costlier one."""
         if self.mesh is None:
             return x
+        if self.data_manual:   # the context's mesh, where "data" is manual
+            return jax.lax.with_sharding_constraint(x, self.spec(spec))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def shard_map(self, fn, in_specs, out_specs):
+        """`fn` manual over the model axis (and over "data" too, unless it already is)."""
+        strip = lambda specs: jax.tree.map(self.spec, specs, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
+        if self.data_manual:
+            return jax.shard_map(fn, in_specs=strip(in_specs), out_specs=strip(out_specs), axis_names={MODEL})
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def global_sum(self, x):
+        """A batch total (a loss's normaliser): local rows summed over "data" when it is manual."""
+        return jax.lax.psum(x, DATA) if self.data_manual else x
+
+    def row_ids(self, n: int):
+        """The global index of each of an array's n leading rows: the same row gets the same
+        dropout mask whether it is computed whole or on a data shard."""
+        rows = jnp.arange(n)
+        return rows + jax.lax.axis_index(DATA) * n if self.data_manual else rows
+
+    def gather_weights(self, weights: dict):
+        """FSDP, inside a layer: all-gather over "data" the layer weights split over it (a nested
+        dict as `nnx.to_pure_dict` gives). The layer's remat policy (`drop_data_gathers`) drops
+        the gathered copies, so the backward pass gathers them again; the transpose of each
+        gather is its gradient's reduce-scatter."""
+        dims = dict(self.fsdp_layer_dims)
+        if not dims:
+            return weights
+        flat = {path: x for path, x in _flatten(weights)}
+        for path, (dim, spec) in dims.items():
+            flat[path] = gather_over_data(flat[path], dim, spec)
+        return _unflatten(flat)
 
     def reduce_to_replicated(self, partial_sum):
         """Megatron's g: sum the row-parallel partial results over "model" (one all-reduce).
@@ -108,8 +159,69 @@ class Layout:
             mine = ((offset >= 0) & (offset < n))[..., None]
             with jax.named_scope("rows_all_reduce"):
                 return jax.lax.psum(jnp.where(mine, picked, jnp.zeros_like(picked)), MODEL)
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(ACT_SEQUENCE, TOKENS), out_specs=ACT_REPLICATED)(
-            x, positions)
+        return self.shard_map(local, (ACT_SEQUENCE, TOKENS), ACT_REPLICATED)(x, positions)
+
+
+def drop_data_gathers(prim, *_, **params) -> bool:
+    """A remat policy: save whatever autodiff would, but the results of all-gathers over "data"
+    (FSDP's gathered weights; the policy also reaches into a shard_map's body), which the
+    backward pass then gathers again. (`save_anything_except_these_names` on a named copy
+    would save the gather's own output in its place.)"""
+    if prim.name != "all_gather":
+        return True
+    axes = params.get("axis_name")
+    return DATA not in (axes if isinstance(axes, (tuple, list)) else (axes,))
+
+
+def gather_over_data(x, dim: int, spec: tuple):
+    """FSDP's gather of a weight split over "data" along `dim`, inside the data-manual step; its
+    transpose reduce-scatters the gradient back into the slices.
+
+    A weight split over "model" too is gathered per model shard (under GSPMD a data-axis
+    collective there would first gather its operand over "model"); a weight the model axis
+    replicates is gathered directly (per model shard, the transpose would add a reduction
+    over "model" that its gradient does not need)."""
+    def gather(x):
+        with jax.named_scope("fsdp_all_gather"):
+            return jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+    if MODEL not in spec:
+        return gather(x)
+    return jax.shard_map(gather, in_specs=P(*spec), out_specs=P(*spec), axis_names={MODEL}, check_vma=False)(x)
+
+
+def data_sharded_spec(shape, spec: P, data_size: int, model_size: int, skip_leading: bool = False) -> P | None:
+    """`spec` with "data" added on the largest dimension it leaves whole and `data_size`
+    divides (ties: the first), or None when there is none: ZeRO's split of optimizer state and
+    FSDP's of parameters, on top of the model axis's (a model axis of size 1 leaves every
+    dimension whole). `skip_leading`: never the stacked layers' axis (a layer would then live
+    on one device, gathered whole each step)."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    whole = (None, MODEL) if model_size == 1 else (None,)
+    free = [d for d in range(len(shape)) if entries[d] in whole and shape[d] % data_size == 0
+            and not (skip_leading and d == 0)]
+    if data_size == 1 or not free:
+        return None
+    d = max(free, key=lambda i: (shape[i], -i))
+    entries[d] = DATA
+    return P(*entries)
+
+
+def _flatten(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def _unflatten(flat: dict) -> dict:
+    out = {}
+    for path, v in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return out
 
 
 def param_shardings(mesh: Mesh, specs):

@@ -20,13 +20,16 @@ b·r·h instead of GPT's all-gather of the whole sequence.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
 from megajax.core import sharding as S
-from megajax.core.layers import LayerNorm, LayerStack, ReplicatedLinear, VocabParallelEmbedding, dropout, param
+from megajax.core.layers import LayerNorm, ReplicatedLinear, VocabParallelEmbedding, dropout, param
+from megajax.core.stack import LayerStack
 from megajax.core.loss import vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
 from megajax.core.precision import Precision
@@ -35,7 +38,7 @@ from megajax.shapes import NUM_CLASSES, TYPE_VOCAB
 
 class BERT(nnx.Module):
     def __init__(self, cfg, layout: S.Layout | None = None, *, rngs: nnx.Rngs):
-        layout = S.Layout((layout or S.Layout(single_device_mesh())).mesh, cfg.sequence_parallel)
+        layout = dataclasses.replace(layout or S.Layout(single_device_mesh()), sequence_parallel=cfg.sequence_parallel)
         precision = Precision.of(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
         h, std = cfg.hidden, cfg.init_std
@@ -120,10 +123,12 @@ class BERT(nnx.Module):
         out = self.pretrain_outputs(batch, key)
         w = batch["mlm_weights"].astype(jnp.float32)
         with jax.named_scope("loss_mean"):
-            n = jnp.maximum(w.sum(), 1.0)
+            # Means over the global batch, also when each data shard has its rows (ZeRO / FSDP).
+            n = jnp.maximum(self.layout.global_sum(w.sum()), 1.0)
             mlm_loss, mlm_acc = (out["mlm_losses"] * w).sum() / n, (out["mlm_hits"] * w).sum() / n
         with jax.named_scope("sop_loss"):
-            sop_loss, sop_acc = out["sop_losses"].mean(), out["sop_hits"].mean()
+            rows = self.layout.global_sum(out["sop_losses"].size)
+            sop_loss, sop_acc = out["sop_losses"].sum() / rows, out["sop_hits"].sum() / rows
         loss = mlm_loss + sop_loss
         return loss, {"loss": loss, "mlm_loss": mlm_loss, "sop_loss": sop_loss,
                       "mlm_accuracy": mlm_acc, "sop_accuracy": sop_acc}
@@ -143,8 +148,9 @@ class BERT(nnx.Module):
     def classification_objective(self, batch, key):
         logits = self.class_logits(batch, key=key)
         with jax.named_scope("class_loss"):
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-            accuracy = (logits.argmax(-1) == batch["label"]).mean()
+            rows = self.layout.global_sum(batch["label"].size)
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).sum() / rows
+            accuracy = (logits.argmax(-1) == batch["label"]).sum() / rows
         return loss, {"loss": loss, "accuracy": accuracy}
 
     # -- the training objective of this model's task (megajax/tasks/) ------------------------

@@ -2,13 +2,16 @@
 vocab-parallel logits and the fused cross-entropy."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
-from megajax.core.layers import LayerNorm, LayerStack, VocabParallelEmbedding, dropout, param
+from megajax.core.layers import LayerNorm, VocabParallelEmbedding, dropout, param
+from megajax.core.stack import LayerStack
 from megajax.core.loss import mask_padded_vocab, vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
 from megajax.core.precision import Precision
@@ -17,7 +20,7 @@ from megajax.core.precision import Precision
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, layout: S.Layout | None = None, *, rngs: nnx.Rngs):
         # Sequence parallelism is a property of this model's layout (its activations' specs).
-        layout = S.Layout((layout or S.Layout(single_device_mesh())).mesh, cfg.sequence_parallel)
+        layout = dataclasses.replace(layout or S.Layout(single_device_mesh()), sequence_parallel=cfg.sequence_parallel)
         precision = Precision.of(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
         self.embed = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, layout=layout, precision=precision,
@@ -71,10 +74,10 @@ class GPT(nnx.Module):
 
     def loss(self, tokens, targets, *, key=None, weights=None):
         losses = self.token_losses(tokens, targets, key=key)
-        with jax.named_scope("loss_mean"):
+        with jax.named_scope("loss_mean"):   # over the global batch, also when each data shard has its rows
             if weights is None:
-                return losses.mean()
-            return (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+                return losses.sum() / self.layout.global_sum(losses.size)
+            return (losses * weights).sum() / jnp.maximum(self.layout.global_sum(weights.sum()), 1.0)
 
     def objective(self, tokens, *, key=None):
         """(loss, metrics) of one batch: next-token cross-entropy."""

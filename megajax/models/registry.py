@@ -41,12 +41,16 @@ def param_specs(model_or_state):
     return nnx.get_partition_spec(state)
 
 
-def init_model(cfg: ModelConfig, mesh, seed: int = 0):
-    """Build the model with every weight created directly in its sharding on `mesh`."""
+def init_model(cfg: ModelConfig, mesh, seed: int = 0, param_shardings: dict | None = None):
+    """Build the model with every weight created directly in its sharding on `mesh` (the
+    weights' own specs, or `param_shardings`: a params dict of shardings, e.g. FSDP's)."""
     layout = S.Layout(mesh)
     abstract = abstract_model(cfg, layout)
     graphdef, abs_state = nnx.split(abstract)
     shardings = S.param_shardings(mesh, nnx.get_partition_spec(abs_state))
+    if param_shardings is not None:
+        shardings = jax.tree.map(lambda x: x, shardings)
+        nnx.replace_by_pure_dict(shardings, _unstringify(param_shardings, nnx.to_pure_dict(shardings)))
 
     @jax.jit
     def create():

@@ -8,11 +8,15 @@ model-axis traffic with the analytic minimum.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter, defaultdict
 
-from megajax.core.sharding import DATA, MODEL
+import jax
+
+from megajax.core.sharding import DATA, MODEL, param_shardings
 from megajax.tasks import task_for
 from megajax.tools.hlo import Collective, parse_collectives
+from megajax.training.data_parallel import NONE
 from megajax.training.memory import per_device_elements
 from megajax.training.step import make_trainer
 
@@ -33,6 +37,8 @@ class AuditResult:
     heads_read_rows: bool = False     # sequence parallel: the heads take their rows (BERT), not the sequence (GPT)
     replicated_grad_elements: int = 0  # sequence parallel: gradients of model-replicated parameters to reduce
     gradient_shard_elements: int = 0   # one device's shard of every parameter: its gradient reduction over "data"
+    data_scheme: str = "plain"         # plain | zero (train.shard_optimizer) | fsdp (train.shard_params)
+    data_axis_minimum: dict = dataclasses.field(default_factory=dict)  # origin -> elements sent (ring) per step
 
     def select(self, **kw) -> list[Collective]:
         return [c for c in self.collectives if all(getattr(c, k) == v for k, v in kw.items())]
@@ -113,14 +119,57 @@ class AuditResult:
     def data_axis_gradient_elements(self) -> int:
         return sum(c.elements * c.count for c in self.collectives if c.axis == DATA and c.origin == "gradients")
 
+    def data_axis_sent(self, origin: str) -> int:
+        """Elements each device sends over "data" per step for the collectives of `origin`,
+        as ring algorithms move them: an all-reduce of E sends 2 (n-1)/n E, an all-gather
+        (n-1)/n of its result, a reduce-scatter (n-1) times its result. A reduce-scatter plus
+        an all-gather thus send what one all-reduce does."""
+        n = self.mesh_shape[0]
+        factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1}
+        return round(sum(factor.get(c.kind, 1) * c.elements * c.count for c in self.collectives
+                         if c.axis == DATA and c.origin == origin))
+
+    @property
+    def data_axis_min(self) -> float:
+        return self.data_axis_minimum.get("gradients", 0) + self.data_axis_minimum.get("params", 0)
+
+    @property
+    def data_axis_regathered(self) -> int:
+        """FSDP's gathers of a layer's weights again for the backward pass, counted as found
+        (in an unrolled stack XLA may merge them with the forward's, keeping the weights)."""
+        n = self.mesh_shape[0]
+        return round(sum((n - 1) / n * c.elements * c.count for c in self.collectives
+                         if c.axis == DATA and c.origin == "params" and c.direction == "recompute"))
+
+    @property
+    def data_axis_ratio(self) -> float:
+        """Gradient and parameter traffic over "data" against the scheme's minimum (with FSDP's
+        re-gathers for the backward pass as found)."""
+        least = self.data_axis_min + self.data_axis_regathered
+        return sum(self.data_axis_sent(o) for o in ("gradients", "params")) / least if least else 0.0
+
     def data_axis_line(self) -> str:
-        """Data parallelism's traffic against its minimum: each device's gradient shards reduced
-        once per step. GSPMD reduces them where they are computed, once per microbatch, and the
-        tied embedding's two contributions (lookup, output layer) separately."""
-        n, least = self.data_axis_gradient_elements, self.gradient_shard_elements
-        return (f"data-axis gradient elements per step and device: {n:,} = {n / least:.3f} x the minimum {least:,} "
-                f"(every gradient shard once per step; GSPMD reduces once per microbatch, here {self.microbatches}, "
-                f"and the tied embedding's two contributions apart)")
+        """Data parallelism's traffic against the minimum of its scheme (`data_axis_minimum`)."""
+        grads, params = self.data_axis_sent("gradients"), self.data_axis_sent("params")
+        least = round(self.data_axis_min)
+        head = "data-axis elements sent per step and device (ring algorithms): "
+        if self.data_scheme == "plain":
+            return (head + f"gradients {grads:,} = {self.data_axis_ratio:.3f} x the minimum {least:,} (each "
+                    f"gradient shard all-reduced once per step; GSPMD reduces once per microbatch, here "
+                    f"{self.microbatches}, and the tied embedding's two contributions apart; "
+                    f"train.shard_optimizer reduces once per step)")
+        if self.data_scheme == "zero":
+            what = ("ZeRO-1: one reduce-scatter of the accumulated gradients and one all-gather of the updated "
+                    "parameters per step, the bytes of one all-reduce")
+        else:
+            what = ("FSDP: per layer and microbatch an all-gather of its weights and a reduce-scatter of its "
+                    "gradients, the other weights gathered once per step")
+            if self.data_axis_regathered:
+                least += self.data_axis_regathered
+                what += (f"; with the {self.data_axis_regathered:,} of the weights the backward pass gathers "
+                         f"again, one layer at a time")
+        return (head + f"gradients {grads:,} + parameters {params:,} = {self.data_axis_ratio:.3f} x the "
+                f"minimum {least:,} ({what})")
 
     @property
     def model_axis_elements(self) -> int:
@@ -149,6 +198,11 @@ class AuditResult:
                 for k in ("all-gather", "reduce-scatter")} if self.sequence_parallel else {}),
             "data_axis_gradient_elements": self.data_axis_gradient_elements,
             "data_axis_gradient_min_elements": self.gradient_shard_elements,
+            "data_scheme": self.data_scheme,
+            "data_axis_sent": {o: self.data_axis_sent(o) for o in ("gradients", "params")},
+            "data_axis_min_sent": round(self.data_axis_min),
+            "data_axis_regathered": self.data_axis_regathered,
+            "data_axis_ratio": round(self.data_axis_ratio, 4),
             "non_all_reduce_on_model_axis": sum(c.count for c in self.collectives
                                                 if MODEL in c.axis and c.kind != "all-reduce"),
         }
@@ -157,7 +211,7 @@ class AuditResult:
         """One row per activation collective; gradient and optimizer tensors summed per layer."""
         rows, grouped = [], {}
         for c in sorted(self.collectives, key=_order):
-            if c.origin in ("gradients", "optimizer"):
+            if c.origin in ("gradients", "params", "metrics", "optimizer"):
                 key = (c.kind, c.axis, c.direction, c.origin, c.layer or "-")
                 n, el, by, cnt = grouped.get(key, (0, 0, 0, c.count))
                 grouped[key] = (n + 1, el + c.elements, by + c.bytes, cnt)
@@ -176,7 +230,7 @@ class AuditResult:
         scheme = "sequence-parallel " if self.sequence_parallel else ""
         lines.append(f"model-axis elements per step and device: {self.model_axis_elements:,} "
                      f"= {self.ratio:.3f} x Megatron's {scheme}analytic minimum {self.analytic_min_elements:,}")
-        if self.mesh_shape[0] > 1 and self.gradient_shard_elements:
+        if self.mesh_shape[0] > 1 and self.data_axis_minimum:
             lines.append(self.data_axis_line())
         parts = []
         if self.regathered_elements:
@@ -215,15 +269,54 @@ def _order(c: Collective):
     pass_rank = {"forward": 0, "recompute": 1, "backward": 1}.get(c.direction, 2)
     if pass_rank == 1:
         stage, layer, within = -stage, -layer, -within
-    return (pass_rank, c.axis != MODEL, c.origin in ("gradients", "optimizer"), stage, layer, within, c.hlo_name)
+    return (pass_rank, c.axis != MODEL, c.origin in ("gradients", "params", "metrics", "optimizer"),
+            stage, layer, within, c.hlo_name)
 
 
 def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
     """Compile `cfg`'s train step on `mesh` (abstractly: no weights allocated) and audit it."""
     trainer = make_trainer(cfg, mesh)
     hlo = trainer.lower_step().compile().as_text()
-    return audit_hlo(hlo, cfg, (mesh.shape[DATA], mesh.shape[MODEL]), verbose=verbose,
-                     gradient_shard_elements=per_device_elements(trainer.abstract_state()[0]))
+    return audit_hlo(hlo, cfg, (mesh.shape[DATA], mesh.shape[MODEL]), verbose=verbose, trainer=trainer)
+
+
+def data_axis_minimum(trainer) -> tuple[str, dict]:
+    """(scheme, {origin: elements each device sends per step}) at the minimum of the run's
+    data-parallel scheme, with G the elements of a device's model shard of the parameters and
+    n the data axis (ring algorithms; `AuditResult.data_axis_sent`):
+      plain  every gradient all-reduced once per step: 2 (n-1)/n G;
+      zero   G's split part reduce-scattered and all-gathered once, the rest all-reduced:
+             again 2 (n-1)/n G;
+      fsdp   per microbatch the layers' split weights gathered and every split gradient
+             reduce-scattered; the other split weights gathered once per step; weights no
+             dimension of which divides all-reduced once per step. The backward pass's gathers
+             again are counted as found (`AuditResult.data_axis_regathered`); `regather`, what
+             they are in a scanned stack: the weights the backward pass reads (kernels,
+             LayerNorm scales; all of them under full remat), per layer and microbatch."""
+    n, m = trainer.mesh.shape[DATA], trainer.cfg.train.microbatches
+    shapes = trainer.modeldef.abstract_params()
+    local = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)), shapes,
+                         param_shardings(trainer.mesh, trainer.modeldef.specs()))
+    gather, reduce = (n - 1) / n, 2 * (n - 1) / n
+    dp = trainer.data_parallel
+    if dp is None:
+        return "plain", {"gradients": reduce * sum(jax.tree.leaves(local))}
+    split = whole = layers = layers_read = 0
+    for (path, size), d in zip(jax.tree_util.tree_flatten_with_path(local)[0], jax.tree.leaves(dp.dims)):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if d == NONE:
+            whole += size
+            continue
+        split += size
+        if keys[0] == "layers":
+            layers += size
+            if keys[-1] in ("kernel", "scale") or trainer.cfg.model.remat == "full":
+                layers_read += size
+    if not dp.fsdp:
+        return "zero", {"gradients": gather * split + reduce * whole, "params": gather * split}
+    return "fsdp", {"gradients": m * gather * split + reduce * whole,
+                    "params": m * gather * layers + gather * (split - layers),
+                    "regather": m * gather * layers_read}
 
 
 def _replicated_grad_elements(cfg, task) -> int:
@@ -237,7 +330,7 @@ def _replicated_grad_elements(cfg, task) -> int:
     return m.num_layers * 6 * m.hidden + 2 * m.hidden + (m.seq_len + task.extra_embedding_rows) * m.hidden
 
 
-def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, gradient_shard_elements: int = 0) -> AuditResult:
+def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, trainer=None) -> AuditResult:
     m, t = cfg.model, cfg.train
     task = task_for(cfg)
     # sequences per data shard and microbatch (each RACE option is a sequence of its own)
@@ -245,8 +338,11 @@ def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, gradient_shard_e
     head_rows = task.head_rows(cfg)
     result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), m.num_layers, tuple(mesh_shape),
                          rows, m.seq_len, m.hidden, t.microbatches, m.scan_layers, m.remat == "full", head_rows,
-                         m.sequence_parallel, task.heads_read_rows, _replicated_grad_elements(cfg, task),
-                         gradient_shard_elements)
+                         m.sequence_parallel, task.heads_read_rows, _replicated_grad_elements(cfg, task))
+    if trainer is not None:
+        result.gradient_shard_elements = per_device_elements(
+            trainer.modeldef.abstract_sharded_params(param_shardings(trainer.mesh, trainer.modeldef.specs())))
+        result.data_scheme, result.data_axis_minimum = data_axis_minimum(trainer)
     if verbose:
         result.print()
     return result

@@ -10,7 +10,7 @@ from megajax.core.sharding import DATA, MODEL
 from megajax.tasks import param_count
 from megajax.tools.audit import audit_hlo
 from megajax.tools.step_figures import step_figures
-from megajax.training.memory import device_memory_bytes, gib, per_device_bytes, per_device_elements, step_memory
+from megajax.training.memory import device_memory_bytes, gib, per_device_bytes, step_memory
 from megajax.training.step import make_trainer
 
 
@@ -26,14 +26,15 @@ def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
         "config": cfg.name, "params": param_count(cfg), "num_layers": cfg.model.num_layers,
         "mesh": {DATA: mesh.shape[DATA], MODEL: mesh.shape[MODEL]},
         "param_bytes_per_device": per_device_bytes(params),
-        "gradient_bytes_per_device": per_device_bytes(params),   # float32, sharded like the parameters
+        # float32: the accumulator, split like the parameters (ZeRO-1 reduce-scatters it once per step)
+        "gradient_bytes_per_device": per_device_bytes(params),
         "optimizer_bytes_per_device": per_device_bytes(opt),
+        "data_parallel": _scheme(cfg, trainer),
         "compile_s": compile_s,
         **step_memory(compiled),
         "device_bytes": device_memory_bytes(),
     }
-    audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape[DATA], mesh.shape[MODEL]),
-                      gradient_shard_elements=per_device_elements(params))
+    audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape[DATA], mesh.shape[MODEL]), trainer=trainer)
     report["audit"] = audit.summary()
     if costs:
         report.update(step_figures(cfg, mesh, report.get("step_temp_bytes")))
@@ -42,12 +43,23 @@ def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
     return report
 
 
+def _scheme(cfg: Config, trainer) -> str:
+    dp = trainer.data_parallel
+    if dp is None:
+        return "plain (parameters and optimizer state whole on every data shard)"
+    what = ("FSDP: parameters, gradients and optimizer state" if cfg.train.shard_params
+            else "ZeRO-1: optimizer state")
+    return f"{what} split over data; {dp.describe()}"
+
+
 def _print(report: dict, cfg: Config, out):
     m, t = cfg.model, cfg.train
     out(f"dry run: {cfg.name}, {report['params']:,} parameters "
         f"({m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, seq {m.seq_len}, vocab {m.padded_vocab})")
     out(f"mesh data={report['mesh'][DATA]} model={report['mesh'][MODEL]}; global batch {t.batch_size} "
         f"in {t.microbatches} microbatch(es); compute {Precision.of(m).name}, remat {m.remat}")
+    if report["mesh"][DATA] > 1:
+        out(f"data parallelism: {report['data_parallel']}")
     out(f"per device: params {gib(report['param_bytes_per_device'])}, "
         f"gradients {gib(report['gradient_bytes_per_device'])}, "
         f"optimizer state {gib(report['optimizer_bytes_per_device'])}"

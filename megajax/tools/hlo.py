@@ -108,8 +108,8 @@ class Collective:
     dtype: str
     shape: tuple[int, ...]
     count: int             # executions per step (loop trip counts multiplied in)
-    direction: str         # forward, backward, optimizer
-    origin: str            # embedding, logits, loss, attention, mlp, gradients, optimizer, other
+    direction: str         # forward, backward, recompute, optimizer, update (ZeRO's gather of the new weights)
+    origin: str            # embedding, logits, loss, attention, mlp, gradients, params, metrics, optimizer, other
     layer: str             # "0", "1", ... ; "all" for the scanned stack; "" outside layers
     op_name: str
     hlo_name: str
@@ -170,10 +170,19 @@ def _classify(op_name: str, axis: str):
         layer = "all"
     if "optimizer" in op_name:
         return "optimizer", "optimizer", layer
+    # The data-manual step of ZeRO / FSDP (megajax/training/data_parallel.py) names its own.
+    if "gradients_reduce_scatter" in op_name or "gradients_all_reduce" in op_name:
+        return "backward", "gradients", layer
+    if "params_all_gather" in op_name:
+        return "update", "params", layer
+    if "metrics_all_reduce" in op_name:
+        return "forward", "metrics", layer
     if "rematted_computation" in op_name:
         direction = "recompute"
     else:
         direction = "backward" if "transpose(" in op_name else "forward"
+    if "fsdp_all_gather" in op_name and direction != "backward":
+        return direction, "params", layer
     origin = "other"
     for key in ("attention", "mlp", "embedding", "logits", "loss"):
         if key in op_name:

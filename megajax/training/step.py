@@ -3,6 +3,14 @@
 One step: forward and backward on each microbatch (gradient accumulation), then the optimizer
 (megajax/training/optimizer.py). Params and optimizer state are float32 and keep their mesh
 shardings in and out; their buffers are donated so the step updates in place.
+
+Over "data", three schemes (megajax/training/data_parallel.py has the data-manual part):
+  plain            GSPMD all-reduces each gradient where the backward pass computes it (once
+                   per microbatch);
+  shard_optimizer  ZeRO-1: Adam's state split over "data"; gradients accumulated locally and
+                   reduce-scattered once per step; the updated slices all-gathered;
+  shard_params     FSDP: parameters split over "data" too, each layer's gathered just in time
+                   (forward and backward) and its gradient reduce-scattered.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ from megajax.core import sharding as S
 from megajax.core.mesh import check_fits
 from megajax.models.registry import ModelDef, abstract_model, init_model
 from megajax.tasks import Task, task_for
+from megajax.training.data_parallel import DataParallel
 from megajax.training.optimizer import lr_schedule, make_optimizer
 
 
@@ -33,6 +42,7 @@ class Trainer:
     tx: optax.GradientTransformation
     param_shardings: dict
     opt_shardings: object
+    data_parallel: DataParallel | None = None   # ZeRO-1 / FSDP: the data-manual gradient computation
 
     @property
     def batch_sharding(self):
@@ -50,7 +60,7 @@ class Trainer:
     def init_state(self, seed: int | None = None):
         """Fresh float32 params (same values on every mesh for a seed) and optimizer state."""
         seed = self.cfg.train.seed if seed is None else seed
-        params = self.modeldef.params(init_model(self.cfg.model, self.mesh, seed))
+        params = self.modeldef.params(init_model(self.cfg.model, self.mesh, seed, self.param_shardings))
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         return params, opt_state
 
@@ -73,6 +83,25 @@ class Trainer:
     def _step(self, params, opt_state, batch, step):
         t = self.cfg.train
         key = jax.random.fold_in(jax.random.key(t.seed), step)
+        metrics, grads = self.gradients(params, batch, key)
+        with jax.named_scope("optimizer"):
+            grad_norm = optax.tree.norm(grads)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        if self.data_parallel is not None:
+            params = self.data_parallel.updated_params(params)
+        metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(t)(step)}
+        return params, opt_state, metrics
+
+    def gradients(self, params, batch, key):
+        """(metrics, gradients): means over the step's microbatches, reduced over "data"."""
+        if self.data_parallel is not None:
+            return self.data_parallel.gradients(params, batch, key)
+        return self._gspmd_gradients(params, batch, key)
+
+    def _gspmd_gradients(self, params, batch, key):
+        """GSPMD places the data-axis reductions: once per microbatch."""
+        t = self.cfg.train
         grad_fn = jax.value_and_grad(self.objective, has_aux=True)
         if t.microbatches == 1:
             (_, metrics), grads = grad_fn(params, batch, key)
@@ -103,12 +132,7 @@ class Trainer:
             else:
                 (metrics, grads), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(m)))
             metrics, grads = jax.tree.map(lambda x: x / m, (metrics, grads))
-        with jax.named_scope("optimizer"):
-            grad_norm = optax.tree.norm(grads)
-            updates, opt_state = self.tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-        metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(t)(step)}
-        return params, opt_state, metrics
+        return metrics, grads
 
     def jit_step(self, donate: bool = True):
         return jax.jit(
@@ -136,10 +160,15 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     task = task_for(cfg)
     check_fits(cfg, mesh)
     modeldef = ModelDef(abstract_model(cfg.model, S.Layout(mesh)))
-    shardings = S.param_shardings(mesh, modeldef.specs())
     tx = make_optimizer(cfg.train)
     opt_shapes = jax.eval_shape(tx.init, modeldef.abstract_params())
-    return Trainer(cfg, mesh, task, modeldef, tx, shardings, _opt_shardings(opt_shapes, shardings, mesh))
+    shardings = S.param_shardings(mesh, modeldef.specs())
+    if not (cfg.train.shard_optimizer or cfg.train.shard_params):
+        return Trainer(cfg, mesh, task, modeldef, tx, shardings, _opt_shardings(opt_shapes, shardings, mesh))
+    dp = DataParallel.build(cfg, mesh, modeldef)
+    if cfg.train.shard_params:
+        shardings = dp.sharded
+    return Trainer(cfg, mesh, task, modeldef, tx, shardings, _opt_shardings(opt_shapes, dp.sharded, mesh), dp)
 
 
 def _path(path) -> tuple[str, ...]:

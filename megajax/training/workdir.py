@@ -136,7 +136,7 @@ def init_from_pretrained(trainer, params: dict, src: Path, out=print) -> dict:
         top = name.split("'")[1]
         if name in pre and pre[name].shape == x.shape:
             taken.add(top)
-            return pre[name]
+            return jax.device_put(pre[name], x.sharding)   # this run's sharding (FSDP's split, say)
         new.add(top)
         return x
 

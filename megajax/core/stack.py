@@ -1,0 +1,92 @@
+"""The stack of transformer layers: a scan over stacked weights (one compiled layer, the form
+the paper's configs use) or a Python loop; the full-remat checkpoint around each layer; and,
+with FSDP, each layer's weights all-gathered over "data" right before it runs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax.config import ModelConfig
+from megajax.core import sharding as S
+from megajax.core.layers import TransformerLayer
+from megajax.core.precision import Precision
+
+
+def _stacked_layers(cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs, causal: bool):
+    """num_layers layers whose parameters are stacked on a new leading (unsharded) axis."""
+    keys = jax.random.split(rngs.params(), cfg.num_layers)
+
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+    def make(key):
+        return TransformerLayer(cfg, layout=layout, precision=precision, rngs=nnx.Rngs(params=key), causal=causal)
+
+    return make(keys)
+
+
+class LayerStack(nnx.Module):
+    """The transformer layers, run as a scan over stacked weights or as a Python loop."""
+
+    def __init__(self, cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
+                 causal: bool = True):
+        self.num_layers, self.scan, self.remat = cfg.num_layers, cfg.scan_layers, cfg.remat == "full"
+        self.layout = layout
+        if self.scan:
+            self.stacked = _stacked_layers(cfg, layout, precision, rngs, causal)
+        else:
+            self.layers = nnx.List([TransformerLayer(cfg, layout=layout, precision=precision, rngs=rngs,
+                                                     causal=causal) for _ in range(cfg.num_layers)])
+
+    def _gathered(self, layer_state, x):
+        """FSDP: one layer's weights all-gathered over "data" right before the layer runs on x.
+        The barrier ties the gather to x: without it XLA hoists the gathers of an unrolled
+        stack out of the gradient-accumulation loop and keeps every layer's whole weights."""
+        if not self.layout.fsdp_layer_dims:
+            return layer_state, x
+        weights, x = jax.lax.optimization_barrier((nnx.to_pure_dict(layer_state), x))
+        nnx.replace_by_pure_dict(layer_state, self.layout.gather_weights(weights))
+        return layer_state, x
+
+    def _checkpointed(self, layer_fn):
+        """Full remat recomputes the whole layer in the backward pass; FSDP without it still
+        drops the gathered weights after the forward pass and gathers them again."""
+        if self.remat:
+            return jax.checkpoint(layer_fn)
+        if self.layout.fsdp_layer_dims:
+            return jax.checkpoint(layer_fn, policy=S.drop_data_gathers)
+        return layer_fn
+
+    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
+        """Run the layers; with `cache` (k, v stacked over layers) also return the new cache."""
+        keys = None if key is None else jax.random.split(key, self.num_layers)
+        if self.scan:
+            graphdef, state = nnx.split(self.stacked)
+
+            def body(h, xs):
+                layer_state, h = self._gathered(xs[0], h)
+                _, k, c = xs
+                out = nnx.merge(graphdef, layer_state)(h, key=k, mask=mask, cache=c, pos=pos)
+                return (out, None) if c is None else out
+
+            with jax.named_scope("layers"):
+                x, new_cache = jax.lax.scan(self._checkpointed(body), x, (state, keys, cache))
+            return x if cache is None else (x, new_cache)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            graphdef, state = nnx.split(layer)
+
+            def call(layer_state, h, k, c, graphdef=graphdef):
+                layer_state, h = self._gathered(layer_state, h)
+                return nnx.merge(graphdef, layer_state)(h, key=k, mask=mask, cache=c, pos=pos)
+
+            with jax.named_scope(f"layer_{i}"):
+                out = self._checkpointed(call)(state, x, None if keys is None else keys[i],
+                                               None if cache is None else (cache[0][i], cache[1][i]))
+            if cache is None:
+                x = out
+            else:
+                x, c = out
+                new_cache.append(c)
+        if cache is None:
+            return x
+        return x, (jnp.stack([c[0] for c in new_cache]), jnp.stack([c[1] for c in new_cache]))

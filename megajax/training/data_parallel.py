@@ -1,0 +1,197 @@
+"""Sharded data parallelism: ZeRO-1 (`train.shard_optimizer`) and FSDP (`train.shard_params`).
+
+GSPMD reduces a gradient over "data" where the backward pass computes it: once per
+microbatch, and it has no way to keep a per-device partial sum across gradient accumulation.
+So here the gradients are computed under a shard_map that is manual over "data" (the model
+axis stays GSPMD's): each device runs the model on its own rows (a `Layout` with
+`data_manual`), accumulates its partial gradients over the microbatches, and the step
+reduce-scatters them once, into the slices of the optimizer state (Rajbhandari et al. 2020;
+Megatron-LM's distributed optimizer). After the update the new slices are all-gathered:
+a reduce-scatter plus an all-gather move the bytes of one all-reduce.
+
+With FSDP the parameters stay split between steps too. Each layer's weights are all-gathered
+right before the layer runs, forward and again in the backward pass (`Layout.gather_weights`,
+inside the scanned stack), and the transpose of that gather reduce-scatters the layer's
+gradient as the backward pass produces it; the other weights (embeddings, final LayerNorm,
+heads) are gathered once per microbatch around the whole model.
+
+A weight is split over "data" along the largest dimension the model axis leaves whole and
+the data axis divides (`sharding.data_sharded_spec`; with FSDP never the stacked layers'
+axis); one with no such dimension (with FSDP, a column-parallel bias of a stacked layer, say)
+stays whole on every data shard, its gradient all-reduced once per step.
+`DataParallel.whole` lists them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from megajax.core import sharding as S
+from megajax.models.registry import ModelDef, abstract_model
+
+NONE = -1   # a weight no dimension of which "data" divides
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _layer_path(keys: tuple[str, ...]) -> tuple[tuple[str, ...], int] | None:
+    """(path inside one layer, leading axes before it) of a layer weight, or None."""
+    if keys[:2] == ("layers", "stacked"):
+        return keys[2:], 1
+    if keys[:2] == ("layers", "layers"):
+        return keys[3:], 0
+    return None
+
+
+@dataclasses.dataclass
+class DataParallel:
+    cfg: object
+    mesh: jax.sharding.Mesh
+    dims: dict             # params dict of ints: the dimension "data" splits, or NONE
+    sharded: dict          # params dict of NamedShardings: the model's split plus "data"'s
+    whole: list            # paths of the weights no dimension of which "data" divides
+    manual: ModelDef       # the model as each data shard runs it
+    model_specs: dict      # params dict of the weights' own PartitionSpecs (the model axis's split)
+
+    @classmethod
+    def build(cls, cfg, mesh, modeldef: ModelDef) -> "DataParallel":
+        dp = mesh.shape[S.DATA]
+        specs, shapes = modeldef.specs(), modeldef.abstract_params()
+        dims, whole, layer_dims = {}, [], {}
+
+        def pick(path, shape, spec):
+            keys = _keys(path)
+            layer = _layer_path(keys)
+            stacked = layer is not None and layer[1] == 1   # FSDP gathers a layer at a time: not its axis
+            zero = S.data_sharded_spec(shape.shape, spec, dp, mesh.shape[S.MODEL],
+                                       skip_leading=stacked and cfg.train.shard_params)
+            if zero is None:
+                whole.append("/".join(keys))
+                return NONE
+            dim = list(zero).index(S.DATA)
+            if layer is not None and cfg.train.shard_params:
+                layer_dims[layer[0]] = (dim - layer[1], tuple(spec)[layer[1]:])
+            return dim
+
+        dims = jax.tree_util.tree_map_with_path(pick, shapes, specs)
+        sharded = jax.tree.map(lambda d, spec, x: NamedSharding(mesh, _with_data(spec, d, len(x.shape))),
+                               dims, specs, shapes, is_leaf=lambda x: isinstance(x, P))
+        layout = S.Layout(mesh, data_manual=True,
+                          fsdp_layer_dims=tuple(sorted(layer_dims.items())) if cfg.train.shard_params else ())
+        return cls(cfg, mesh, dims, sharded, whole, ModelDef(abstract_model(cfg.model, layout)), specs)
+
+    @property
+    def fsdp(self) -> bool:
+        return self.cfg.train.shard_params
+
+    # -- inside the data-manual shard_map --------------------------------------------------
+    def _data_spec(self, d: int, ndim: int) -> P:
+        """The manual ("data") part of a sharded weight's spec: the model axis is GSPMD's."""
+        return P(*(S.DATA if i == d else None for i in range(ndim))) if d != NONE else P()
+
+    def _is_layer(self, path) -> bool:
+        return _layer_path(_keys(path)) is not None
+
+    def _gather_outside_layers(self, params):
+        """FSDP: the weights outside the layer stack, all-gathered over "data" (per microbatch)."""
+        def gather(path, x, d, spec):
+            if d == NONE or self._is_layer(path):
+                return x
+            return S.gather_over_data(x, d, tuple(spec))
+        return jax.tree_util.tree_map_with_path(gather, params, self.dims, self.model_specs)
+
+    def _objective(self, params, batch, key):
+        if self.fsdp:
+            params = self._gather_outside_layers(params)
+        return self.manual.bind(params).objective(batch, key=key)
+
+    def _local(self, params, batch, key):
+        """One device's rows: (metrics, gradients) summed over the microbatches, reduced once."""
+        t = self.cfg.train
+        grad_fn = jax.value_and_grad(self._objective, has_aux=True)
+        m = t.microbatches
+        # Microbatch j takes this shard's rows j, j+m, ...: the rows j, j+m, ... of the global
+        # batch that this shard holds, as the GSPMD step splits them.
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
+
+        def accumulate(carry, xs):
+            mb, j = xs
+            (_, metrics), grads = grad_fn(params, mb, key if m == 1 else jax.random.fold_in(key, j))
+            return jax.tree.map(jnp.add, carry, (metrics, grads)), None
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        metric_shapes = jax.eval_shape(lambda mb: self._objective(params, mb, key)[1], first)
+        total = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), metric_shapes),
+                 jax.tree.map(jnp.zeros_like, params))
+        if m == 1 or t.unroll_microbatches:
+            for j in range(m):
+                total, _ = accumulate(total, (jax.tree.map(lambda x: x[j], micro), j))
+        else:
+            total, _ = jax.lax.scan(accumulate, total, (micro, jnp.arange(m)))
+        metrics, grads = jax.tree.map(lambda x: x / m, total)
+        with jax.named_scope("metrics_all_reduce"):
+            metrics = jax.lax.psum(metrics, S.DATA)   # each shard's share of the global means
+        return metrics, self._reduce(grads)
+
+    def _reduce(self, grads):
+        """Each gradient's one data-axis reduction per step: a reduce-scatter into its slice, an
+        all-reduce where no dimension divides; FSDP's split weights arrive reduced already
+        (the transpose of their gathers). Manual over "model" too: each device reduces its own
+        model shard (left to GSPMD, a data-axis collective inside the data-manual region would
+        first gather its operand over "model")."""
+        return jax.shard_map(lambda g: jax.tree.map(self._reduce_one, g, self.dims), in_specs=(self.model_specs,),
+                             out_specs=self.model_specs, axis_names={S.MODEL}, check_vma=False)(grads)
+
+    def _reduce_one(self, g, d):
+        if d == NONE:
+            with jax.named_scope("gradients_all_reduce"):
+                return jax.lax.psum(g, S.DATA)
+        if self.fsdp:
+            return g
+        with jax.named_scope("gradients_reduce_scatter"):
+            return jax.lax.psum_scatter(g, S.DATA, scatter_dimension=d, tiled=True)
+
+    # -- called by the step ------------------------------------------------------------------
+    def gradients(self, params, batch, key):
+        """(metrics, gradients), the gradients split over "data" like the optimizer state."""
+        specs = jax.tree.map(lambda d, x: self._data_spec(d, x.ndim), self.dims, params)
+        held = specs if self.fsdp else jax.tree.map(lambda _: P(), params)
+        fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=(held, P(S.DATA), P()),
+                           out_specs=(P(), specs), axis_names={S.DATA}, check_vma=False)
+        metrics, grads = fn(params, batch, key)
+        return metrics, jax.lax.with_sharding_constraint(grads, self.sharded)
+
+    def updated_params(self, params):
+        """ZeRO-1: the updated slices all-gathered into whole parameters for the next step
+        (FSDP keeps them split)."""
+        if self.fsdp:
+            return params
+
+        def gather(params):
+            with jax.named_scope("params_all_gather"):
+                return jax.tree.map(lambda x, d: x if d == NONE else jax.lax.all_gather(x, S.DATA, axis=d, tiled=True),
+                                    params, self.dims)
+        sharded = jax.tree.map(lambda s: s.spec, self.sharded)
+        return jax.shard_map(gather, mesh=self.mesh, in_specs=(sharded,), out_specs=self.model_specs,
+                             check_vma=False)(params)
+
+    def describe(self) -> str:
+        """One line for the dry run: what stays whole on every data shard."""
+        n = len(jax.tree.leaves(self.dims))
+        if not self.whole:
+            return f"all {n} weights split"
+        return (f"{len(self.whole)} of {n} weights stay whole (no dimension left by the model axis divides by "
+                f"{self.mesh.shape[S.DATA]}): " + ", ".join(self.whole[:4]) + (" ..." if len(self.whole) > 4 else ""))
+
+
+def _with_data(spec: P, d: int, ndim: int) -> P:
+    entries = list(spec) + [None] * (ndim - len(spec))
+    if d != NONE:
+        entries[d] = S.DATA
+    return P(*entries)
