@@ -41,9 +41,12 @@ def one_process_reference(tmp_path_factory):
     return losses(wd)
 
 
-def test_two_processes_log_the_losses_of_one(one_process_reference, tmp_path):
+@pytest.mark.parametrize("sharding", [[], ["--set", "train.shard_params=true"]])
+def test_two_processes_log_the_losses_of_one(one_process_reference, tmp_path, sharding):
+    """Also with FSDP: parameters and Adam state split over the data axis, which here spans the
+    two processes (each holds one data shard), and checkpointed from both."""
     wd = tmp_path / "two"
-    (out0, _), (out1, _) = two_processes(*ARGS, "--workdir", str(wd), "--steps", "3")
+    (out0, _), (out1, _) = two_processes(*ARGS, *sharding, "--workdir", str(wd), "--steps", "3")
     # Only process 0 prints (gloo's own C++ chatter, interleaved across threads, is not ours).
     assert "process 0/2" in out0 and "done:" in out0
     assert not any(mark in out1 for mark in ("megajax:", "step ", "done:", "loss"))

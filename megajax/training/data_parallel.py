@@ -63,7 +63,7 @@ class DataParallel:
     def build(cls, cfg, mesh, modeldef: ModelDef) -> "DataParallel":
         dp = mesh.shape[S.DATA]
         specs, shapes = modeldef.specs(), modeldef.abstract_params()
-        dims, whole, layer_dims = {}, [], {}
+        whole, layer_dims = [], {}
 
         def pick(path, shape, spec):
             keys = _keys(path)
@@ -99,7 +99,9 @@ class DataParallel:
         return _layer_path(_keys(path)) is not None
 
     def _gather_outside_layers(self, params):
-        """FSDP: the weights outside the layer stack, all-gathered over "data" (per microbatch)."""
+        """FSDP: the weights outside the layer stack, all-gathered over "data" inside each
+        microbatch's gradient (loop-invariant: XLA hoists them out of the accumulation loop, so
+        once per step), their gradients reduce-scattered per microbatch by the transposes."""
         def gather(path, x, d, spec):
             if d == NONE or self._is_layer(path):
                 return x
