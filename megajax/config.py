@@ -62,6 +62,10 @@ class ModelConfig:
     scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
     sequence_parallel: bool = False   # between blocks, activations split over "model" along the sequence
                                       # (Korthikanti et al. 2022); model.seq_len must divide by the model axis
+    attention: str = "auto"           # the attention core: megajax (float32 scores, 16-bit probabilities kept,
+                                      # attention dropout) | fused (jax.nn.dot_product_attention: cuDNN's flash
+                                      # attention on NVIDIA GPUs, XLA elsewhere; needs attention_dropout = 0) |
+                                      # auto (fused on GPUs when attention_dropout = 0, else megajax)
 
     @property
     def ffn(self) -> int:
@@ -106,6 +110,11 @@ class ModelConfig:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.ffn_hidden < 0:
             raise ConfigError(f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}")
+        if self.attention not in ("auto", "megajax", "fused"):
+            raise ConfigError(f"model.attention must be auto, megajax or fused, got '{self.attention}'")
+        if self.attention == "fused" and self.attention_dropout:
+            raise ConfigError(f"model.attention = \"fused\" has no attention dropout: set model.attention_dropout=0 "
+                              f"(it is {self.attention_dropout}) or model.attention = \"megajax\"")
 
     @property
     def layer_params(self) -> int:

@@ -207,6 +207,7 @@ class ParallelSelfAttention(nnx.Module):
         self.layout, self.causal = layout, causal
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.attention_dropout = cfg.attention_dropout
+        self.fused = fused_attention(cfg, layout)
         self.selective_remat = cfg.remat == "selective"
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, layout=layout, precision=precision,
@@ -231,7 +232,8 @@ class ParallelSelfAttention(nnx.Module):
             v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, 0, pos, 0))
             k, v = (self.layout.constrain(t, S.KV_CACHE) for t in (k, v))
             cache, q_pos = (k, v), pos + q_pos
-        core = jax.checkpoint(self.core) if self.selective_remat else self.core
+        core = self.fused_core if self.fused and cache is None else self.core
+        core = jax.checkpoint(core) if self.selective_remat else core
         ctx = core(q, k, v, q_pos, mask, key)
         ctx = self.layout.constrain(jnp.moveaxis(ctx, 1, 2), S.ACT_HEADS).reshape(b, s, self.num_heads * self.head_dim)
         out = self.out(ctx)
@@ -243,14 +245,36 @@ class ParallelSelfAttention(nnx.Module):
         this in the backward pass, from q, k and v, and keeps everything else."""
         scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = self.layout.constrain(scores / math.sqrt(self.head_dim), S.ATTN_SCORES)
-        keep = jnp.ones((1, 1, 1, 1), bool)     # broadcast, never (b, heads, q, k): it is kept for backward
-        if self.causal:
-            keep = keep & (q_pos[:, None] >= jnp.arange(k.shape[2])[None, :])
-        if mask is not None:  # (b, k) True where a key may be attended to
-            keep = keep & mask[:, None, None, :]
-        probs = masked_softmax(scores, keep, q.dtype)
+        probs = masked_softmax(scores, self.keep(q_pos, k.shape[2], mask), q.dtype)
         probs = dropout(probs, self.attention_dropout, key, self.layout, S.ATTN_SCORES)
         return jnp.einsum("bhqk,bhkd->bhqd", probs, v.astype(q.dtype))
+
+    def fused_core(self, q, k, v, q_pos, mask, key):
+        """The same through `jax.nn.dot_product_attention` (no attention dropout): cuDNN's flash
+        attention on NVIDIA GPUs, XLA's attention elsewhere; the heads stay split over "model"."""
+        del key
+        heads_second = lambda t: jnp.moveaxis(t, 1, 2)   # noqa: E731  (b, s, heads, d), as it takes them
+        ctx = jax.nn.dot_product_attention(heads_second(q), heads_second(k), heads_second(v.astype(q.dtype)),
+                                           mask=self.keep(q_pos, k.shape[2], mask), scale=1 / math.sqrt(self.head_dim))
+        return heads_second(ctx)
+
+    def keep(self, q_pos, num_keys: int, mask):
+        """Which (query, key) pairs attend: causal and padding masks, broadcast, never (b, heads, q, k)."""
+        keep = jnp.ones((1, 1, 1, 1), bool)
+        if self.causal:
+            keep = keep & (q_pos[:, None] >= jnp.arange(num_keys)[None, :])
+        if mask is not None:  # (b, k) True where a key may be attended to
+            keep = keep & mask[:, None, None, :]
+        return keep
+
+
+def fused_attention(cfg: ModelConfig, layout: S.Layout) -> bool:
+    """model.attention: fused when asked, or (auto) on GPUs without attention dropout; on the CPU
+    XLA's form keeps the float32 scores for its backward pass, which megajax's own core does not."""
+    if cfg.attention == "auto":
+        devices = layout.mesh.devices.flat if layout.mesh is not None else jax.devices()
+        return cfg.attention_dropout == 0 and next(iter(devices)).platform == "gpu"
+    return cfg.attention == "fused"
 
 
 class TransformerLayer(nnx.Module):
