@@ -25,6 +25,37 @@ def synthetic_batch(trainer, step: int):
     return jax.device_put(arrays, trainer.batch_sharding)
 
 
+def measure(cfg, mesh, steps: int, peak_tflops: float | None) -> dict:
+    """One config's train step on `mesh`: compile, one warm-up step, then `steps` timed steps.
+    Peak memory per device: the runtime's count where it keeps one (GPUs), else XLA's plan."""
+    import jax
+    import numpy as np
+
+    from megajax.training.memory import step_memory
+    from megajax.training.metrics import flops_per_token
+    from megajax.training.step import make_trainer
+
+    tr = make_trainer(cfg, mesh)
+    planned = step_memory(tr.lower_step().compile()).get("step_peak_bytes")
+    params, opt = tr.init_state()
+    step = tr.jit_step()
+    batches = [synthetic_batch(tr, i) for i in range(steps + 1)]
+    params, opt, m = step(params, opt, batches[0], np.int32(0))
+    jax.block_until_ready(m)
+    t = time.perf_counter()
+    for i in range(steps):
+        params, opt, m = step(params, opt, batches[i + 1], np.int32(i + 1))
+    jax.block_until_ready(m)
+    dt = (time.perf_counter() - t) / steps
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    tokens = cfg.train.batch_size * tr.task.tokens_per_example(cfg)
+    tflops = flops_per_token(cfg) * tokens / dt / 1e12 / mesh.size
+    return {"step_ms": dt * 1000, "tokens_per_s": tokens / dt, "tflops_per_device": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops else None, "loss": float(m["loss"]),
+            "peak_bytes": int(stats.get("peak_bytes_in_use") or planned or 0),
+            "peak_source": "runtime" if stats.get("peak_bytes_in_use") else "compiled plan"}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="gpt2_355m,gpt2_1.2b,gpt2_2.5b,gpt2_4.2b,gpt2_8.3b")
@@ -35,13 +66,11 @@ def main():
     p.add_argument("--out", default="bench_gpu.md")
     a = p.parse_args()
     import jax
-    import numpy as np
 
     from megajax.config import load_config
     from megajax.core.mesh import make_mesh
     from megajax.tasks import param_count
-    from megajax.training.metrics import device_peak_tflops, flops_per_token
-    from megajax.training.step import make_trainer
+    from megajax.training.metrics import device_peak_tflops
 
     n = jax.device_count()
     mesh = make_mesh(a.mesh or f"model={n}")
@@ -52,29 +81,16 @@ def main():
     for name in a.configs.split(","):
         cfg = load_config(name, [f"train.batch_size={a.batch}", "train.microbatches=1"])
         try:
-            tr = make_trainer(cfg, mesh)
-            params, opt = tr.init_state()
-            step = tr.jit_step()
-            batches = [synthetic_batch(tr, i) for i in range(a.steps + 1)]
-            params, opt, m = step(params, opt, batches[0], np.int32(0))
-            jax.block_until_ready(m)
-            t = time.perf_counter()
-            for i in range(a.steps):
-                params, opt, m = step(params, opt, batches[i + 1], np.int32(i + 1))
-            jax.block_until_ready(m)
-            dt = (time.perf_counter() - t) / a.steps
+            r = measure(cfg, mesh, a.steps, peak)
         except Exception as e:  # out of memory and the like: report and go on
             msg = str(e).splitlines()[0][:80]
             rows.append(f"| {name} | {param_count(cfg) / 1e9:.2f}B | {dict(mesh.shape)} | - | - | - | - | {msg} |")
             print(rows[-1], flush=True)
             continue
-        tok = a.batch * tr.task.tokens_per_example(cfg)
-        tflops = flops_per_token(cfg) * tok / dt / 1e12 / n
-        mfu = f"{tflops / peak:.2f}" if peak else "n/a"
-        rows.append(f"| {name} | {param_count(cfg) / 1e9:.2f}B | {dict(mesh.shape)} | {tok // cfg.model.seq_len}x{cfg.model.seq_len} "
-                    f"| {dt * 1000:.0f} | {tok / dt:,.0f} | {tflops:.1f} | {mfu} |")
+        mfu = f"{r['mfu']:.2f}" if r["mfu"] is not None else "n/a"
+        rows.append(f"| {name} | {param_count(cfg) / 1e9:.2f}B | {dict(mesh.shape)} | {a.batch}x{cfg.model.seq_len} "
+                    f"| {r['step_ms']:.0f} | {r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.1f} | {mfu} |")
         print(rows[-1], flush=True)
-        del params, opt
     text = f"GPU benchmark on {n} x {kind} (bf16 peak {peak} TFLOP/s per device)\n\n" + "\n".join(rows) + "\n"
     Path(a.out).write_text(text)
     print(text)
