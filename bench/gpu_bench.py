@@ -25,9 +25,10 @@ def synthetic_batch(trainer, step: int):
     return jax.device_put(arrays, trainer.batch_sharding)
 
 
-def measure(cfg, mesh, steps: int, peak_tflops: float | None) -> dict:
-    """One config's train step on `mesh`: compile, one warm-up step, then `steps` timed steps.
-    Peak memory per device: the runtime's count where it keeps one (GPUs), else XLA's plan."""
+def measure(cfg, mesh, steps: int, peak_tflops: float | None, compiled=None) -> dict:
+    """One config's train step on `mesh`: compile (or take `compiled`, the trainer's
+    `lower_step().compile()`), one warm-up step, then `steps` timed steps. Peak memory per
+    device: the runtime's count where it keeps one (GPUs), else XLA's plan."""
     import jax
     import numpy as np
 
@@ -36,9 +37,9 @@ def measure(cfg, mesh, steps: int, peak_tflops: float | None) -> dict:
     from megajax.training.step import make_trainer
 
     tr = make_trainer(cfg, mesh)
-    planned = step_memory(tr.lower_step().compile()).get("step_peak_bytes")
+    step = compiled or tr.lower_step().compile()   # the donated step, compiled once
+    planned = step_memory(step).get("step_peak_bytes")
     params, opt = tr.init_state()
-    step = tr.jit_step()
     batches = [synthetic_batch(tr, i) for i in range(steps + 1)]
     params, opt, m = step(params, opt, batches[0], np.int32(0))
     jax.block_until_ready(m)

@@ -29,7 +29,7 @@ FITS_FRACTION = 0.9   # of a device's memory: headroom for the runtime's own buf
 
 
 def pick(name: str, options, mesh, smoke: bool):
-    """(config, planned peak bytes) of the first option whose compiled step fits, or (None, why)."""
+    """(config, its compiled step) of the first option whose step fits, or (None, why)."""
     from megajax.config import load_config
     from megajax.training.memory import device_memory_bytes, step_memory
     from megajax.training.step import make_trainer
@@ -39,9 +39,10 @@ def pick(name: str, options, mesh, smoke: bool):
     for remat, batch in options:
         cfg = load_config(name, [f"train.batch_size={batch}", "train.microbatches=1", f"model.remat={remat}",
                                  *(SMOKE if smoke else [])])
-        peak = step_memory(make_trainer(cfg, mesh).lower_step().compile()).get("step_peak_bytes")
+        compiled = make_trainer(cfg, mesh).lower_step().compile()
+        peak = step_memory(compiled).get("step_peak_bytes")
         if peak is None or limit is None or peak <= FITS_FRACTION * limit:
-            return cfg, None
+            return cfg, compiled
         why = f"needs {peak / 2**30:.1f} GiB with remat {remat}, batch {batch}"
     return None, why
 
@@ -70,14 +71,14 @@ def main() -> int:
     peak = device_peak_tflops(measure_cpu=False)
     rows = []
     for name, options in PLANS:
-        cfg, why = pick(name, options, mesh, a.smoke)
+        cfg, compiled = pick(name, options, mesh, a.smoke)
         row = {"config": name, "params": param_count(cfg) if cfg else None}
         if cfg is None:
-            rows.append({**row, "fits": False, "why": why})
+            rows.append({**row, "fits": False, "why": compiled})
         else:
             rows.append({**row, "fits": True, "remat": cfg.model.remat, "batch": cfg.train.batch_size,
                          "seq_len": cfg.model.seq_len, "dtype": cfg.model.compute_dtype,
-                         **measure(cfg, mesh, 2 if a.smoke else a.steps, peak)})
+                         **measure(cfg, mesh, 2 if a.smoke else a.steps, peak, compiled)})
         print(json.dumps(rows[-1]), flush=True)
     result = {"device": devices[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
               "bf16_peak_tflops": peak, "smoke": a.smoke, "rows": rows}

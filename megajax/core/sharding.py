@@ -33,6 +33,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -126,10 +127,10 @@ class Layout:
         dims = dict(self.fsdp_layer_dims)
         if not dims:
             return weights
-        flat = {path: x for path, x in _flatten(weights)}
+        flat = traverse_util.flatten_dict(weights)
         for path, (dim, spec) in dims.items():
             flat[path] = gather_over_data(flat[path], dim, spec)
-        return _unflatten(flat)
+        return traverse_util.unflatten_dict(flat)
 
     def reduce_to_replicated(self, partial_sum):
         """Megatron's g: sum the row-parallel partial results over "model" (one all-reduce).
@@ -206,22 +207,6 @@ def data_sharded_spec(shape, spec: P, data_size: int, model_size: int, skip_lead
     return P(*entries)
 
 
-def _flatten(tree, prefix=()):
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            yield from _flatten(v, prefix + (k,))
-        else:
-            yield prefix + (k,), v
-
-
-def _unflatten(flat: dict) -> dict:
-    out = {}
-    for path, v in flat.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return out
 
 
 def param_shardings(mesh: Mesh, specs):

@@ -74,6 +74,11 @@ def _unstringify(tree, template):
     return {k: _unstringify(tree[str(k)], v) for k, v in template.items()}
 
 
+def path_keys(path) -> tuple[str, ...]:
+    """A jax tree path into a params dict (or optimizer state) as a tuple of strings."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 class ModelDef:
     """Everything static about a model: rebuild it from a params dict with `bind(params)`."""
 

@@ -16,6 +16,7 @@ import jax
 from megajax.core.sharding import DATA, MODEL, param_shardings
 from megajax.tasks import task_for
 from megajax.tools.hlo import Collective, parse_collectives
+from megajax.models.registry import path_keys
 from megajax.training.data_parallel import NONE
 from megajax.training.memory import per_device_elements
 from megajax.training.step import make_trainer
@@ -303,7 +304,7 @@ def data_axis_minimum(trainer) -> tuple[str, dict]:
         return "plain", {"gradients": reduce * sum(jax.tree.leaves(local))}
     split = whole = layers = layers_read = 0
     for (path, size), d in zip(jax.tree_util.tree_flatten_with_path(local)[0], jax.tree.leaves(dp.dims)):
-        keys = [str(getattr(k, "key", k)) for k in path]
+        keys = path_keys(path)
         if d == NONE:
             whole += size
             continue

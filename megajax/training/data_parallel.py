@@ -31,13 +31,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from megajax.core import sharding as S
-from megajax.models.registry import ModelDef, abstract_model
+from megajax.models.registry import ModelDef, abstract_model, path_keys
 
 NONE = -1   # a weight no dimension of which "data" divides
-
-
-def _keys(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def _layer_path(keys: tuple[str, ...]) -> tuple[tuple[str, ...], int] | None:
@@ -66,7 +62,7 @@ class DataParallel:
         whole, layer_dims = [], {}
 
         def pick(path, shape, spec):
-            keys = _keys(path)
+            keys = path_keys(path)
             layer = _layer_path(keys)
             stacked = layer is not None and layer[1] == 1   # FSDP gathers a layer at a time: not its axis
             zero = S.data_sharded_spec(shape.shape, spec, dp, mesh.shape[S.MODEL],
@@ -96,7 +92,7 @@ class DataParallel:
         return P(*(S.DATA if i == d else None for i in range(ndim))) if d != NONE else P()
 
     def _is_layer(self, path) -> bool:
-        return _layer_path(_keys(path)) is not None
+        return _layer_path(path_keys(path)) is not None
 
     def _gather_outside_layers(self, params):
         """FSDP: the weights outside the layer stack, all-gathered over "data" inside each

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from megajax.config import Config
 from megajax.core import sharding as S
 from megajax.core.mesh import check_fits
-from megajax.models.registry import ModelDef, abstract_model, init_model
+from megajax.models.registry import ModelDef, abstract_model, init_model, path_keys
 from megajax.tasks import Task, task_for
 from megajax.training.data_parallel import DataParallel
 from megajax.training.optimizer import lr_schedule, make_optimizer
@@ -171,17 +171,13 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     return Trainer(cfg, mesh, task, modeldef, tx, shardings, _opt_shardings(opt_shapes, dp.sharded, mesh), dp)
 
 
-def _path(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def _opt_shardings(opt_shapes, param_shardings, mesh):
     """Optimizer-state leaves that mirror a param (Adam's mu and nu) get that param's
     sharding, found by the param's path at the end of theirs; the rest is replicated."""
-    by_path = {_path(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+    by_path = {path_keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
 
     def pick(path, leaf):
-        keys = _path(path)
+        keys = path_keys(path)
         for n in range(len(keys)):
             if keys[n:] in by_path and leaf.ndim == len(by_path[keys[n:]].spec):
                 return by_path[keys[n:]]
