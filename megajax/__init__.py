@@ -10,7 +10,8 @@ The package is laid out in layers; each imports only from the ones above it in t
     training/    optimizer, compiled step, checkpoints, workdir, metrics, the loop
     evaluation/  window scoring, WikiText, LAMBADA, BERT evaluation
     tools/       HLO reading, the collective audit, the dry run
-    cli/         train.py, eval.py
+    plan/        the planner: memory, step time and scaling predicted for every way to run a config
+    cli/         train.py, eval.py, megajax-plan
 
 The names below are loaded on first use, so `import megajax.cli` stays free of jax until a
 program has read its --host-devices flag.
@@ -29,6 +30,7 @@ _API = {
     "make_trainer": "megajax.training.step",
     "train": "megajax.training.loop",
     "audit": "megajax.tools.audit",
+    "plan": "megajax.plan",
 }
 
 __all__ = sorted(_API)

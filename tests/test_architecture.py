@@ -11,13 +11,14 @@ from conftest import ROOT
 PACKAGE = ROOT / "megajax"
 # Lowest first; a module may import from its own layer and the ones before it.
 LAYERS = [("errors", "files", "hostenv", "shapes", "config", "progress", "memory_model"), ("core",), ("data",), ("models",),
-          ("tasks",), ("training", "evaluation"), ("tools",), ("cli",)]
+          ("tasks",), ("training", "evaluation"), ("tools", "plan"), ("cli",)]
 # Imports inside functions that are there on purpose (module -> what it imports there).
 DEFERRED = {
     "cli.common": {"jax", "megajax.training.distributed"},
     "cli.train": {"megajax.core.mesh", "megajax.tools.dry_run", "megajax.training.loop",
                   "megajax.training.workdir", "megajax.training.metrics"},
     "cli.eval": {"megajax.cli.eval_tasks"},
+    "cli.plan": {"megajax.config", "megajax.plan", "megajax.plan.report"},
     "data.sources": {"tensorflow_datasets"},
     "training.metrics": {"matplotlib", "matplotlib.pyplot"},
 }
@@ -30,6 +31,8 @@ def modules():
 
 
 def layer(module: str) -> int:
+    if module.endswith("__main__"):   # `python -m megajax.X`: an entry point, like the command lines
+        return len(LAYERS) - 1
     top = module.split(".")[0]
     return next(i for i, names in enumerate(LAYERS) if top in names)
 

@@ -1,10 +1,11 @@
-"""The command-line programs: train.py / megajax-train, eval.py / megajax-eval, megajax-plot.
+"""The command-line programs: train.py / megajax-train, eval.py / megajax-eval, megajax-plot, megajax-plan.
 Importing this package does not import jax (see megajax/cli/common.py)."""
 from megajax.cli.common import command
 from megajax.cli.eval import eval_main
+from megajax.cli.plan import plan_command, plan_main
 from megajax.cli.train import plot_main, train_main
 
 train_command = command(train_main)   # python train.py, megajax-train
 eval_command = command(eval_main)     # python eval.py, megajax-eval
 
-__all__ = ["eval_command", "eval_main", "plot_main", "train_command", "train_main"]
+__all__ = ["eval_command", "eval_main", "plan_command", "plan_main", "plot_main", "train_command", "train_main"]

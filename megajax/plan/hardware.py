@@ -1,0 +1,109 @@
+"""The accelerators the planner knows, and the TOML a user adds their own with.
+
+Every figure is per GPU unless it says per node; bandwidths are one direction (what a ring
+all-reduce moves data over), in bytes per second. Sources are the vendors' datasheets and, for
+the paper's machine, the paper itself (Shoeybi et al. 2019, section 5: "300 GB/sec bandwidth
+between GPUs inside a server via NVSwitch and 100 GB/sec of interconnect bandwidth between
+servers using 8 InfiniBand adapters per server"; 39 TFLOP/s on one V100 is "30% of peak").
+
+A user file (`--hardware my_gpus.toml`) holds one table per accelerator, keys as below:
+
+    [my-gpu]
+    peak_flops = 989e12          # dense bf16/fp16 matrix FLOP/s
+    memory_bytes = 80e9
+    hbm_bandwidth = 3.35e12
+    gpus_per_node = 8
+    intra_node_bandwidth = 450e9 # per GPU, one direction (NVLink)
+    inter_node_bandwidth = 400e9 # per node, all NICs together, one direction
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+from megajax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float               # dense 16-bit matrix-unit FLOP/s
+    memory_bytes: float
+    hbm_bandwidth: float            # bytes/s
+    gpus_per_node: int
+    intra_node_bandwidth: float     # per GPU, one direction
+    inter_node_bandwidth: float     # per node (all NICs), one direction
+    intra_node_latency: float = 5e-6    # s per ring step (NVLink/NVSwitch; nccl-tests small-message times)
+    inter_node_latency: float = 10e-6   # s per ring step (InfiniBand)
+    source: str = ""
+
+
+GB, TB, TFLOPS = 1e9, 1e12, 1e12
+BUILTIN = {h.name: h for h in (
+    Hardware("v100-dgx2h", 130 * TFLOPS, 32 * 2**30, 900 * GB, 16, 150 * GB, 100 * GB,
+             source="the paper's: DGX-2H, V100 SXM3 32GB at 450 W (39 TFLOP/s = 30% of peak: 130), "
+                    "NVSwitch 300 GB/s per GPU both ways, 8 x 100 Gb/s InfiniBand per node; HBM2 900 GB/s "
+                    "(NVIDIA V100 datasheet)"),
+    Hardware("a100-80g", 312 * TFLOPS, 80 * GB, 2039 * GB, 8, 300 * GB, 200 * GB,
+             source="DGX A100: A100 SXM4 80GB, 312 TFLOP/s bf16 dense, HBM2e 2,039 GB/s, NVLink 3 600 GB/s "
+                    "per GPU both ways, 8 x 200 Gb/s HDR InfiniBand per node (NVIDIA A100 datasheet)"),
+    Hardware("h100-80g", 989 * TFLOPS, 80 * GB, 3350 * GB, 8, 450 * GB, 400 * GB,
+             source="DGX H100: H100 SXM5 80GB, 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s, NVLink 4 900 GB/s "
+                    "per GPU both ways, 8 x 400 Gb/s NDR InfiniBand per node (NVIDIA H100 datasheet)"),
+    Hardware("h200", 989 * TFLOPS, 141 * GB, 4800 * GB, 8, 450 * GB, 400 * GB,
+             source="HGX H200: H200 SXM 141GB, 989 TFLOP/s bf16 dense, HBM3e 4.8 TB/s, NVLink 4 900 GB/s "
+                    "per GPU both ways, 8 x 400 Gb/s NDR InfiniBand per node (NVIDIA H200 datasheet)"),
+)}
+FIELDS = {f.name: f for f in dataclasses.fields(Hardware)}
+
+
+def load_hardware(name_or_path: str) -> dict[str, Hardware]:
+    """{name: Hardware} of one built-in name, or of every table in a TOML file."""
+    if name_or_path in BUILTIN:
+        return {name_or_path: BUILTIN[name_or_path]}
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        raise UserError(f"unknown hardware '{name_or_path}': one of {', '.join(BUILTIN)}, or a .toml file of your own")
+    try:
+        tables = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise UserError(f"cannot read hardware file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"hardware file {path} is not valid TOML: {e}") from None
+    return {name: _hardware(name, table, path) for name, table in tables.items()}
+
+
+def _hardware(name: str, table, path: Path) -> Hardware:
+    if not isinstance(table, dict):
+        raise UserError(f"hardware file {path}: '{name}' must be a table ([{name}])")
+    unknown = sorted(set(table) - set(FIELDS) - {"name"})
+    if unknown:
+        raise UserError(f"hardware file {path}: [{name}] has unknown key(s) {', '.join(unknown)}; "
+                        f"known: {', '.join(f for f in FIELDS if f != 'name')}")
+    required = [f.name for f in FIELDS.values() if f.default is dataclasses.MISSING and f.name != "name"]
+    missing = [k for k in required if k not in table]
+    if missing:
+        raise UserError(f"hardware file {path}: [{name}] lacks {', '.join(missing)}")
+    values = {}
+    for key, value in table.items():
+        if key in ("name", "source"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise UserError(f"hardware file {path}: [{name}] {key} must be a positive number, got {value!r}")
+        values[key] = int(value) if key == "gpus_per_node" else float(value)
+    return Hardware(name=name, source=str(table.get("source", str(path))), **values)
+
+
+def pick_hardware(name_or_path: str) -> Hardware:
+    """One accelerator: a built-in name, or a TOML file of one table (or `file.toml:name`)."""
+    path, _, which = name_or_path.partition(".toml:")
+    table = load_hardware(path + ".toml" if which else name_or_path)
+    if which:
+        if which not in table:
+            raise UserError(f"{path}.toml has no [{which}]; it has {', '.join(table)}")
+        return table[which]
+    if len(table) != 1:
+        raise UserError(f"{name_or_path} describes {len(table)} accelerators ({', '.join(table)}): "
+                        f"pick one with {name_or_path}:NAME")
+    return next(iter(table.values()))

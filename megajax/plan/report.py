@@ -1,0 +1,76 @@
+"""The planner's table for people, and the sentence that says why the first plan is first."""
+from __future__ import annotations
+
+from megajax.config import Config
+from megajax.plan.hardware import Hardware
+from megajax.plan.search import Plan
+
+GIB = 2**30
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:.1f}" if b >= GIB else f"{b / GIB:.2f}"
+
+
+def _options(p: Plan) -> str:
+    parts = [f"mb {p.microbatches}", f"remat {p.remat}"]
+    if p.sequence_parallel:
+        parts.append("SP")
+    if p.scheme != "plain":
+        parts.append(p.scheme.upper() if p.scheme == "fsdp" else "ZeRO-1")
+    return ", ".join(parts)
+
+
+def why(best: Plan, plans: list[Plan]) -> str:
+    """One sentence: what makes the first plan the first."""
+    if not best.fits:
+        over = best.memory["total"] - best.device_bytes
+        return (f"No plan fits: the smallest, {best.mesh} ({_options(best)}), needs {_gib(best.memory['total'])} GiB "
+                f"per device, {_gib(over)} GiB more than the {_gib(best.device_bytes)} GiB a device has; "
+                f"use more devices or a smaller batch per microbatch.")
+    fitting = [p for p in plans if p.fits]
+    cheaper = [p for p in plans if not p.fits and p.step_seconds < best.step_seconds]
+    parts = [f"{best.mesh} with {_options(best)} is the fastest of {len(fitting)} plans that fit "
+             f"({_gib(best.memory['total'])} of {_gib(best.device_bytes)} GiB per device)"]
+    if best.model > 1:
+        parts.append(f"its model axis runs over {best.links['model']} links")
+    if cheaper:
+        c = min(cheaper, key=lambda p: p.step_seconds)
+        parts.append(f"{c.mesh} ({_options(c)}) would be {best.step_seconds / c.step_seconds:.2f}x faster but needs "
+                     f"{_gib(c.memory['total'])} GiB")
+    return "; ".join(parts) + "."
+
+
+HEADER = ("mesh", "options", "params", "grads", "optim", "activ", "total GiB", "fits", "step s",
+          "compute", "model-ax", "data-ax", "tokens/s", "TFLOP/s", "MFU", "scaling")
+
+
+def row(p: Plan) -> tuple:
+    s = p.seconds
+    compute = s["matmuls"] + s["elementwise"] + s["optimizer"] + s["overhead"]
+    fits = "yes" if p.fits else f"no (+{_gib(p.memory['total'] - p.device_bytes)})"
+    return (p.mesh, _options(p), _gib(p.memory["params"]), _gib(p.memory["gradients"]), _gib(p.memory["optimizer"]),
+            _gib(p.memory["activations"] + p.memory["working"]), _gib(p.memory["total"]), fits,
+            f"{p.step_seconds:.3f}", f"{compute:.3f}", f"{s['model_axis']:.3f}", f"{s['data_axis']:.3f}",
+            f"{p.tokens_per_s:,.0f}", f"{p.tflops_per_device:.1f}", f"{100 * p.mfu:.1f}%",
+            f"{100 * p.scaling_efficiency:.0f}%")
+
+
+def render(cfg: Config, devices: int, hw: Hardware, plans: list[Plan], top: int = 10) -> str:
+    m = cfg.model
+    lines = [f"megajax-plan: {cfg.name} ({m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, seq "
+             f"{m.seq_len}, global batch {cfg.train.batch_size}) on {devices} x {hw.name} "
+             f"({hw.peak_flops / 1e12:.0f} TFLOP/s, {_gib(hw.memory_bytes)} GiB, {hw.gpus_per_node} per node)",
+             why(plans[0], plans), ""]
+    shown = plans[:top]
+    if plans[0].fits and not any(not p.fits for p in shown):
+        shown += [next(p for p in plans if not p.fits)] if any(not p.fits for p in plans) else []
+    table = [HEADER] + [row(p) for p in shown]
+    widths = [max(len(str(r[i])) for r in table) for i in range(len(HEADER))]
+    for r in table[:1] + [tuple("-" * w for w in widths)] + table[1:]:
+        lines.append("  ".join(str(v).rjust(w) if i > 1 else str(v).ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
+    lines.append(f"\n{len(plans)} plans, {sum(p.fits for p in plans)} fit. Memory per device in GiB (activ: activations "
+                 f"and the step's working set); step time without overlap; TFLOP/s counts recomputation (the "
+                 f"paper's count), MFU does not; scaling: model FLOP/s per device over the "
+                 f"reference run's on one device (the config's fastest one-device plan).")
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Every way to run a config on N devices, predicted and ranked: meshes (data x model, the
+model axis dividing heads, hidden, ffn and the padded vocabulary), microbatch sizes for the
+config's global batch, recomputation, sequence parallelism and the data axis's scheme (plain,
+ZeRO-1, FSDP). The fastest plan that fits comes first."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+
+from megajax.config import Config, load_config, set_value
+from megajax.errors import UserError
+from megajax.plan.hardware import Hardware, pick_hardware
+from megajax.plan.memory import memory_bytes
+from megajax.plan.timing import axis_links, step_time
+from megajax.plan.volumes import step_flops
+
+SCHEMES = {"plain": {}, "zero": {"train.shard_optimizer": True}, "fsdp": {"train.shard_params": True}}
+
+
+@dataclasses.dataclass
+class Plan:
+    data: int
+    model: int
+    microbatches: int
+    remat: str
+    sequence_parallel: bool
+    scheme: str
+    memory: dict                 # bytes per device by kind, and "total"
+    device_bytes: float
+    seconds: dict                # step time by part
+    tokens_per_s: float
+    tflops_per_device: float     # the FLOPs the paper counts (recomputation included) per second
+    mfu: float                   # model FLOPs (no recomputation) per second over the peak
+    scaling_efficiency: float = 0.0
+    links: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def mesh(self) -> str:
+        return f"data={self.data},model={self.model}"
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.device_bytes
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def options(self) -> dict:
+        return {"microbatches": self.microbatches, "remat": self.remat,
+                "sequence_parallel": self.sequence_parallel, "data_scheme": self.scheme}
+
+    def to_json(self) -> dict:
+        return {"mesh": self.mesh, "options": self.options, "fits": self.fits,
+                "memory_bytes": self.memory, "device_bytes": self.device_bytes,
+                "step_seconds": {**self.seconds, "total": self.step_seconds}, "links": self.links,
+                "tokens_per_s": self.tokens_per_s, "tflops_per_device": self.tflops_per_device,
+                "mfu": self.mfu, "scaling_efficiency": self.scaling_efficiency}
+
+
+def with_options(cfg: Config, **values) -> Config:
+    out = copy.deepcopy(cfg)
+    for key, value in values.items():
+        set_value(out, key, value)
+    return out.validate()
+
+
+def model_sizes(cfg: Config, devices: int) -> list[int]:
+    m = cfg.model
+    return [t for t in range(1, devices + 1) if devices % t == 0
+            and all(x % t == 0 for x in (m.num_heads, m.hidden, m.ffn, m.padded_vocab))]
+
+
+def candidates(cfg: Config, devices: int, schemes=tuple(SCHEMES)):
+    """(data, model, microbatches, remat, sequence parallel, scheme) for every valid plan."""
+    batch = cfg.train.batch_size
+    for tp in model_sizes(cfg, devices):
+        dp = devices // tp
+        if batch % dp:
+            continue
+        per_shard = batch // dp
+        for rows in (r for r in range(1, per_shard + 1) if per_shard % r == 0):
+            for remat, sp, scheme in itertools.product(("none", "selective", "full"), (False, True), schemes):
+                if (sp and (tp == 1 or cfg.model.seq_len % tp)) or (scheme != "plain" and dp == 1):
+                    continue
+                yield dp, tp, per_shard // rows, remat, sp, scheme
+
+
+def evaluate(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 4) -> Plan:
+    """One plan: `cfg` (with the plan's options set) on a data x model mesh of `hw`."""
+    m, t = cfg.model, cfg.train
+    scheme = "fsdp" if t.shard_params else "zero" if t.shard_optimizer else "plain"
+    seconds = step_time(cfg, dp, tp, hw, gradient_bytes).parts
+    total = sum(seconds.values())
+    n = dp * tp
+    return Plan(dp, tp, t.microbatches, m.remat, m.sequence_parallel, scheme, memory_bytes(cfg, dp, tp),
+                hw.memory_bytes, seconds, t.batch_size * m.seq_len / total, step_flops(cfg) / n / total / 1e12,
+                step_flops(cfg, remat="none") / n / total / hw.peak_flops,
+                links={axis: link for axis, (_, _, link) in axis_links(dp, tp, hw).items()})
+
+
+def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = None,
+          schemes=tuple(SCHEMES)) -> list[Plan]:
+    """Every valid plan, the fastest that fits first, then those that do not fit, least over first.
+    `schemes`: the data-parallel schemes to consider (plain, zero, fsdp)."""
+    if devices < 1:
+        raise UserError(f"--devices must be at least 1, got {devices}")
+    unknown = sorted(set(schemes) - set(SCHEMES))
+    if unknown or not schemes:
+        raise UserError(f"unknown data-parallel scheme(s) {', '.join(unknown) or '(none)'}: use {', '.join(SCHEMES)}")
+    found = []
+    for dp, tp, mb, remat, sp, scheme in candidates(cfg, devices, schemes):
+        c = with_options(cfg, **{"train.microbatches": mb, "model.remat": remat, "model.sequence_parallel": sp},
+                         **SCHEMES[scheme])
+        found.append(evaluate(c, dp, tp, hw))
+    if not found:
+        raise UserError(f"no mesh of {devices} devices fits {cfg.name}: the model axis must divide heads "
+                        f"({cfg.model.num_heads}), hidden, ffn and the padded vocabulary, and the data axis the "
+                        f"global batch ({cfg.train.batch_size})")
+    reference = best_single_device(baseline or cfg, hw)
+    for p in found:
+        p.scaling_efficiency = p.mfu / reference.mfu      # model FLOP/s per device, recomputation aside
+    return sorted(found, key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory["total"]))
+
+
+def best_single_device(cfg: Config, hw: Hardware) -> Plan:
+    """The reference for scaling efficiency: the config on one device, its fastest plan that
+    fits, or when none does its fastest plan as if the device's memory were unlimited."""
+    one = [evaluate(with_options(cfg, **{"train.microbatches": mb, "model.remat": remat}), 1, 1, hw)
+           for _, _, mb, remat, _, _ in candidates(with_options(cfg, **{"model.sequence_parallel": False}), 1)]
+    return sorted(one, key=lambda p: (not p.fits, -p.tokens_per_s))[0]
+
+
+def plan(config: str | Config, devices: int, hardware: Hardware | str, overrides: list[str] | None = None,
+         baseline: str | Config | None = None, schemes=tuple(SCHEMES)) -> list[Plan]:
+    """The Python API: the plans for a config name (or Config) on `devices` of `hardware` (a
+    Hardware or a name / TOML path), best first."""
+    cfg = load_config(config, overrides) if isinstance(config, str) else config
+    base = load_config(baseline) if isinstance(baseline, str) else baseline
+    hw = pick_hardware(hardware) if isinstance(hardware, str) else hardware
+    return plans(cfg, devices, hw, base, schemes)

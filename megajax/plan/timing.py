@@ -1,0 +1,126 @@
+"""Step time on given hardware: matmuls at an achievable fraction of peak that falls with the
+size of each device's matrices, element-wise work at memory bandwidth, a fixed cost per layer,
+and ring collectives on the link each mesh axis runs over. Nothing overlaps (Megatron-LM 2019
+all-reduces the gradients after the backward pass; XLA overlaps some collectives, so this
+errs slow).
+
+Two constants are calibrated, on two of the paper's figures (Shoeybi et al. 2019, section
+5.1; megajax/plan/paper.py refits them, tests/test_plan.py keeps the table the rest predicts):
+  MATMUL_EFFICIENCY       the fraction of peak a large matmul reaches: the 1.2B model's
+                          39 TFLOP/s on one V100;
+  LAYER_OVERHEAD_SECONDS  what a layer costs per microbatch besides its FLOPs and bytes (kernel
+                          launches and synchronisation: PyTorch's eager mode ran some 200
+                          kernels per layer and pass): the 8.3B model's 77% weak-scaling
+                          efficiency on 8 GPUs. XLA's compiled step has less, so it errs slow.
+Every other constant is counted from megajax's layer or taken from the hardware.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megajax.config import Config
+from megajax.memory_model import DTYPE_BYTES
+from megajax.plan.hardware import Hardware
+from megajax.plan.memory import activation_dtype, state_split
+from megajax.plan.volumes import (Matmul, data_axis_sent, head_matmul, layer_matmuls, model_axis_elements,
+                                  recompute_passes, rows_per_microbatch)
+
+MATMUL_EFFICIENCY = 0.5407        # calibrated: gpt2_1.2b on one V100, 39 TFLOP/s
+LAYER_OVERHEAD_SECONDS = 7.72e-3  # calibrated: gpt2_8.3b on 8 V100s, 77% of the 1.2B model's FLOP/s per GPU
+# A matmul with inner size k and n output columns per device runs at
+# MATMUL_EFFICIENCY / ((1 + D/k)(1 + D/n)): tensor-core GEMM kernels compute 128 x 128 output
+# tiles, and a dimension of one tile leaves half the kernel's pipeline idle.
+HALF_EFFICIENCY_DIM = 128
+LINK_EFFICIENCY = 1.0             # large ring collectives run at the link's rate (NCCL's bus bandwidth)
+# Forward passes over memory per element, counted from megajax's layer: on the b·s·h stream
+# (replicated over "model" unless sequence parallel) two LayerNorms (read, write), two
+# bias-dropout-residual adds (two reads, a write, a mask); on the b·s·ffn/t MLP activations
+# bias and GeLU (read, write); on the b·heads/t·s² scores scale, mask, softmax, dropout.
+HIDDEN_PASSES, FFN_PASSES, SCORE_PASSES = 2 * 2 + 2 * 3.5, 2, 5
+BACKWARD_PASSES = 2               # the backward pass moves twice the forward's bytes
+OPTIMIZER_BYTES_PER_PARAM = 28    # Adam: read params, gradient, two moments; write params, two moments (float32)
+
+
+def matmul_seconds(mm: Matmul, hw: Hardware) -> float:
+    eff = MATMUL_EFFICIENCY / ((1 + HALF_EFFICIENCY_DIM / mm.inner) * (1 + HALF_EFFICIENCY_DIM / mm.cols))
+    return mm.flops / (hw.peak_flops * eff)
+
+
+def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware) -> dict[str, float]:
+    """Per device and step: matmuls, element-wise memory traffic and the optimizer update."""
+    m, mb = cfg.model, cfg.train.microbatches
+    passes = 3 + recompute_passes(m.remat)            # forward, backward (2), the recomputed forward
+    mms = layer_matmuls(cfg, dp, tp)
+    layer = passes * sum(matmul_seconds(mm, hw) for mm in mms)
+    if m.remat == "selective":
+        layer += sum(matmul_seconds(mm, hw) for mm in mms[4:])
+    matmuls = mb * (m.num_layers * layer + 3 * matmul_seconds(head_matmul(cfg, dp, tp), hw))
+    act = DTYPE_BYTES[activation_dtype(cfg)]
+    b, s, h = rows_per_microbatch(cfg, dp), m.seq_len, m.hidden
+    stream = b * s * h // (tp if m.sequence_parallel else 1)
+    scores = b * m.num_heads // tp * s * s
+    forward = HIDDEN_PASSES * stream + FFN_PASSES * b * s * m.ffn // tp + SCORE_PASSES * scores
+    total = forward * (1 + BACKWARD_PASSES + recompute_passes(m.remat))
+    if m.remat == "selective":
+        total += SCORE_PASSES * scores
+    elementwise = mb * m.num_layers * total * act / hw.hbm_bandwidth
+    local = state_split(cfg, dp, tp)
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * local.optimizer_local / hw.hbm_bandwidth
+    overhead = mb * m.num_layers * LAYER_OVERHEAD_SECONDS
+    return {"matmuls": matmuls, "elementwise": elementwise, "optimizer": optimizer, "overhead": overhead}
+
+
+def ring_seconds(kind: str, elements: float, nbytes: int, n: int, bandwidth: float, latency: float,
+                 calls: int) -> float:
+    """A ring collective over n devices: an all-reduce sends 2 (n-1)/n of its elements, an
+    all-gather (n-1)/n of its result, a reduce-scatter (n-1) times its result."""
+    if n == 1 or elements == 0:
+        return 0.0
+    factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1, "sent": 1.0}[kind]
+    steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
+    return factor * elements * nbytes / (bandwidth * LINK_EFFICIENCY) + calls * steps * latency
+
+
+def axis_links(dp: int, tp: int, hw: Hardware) -> dict[str, tuple[float, float, str]]:
+    """(bandwidth per device, latency, which link) for each axis. The model axis is placed
+    within a node when it fits; the data axis spans nodes when the mesh does, its ring crossing
+    each node once, so the groups that share a node share its network adapters."""
+    g = hw.gpus_per_node
+    intra = (hw.intra_node_bandwidth, hw.intra_node_latency, "intra-node")
+    inter_share = hw.inter_node_bandwidth / g
+    model = intra if tp <= g else (inter_share, hw.inter_node_latency, "inter-node")
+    if dp * tp <= g:
+        data = intra
+    else:
+        per_node = max(1, g // tp)          # devices of one data group in a node
+        data = (inter_share * per_node, hw.inter_node_latency, "inter-node")
+    return {"model": model, "data": data}
+
+
+def communication_seconds(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 4) -> dict[str, float]:
+    """Per device and step: the model axis's activation collectives (in the compute dtype) and
+    the data axis's gradient and parameter traffic (float32 in megajax: `gradient_bytes`)."""
+    m, mb = cfg.model, cfg.train.microbatches
+    links = axis_links(dp, tp, hw)
+    bw, lat, _ = links["model"]
+    act = DTYPE_BYTES[activation_dtype(cfg)]
+    calls = mb * (4 + recompute_passes(m.remat)) * m.num_layers + 2 * mb
+    model = sum(ring_seconds(kind, e, act, tp, bw, lat, calls) for kind, e in model_axis_elements(cfg, dp, tp).items())
+    bw, lat, _ = links["data"]
+    sent = data_axis_sent(cfg, dp, tp)
+    data = ring_seconds("sent", sent["gradients"] + sent["regather"], gradient_bytes, dp, bw, lat, 1)
+    data += ring_seconds("sent", sent["params"], 4, dp, bw, lat, 1)
+    return {"model_axis": model, "data_axis": data}
+
+
+@dataclasses.dataclass
+class StepTime:
+    parts: dict[str, float]
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.parts.values())
+
+
+def step_time(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 4) -> StepTime:
+    return StepTime({**compute_seconds(cfg, dp, tp, hw), **communication_seconds(cfg, dp, tp, hw, gradient_bytes)})

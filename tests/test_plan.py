@@ -1,0 +1,188 @@
+"""The planner (megajax/plan/) against what it predicts from: the dry run's compiled memory, the
+audit's collective volumes, the paper's formulas and scaling study; and its command line."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, TEST_XLA_FLAGS, mesh_for, tiny_config
+
+from megajax.config import load_config
+from megajax.plan import BUILTIN, paper, pick_hardware, plan, timing
+from megajax.plan.memory import memory_bytes
+from megajax.plan.search import with_options
+from megajax.plan.volumes import data_axis_sent, model_axis_elements, paper_flops, step_flops
+from megajax.tools.audit import audit_hlo
+from megajax.training.memory import per_device_bytes, step_memory
+from megajax.training.step import make_trainer
+
+MEMORY_TOLERANCE = 0.10     # the issue's bound on predicted against compiled peak bytes
+
+# (config, data, model, overrides): a paper config on model=8, sequence parallelism with
+# selective recomputation, no recomputation, BERT; and on 64 devices (a subprocess) plain,
+# ZeRO-1, FSDP and BERT.
+LOCAL_POINTS = [("gpt2_8.3b", 1, 8, []),
+                ("gpt2_355m", 2, 4, ["train.microbatches=16", "model.remat=selective", "model.sequence_parallel=true"]),
+                ("gpt2_355m", 2, 4, ["train.microbatches=64", "model.remat=none"]),
+                ("bert_336m", 2, 4, [])]
+WIDE_POINTS = [("gpt2_8.3b", 8, 8, ["train.microbatches=8"]),
+               ("gpt2_8.3b", 8, 8, ["train.microbatches=8", "train.shard_optimizer=true"]),
+               ("gpt2_8.3b", 8, 8, ["train.microbatches=8", "train.shard_params=true"]),
+               ("bert_3.9b", 8, 8, ["train.microbatches=8"])]
+
+WIDE_SCRIPT = """
+import json, sys, jax
+from megajax.config import load_config
+from megajax.core.mesh import make_mesh
+from megajax.training.memory import per_device_bytes, step_memory
+from megajax.training.step import make_trainer
+for name, dp, tp, sets in json.loads(sys.argv[1]):
+    mesh = make_mesh(f"data={dp},model={tp}", jax.devices()[:dp * tp])
+    print(step_memory(make_trainer(load_config(name, sets), mesh).lower_step().compile())["step_peak_bytes"])
+"""
+
+
+def compiled_peak(name, dp, tp, sets) -> int:
+    cfg = load_config(name, sets)
+    return step_memory(make_trainer(cfg, mesh_for(f"{dp}x{tp}")).lower_step().compile())["step_peak_bytes"]
+
+
+@pytest.mark.parametrize("name,dp,tp,sets", LOCAL_POINTS)
+def test_memory_within_ten_percent_of_the_compiled_step(name, dp, tp, sets):
+    predicted = memory_bytes(load_config(name, sets), dp, tp, cpu=True)["total"]
+    assert predicted == pytest.approx(compiled_peak(name, dp, tp, sets), rel=MEMORY_TOLERANCE)
+
+
+def test_memory_within_ten_percent_on_64_devices():
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=64 {TEST_XLA_FLAGS}",
+           "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", WIDE_SCRIPT, json.dumps(WIDE_POINTS)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
+    for (name, dp, tp, sets), peak in zip(WIDE_POINTS, map(int, out), strict=True):
+        predicted = memory_bytes(load_config(name, sets), dp, tp, cpu=True)["total"]
+        assert predicted == pytest.approx(peak, rel=MEMORY_TOLERANCE), (name, sets)
+
+
+def test_parameters_and_optimizer_state_are_the_dry_runs_exactly():
+    cfg = tiny_config(num_layers=2)
+    cfg.train.batch_size, cfg.train.shard_params = 8, True
+    trainer = make_trainer(cfg, mesh_for("2x4"))
+    params, opt = trainer.abstract_state()
+    predicted = memory_bytes(cfg, 2, 4)
+    assert predicted["params"] == per_device_bytes(params)
+    assert predicted["optimizer"] == per_device_bytes(opt)
+
+
+COMM_CASES = [("2x4", {}), ("2x4", {"sequence_parallel": True}), ("2x4", {"remat": "full"}),
+              ("2x4", {"sequence_parallel": True, "remat": "full"}), ("2x4", {"remat": "selective"}),
+              ("2x4", {"shard_optimizer": True}), ("2x4", {"shard_params": True}),
+              ("1x8", {}), ("1x8", {"sequence_parallel": True, "remat": "full"})]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+@pytest.mark.parametrize("mesh,options", COMM_CASES)
+def test_communication_volumes_are_the_audits(kind, mesh, options):
+    model = {k: v for k, v in options.items() if k in ("sequence_parallel", "remat")}
+    cfg = tiny_config(num_layers=2, kind=kind, **model)
+    cfg.train.batch_size, cfg.train.microbatches = 16, 2
+    cfg.train.shard_optimizer = options.get("shard_optimizer", False)
+    cfg.train.shard_params = options.get("shard_params", False)
+    cfg = cfg.validate()
+    m = mesh_for(mesh)
+    trainer = make_trainer(cfg, m)
+    audit = audit_hlo(trainer.lower_step().compile().as_text(), cfg, (m.shape["data"], m.shape["model"]), trainer=trainer)
+    dp, tp = m.shape["data"], m.shape["model"]
+    # the audit's analytic forms exactly; what it found compiled within its scalar metrics
+    planned = sum(model_axis_elements(cfg, dp, tp).values())
+    assert planned == audit.analytic_min_elements + audit.remat_extra_elements + audit.regathered_elements
+    assert planned == pytest.approx(audit.model_axis_elements, rel=1e-3)
+    sent, least = data_axis_sent(cfg, dp, tp), audit.data_axis_minimum
+    if audit.data_scheme == "plain":
+        # once per microbatch, as compiled (the tied embedding's two contributions apart: a little more)
+        assert sent["gradients"] == cfg.train.microbatches * least.get("gradients", 0)
+        assert sent["gradients"] <= audit.data_axis_sent("gradients") <= 1.1 * sent["gradients"]
+        return
+    assert sent["gradients"] == pytest.approx(least["gradients"], rel=1e-12)
+    assert sent["params"] == pytest.approx(least["params"], rel=1e-12)
+    assert sent["regather"] == pytest.approx(least.get("regather", 0), rel=1e-12)
+    assert sent["gradients"] + sent["params"] == pytest.approx(
+        audit.data_axis_sent("gradients") + audit.data_axis_sent("params") - audit.data_axis_regathered, rel=1e-9)
+
+
+def test_flops_are_the_papers_formula():
+    for remat, full in (("full", True), ("none", False)):
+        cfg = load_config("gpt2_8.3b", [f"model.remat={remat}"])
+        assert step_flops(cfg) == pytest.approx(paper_flops(cfg, full_recompute=full), rel=1e-12)
+
+
+# The planner's figures for the paper's scaling study, and how far each may be from the
+# paper's. Two constants are fitted on two figures (exact); the rest are predictions: within
+# 5 points (weak scaling) and 10% (strong scaling) but for the 2.5B and 8.3B models with
+# 64-way data parallelism, which a bandwidth model cannot both meet: sharing a node's network
+# adapters among its data-parallel groups makes the 8.3B (8 groups a node) pay more than the
+# 2.5B (2), the paper shows the reverse (README, "Planner").
+KNOWN_MISSES = {("model_and_data_parallel", 1): 10, ("model_and_data_parallel", 3): 8}
+
+
+def test_scaling_study_reproduced():
+    study = paper.scaling_study()
+    assert study["baseline_tflops"] == pytest.approx(paper.PAPER["baseline_tflops"], rel=1e-3)
+    assert study["model_parallel"][3] == pytest.approx(paper.PAPER["model_parallel"][3], abs=0.1)
+    for key in ("model_parallel", "model_and_data_parallel"):
+        for i, (ours, theirs) in enumerate(zip(study[key], paper.PAPER[key])):
+            assert abs(ours - theirs) <= KNOWN_MISSES.get((key, i), 5), (key, i, ours, theirs)
+    for ours, theirs in zip(study["strong_scaling"], paper.PAPER["strong_scaling"]):
+        assert ours == pytest.approx(theirs, rel=0.10)
+
+
+def test_calibration_reproduces_the_constants():
+    efficiency, overhead = paper.calibrate()
+    assert efficiency == pytest.approx(timing.MATMUL_EFFICIENCY, rel=1e-3)
+    assert overhead == pytest.approx(timing.LAYER_OVERHEAD_SECONDS, rel=1e-3)
+
+
+def test_best_plan_for_8_3b_on_8_v100s_is_model_parallel():
+    """With the paper's data parallelism (no ZeRO / FSDP), the 8.3B model fits 8 V100s only
+    split over "model"; the plans that do not fit say by how much."""
+    plans = plan("gpt2_8.3b", 8, "v100-dgx2h", schemes=("plain",))
+    best = plans[0]
+    assert best.fits and best.model > 1 and best.data * best.model == 8
+    over = [p for p in plans if not p.fits]
+    assert over and all(p.memory["total"] > p.device_bytes for p in over)
+    from megajax.plan.report import why
+    assert "more than" in why(over[-1], [over[-1]])
+
+
+def run_plan(*args):
+    return subprocess.run([sys.executable, "-m", "megajax.plan", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_command_line_json_and_errors(tmp_path):
+    out = run_plan("--config", "gpt2_1.2b", "--devices", "8", "--hardware", "h200", "--json")
+    assert out.returncode == 0, out.stderr
+    plans = json.loads(out.stdout)["plans"]
+    assert plans[0]["fits"] and plans[0]["mesh"].startswith("data=")
+    assert {"memory_bytes", "step_seconds", "tokens_per_s", "mfu", "scaling_efficiency"} <= set(plans[0])
+    toml = tmp_path / "gpus.toml"
+    toml.write_text("[tiny-gpu]\npeak_flops = 1e12\nmemory_bytes = 1e9\nhbm_bandwidth = 1e11\n"
+                    "gpus_per_node = 4\nintra_node_bandwidth = 1e10\ninter_node_bandwidth = 1e9\n")
+    out = run_plan("--config", "gpt2_8.3b", "--devices", "4", "--hardware", str(toml))
+    assert out.returncode == 0 and "No plan fits" in out.stdout, out.stderr
+    assert pick_hardware(str(toml)).gpus_per_node == 4
+    toml.write_text("[bad]\npeak_flops = -1\n")
+    for args in (["--hardware", "tpu-v9"], ["--hardware", str(toml)], ["--devices", "0"], ["--config", "nope"]):
+        out = run_plan(*(["--config", "tiny", "--devices", "8"] + args))
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("error:"), (args, out.stderr)
+
+
+def test_builtin_hardware_cites_its_sources():
+    assert {"v100-dgx2h", "a100-80g", "h100-80g", "h200"} <= set(BUILTIN)
+    assert all(h.source for h in BUILTIN.values())
+
+
+def test_plan_options_are_valid_configs():
+    """Every option the planner sets is a config the trainer accepts (validate() raises otherwise)."""
+    cfg = with_options(load_config("gpt2_355m"), **{"model.sequence_parallel": True, "train.shard_params": True})
+    assert cfg.model.sequence_parallel and cfg.train.shard_params
