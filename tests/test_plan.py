@@ -8,6 +8,7 @@ import sys
 import pytest
 from conftest import ROOT, TEST_XLA_FLAGS, mesh_for, tiny_config
 
+from megajax.cli.plan import plan_main
 from megajax.config import load_config
 from megajax.plan import BUILTIN, paper, pick_hardware, plan, timing
 from megajax.plan.memory import memory_bytes
@@ -33,6 +34,7 @@ WIDE_POINTS = [("gpt2_8.3b", 8, 8, ["train.microbatches=8"]),
 
 WIDE_SCRIPT = """
 import json, sys, jax
+from megajax.cli.plan import plan_main
 from megajax.config import load_config
 from megajax.core.mesh import make_mesh
 from megajax.training.memory import per_device_bytes, step_memory
@@ -74,14 +76,16 @@ def test_parameters_and_optimizer_state_are_the_dry_runs_exactly():
     assert predicted["optimizer"] == per_device_bytes(opt)
 
 
-COMM_CASES = [("2x4", {}), ("2x4", {"sequence_parallel": True}), ("2x4", {"remat": "full"}),
-              ("2x4", {"sequence_parallel": True, "remat": "full"}), ("2x4", {"remat": "selective"}),
-              ("2x4", {"shard_optimizer": True}), ("2x4", {"shard_params": True}),
-              ("1x8", {}), ("1x8", {"sequence_parallel": True, "remat": "full"})]
+# Every option for GPT; for BERT (whose heads read only their rows) the forms that differ.
+COMM_CASES = [("gpt", "2x4", {}), ("gpt", "2x4", {"sequence_parallel": True}), ("gpt", "2x4", {"remat": "full"}),
+              ("gpt", "2x4", {"sequence_parallel": True, "remat": "full"}), ("gpt", "2x4", {"remat": "selective"}),
+              ("gpt", "2x4", {"shard_optimizer": True}), ("gpt", "2x4", {"shard_params": True}),
+              ("gpt", "1x8", {}), ("gpt", "1x8", {"sequence_parallel": True, "remat": "full"}),
+              ("bert", "2x4", {}), ("bert", "2x4", {"sequence_parallel": True, "remat": "full"}),
+              ("bert", "2x4", {"shard_params": True}), ("bert", "1x8", {"sequence_parallel": True})]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert"])
-@pytest.mark.parametrize("mesh,options", COMM_CASES)
+@pytest.mark.parametrize("kind,mesh,options", COMM_CASES)
 def test_communication_volumes_are_the_audits(kind, mesh, options):
     model = {k: v for k, v in options.items() if k in ("sequence_parallel", "remat")}
     cfg = tiny_config(num_layers=2, kind=kind, **model)
@@ -154,13 +158,10 @@ def test_best_plan_for_8_3b_on_8_v100s_is_model_parallel():
     assert "more than" in why(over[-1], [over[-1]])
 
 
-def run_plan(*args):
-    return subprocess.run([sys.executable, "-m", "megajax.plan", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
-def test_command_line_json_and_errors(tmp_path):
-    out = run_plan("--config", "gpt2_1.2b", "--devices", "8", "--hardware", "h200", "--json")
+def test_command_line_json_and_errors(tmp_path, capsys):
+    out = subprocess.run([sys.executable, "-m", "megajax.plan", "--config", "gpt2_1.2b", "--devices", "8",
+                          "--hardware", "h200", "--json"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     plans = json.loads(out.stdout)["plans"]
     assert plans[0]["fits"] and plans[0]["mesh"].startswith("data=")
@@ -168,13 +169,15 @@ def test_command_line_json_and_errors(tmp_path):
     toml = tmp_path / "gpus.toml"
     toml.write_text("[tiny-gpu]\npeak_flops = 1e12\nmemory_bytes = 1e9\nhbm_bandwidth = 1e11\n"
                     "gpus_per_node = 4\nintra_node_bandwidth = 1e10\ninter_node_bandwidth = 1e9\n")
-    out = run_plan("--config", "gpt2_8.3b", "--devices", "4", "--hardware", str(toml))
-    assert out.returncode == 0 and "No plan fits" in out.stdout, out.stderr
+    assert plan_main(["--config", "gpt2_8.3b", "--devices", "4", "--hardware", str(toml)]) == 0
+    assert "No plan fits" in capsys.readouterr().out
     assert pick_hardware(str(toml)).gpus_per_node == 4
     toml.write_text("[bad]\npeak_flops = -1\n")
-    for args in (["--hardware", "tpu-v9"], ["--hardware", str(toml)], ["--devices", "0"], ["--config", "nope"]):
-        out = run_plan(*(["--config", "tiny", "--devices", "8"] + args))
-        assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("error:"), (args, out.stderr)
+    for args in (["--hardware", "tpu-v9"], ["--hardware", str(toml)], ["--devices", "0"], ["--config", "nope"],
+                 ["--schemes", "zero3"]):
+        assert plan_main(["--config", "tiny", "--devices", "8"] + args) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error:"), (args, err)
 
 
 def test_builtin_hardware_cites_its_sources():
