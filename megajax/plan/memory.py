@@ -15,8 +15,9 @@ total against the dry run's compiled peak at several points):
     remat, its recomputed activations plus the 32-bit random bits its dropout masks are drawn
     from) and the vocab-parallel logits (float32: logits, their exponentials and gradient);
   - FSDP: one layer's gathered weights and the weights outside the layers, gathered.
-XLA:CPU computes 16-bit activations in float32 and keeps a 16-bit copy of the stacked
-checkpoints too: `cpu=True` models that, to compare with a dry run on this machine.
+XLA:CPU of jax 0.10 computes 16-bit activations in float32 and keeps a 16-bit copy of the
+stacked checkpoints too: `cpu=True` models that, to compare with its dry runs (jax 0.12's
+XLA:CPU keeps them 16-bit, as accelerators do).
 """
 from __future__ import annotations
 
