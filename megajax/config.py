@@ -5,6 +5,7 @@ below; anything not given keeps its default. `base = "name"` at the top inherits
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -277,6 +278,14 @@ def set_value(cfg: Config, key: str, value) -> None:
         value = REMAT_ALIASES.get(value.lower() if isinstance(value, str) else value, value)
     types = typing.get_type_hints(cls)
     setattr(getattr(cfg, section), field, _coerce(key, value, types[field]))
+
+
+def with_values(cfg: Config, values: dict) -> Config:
+    """A validated copy of cfg with {"section.field": value} changed (cfg itself untouched)."""
+    out = copy.deepcopy(cfg)
+    for key, value in values.items():
+        set_value(out, key, value)
+    return out.validate()
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:

@@ -63,8 +63,9 @@ def render(cfg: Config, devices: int, hw: Hardware, plans: list[Plan], top: int 
              f"({hw.peak_flops / 1e12:.0f} TFLOP/s, {_gib(hw.memory_bytes)} GiB, {hw.gpus_per_node} per node)",
              why(plans[0], plans), ""]
     shown = plans[:top]
-    if plans[0].fits and not any(not p.fits for p in shown):
-        shown += [next(p for p in plans if not p.fits)] if any(not p.fits for p in plans) else []
+    too_big = [p for p in plans[top:] if not p.fits]
+    if all(p.fits for p in shown) and too_big:
+        shown.append(too_big[0])       # the plan that fits least badly: what more would cost
     table = [HEADER] + [row(p) for p in shown]
     widths = [max(len(str(r[i])) for r in table) for i in range(len(HEADER))]
     for r in table[:1] + [tuple("-" * w for w in widths)] + table[1:]:

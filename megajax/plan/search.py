@@ -4,11 +4,10 @@ config's global batch, recomputation, sequence parallelism and the data axis's s
 ZeRO-1, FSDP). The fastest plan that fits comes first."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 
-from megajax.config import Config, load_config, set_value
+from megajax.config import Config, load_config, with_values
 from megajax.errors import UserError
 from megajax.plan.hardware import Hardware, pick_hardware
 from megajax.plan.memory import memory_bytes
@@ -60,13 +59,6 @@ class Plan:
                 "mfu": self.mfu, "scaling_efficiency": self.scaling_efficiency}
 
 
-def with_options(cfg: Config, **values) -> Config:
-    out = copy.deepcopy(cfg)
-    for key, value in values.items():
-        set_value(out, key, value)
-    return out.validate()
-
-
 def model_sizes(cfg: Config, devices: int) -> list[int]:
     m = cfg.model
     return [t for t in range(1, devices + 1) if devices % t == 0
@@ -112,8 +104,8 @@ def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = Non
         raise UserError(f"unknown data-parallel scheme(s) {', '.join(unknown) or '(none)'}: use {', '.join(SCHEMES)}")
     found = []
     for dp, tp, mb, remat, sp, scheme in candidates(cfg, devices, schemes):
-        c = with_options(cfg, **{"train.microbatches": mb, "model.remat": remat, "model.sequence_parallel": sp},
-                         **SCHEMES[scheme])
+        c = with_values(cfg, {"train.microbatches": mb, "model.remat": remat, "model.sequence_parallel": sp,
+                              **SCHEMES[scheme]})
         found.append(evaluate(c, dp, tp, hw))
     if not found:
         raise UserError(f"no mesh of {devices} devices fits {cfg.name}: the model axis must divide heads "
@@ -128,8 +120,8 @@ def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = Non
 def best_single_device(cfg: Config, hw: Hardware) -> Plan:
     """The reference for scaling efficiency: the config on one device, its fastest plan that
     fits, or when none does its fastest plan as if the device's memory were unlimited."""
-    one = [evaluate(with_options(cfg, **{"train.microbatches": mb, "model.remat": remat}), 1, 1, hw)
-           for _, _, mb, remat, _, _ in candidates(with_options(cfg, **{"model.sequence_parallel": False}), 1)]
+    one = [evaluate(with_values(cfg, {"train.microbatches": mb, "model.remat": remat}), 1, 1, hw)
+           for _, _, mb, remat, _, _ in candidates(with_values(cfg, {"model.sequence_parallel": False}), 1)]
     return sorted(one, key=lambda p: (not p.fits, -p.tokens_per_s))[0]
 
 

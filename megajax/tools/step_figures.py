@@ -10,22 +10,12 @@ this way, is some 1e-4 of the step).
 """
 from __future__ import annotations
 
-import copy
-
-from megajax.config import Config, set_value
+from megajax.config import Config, with_values
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA
 from megajax.memory_model import activation_bytes_per_layer
 from megajax.training.memory import step_memory
 from megajax.training.step import make_trainer
-
-
-def variant(cfg: Config, **changes) -> Config:
-    """A copy of cfg with 'section__field' values changed, validated."""
-    out = copy.deepcopy(cfg)
-    for key, value in changes.items():
-        set_value(out, key.replace("__", "."), value)
-    return out.validate()
 
 
 def compile_step(cfg: Config, mesh):
@@ -41,9 +31,9 @@ def _flops(compiled) -> float:
 def step_flops(cfg: Config, mesh, remat: str | None = None) -> float:
     """FLOPs one device runs per step (forward, backward and what `remat` recomputes)."""
     t, m = cfg.train, cfg.model
-    one_microbatch = dict(train__microbatches=1, train__batch_size=t.batch_size // t.microbatches,
-                          model__scan_layers=False, model__remat=remat or m.remat)
-    f1, f2 = (_flops(compile_step(variant(cfg, model__num_layers=n, **one_microbatch), mesh)) for n in (1, 2))
+    one_microbatch = {"train.microbatches": 1, "train.batch_size": t.batch_size // t.microbatches,
+                      "model.scan_layers": False, "model.remat": remat or m.remat}
+    f1, f2 = (_flops(compile_step(with_values(cfg, {"model.num_layers": n, **one_microbatch}), mesh)) for n in (1, 2))
     return (f1 + (m.num_layers - 1) * (f2 - f1)) * t.microbatches
 
 
@@ -51,8 +41,8 @@ def _doubled_rows(cfg: Config) -> Config:
     """cfg with twice the sequences per microbatch."""
     t = cfg.train
     if t.microbatches % 2 == 0:
-        return variant(cfg, train__microbatches=t.microbatches // 2)
-    return variant(cfg, train__batch_size=2 * t.batch_size)
+        return with_values(cfg, {"train.microbatches": t.microbatches // 2})
+    return with_values(cfg, {"train.batch_size": 2 * t.batch_size})
 
 
 def _temp_bytes(cfg: Config, mesh) -> int | None:
@@ -69,7 +59,8 @@ def activation_bytes_per_sequence(cfg: Config, mesh, temp_bytes: int) -> dict:
     if bigger is None:
         return {}
     shallow = {(n, r): _temp_bytes(c, mesh) for n in (2, 3)
-               for r, c in ((1, variant(cfg, model__num_layers=n)), (2, _doubled_rows(variant(cfg, model__num_layers=n))))}
+               for r, c in ((1, with_values(cfg, {"model.num_layers": n})),
+                            (2, _doubled_rows(with_values(cfg, {"model.num_layers": n}))))}
     per_layer = shallow[3, 2] - shallow[2, 2] - shallow[3, 1] + shallow[2, 1]
     return {"activation_bytes_per_sequence": (bigger - temp_bytes) / rows,
             "activation_bytes_per_layer_and_sequence": per_layer / rows, "sequences_per_microbatch": rows}
