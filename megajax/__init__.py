@@ -11,7 +11,8 @@ The package is laid out in layers; each imports only from the ones above it in t
     evaluation/  window scoring, WikiText, LAMBADA, BERT evaluation
     tools/       HLO reading, the collective audit, the dry run
     plan/        the planner: memory, step time and scaling predicted for every way to run a config
-    cli/         train.py, eval.py, megajax-plan
+    convert/     Hugging Face GPT-2 / BERT / Megatron-BERT directories to workdirs and back
+    cli/         train.py, eval.py, megajax-plan, megajax-convert
 
 The names below are loaded on first use, so `import megajax.cli` stays free of jax until a
 program has read its --host-devices flag.
@@ -31,6 +32,7 @@ _API = {
     "train": "megajax.training.loop",
     "audit": "megajax.tools.audit",
     "plan": "megajax.plan",
+    "import_hf": "megajax.convert", "export_hf": "megajax.convert",
 }
 
 __all__ = sorted(_API)

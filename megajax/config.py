@@ -144,7 +144,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 0
-    init_from: str = ""               # BERT fine-tuning: a pretraining workdir whose encoder starts this run
+    init_from: str = ""               # a workdir whose weights start this run (BERT fine-tuning: its encoder)
     log_every: int = 10
     eval_every: int = 200
     eval_batches: int = 8

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -93,3 +94,30 @@ class WorkdirLock:
         if self.created:          # a run refused after the lock leaves no empty workdir behind
             with contextlib.suppress(OSError):
                 self.workdir.rmdir()
+
+
+def check_new_directory(path: Path, what: str = "output") -> Path:
+    """`path` may be created: it does not exist, or is an empty directory. Never overwrite."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UserError(f"{path} already exists and is not empty: choose a new {what} directory "
+                        f"(megajax does not overwrite it)")
+    return path
+
+
+@contextlib.contextmanager
+def staged_directory(path: Path, what: str = "output"):
+    """Yield a temporary directory beside `path`; when the block succeeds it becomes `path` in
+    one rename, so a reader (or a kill) never sees half of it. On failure it is removed."""
+    path = check_new_directory(path, what)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial"))
+    try:
+        yield tmp
+        check_new_directory(path, what)          # someone may have made it meanwhile
+        if path.exists():
+            path.rmdir()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

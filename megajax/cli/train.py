@@ -27,7 +27,8 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | tfds:NAME[/CONFIG]")
     p.add_argument("--tokenizer", help="bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME")
     p.add_argument("--workdir", help="where checkpoints, metrics and the config go (default: runs/CONFIG)")
-    p.add_argument("--init-from", metavar="DIR", help="BERT fine-tuning: start the encoder from this pretraining workdir")
+    p.add_argument("--init-from", metavar="DIR", help="start from this workdir's weights (BERT fine-tuning: its encoder; "
+                                                          "a GPT: all of them; e.g. one made by megajax-convert import)")
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     p.add_argument("--host-devices", type=int, help="simulate N devices on the CPU")
     p.add_argument("--log-every", type=int)

@@ -34,7 +34,7 @@ from megajax.training.metrics import MetricsLog, device_peak_tflops, flops_per_t
 from megajax.training.signals import StopRequested
 from megajax.training.step import Trainer, make_trainer
 from megajax.training.workdir import (check_same_tokenizer, init_from_pretrained, is_main, run_tokenizer,
-                                      with_pretrained_shape, write_run_files)
+                                      run_vocab_size, with_pretrained_shape, write_run_files)
 
 
 @dataclasses.dataclass
@@ -94,7 +94,8 @@ def validate(cfg: Config, mesh, workdir: Path) -> Run:
     check_same_run({"config": cfg.to_dict(), "workdir": str(workdir)})
     check_same_tokenizer(cfg, workdir)
     data = task.load_data(cfg, run_tokenizer(workdir, pretrained))
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=data.vocab_size))
+    vocab = run_vocab_size(cfg, pretrained, data.vocab_size)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
     trainer = make_trainer(cfg, mesh)   # checks sizes against the mesh: ConfigError
     sharding = trainer.batch_sharding
     return Run(cfg, workdir, task, data, trainer, data.batches("train", cfg, sharding),   # data too short: UserError

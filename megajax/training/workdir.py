@@ -7,8 +7,9 @@
     WORKDIR/metrics.jsonl      one JSON record per logged step and evaluation
     WORKDIR/loss.png           the loss curve
 
-Also here: `--init-from`, which takes a fine-tuning run's model shape and encoder weights
-from a pretraining workdir.
+Also here: `--init-from`, which takes a run's model shape and weights from another workdir
+(a pretrained BERT's encoder for fine-tuning, a GPT's every weight to train it further, or a
+Hugging Face model imported by megajax-convert).
 """
 from __future__ import annotations
 
@@ -81,8 +82,8 @@ def with_pretrained_shape(cfg: Config, workdir: Path | None = None) -> tuple[Con
     if not resuming and not (src / CONFIG_FILE).is_file():
         raise UserError(f"--init-from {src}: not a megajax workdir (no {CONFIG_FILE})")
     pre = load_config(str(own if resuming else src / CONFIG_FILE)).model
-    if pre.kind != "bert" or cfg.model.kind != "bert":
-        raise UserError(f"--init-from loads a BERT encoder; {src} holds a {pre.kind} model")
+    if pre.kind != cfg.model.kind:
+        raise UserError(f"--init-from {src} holds a {pre.kind} model; this run trains a {cfg.model.kind}")
     shape = {name: getattr(pre, name) for name in PRETRAINED_SHAPE}
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape)), src
 
@@ -123,9 +124,22 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
     return Loaded(cfg, modeldef.bind(params), tokenizer, step)
 
 
+def run_vocab_size(cfg: Config, pretrained: Path | None, tokenizer_vocab: int) -> int:
+    """The model's vocabulary: the tokenizer's, or with --init-from the pretrained model's, which
+    may be larger (Megatron and many HF models pad it) but never smaller than the tokenizer."""
+    if pretrained is None:
+        return tokenizer_vocab
+    if tokenizer_vocab > cfg.model.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer_vocab} tokens but the model in {pretrained} only "
+                        f"{cfg.model.vocab_size} embedding rows")
+    return cfg.model.vocab_size
+
+
 def init_from_pretrained(trainer, params: dict, src: Path, out=print) -> dict:
-    """Fresh params with every tensor that the pretrained workdir also has (the encoder and
-    pooler) replaced by its checkpointed value, placed straight into this mesh's shardings."""
+    """Fresh params with every tensor that the pretrained workdir also has (a GPT's every
+    weight, a BERT's encoder and pooler) replaced by its checkpointed value, placed straight
+    into this mesh's shardings. A tensor both have in different shapes is an error, not a
+    silent fresh start."""
     loaded = load_workdir(src, trainer.mesh)
     pre = {jax.tree_util.keystr(p): x for p, x in
            jax.tree_util.tree_flatten_with_path(ModelDef(loaded.model).params(loaded.model))[0]}
@@ -134,7 +148,9 @@ def init_from_pretrained(trainer, params: dict, src: Path, out=print) -> dict:
     def pick(path, x):
         name = jax.tree_util.keystr(path)
         top = name.split("'")[1]
-        if name in pre and pre[name].shape == x.shape:
+        if name in pre and pre[name].shape != x.shape:
+            raise UserError(f"--init-from {src}: {name} is {pre[name].shape} there but {x.shape} in this run")
+        if name in pre:
             taken.add(top)
             return jax.device_put(pre[name], x.sharding)   # this run's sharding (FSDP's split, say)
         new.add(top)

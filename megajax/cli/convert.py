@@ -1,0 +1,50 @@
+"""megajax-convert / python -m megajax.convert: Hugging Face model directories in and out."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megajax.cli.common import fail
+from megajax.errors import UserError
+
+
+def convert_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="megajax-convert", description="Convert between Hugging Face model directories (GPT2LMHeadModel, "
+                                            "BertForPreTraining, MegatronBertForPreTraining) and megajax workdirs.",
+        epilog="examples:\n  megajax-convert import --hf ~/models/gpt2 --workdir runs/gpt2\n"
+               "  python eval.py --workdir runs/gpt2 --task wikitext --mesh model=2\n"
+               "  megajax-convert export --workdir runs/bert --out exported/bert",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="direction", required=True)
+    imp = sub.add_parser("import", help="an HF directory (config.json, model.safetensors, tokenizer) -> a workdir")
+    imp.add_argument("--hf", required=True, metavar="DIR", help="a local Hugging Face model directory")
+    imp.add_argument("--workdir", required=True, help="the new megajax workdir (must not exist, or be empty)")
+    imp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="a field HF does not decide, e.g. model.vocab_multiple=128 or model.scan_layers=false")
+    exp = sub.add_parser("export", help="a workdir's checkpoint -> an HF directory that from_pretrained loads")
+    exp.add_argument("--workdir", required=True)
+    exp.add_argument("--out", required=True, metavar="DIR", help="the new HF directory (must not exist, or be empty)")
+    exp.add_argument("--step", type=int, help="the checkpoint to export (default: the newest that reads back)")
+    return p
+
+
+def convert_main(argv=None) -> int:
+    args = convert_parser().parse_args(argv)
+    # jax is imported only now, as every command line does.
+    from megajax.convert import export_hf, import_hf
+
+    try:
+        if args.direction == "import":
+            cfg = import_hf(args.hf, args.workdir, args.set)
+            m = cfg.model
+            print(f"imported {args.hf} into {args.workdir}: {m.kind} ({m.ln_placement}-LayerNorm), "
+                  f"{m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, vocabulary {m.vocab_size} "
+                  f"(padded to {m.padded_vocab}), {m.seq_len} positions")
+        else:
+            for line in export_hf(args.workdir, args.out, args.step):
+                print(line)
+    except UserError as e:
+        return fail(str(e))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,142 @@
+"""Hugging Face model directories in and out of megajax workdirs.
+
+    import_hf(hf_dir, workdir)   config.json + model.safetensors + tokenizer files -> a workdir
+                                 (config.json, tokenizer, an orbax checkpoint at step 0 with a
+                                 fresh optimizer state) that train.py, eval.py and generation
+                                 read like any other, on any mesh
+    export_hf(workdir, out_dir)  the inverse, from a checkpoint saved on any mesh, loaded here
+                                 on one device: a directory `from_pretrained` loads
+
+Weights are read with the `safetensors` package's NumPy API: no PyTorch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from megajax.config import Config, ConfigError, apply_overrides
+from megajax.convert import hf_config, hf_weights
+from megajax.convert.hf_tokenizer import read_tokenizer, write_tokenizer
+from megajax.core.mesh import single_device_mesh
+from megajax.data.tokenizer import HF_FILE, VOCAB_FILE, WordPieceTokenizer
+from megajax.errors import UserError, first_line
+from megajax.files import staged_directory, write_atomic
+from megajax.models.registry import ModelDef, abstract_model
+from megajax.training.checkpoint import Checkpoints
+from megajax.training.optimizer import make_optimizer
+from megajax.training.workdir import CONFIG_FILE, load_workdir
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Model fields the HF config decides: a --set of one of them would contradict the weights.
+FROM_HF = ("kind", "task", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len", "vocab_size",
+           "ln_placement", "ln_eps", "gelu")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path} is not valid JSON") from None
+
+
+def read_tensors(hf_dir: Path) -> dict:
+    """name -> NumPy array from model.safetensors (or the shards its index names)."""
+    if (hf_dir / INDEX).is_file():
+        files = sorted(set(_read_json(hf_dir / INDEX).get("weight_map", {}).values()))
+    elif (hf_dir / WEIGHTS).is_file():
+        files = [WEIGHTS]
+    elif any((hf_dir / n).is_file() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        raise UserError(f"{hf_dir} has PyTorch weights (pytorch_model.bin) but no {WEIGHTS}: convert them once "
+                        f"where transformers is installed: AutoModelForPreTraining.from_pretrained(DIR)"
+                        f".save_pretrained(DIR, safe_serialization=True)")
+    else:
+        raise UserError(f"no {WEIGHTS} in {hf_dir}")
+    tensors = {}
+    for name in files:
+        try:
+            tensors.update(load_file(hf_dir / name))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UserError(f"{hf_dir / name} cannot be read ({first_line(e, 120)})") from None
+    return tensors
+
+
+def hf_run_config(hf_dir: Path, overrides: list[str] | None = None) -> tuple[str, Config]:
+    """(model_type, Config) of an HF directory, with --set overrides of what HF does not decide."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise UserError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+    base = apply_overrides(Config(), overrides)
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        if key.startswith("model.") and key.removeprefix("model.") in FROM_HF:
+            raise ConfigError(f"{key} comes from {hf_dir / 'config.json'} and cannot be set on import")
+    model_type, model = hf_config.model_config(_read_json(hf_dir / "config.json"), base.model)
+    cfg = dataclasses.replace(base, model=model, name=hf_dir.resolve().name)
+    return model_type, cfg.validate()
+
+
+def import_hf(hf_dir, workdir, overrides: list[str] | None = None) -> Config:
+    """Write a megajax workdir holding the HF model in `hf_dir`; returns its config."""
+    hf_dir, workdir = Path(hf_dir), Path(workdir).absolute()
+    model_type, cfg = hf_run_config(hf_dir, overrides)
+    tensors = read_tensors(hf_dir)
+    params = hf_weights.from_hf(model_type, tensors, cfg.model)
+    _check_shapes(params, cfg)
+    with staged_directory(workdir, "--workdir") as tmp:
+        tokenizer = read_tokenizer(hf_dir, tmp)
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
+                            f"{cfg.model.vocab_size} rows")
+        tokenizer.save(tmp)
+        spec = (f"wordpiece:{workdir / VOCAB_FILE}" if isinstance(tokenizer, WordPieceTokenizer)
+                else f"hf:{workdir / HF_FILE}")
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
+        cfg.save(tmp / CONFIG_FILE)
+        _save_step0(tmp, cfg, params, source=str(hf_dir))
+    return cfg
+
+
+def _check_shapes(params: dict, cfg: Config):
+    want = ModelDef(abstract_model(cfg.model)).abstract_params()
+    got = jax.tree.map(lambda x: x.shape, params)
+    if jax.tree.map(lambda x: x.shape, want) != got:
+        raise UserError("the converted weights do not have the model's shapes (a config.json that "
+                        "contradicts model.safetensors)")
+
+
+def _save_step0(workdir: Path, cfg: Config, params: dict, source: str):
+    """Step 0: the weights and a fresh optimizer state, so train.py can also resume in place."""
+    with jax.default_device(single_device_mesh().devices.flat[0]):
+        params = jax.tree.map(jax.numpy.asarray, params)
+        opt_state = make_optimizer(cfg.train).init(params)
+        ckpts = Checkpoints(workdir, async_save=False)
+        failure = ckpts.save(0, params, opt_state, {"step": 0, "config": cfg.name, "imported_from": source})
+        ckpts.close()
+    if failure is not None:
+        raise UserError(f"could not write the checkpoint: {failure[1]}")
+
+
+def export_hf(workdir, out_dir, step: int | None = None) -> list[str]:
+    """Write an HF model directory from a workdir's checkpoint; returns notes for the user."""
+    loaded = load_workdir(Path(workdir), single_device_mesh(), step)
+    model_cfg = loaded.cfg.model
+    config = hf_config.hf_config(model_cfg)
+    if model_cfg.kind == "gpt" and loaded.tokenizer.eos_id is not None:   # GPT-2's <|endoftext|> opens and ends
+        config.update(bos_token_id=loaded.tokenizer.eos_id, eos_token_id=loaded.tokenizer.eos_id)
+    model_type = config["model_type"]
+    params = jax.tree.map(np.asarray, ModelDef(loaded.model).params(loaded.model))
+    tensors = hf_weights.to_hf_tensors(model_type, params, model_cfg)
+    notes = []
+    with staged_directory(Path(out_dir), "--out") as tmp:
+        write_atomic(tmp / "config.json", json.dumps(config, indent=1) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if (note := write_tokenizer(loaded.tokenizer, tmp)) is not None:
+            notes.append(note)
+    return [f"step {loaded.step} of {workdir} written to {out_dir} as {config['architectures'][0]}", *notes]

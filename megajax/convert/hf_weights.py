@@ -1,0 +1,227 @@
+"""Hugging Face state dicts <-> megajax params, for GPT-2, BERT and Megatron-BERT.
+
+Each architecture is a table of rules: an HF tensor name (with `{i}` for the layer index)
+and the megajax parameter it becomes, through one of a few forms. The traps live in the forms:
+  linear      torch.nn.Linear stores (out, in); megajax kernels are (in, out): transposed.
+              GPT-2's Conv1D already stores (in, out): its rules use `as_is`.
+  vocab_rows  megajax pads the vocabulary (50257 -> 51200): zero rows added, and cut on export.
+  qkv         megajax's fused QKV columns are ordered (head, q|k|v, head_dim), so that a
+              column shard over "model" holds whole heads; GPT-2's c_attn is [q | k | v] and
+              BERT keeps three Linear layers. Interleaved on import, separated on export.
+The output layers are tied to the input embedding (megajax has no other): an HF file that
+carries its own copy (lm_head.weight, cls.predictions.decoder.weight) must hold the same values.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from megajax.config import ModelConfig
+from megajax.errors import UserError
+
+LAYER = "layer."        # megajax names under this prefix are per layer, stacked (or listed) under "layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    hf: tuple[str, ...]   # one HF name, or three (q, k, v) for BERT's separate projections
+    ours: str             # dotted megajax path; "layer.*" per layer
+    form: str = "as_is"   # as_is | linear | vocab_rows | qkv_fused | qkv_linear | qkv_bias
+
+
+def _rules(*rows) -> list[Rule]:
+    return [Rule((hf,) if isinstance(hf, str) else tuple(hf), ours, *form) for hf, ours, *form in rows]
+
+
+def _norm(hf: str, ours: str, scale="weight", shift="bias"):
+    return [(f"{hf}.{scale}", f"{ours}.scale"), (f"{hf}.{shift}", f"{ours}.bias")]
+
+
+def _dense(hf: str, ours: str, form="linear"):
+    return [(f"{hf}.weight", f"{ours}.kernel", form), (f"{hf}.bias", f"{ours}.bias")]
+
+
+GPT2 = _rules(
+    ("wte.weight", "embed.table", "vocab_rows"), ("wpe.weight", "pos"), *_norm("ln_f", "ln_f"),
+    *_norm("h.{i}.ln_1", "layer.ln1"), *_norm("h.{i}.ln_2", "layer.ln2"),
+    ("h.{i}.attn.c_attn.weight", "layer.attention.qkv.kernel", "qkv_fused"),
+    ("h.{i}.attn.c_attn.bias", "layer.attention.qkv.bias", "qkv_fused"),
+    *_dense("h.{i}.attn.c_proj", "layer.attention.out", "as_is"),
+    *_dense("h.{i}.mlp.c_fc", "layer.mlp.fc1", "as_is"), *_dense("h.{i}.mlp.c_proj", "layer.mlp.fc2", "as_is"))
+
+_ATTN = "bert.encoder.layer.{i}.attention"
+_QKV = [(tuple(f"{_ATTN}.self.{p}.weight" for p in ("query", "key", "value")), "layer.attention.qkv.kernel", "qkv_linear"),
+        (tuple(f"{_ATTN}.self.{p}.bias" for p in ("query", "key", "value")), "layer.attention.qkv.bias", "qkv_bias")]
+_BERT_COMMON = [
+    ("bert.embeddings.word_embeddings.weight", "embed.table", "vocab_rows"),
+    ("bert.embeddings.position_embeddings.weight", "pos"), ("bert.embeddings.token_type_embeddings.weight", "types"),
+    *_QKV, *_dense(f"{_ATTN}.output.dense", "layer.attention.out"),
+    *_dense("bert.encoder.layer.{i}.intermediate.dense", "layer.mlp.fc1"),
+    *_dense("bert.encoder.layer.{i}.output.dense", "layer.mlp.fc2"),
+    *_dense("bert.pooler.dense", "pooler"), *_dense("cls.predictions.transform.dense", "mlm_dense"),
+    *_norm("cls.predictions.transform.LayerNorm", "mlm_ln"), ("cls.predictions.bias", "mlm_bias", "vocab_rows"),
+    *_dense("cls.seq_relationship", "sop")]
+# The original BERT: LayerNorm after the embeddings and after each residual add.
+BERT = _rules(*_BERT_COMMON, *_norm("bert.embeddings.LayerNorm", "ln_embed"),
+              *_norm(f"{_ATTN}.output.LayerNorm", "layer.ln1"), *_norm("bert.encoder.layer.{i}.output.LayerNorm", "layer.ln2"))
+# The paper's BERT: LayerNorm at each sublayer's input and once at the end, none after the embeddings.
+MEGATRON_BERT = _rules(*_BERT_COMMON, *_norm(f"{_ATTN}.ln", "layer.ln1"), *_norm("bert.encoder.layer.{i}.ln", "layer.ln2"),
+                       *_norm("bert.encoder.ln", "ln_f"))
+
+RULES = {"gpt2": GPT2, "bert": BERT, "megatron-bert": MEGATRON_BERT}
+# HF names that are another name for a tensor a rule reads (tied or duplicated): checked equal.
+ALIASES = {"gpt2": {"lm_head.weight": "wte.weight"},
+           "bert": {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+                    "cls.predictions.decoder.bias": "cls.predictions.bias"}}
+ALIASES["megatron-bert"] = ALIASES["bert"]
+# Buffers some HF files carry that are not weights.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids")
+PREFIX = {"gpt2": "transformer."}     # GPT2LMHeadModel's; a bare GPT2Model file has none
+
+
+# --- forms ------------------------------------------------------------------------------------
+def _interleave(q, k, v, heads: int):
+    """(..., h) x 3 -> (..., h * 3) with columns ordered (head, q|k|v, head_dim)."""
+    x = np.stack([q, k, v], axis=-2)                                # (..., 3, h)
+    x = x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)       # (..., 3, heads, d)
+    return np.swapaxes(x, -3, -2).reshape(*q.shape[:-1], 3 * q.shape[-1])
+
+
+def _separate(x, heads: int):
+    h = x.shape[-1] // 3
+    x = np.swapaxes(x.reshape(*x.shape[:-1], heads, 3, h // heads), -3, -2)   # (..., 3, heads, d)
+    return tuple(x[..., j, :, :].reshape(*x.shape[:-3], h) for j in range(3))
+
+
+def to_ours(form: str, tensors: list, cfg: ModelConfig) -> np.ndarray:
+    if form == "as_is":
+        return tensors[0]
+    if form == "linear":
+        return tensors[0].T
+    if form == "vocab_rows":
+        x = tensors[0]
+        return np.concatenate([x, np.zeros((cfg.padded_vocab - x.shape[0], *x.shape[1:]), x.dtype)])
+    if form == "qkv_fused":
+        return _interleave(*np.split(tensors[0], 3, axis=-1), cfg.num_heads)
+    if form == "qkv_linear":
+        return _interleave(*(t.T for t in tensors), cfg.num_heads)
+    return _interleave(*tensors, cfg.num_heads)       # qkv_bias
+
+
+def to_hf(form: str, x: np.ndarray, cfg: ModelConfig) -> list:
+    if form == "as_is":
+        return [x]
+    if form == "linear":
+        return [np.ascontiguousarray(x.T)]
+    if form == "vocab_rows":
+        return [x[:cfg.vocab_size]]
+    if form == "qkv_fused":
+        return [np.concatenate(_separate(x, cfg.num_heads), axis=-1)]
+    if form == "qkv_linear":
+        return [np.ascontiguousarray(t.T) for t in _separate(x, cfg.num_heads)]
+    return [np.ascontiguousarray(t) for t in _separate(x, cfg.num_heads)]   # qkv_bias
+
+
+# --- whole state dicts -------------------------------------------------------------------------
+def _expand(rule: Rule, layers: int):
+    """(HF names, megajax name, layer index or None) for each instance of a rule."""
+    if not rule.ours.startswith(LAYER):
+        return [(rule.hf, rule.ours, None)]
+    return [(tuple(n.format(i=i) for n in rule.hf), rule.ours, i) for i in range(layers)]
+
+
+def _strip_prefix(tensors: dict, arch: str) -> dict:
+    prefix = PREFIX.get(arch)
+    if prefix and any(k.startswith(prefix) for k in tensors):
+        return {k.removeprefix(prefix): v for k, v in tensors.items()}
+    return dict(tensors)
+
+
+def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
+    """An HF state dict (name -> array) as a megajax params dict for `cfg` (scanned or not)."""
+    tensors = _strip_prefix(tensors, arch)
+    flat, per_layer, used = {}, [{} for _ in range(cfg.num_layers)], set()
+    for rule in RULES[arch]:
+        for names, ours, i in _expand(rule, cfg.num_layers):
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise UserError(f"the checkpoint has no tensor '{missing[0]}' (a {arch} model with "
+                                f"{cfg.num_layers} layers needs it)")
+            arrays = [np.asarray(tensors[n], np.float32) for n in names]
+            if rule.form == "vocab_rows" and arrays[0].shape[0] != cfg.vocab_size:
+                raise UserError(f"'{names[0]}' has {arrays[0].shape[0]} rows but config.json's vocab_size is "
+                                f"{cfg.vocab_size}")
+            try:
+                value = to_ours(rule.form, arrays, cfg)
+            except ValueError:
+                raise UserError(f"'{names[0]}' has shape {arrays[0].shape}, which config.json's sizes "
+                                f"do not give") from None
+            (flat if i is None else per_layer[i])[ours.removeprefix(LAYER)] = value
+            used.update(names)
+    for alias, target in ALIASES[arch].items():
+        if alias in tensors:
+            if not np.array_equal(np.asarray(tensors[alias], np.float32), np.asarray(tensors[target], np.float32)):
+                raise UserError(f"'{alias}' differs from '{target}': megajax ties the output layer to the "
+                                f"input embedding, and this checkpoint does not")
+            used.add(alias)
+    extra = sorted(k for k in tensors if k not in used and not k.endswith(IGNORED_SUFFIXES))
+    if extra:
+        raise UserError(f"the checkpoint has tensors a {arch} pretraining model does not: "
+                        f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}")
+    return _nest(flat, per_layer, cfg.scan_layers)
+
+
+def to_hf_tensors(arch: str, params: dict, cfg: ModelConfig) -> dict:
+    """A megajax params dict (numpy) as an HF state dict, under the names HF saves."""
+    flat, per_layer = _flatten(params, cfg)
+    out = {}
+    for rule in RULES[arch]:
+        for names, ours, i in _expand(rule, cfg.num_layers):
+            source = flat if i is None else per_layer[i]
+            for name, x in zip(names, to_hf(rule.form, source[ours.removeprefix(LAYER)], cfg)):
+                out[PREFIX.get(arch, "") + name] = np.ascontiguousarray(x, np.float32)
+    return out
+
+
+def _set(tree: dict, dotted: str, value):
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def _nest(flat: dict, per_layer: list[dict], scan: bool) -> dict:
+    tree: dict = {}
+    for name, x in flat.items():
+        _set(tree, name, x)
+    if scan:
+        for name in per_layer[0]:
+            _set(tree, f"layers.stacked.{name}", np.stack([layer[name] for layer in per_layer]))
+    else:
+        for i, layer in enumerate(per_layer):
+            for name, x in layer.items():
+                _set(tree, f"layers.layers.{i}.{name}", x)
+    return tree
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _flatten(params: dict, cfg: ModelConfig) -> tuple[dict, list[dict]]:
+    flat, per_layer = {}, [{} for _ in range(cfg.num_layers)]
+    for name, x in _leaves(params):
+        if name.startswith("layers.stacked."):
+            for i in range(cfg.num_layers):
+                per_layer[i][name.removeprefix("layers.stacked.")] = np.asarray(x[i])
+        elif name.startswith("layers.layers."):
+            i, rest = name.removeprefix("layers.layers.").split(".", 1)
+            per_layer[int(i)][rest] = np.asarray(x)
+        else:
+            flat[name] = np.asarray(x)
+    return flat, per_layer
