@@ -12,7 +12,8 @@ The package is laid out in layers; each imports only from the ones above it in t
     tools/       HLO reading, the collective audit, the dry run
     plan/        the planner: memory, step time and scaling predicted for every way to run a config
     convert/     Hugging Face GPT-2 / BERT / Megatron-BERT directories to workdirs and back
-    cli/         train.py, eval.py, megajax-plan, megajax-convert
+    prepare/     corpora tokenized once, in parallel and resumably, for --data bin:DIR
+    cli/         train.py, eval.py, megajax-plan, megajax-convert, megajax-prepare
 
 The names below are loaded on first use, so `import megajax.cli` stays free of jax until a
 program has read its --host-devices flag.

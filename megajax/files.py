@@ -62,10 +62,12 @@ class WorkdirLock:
     stale). The operating system releases it when the process ends, however it ends, so a
     crashed or killed run never leaves the workdir locked."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, busy: str | None = None):
         self.workdir = Path(workdir)
         self.fd = None
         self.created = False
+        self.busy = busy or (f"another run is training in {self.workdir}; wait for it to finish "
+                             f"(or stop it), or give this one another --workdir")
 
     def __enter__(self):
         self.created = not self.workdir.exists()
@@ -83,8 +85,7 @@ class WorkdirLock:
         except BlockingIOError:
             os.close(self.fd)
             self.fd = None
-            raise UserError(f"another run is training in {self.workdir}; wait for it to finish "
-                            f"(or stop it), or give this one another --workdir") from None
+            raise UserError(self.busy) from None
         return self
 
     def __exit__(self, *exc):

@@ -91,12 +91,14 @@ def bert(name: str, model_cls, config_cls, seed: int, lowercase: bool, vocab_pad
     out.mkdir(parents=True, exist_ok=True)
     tok = wordpiece(220, lowercase)
     tok.model.save(str(out))                                  # vocab.txt
+    assert len((out / "vocab.txt").read_text().splitlines()) == tok.get_vocab_size()
     if name == "bert":
         hf_tok = transformers.BertTokenizer(str(out / "vocab.txt"), do_lower_case=lowercase)
         hf_tok.save_pretrained(out)
         (out / "tokenizer.json").unlink(missing_ok=True)      # this one is read from vocab.txt + tokenizer_config.json
     else:
-        hf_tok = transformers.BertTokenizerFast(vocab_file=str(out / "vocab.txt"), do_lower_case=lowercase)
+        vocab = {t: i for i, t in enumerate((out / "vocab.txt").read_text().splitlines())}
+        hf_tok = transformers.BertTokenizerFast(vocab=vocab, do_lower_case=lowercase)
         hf_tok.save_pretrained(out)                           # tokenizer.json (read first) + its config
     # The model's vocabulary may be larger than the tokenizer's (Megatron pads it): vocab_pad rows more.
     cfg = config_cls(vocab_size=tok.get_vocab_size() + vocab_pad, hidden_size=32, num_hidden_layers=2,

@@ -11,7 +11,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "megajax"
 # Lowest first; a module may import from its own layer and the ones before it.
 LAYERS = [("errors", "files", "hostenv", "shapes", "config", "progress", "memory_model"), ("core",), ("data",), ("models",),
-          ("tasks",), ("training", "evaluation"), ("tools", "plan", "convert"), ("cli",)]
+          ("tasks",), ("training", "evaluation"), ("tools", "plan", "convert", "prepare"), ("cli",)]
 # Imports inside functions that are there on purpose (module -> what it imports there).
 DEFERRED = {
     "cli.common": {"jax", "megajax.training.distributed"},
@@ -20,6 +20,7 @@ DEFERRED = {
     "cli.eval": {"megajax.cli.eval_tasks"},
     "cli.plan": {"megajax.config", "megajax.plan", "megajax.plan.report"},
     "cli.convert": {"megajax.convert"},
+    "cli.prepare": {"megajax.prepare"},
     "data.sources": {"tensorflow_datasets"},
     "training.metrics": {"matplotlib", "matplotlib.pyplot"},
 }

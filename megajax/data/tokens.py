@@ -1,7 +1,8 @@
 """Token streams and deterministic, data-sharded GPT batches.
 
 Sources: those of megajax/data/sources.py, tokenized, or `bin:PATH`, a flat array of
-uint16/uint32 token ids (nanoGPT's .bin format).
+uint16/uint32 token ids (nanoGPT's .bin format), or `bin:DIR`, a corpus prepared by
+megajax-prepare (train and validation files, its tokenizer: megajax/data/prepared.py).
 
 Training batch `step` is a pure function of (seed, step): a resumed run sees exactly the
 batches of an uninterrupted one. Validation sweeps fixed, non-overlapping windows spread over
@@ -15,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from megajax.data.prepared import is_prepared, load_prepared
 from megajax.data.sources import builtin_text, read_text, tfds_texts
 from megajax.data.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
 from megajax.errors import UserError
@@ -26,6 +28,7 @@ class TokenData:
     val: np.ndarray
     tokenizer: Tokenizer
     vocab_size: int = 0          # ids the model must embed: the tokenizer's, or more (see megajax/tasks/lm.py)
+    prepared: bool = False       # from a megajax-prepare directory: split, tokenizer and ids already checked
 
     def __post_init__(self):
         self.vocab_size = self.vocab_size or self.tokenizer.vocab_size
@@ -45,6 +48,9 @@ def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
                 bin_dtype: str = "uint16", tokenizer: Tokenizer | None = None) -> TokenData:
     """Tokenize `source` and hold out the last `val_fraction` of it for validation."""
     kind, _, arg = source.partition(":")
+    if kind == "bin" and is_prepared(Path(arg)):      # a megajax-prepare directory: its own splits and tokenizer
+        train, val, tok = load_prepared(Path(arg), tokenizer)
+        return TokenData(train, val, tok, prepared=True)
     if kind == "bin":
         path = Path(arg)
         if not path.is_file():

@@ -23,7 +23,7 @@ class LanguageModelling(Task):
     def load_data(self, cfg, tokenizer=None):
         d = cfg.data
         data = load_tokens(d.source, d.tokenizer, d.val_fraction, d.bin_dtype, tokenizer)
-        if d.source.startswith("bin:"):
+        if d.source.startswith("bin:") and not data.prepared:
             data.vocab_size = _bin_vocab(data, cfg)
         return data
 

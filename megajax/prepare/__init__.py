@@ -1,0 +1,185 @@
+"""megajax-prepare: text files, jsonl or a TFDS dataset -> a tokenized corpus directory that
+train.py reads with `--data bin:DIR` (megajax/data/prepared.py describes the directory).
+
+Units of work (megajax/prepare/units.py) are tokenized by a pool of processes, each result
+written atomically to DIR/.partial/; an interrupted run started again with the same sources and
+settings keeps the finished units and does the rest; a finished one (meta.json present) is
+not redone. The splits are assembled from the units in order, and meta.json is written last.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from megajax.data import prepared as P
+from megajax.data.tokenizer import Tokenizer, load_tokenizer, make_tokenizer
+from megajax.errors import UserError
+from megajax.files import WorkdirLock, write_atomic
+from megajax.prepare.units import Unit, describe_source, expand_inputs, plan_units, tokenize_unit
+
+PARTIAL = ".partial"
+
+
+@dataclasses.dataclass
+class Settings:
+    tokenizer: str
+    val_fraction: float = 0.01
+    text_field: str = "text"
+
+
+def _separator(tok: Tokenizer) -> list[int]:
+    """The end-of-document token, or (a tokenizer without one: bytes, chars) a blank line."""
+    return [tok.eos_id] if tok.eos_id is not None else tok.encode("\n\n")
+
+
+def _plan_record(sources: list[dict], settings: Settings, tok: Tokenizer, units: list[Unit]) -> dict:
+    return {"sources": sources, "settings": dataclasses.asdict(settings),
+            "tokenizer": P.tokenizer_fingerprint(tok), "units": [dataclasses.asdict(u) for u in units]}
+
+
+def _start_or_resume(out: Path, record: dict) -> Path:
+    """DIR/.partial for this plan: new, or the same plan's interrupted one. Anything else in
+    DIR is refused, never overwritten."""
+    partial = out / PARTIAL
+    plan_file = partial / "plan.json"
+    if plan_file.is_file():
+        try:
+            same = json.loads(plan_file.read_text()) == record
+        except (OSError, json.JSONDecodeError):
+            same = False
+        if not same:
+            raise UserError(f"{out} holds an unfinished preparation of other sources or settings: finish it with "
+                            f"its own command, or remove {partial}")
+        return partial
+    if out.exists() and any(p.name != PARTIAL for p in out.iterdir()):
+        raise UserError(f"{out} already exists and is not empty: choose a new --out (megajax does not overwrite it)")
+    (partial / "units").mkdir(parents=True, exist_ok=True)
+    write_atomic(plan_file, json.dumps(record) + "\n")
+    return partial
+
+
+# --- the workers --------------------------------------------------------------------------------
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_dir: str, separator: list[int], text_field: str, dtype: str):
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"     # one thread per process: the pool is the parallelism
+    _WORKER.update(tok=load_tokenizer(Path(tokenizer_dir)), separator=separator, text_field=text_field, dtype=dtype)
+
+
+def _run_unit(job: tuple[int, dict, str]) -> tuple[int, int, int]:
+    """Tokenize unit i into units/i.npy (atomically); (i, tokens, documents)."""
+    i, unit, units_dir = job
+    ids, docs = tokenize_unit(Unit(**unit), _WORKER["tok"], _WORKER["separator"], _WORKER["text_field"],
+                              np.dtype(_WORKER["dtype"]))
+    tmp = Path(units_dir) / f".{i}.tmp.npy"
+    np.save(tmp, ids)
+    write_atomic(Path(units_dir) / f"{i}.docs", str(docs))
+    os.replace(tmp, Path(units_dir) / f"{i}.npy")
+    return i, len(ids), docs
+
+
+def _tokenize_all(partial: Path, units: list[Unit], tok_dir: Path, separator, settings: Settings, dtype: str,
+                  workers: int, say) -> None:
+    units_dir = partial / "units"
+    todo = [(i, dataclasses.asdict(u), str(units_dir)) for i, u in enumerate(units)
+            if not (units_dir / f"{i}.npy").is_file()]
+    if len(todo) < len(units):
+        say(f"resuming: {len(units) - len(todo)} of {len(units)} units already tokenized")
+    sizes = {i: u.stop - u.start for i, u in enumerate(units)}
+    bar = tqdm(total=sum(sizes[i] for i, *_ in todo), unit="B", unit_scale=True, disable=not sys.stderr.isatty())
+    init = (str(tok_dir), separator, settings.text_field, dtype)
+    if workers <= 1 or len(todo) <= 1:
+        _init_worker(*init)
+        for job in todo:
+            _run_unit(job)
+            bar.update(sizes[job[0]])
+    else:
+        with multiprocessing.get_context("fork").Pool(min(workers, len(todo)), _init_worker, init) as pool:
+            for i, _, _ in pool.imap_unordered(_run_unit, todo):
+                bar.update(sizes[i])
+    bar.close()
+
+
+def _assemble(partial: Path, n_units: int, val_fraction: float) -> dict:
+    """train.bin and val.bin from the units in order. The held-out part is the tail, about
+    val_fraction of the tokens: cut at the unit boundary ending a document nearest to
+    (1 - val_fraction) of them, or inside the tokens when none is near (a few large documents)."""
+    units_dir = partial / "units"
+    load = lambda i: np.load(units_dir / f"{i}.npy", mmap_mode="r")   # noqa: E731
+    lengths = [int(load(i).shape[0]) for i in range(n_units)]
+    docs = [int((units_dir / f"{i}.docs").read_text()) for i in range(n_units)]
+    total = sum(lengths)
+    goal = total - int(total * val_fraction)       # tokens in train
+    ends = np.cumsum(lengths)
+    # Document ends that leave between half and twice val_fraction held out; the nearest wins.
+    held = [int(ends[i]) for i in range(n_units - 1) if docs[i] and 0.5 <= (total - ends[i]) / max(1, total - goal) <= 2]
+    train_tokens = min(held, key=lambda e: abs(e - goal)) if held and val_fraction else goal
+    counts = {"train": [0, 0], "val": [0, 0]}
+    with open(partial / "train.bin", "wb") as train, open(partial / "val.bin", "wb") as val:
+        written = 0
+        for i in range(n_units):
+            ids = load(i)
+            k = min(len(ids), max(0, train_tokens - written))
+            train.write(np.ascontiguousarray(ids[:k]).tobytes())
+            val.write(np.ascontiguousarray(ids[k:]).tobytes())
+            counts["train"][0] += k
+            counts["val"][0] += len(ids) - k
+            counts["val" if k < len(ids) else "train"][1] += docs[i]
+            written += len(ids)
+        for f in (train, val):
+            f.flush()
+            os.fsync(f.fileno())
+    return {name: {"file": P.SPLIT_FILES[name], "tokens": c[0], "documents": c[1]} for name, c in counts.items()}
+
+
+def prepare(inputs: list[str], out, settings: Settings, workers: int | None = None, say=print) -> dict:
+    """Prepare (or finish preparing) `inputs` into the directory `out`; returns its meta.json."""
+    out = Path(out)
+    if not 0.0 <= settings.val_fraction < 1.0:
+        raise UserError(f"--val-fraction must be in [0, 1), got {settings.val_fraction}")
+    sources = [describe_source(s, kind) for s, kind in expand_inputs(inputs)]
+    tok = make_tokenizer(settings.tokenizer) if not Path(settings.tokenizer).is_dir() else load_tokenizer(Path(settings.tokenizer))
+    with WorkdirLock(out, busy=f"another megajax-prepare is writing {out}; wait for it to finish"):
+        return _prepare_locked(out, sources, tok, settings, workers, say)
+
+
+def _prepare_locked(out: Path, sources: list[dict], tok: Tokenizer, settings: Settings, workers, say) -> dict:
+    units = plan_units(sources)
+    record = _plan_record(sources, settings, tok, units)
+    if P.is_prepared(out):
+        meta = P.read_meta(out)
+        if meta.get("plan") == record["sources"] and meta["tokenizer"]["fingerprint"] == record["tokenizer"] \
+                and meta.get("settings") == record["settings"]:
+            say(f"{out} is already prepared from these sources: nothing to do")
+            return meta
+        raise UserError(f"{out} already holds a prepared corpus of other sources or settings: choose a new --out")
+    partial = _start_or_resume(out, record)
+    tok.save(partial)                                      # the workers load it from here, and it ships with DIR
+    dtype = P.token_dtype(tok.vocab_size)
+    t0 = time.perf_counter()
+    try:
+        _tokenize_all(partial, units, partial, _separator(tok), settings, dtype, workers or os.cpu_count() or 1, say)
+    except UserError:          # bad input (not UTF-8, a broken jsonl line): this plan can never finish
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    splits = _assemble(partial, len(units), settings.val_fraction)
+    meta = {"format": P.FORMAT, "version": P.VERSION, "dtype": dtype, "separator": _separator(tok),
+            "tokenizer": {"kind": tok.kind, "spec": settings.tokenizer, "fingerprint": P.tokenizer_fingerprint(tok)},
+            "splits": splits, "plan": sources, "settings": dataclasses.asdict(settings),
+            "seconds": round(time.perf_counter() - t0, 3)}
+    for f in partial.iterdir():                           # the splits and the tokenizer move up, then meta.json
+        if f.is_file() and f.name != "plan.json":
+            os.replace(f, out / f.name)
+    write_atomic(out / P.META, json.dumps(meta, indent=1) + "\n")
+    shutil.rmtree(partial, ignore_errors=True)
+    return meta
