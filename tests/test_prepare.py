@@ -159,3 +159,103 @@ def test_user_errors_are_one_line(corpus, tmp_path, capsys):
     (tmp_path / "full" / "keep.txt").write_text("mine")
     assert prepare_main([str(corpus / "docs.jsonl"), "--out", str(tmp_path / "full")]) == 2
     assert "not empty" in capsys.readouterr().err and (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+# --- BERT sentence pairs on disk -------------------------------------------------------------
+VOCAB = ROOT / "tests/fixtures/hf/bert/vocab.txt"
+
+
+def test_pairs_on_disk_give_the_in_memory_batches(corpus, tmp_path, monkeypatch):
+    """The same files, in memory (text:) and prepared (pairs:): the same pairs, hence the same
+    batches, step for step; prepared in units out of a pool, resumed after an interruption."""
+    monkeypatch.setattr(prep.pairs, "UNIT_SENTENCES", 500)
+    files = sorted(str(f) for f in (corpus / "text").glob("*.txt"))
+    settings = prep.Settings(f"wordpiece:{VOCAB}", 0.1, pairs_seq_len=64, seed=3)
+    real, calls = prep._run_pairs_unit, []
+
+    def dies_on_the_third(job):
+        calls.append(job[0])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(job)
+
+    monkeypatch.setattr(prep, "_run_pairs_unit", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(files, tmp_path / "p", settings, workers=1, say=lambda *a: None)
+    monkeypatch.setattr(prep, "_run_pairs_unit", real)
+    said = []
+    meta = prep.prepare(files, tmp_path / "p", settings, workers=2, say=said.append)
+    assert said == ["resuming: 2 units already tokenized"]
+    common = ["model.seq_len=64", "train.seed=3", "data.val_fraction=0.1", "train.batch_size=8"]
+    disk = load_config("bert_tiny", [*common, f"data.source=pairs:{tmp_path / 'p'}"])
+    memory = load_config("bert_tiny", [*common, f"data.source=text:{','.join(files)}", f"data.tokenizer=wordpiece:{VOCAB}"])
+    a, b = task_for(disk).load_data(disk), task_for(memory).load_data(memory)
+    assert len(a.train_pairs) == len(b.train_pairs) > 1000 and len(a.val_pairs) == len(b.val_pairs) == meta["val_pairs"]
+    assert a.describe() == b.describe()
+    for split in ("train", "val"):
+        batches_a, batches_b = (d.batches(split, disk, None) for d in (a, b))
+        for step in range(3):
+            rows_a, rows_b = batches_a.rows(step, slice(0, 8)), batches_b.rows(step, slice(0, 8))
+            for k in rows_b:
+                np.testing.assert_array_equal(rows_a[k], rows_b[k], err_msg=f"{split} step {step} {k}")
+    with pytest.raises(UserError, match="pairs for model.seq_len = 64, not 128"):
+        task_for(disk).load_data(load_config("bert_tiny", [f"data.source=pairs:{tmp_path / 'p'}", "model.seq_len=128"]))
+    gpt = load_config("tiny", [f"data.source=bin:{tmp_path / 'p'}"])
+    with pytest.raises(UserError, match="it holds BERT sentence pairs"):
+        task_for(gpt).load_data(gpt)
+
+
+RSS_PROBE = """
+import resource, sys
+from megajax.config import load_config
+from megajax.tasks import task_for
+cfg = load_config("bert_tiny", sys.argv[1:])
+data = task_for(cfg).load_data(cfg)
+train, val = data.batches("train", cfg, None), data.batches("val", cfg, None)
+train.rows(0, slice(0, cfg.train.batch_size)), val.rows(0, slice(0, cfg.train.batch_size))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, len(data.train_pairs))
+"""
+
+
+def startup_rss(*settings) -> tuple[int, int]:
+    """Peak RSS (KiB) of a fresh process that loads BERT's data and builds its first batches."""
+    p = subprocess.run([sys.executable, "-c", RSS_PROBE, *settings], capture_output=True, text=True, cwd=ROOT,
+                       timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    rss, pairs = p.stdout.split()
+    return int(rss), int(pairs)
+
+
+def tile_pairs(src: Path, dest: Path, times: int):
+    """`times` copies of a prepared pairs directory's pairs, one after another, as one directory."""
+    meta = json.loads((src / "meta.json").read_text())
+    dest.mkdir()
+    tokens = np.fromfile(src / "pairs.bin", meta["dtype"])
+    index = np.fromfile(src / "pairs_index.bin", np.int64).reshape(-1, 3)
+    with open(dest / "pairs.bin", "wb") as t, open(dest / "pairs_index.bin", "wb") as i:
+        for c in range(times):
+            t.write(tokens.tobytes())
+            i.write((index + np.asarray([c * len(tokens), 0, 0])).tobytes())
+    for f in src.iterdir():
+        if f.name not in ("pairs.bin", "pairs_index.bin", "meta.json"):
+            (dest / f.name).write_bytes(f.read_bytes())
+    n = meta["pairs"] * times
+    meta.update(pairs=n, tokens=meta["tokens"] * times, val_pairs=int(n * meta["settings"]["val_fraction"]))
+    (dest / "meta.json").write_text(json.dumps(meta))
+
+
+def test_startup_memory_does_not_grow_with_a_prepared_corpus(tmp_path):
+    """The built-in corpus (12 MB of the standard library) read into memory, against a prepared
+    pairs corpus ten times its size (the built-in corpus prepared, its pairs written 10 times
+    over): start-up's peak RSS must stay within 10% of the in-memory one's."""
+    from megajax.data.sources import builtin_text
+
+    (tmp_path / "builtin.txt").write_text(builtin_text(), encoding="utf-8")
+    tokenizer = [f"data.tokenizer=wordpiece:{VOCAB}"]
+    prep.prepare([str(tmp_path / "builtin.txt")], tmp_path / "one", prep.Settings(f"wordpiece:{VOCAB}", 0.1, pairs_seq_len=64),
+                 workers=2, say=lambda *a: None)
+    tile_pairs(tmp_path / "one", tmp_path / "ten", 10)
+    memory_rss, memory_pairs = startup_rss("data.source=builtin", *tokenizer)
+    disk_rss, disk_pairs = startup_rss(f"data.source=pairs:{tmp_path / 'ten'}")
+    assert disk_pairs >= 9 * memory_pairs
+    assert disk_rss <= 1.1 * memory_rss, (disk_rss, memory_rss)

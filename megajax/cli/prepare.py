@@ -14,7 +14,9 @@ def prepare_parser() -> argparse.ArgumentParser:
                                             "processes; an interrupted run continues where it stopped.",
         epilog="examples:\n  megajax-prepare 'corpus/**/*.txt' --tokenizer tiktoken:gpt2 --out data/corpus\n"
                "  megajax-prepare dump.jsonl --text-field body --tokenizer runs/gpt2 --out data/dump\n"
-               "  python train.py --config gpt2_355m --data bin:data/corpus",
+               "  python train.py --config gpt2_355m --data bin:data/corpus\n"
+               "  megajax-prepare 'books/*.txt' --pairs --seq-len 512 --tokenizer wordpiece:vocab.txt --out data/pairs\n"
+               "  python train.py --config bert_336m --data pairs:data/pairs",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", help="text files or globs (one document per file), .jsonl files (one "
                                              "document per line), or tfds:NAME[:SPLIT]")
@@ -24,6 +26,10 @@ def prepare_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float, default=0.01, help="held-out share of the tokens (default 0.01)")
     p.add_argument("--text-field", default="text", help="jsonl: the field holding the text (default text)")
     p.add_argument("--workers", type=int, help="processes (default: every CPU)")
+    p.add_argument("--pairs", action="store_true", help="BERT: sentence pairs for --seq-len, for --data pairs:DIR")
+    p.add_argument("--seq-len", type=int, default=512, help="--pairs: the model.seq_len they are for (default 512)")
+    p.add_argument("--seed", type=int, default=0, help="--pairs: the train.seed whose draws shape the pairs, as "
+                                                      "in memory (default 0)")
     return p
 
 
@@ -31,10 +37,16 @@ def prepare_main(argv=None) -> int:
     args = prepare_parser().parse_args(argv)
     from megajax.prepare import Settings, prepare
 
+    settings = Settings(args.tokenizer, args.val_fraction, args.text_field, args.seq_len if args.pairs else 0, args.seed)
     try:
-        meta = prepare(args.inputs, args.out, Settings(args.tokenizer, args.val_fraction, args.text_field), args.workers)
+        meta = prepare(args.inputs, args.out, settings, args.workers)
     except UserError as e:
         return fail(str(e))
+    if args.pairs:
+        print(f"{args.out}: {meta['pairs']:,} sentence pairs ({meta['tokens']:,} tokens) for seq_len {meta['seq_len']}, "
+              f"the last {meta['val_pairs']:,} for validation, {meta['tokenizer']['kind']} tokenizer; "
+              f"train.py --data pairs:{args.out}")
+        return 0
     t, v = meta["splits"]["train"], meta["splits"]["val"]
     print(f"{args.out}: train {t['tokens']:,} tokens ({t['documents']:,} documents), validation {v['tokens']:,} "
           f"tokens ({v['documents']:,} documents), {meta['dtype']}, {meta['tokenizer']['kind']} tokenizer; "

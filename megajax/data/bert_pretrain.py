@@ -69,13 +69,18 @@ def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng=None) -> tupl
 
 def make_pairs(docs: list[list[list[int]]], seq_len: int, seed: int) -> list[tuple[list[int], list[int]]]:
     """(A, B) segment pairs of consecutive text, each fitting [CLS] A [SEP] B [SEP] in seq_len."""
+    return list(iter_pairs(docs, seq_len, seed))
+
+
+def iter_pairs(docs, seq_len: int, seed: int):
+    """make_pairs over any iterable of documents, one pair at a time (megajax-prepare streams a
+    corpus through it): the same draws, so the same pairs."""
     rng = np.random.default_rng([seed, 7])
     max_tokens = seq_len - 3
 
     def target():
         return max_tokens if rng.random() >= SHORT_SEQ_PROB else int(rng.integers(2, max_tokens + 1))
 
-    pairs = []
     for doc in docs:
         chunk, length, goal = [], 0, target()
         for i, sentence in enumerate(doc):
@@ -91,9 +96,8 @@ def make_pairs(docs: list[list[list[int]]], seq_len: int, seed: int) -> list[tup
                     else:   # one long sentence: cut it inside
                         cut = int(rng.integers(1, len(chunk[0])))
                         a, b = chunk[0][:cut], chunk[0][cut:]
-                    pairs.append(truncate_pair(a, b, max_tokens, rng))
+                    yield truncate_pair(a, b, max_tokens, rng)
                 chunk, length, goal = [], 0, target()
-    return pairs
 
 
 def masking_budget(n_candidates: int, n_predict: int, mask_prob: float, rng) -> int:
@@ -237,7 +241,7 @@ class PretrainData:
         return self.tokenizer.vocab_size
 
     def describe(self) -> str:
-        n = sum(len(a) + len(b) for a, b in self.train_pairs)
+        n = getattr(self.train_pairs, "tokens", None) or sum(len(a) + len(b) for a, b in self.train_pairs)
         return f"{len(self.train_pairs):,} train sentence pairs ({n:,} tokens)"
 
     def batches(self, split: str, cfg, sharding):

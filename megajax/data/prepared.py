@@ -1,11 +1,16 @@
 """A corpus prepared by megajax-prepare (megajax/prepare/): what is in its directory, and
-reading it back for train.py (`--data bin:DIR`) with every check that can fail cheaply.
+reading it back for train.py (`--data bin:DIR`, `--data pairs:DIR`) with every check that
+can fail cheaply.
 
     DIR/meta.json        format, tokenizer, token dtype, end-of-document id, per split the file,
                          token and document counts, and each source's size and SHA-256
     DIR/train.bin        the training split: token ids, flat, in the dtype meta.json names
     DIR/val.bin          the held-out documents
     DIR/tokenizer.json   the tokenizer that made them (and its hf_tokenizer.json / vocab.txt)
+
+BERT's sentence pairs (`megajax-prepare --pairs`): DIR/pairs.bin holds each pair's A then B
+tokens, DIR/pairs_index.bin an int64 (start, len A, len B) per pair; the last meta["val_pairs"]
+pairs are the validation split. Both are memory-mapped: a run's memory does not grow with them.
 
 meta.json is written last: a directory without it is an unfinished preparation.
 """
@@ -21,6 +26,7 @@ from megajax.errors import UserError
 
 META = "meta.json"
 FORMAT = "megajax-tokens"
+PAIRS_FORMAT = "megajax-pairs"
 VERSION = 1
 SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
 # Text every tokenizer encodes: two tokenizers that give it the same ids and have the same
@@ -40,15 +46,36 @@ def is_prepared(path: Path) -> bool:
     return (Path(path) / META).is_file()
 
 
-def read_meta(directory: Path) -> dict:
+def read_meta(directory: Path, fmt: str = FORMAT) -> dict:
     path = Path(directory) / META
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{path} cannot be read: not a corpus prepared by megajax-prepare") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise UserError(f"{path} is not a megajax-prepare {FORMAT} v{VERSION} description")
+    if not isinstance(meta, dict) or meta.get("format") != fmt or meta.get("version") != VERSION:
+        other = meta.get("format") if isinstance(meta, dict) else None
+        hint = {FORMAT: f" (it holds token files: --data bin:{directory})",
+                PAIRS_FORMAT: f" (it holds BERT sentence pairs: --data pairs:{directory})"}.get(other, "")
+        raise UserError(f"{path} is not a megajax-prepare {fmt} v{VERSION} description{hint}")
     return meta
+
+
+def _check_tokenizer(directory: Path, meta: dict, tokenizer: Tokenizer | None) -> Tokenizer:
+    if tokenizer is not None and tokenizer_fingerprint(tokenizer) != meta["tokenizer"]["fingerprint"]:
+        raise UserError(f"{directory} was tokenized with another tokenizer ({meta['tokenizer']['kind']}, "
+                        f"{meta['tokenizer']['fingerprint']['vocab_size']:,} ids) than this run's "
+                        f"({tokenizer.kind}, {tokenizer.vocab_size:,} ids)")
+    return tokenizer or load_tokenizer(directory)
+
+
+def _mapped(path: Path, dtype, count: int) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    expected = count * dtype.itemsize
+    if not path.is_file() or path.stat().st_size != expected:
+        have = f"{path.stat().st_size:,} bytes" if path.is_file() else "no file"
+        raise UserError(f"{path} should hold {count:,} {dtype.name} values ({expected:,} bytes), has {have}: "
+                        f"damaged or incomplete; prepare it again")
+    return np.memmap(path, dtype=dtype, mode="r") if count else np.zeros(0, dtype)
 
 
 def load_prepared(directory: Path, tokenizer: Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray, Tokenizer]:
@@ -56,20 +83,45 @@ def load_prepared(directory: Path, tokenizer: Tokenizer | None = None) -> tuple[
     tokenizer (resuming, --init-from) must bring the one the corpus was made with."""
     directory = Path(directory)
     meta = read_meta(directory)
-    saved = load_tokenizer(directory)
-    if tokenizer is not None and tokenizer_fingerprint(tokenizer) != meta["tokenizer"]["fingerprint"]:
-        raise UserError(f"{directory} was tokenized with another tokenizer ({meta['tokenizer']['kind']}, "
-                        f"{meta['tokenizer']['fingerprint']['vocab_size']:,} ids) than this run's "
-                        f"({tokenizer.kind}, {tokenizer.vocab_size:,} ids)")
-    dtype = np.dtype(meta["dtype"])
-    splits = []
-    for name in ("train", "val"):
-        info = meta["splits"][name]
-        path = directory / info["file"]
-        expected = info["tokens"] * dtype.itemsize
-        if not path.is_file() or path.stat().st_size != expected:
-            have = path.stat().st_size if path.is_file() else "no file"
-            raise UserError(f"{path} should hold {info['tokens']:,} {dtype.name} tokens ({expected:,} bytes), "
-                            f"has {have}: damaged or incomplete; prepare it again")
-        splits.append(np.memmap(path, dtype=dtype, mode="r") if info["tokens"] else np.zeros(0, dtype))
-    return splits[0], splits[1], tokenizer or saved
+    tokenizer = _check_tokenizer(directory, meta, tokenizer)
+    train, val = (_mapped(directory / meta["splits"][s]["file"], meta["dtype"], meta["splits"][s]["tokens"])
+                  for s in ("train", "val"))
+    return train, val, tokenizer
+
+
+class DiskPairs:
+    """Pairs lo..hi of a prepared pairs directory, as the (A, B) lists PretrainBatches reads."""
+
+    def __init__(self, tokens: np.ndarray, index: np.ndarray, lo: int, hi: int):
+        self.tokens_file, self.index, self.lo, self.hi = tokens, index, lo, hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        start, len_a, len_b = (int(x) for x in self.index[self.lo + i])
+        pair = self.tokens_file[start:start + len_a + len_b].tolist()
+        return pair[:len_a], pair[len_a:]
+
+    @property
+    def tokens(self) -> int:
+        rows = self.index[self.lo:self.hi]
+        return int(rows[:, 1].sum() + rows[:, 2].sum())
+
+
+def load_pairs(directory: Path, tokenizer: Tokenizer | None, seq_len: int) -> tuple[DiskPairs, DiskPairs, Tokenizer]:
+    """(train pairs, val pairs, tokenizer) of a `megajax-prepare --pairs` directory, mapped."""
+    directory = Path(directory)
+    if not (directory / META).is_file():
+        raise UserError(f"{directory} is not a prepared corpus (no {META}): make one with megajax-prepare --pairs")
+    meta = read_meta(directory, PAIRS_FORMAT)
+    if meta["seq_len"] != seq_len:
+        raise UserError(f"{directory} holds pairs for model.seq_len = {meta['seq_len']}, not {seq_len}: set "
+                        f"model.seq_len={meta['seq_len']} or prepare it again with --seq-len {seq_len}")
+    tokenizer = _check_tokenizer(directory, meta, tokenizer)
+    n, n_val = meta["pairs"], meta["val_pairs"]
+    tokens = _mapped(directory / "pairs.bin", meta["dtype"], meta["tokens"])
+    index = _mapped(directory / "pairs_index.bin", np.int64, 3 * n).reshape(n, 3)
+    return DiskPairs(tokens, index, 0, n - n_val), DiskPairs(tokens, index, n - n_val, n), tokenizer

@@ -21,9 +21,11 @@ import numpy as np
 from tqdm import tqdm
 
 from megajax.data import prepared as P
+from megajax.data.bert_pretrain import Specials
 from megajax.data.tokenizer import Tokenizer, load_tokenizer, make_tokenizer
 from megajax.errors import UserError
 from megajax.files import WorkdirLock, write_atomic
+from megajax.prepare import pairs
 from megajax.prepare.units import Unit, describe_source, expand_inputs, plan_units, tokenize_unit
 
 PARTIAL = ".partial"
@@ -34,6 +36,8 @@ class Settings:
     tokenizer: str
     val_fraction: float = 0.01
     text_field: str = "text"
+    pairs_seq_len: int = 0        # > 0: BERT sentence pairs for this model.seq_len (megajax/prepare/pairs.py)
+    seed: int = 0                 # pairs: the train.seed whose draws shape them, as in memory
 
 
 def _separator(tok: Tokenizer) -> list[int]:
@@ -86,6 +90,45 @@ def _run_unit(job: tuple[int, dict, str]) -> tuple[int, int, int]:
     write_atomic(Path(units_dir) / f"{i}.docs", str(docs))
     os.replace(tmp, Path(units_dir) / f"{i}.npy")
     return i, len(ids), docs
+
+
+def _run_pairs_unit(job: tuple[int, list, str]) -> int:
+    k, docs, units_dir = job
+    arrays = pairs.tokenize_documents(docs, _WORKER["tok"], np.dtype(_WORKER["dtype"]))
+    tmp = Path(units_dir) / f".{k}.tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, Path(units_dir) / f"{k}.npz")
+    return int(arrays["lengths"].size)
+
+
+def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings, dtype: str, workers: int,
+                          say) -> list[Path]:
+    """Tokenize the sentence units, a few per worker at a time (the corpus is never held whole)."""
+    units_dir = partial / "units"
+    done = {int(f.stem) for f in units_dir.glob("*.npz")}
+    if done:
+        say(f"resuming: {len(done)} units already tokenized")
+    init = (str(partial), [], settings.text_field, dtype)
+    bar = tqdm(unit=" sentences", unit_scale=True, disable=not sys.stderr.isatty())
+    pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, init) if workers > 1 else None
+    if pool is None:
+        _init_worker(*init)
+    batch, total = [], 0
+    try:
+        for k, docs in pairs.units(sources, settings.text_field):
+            total = k + 1
+            if k not in done:
+                batch.append((k, docs, str(units_dir)))
+            if len(batch) >= 2 * workers:
+                bar.update(sum(pool.map(_run_pairs_unit, batch) if pool else map(_run_pairs_unit, batch)))
+                batch = []
+        if batch:
+            bar.update(sum(pool.map(_run_pairs_unit, batch) if pool else map(_run_pairs_unit, batch)))
+    finally:
+        if pool is not None:
+            pool.terminate()
+        bar.close()
+    return [units_dir / f"{k}.npz" for k in range(total)]
 
 
 def _tokenize_all(partial: Path, units: list[Unit], tok_dir: Path, separator, settings: Settings, dtype: str,
@@ -149,15 +192,20 @@ def prepare(inputs: list[str], out, settings: Settings, workers: int | None = No
         raise UserError(f"--val-fraction must be in [0, 1), got {settings.val_fraction}")
     sources = [describe_source(s, kind) for s, kind in expand_inputs(inputs)]
     tok = make_tokenizer(settings.tokenizer) if not Path(settings.tokenizer).is_dir() else load_tokenizer(Path(settings.tokenizer))
+    if settings.pairs_seq_len:
+        if settings.pairs_seq_len < 8:
+            raise UserError(f"--seq-len must be at least 8 for sentence pairs, got {settings.pairs_seq_len}")
+        Specials.of(tok)             # [CLS], [SEP], [MASK], [PAD]: refused now, not after tokenizing
     with WorkdirLock(out, busy=f"another megajax-prepare is writing {out}; wait for it to finish"):
         return _prepare_locked(out, sources, tok, settings, workers, say)
 
 
 def _prepare_locked(out: Path, sources: list[dict], tok: Tokenizer, settings: Settings, workers, say) -> dict:
-    units = plan_units(sources)
+    fmt = P.PAIRS_FORMAT if settings.pairs_seq_len else P.FORMAT
+    units = [] if settings.pairs_seq_len else plan_units(sources)
     record = _plan_record(sources, settings, tok, units)
     if P.is_prepared(out):
-        meta = P.read_meta(out)
+        meta = P.read_meta(out, fmt)
         if meta.get("plan") == record["sources"] and meta["tokenizer"]["fingerprint"] == record["tokenizer"] \
                 and meta.get("settings") == record["settings"]:
             say(f"{out} is already prepared from these sources: nothing to do")
@@ -166,17 +214,22 @@ def _prepare_locked(out: Path, sources: list[dict], tok: Tokenizer, settings: Se
     partial = _start_or_resume(out, record)
     tok.save(partial)                                      # the workers load it from here, and it ships with DIR
     dtype = P.token_dtype(tok.vocab_size)
-    t0 = time.perf_counter()
+    t0, workers = time.perf_counter(), workers or os.cpu_count() or 1
+    meta = {"format": fmt, "version": P.VERSION, "dtype": dtype,
+            "tokenizer": {"kind": tok.kind, "spec": settings.tokenizer, "fingerprint": P.tokenizer_fingerprint(tok)},
+            "plan": sources, "settings": dataclasses.asdict(settings)}
     try:
-        _tokenize_all(partial, units, partial, _separator(tok), settings, dtype, workers or os.cpu_count() or 1, say)
+        if settings.pairs_seq_len:
+            files = _tokenize_pairs_units(partial, sources, settings, dtype, workers, say)
+            counts = pairs.write_pairs(files, partial, settings.pairs_seq_len, settings.seed, dtype)
+            meta.update(counts, seq_len=settings.pairs_seq_len, val_pairs=int(counts["pairs"] * settings.val_fraction))
+        else:
+            _tokenize_all(partial, units, partial, _separator(tok), settings, dtype, workers, say)
+            meta.update(separator=_separator(tok), splits=_assemble(partial, len(units), settings.val_fraction))
     except UserError:          # bad input (not UTF-8, a broken jsonl line): this plan can never finish
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    splits = _assemble(partial, len(units), settings.val_fraction)
-    meta = {"format": P.FORMAT, "version": P.VERSION, "dtype": dtype, "separator": _separator(tok),
-            "tokenizer": {"kind": tok.kind, "spec": settings.tokenizer, "fingerprint": P.tokenizer_fingerprint(tok)},
-            "splits": splits, "plan": sources, "settings": dataclasses.asdict(settings),
-            "seconds": round(time.perf_counter() - t0, 3)}
+    meta["seconds"] = round(time.perf_counter() - t0, 3)
     for f in partial.iterdir():                           # the splits and the tokenizer move up, then meta.json
         if f.is_file() and f.name != "plan.json":
             os.replace(f, out / f.name)

@@ -2,8 +2,11 @@
 pairs (MNLI, QQP) or multiple choice (RACE)."""
 from __future__ import annotations
 
-from megajax.data.bert_pretrain import load_pretraining
+from pathlib import Path
+
+from megajax.data.bert_pretrain import PretrainData, Specials, load_pretraining
 from megajax.data.finetune import load_task_data
+from megajax.data.prepared import load_pairs
 from megajax.data.sources import source_text
 from megajax.data.tokenizer import make_tokenizer
 from megajax.errors import UserError
@@ -32,6 +35,10 @@ class BertPretraining(Task):
                 "sop_label": Field((), 0, 2)}
 
     def load_data(self, cfg, tokenizer=None):
+        kind, _, arg = cfg.data.source.partition(":")
+        if kind == "pairs":          # prepared by megajax-prepare --pairs: mapped, not read
+            train, val, tokenizer = load_pairs(Path(arg), tokenizer, cfg.model.seq_len)
+            return PretrainData(train, val, tokenizer, Specials.of(tokenizer))
         text = source_text(cfg.data.source)
         tokenizer = tokenizer or make_tokenizer(cfg.data.tokenizer, text)
         return load_pretraining(text, tokenizer, cfg)
