@@ -15,7 +15,8 @@ from tolerances import F32, assert_close, assert_tree_close
 from test_train_cli import ROOT, SHAKESPEARE, env, run
 
 from megajax.tools.audit import audit
-from megajax.data.bert_pretrain import PretrainBatches, Specials, choose_ngrams, load_pretraining, make_pairs, split_documents
+from megajax.data.bert_pretrain import PretrainBatches, Specials, choose_ngrams, load_pretraining
+from megajax.data.sentences import make_pairs, split_documents
 from megajax.config import ConfigError, load_config
 from megajax.evaluation.bert import evaluate_pretraining, evaluate_task
 from megajax.training.workdir import load_workdir

@@ -227,3 +227,46 @@ def test_command_line_round_trip(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "as MegatronBertForPreTraining" in p.stdout
     assert sorted(f.name for f in (tmp_path / "o").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+def test_a_column_shard_of_the_fused_qkv_holds_whole_heads(imported):
+    """megajax's QKV columns are (head, q|k|v, head_dim): split over model=2, each device holds
+    the q, k and v of its 4 heads, which in GPT-2's c_attn are 3 separate column ranges."""
+    original = load_file(FIXTURES / "gpt2" / "model.safetensors")["transformer.h.1.attn.c_attn.weight"]   # (in, [q|k|v])
+    ours = flat_params(imported["gpt2"][1])["['layers']['stacked']['attention']['qkv']['kernel']"][1]
+    h, d = 32, 4
+    first_device = ours[:, : 3 * h // 2]
+    for head in range(4):
+        for j in range(3):   # q, k, v
+            np.testing.assert_array_equal(first_device[:, (3 * head + j) * d:(3 * head + j + 1) * d],
+                                          original[:, j * h + head * d: j * h + (head + 1) * d])
+
+
+def test_an_untied_output_layer_is_refused(tmp_path, capsys):
+    hf = copy_fixture("gpt2", tmp_path / "untied")
+    tensors = load_file(hf / "model.safetensors")
+    from safetensors.numpy import save_file
+
+    save_file({**tensors, "lm_head.weight": tensors["transformer.wte.weight"] + 1}, str(hf / "model.safetensors"))
+    code, err = cli(capsys, "import", "--hf", str(hf), "--workdir", str(tmp_path / "w"))
+    assert code == 2 and "ties the output layer to the input embedding" in err
+    save_file({**tensors, "lm_head.weight": tensors["transformer.wte.weight"]}, str(hf / "model.safetensors"))
+    code, _ = cli(capsys, "import", "--hf", str(hf), "--workdir", str(tmp_path / "w"))   # a tied copy is fine
+    assert code == 0
+
+
+def test_bert_fine_tuning_starts_from_an_imported_bert(imported):
+    """--init-from an imported BertForPreTraining: the fine-tuning model takes its shape, and its
+    encoder and pooler bitwise, on another mesh; only the classifier is new."""
+    from megajax.training.step import make_trainer
+    from megajax.training.workdir import init_from_pretrained, with_pretrained_shape
+
+    cfg, _ = with_pretrained_shape(load_config("finetune_qqp", [f"train.init_from={imported['bert'][1]}"]))
+    assert (cfg.model.ln_placement, cfg.model.hidden, cfg.model.seq_len) == ("post", 32, 32)
+    trainer = make_trainer(cfg, mesh_for("2x2"))
+    fresh, _ = trainer.init_state()
+    params = init_from_pretrained(trainer, fresh, imported["bert"][1], out=lambda *a: None)
+    pre = flat_params(imported["bert"][1])
+    got = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    assert {k.split("'")[1] for k in got if k not in pre} == {"classifier"}
+    assert all(np.array_equal(got[k], pre[k]) for k in got if k in pre)

@@ -81,22 +81,28 @@ def test_a_pool_writes_what_one_process_writes(corpus, tmp_path, monkeypatch):
     assert one["splits"] == two["splits"]
 
 
-def test_an_interrupted_run_resumes_and_a_finished_one_is_kept(corpus, tmp_path, monkeypatch):
-    settings, inputs, said = prep.Settings(TOKENIZER, 0.1), [str(corpus / "text" / "*.txt")], []
-    prep.prepare(inputs, tmp_path / "clean", settings, workers=1, say=lambda *a: None)
-    real, calls = prep._run_unit, []
+def interrupted_at(n: int, worker: str, monkeypatch, run):
+    """`run()` stopped by Ctrl-C as its n-th unit starts (units run in-process with workers=1)."""
+    real, calls = getattr(prep, worker), []
 
-    def dies_on_the_fifth(job):
+    def dies(job):
         calls.append(job[0])
-        if len(calls) == 5:
+        if len(calls) == n:
             raise KeyboardInterrupt
         return real(job)
 
-    monkeypatch.setattr(prep, "_run_unit", dies_on_the_fifth)
-    with pytest.raises(KeyboardInterrupt):
-        prep.prepare(inputs, tmp_path / "o", settings, workers=1, say=said.append)
+    with monkeypatch.context() as m:
+        m.setattr(prep, worker, dies)
+        with pytest.raises(KeyboardInterrupt):
+            run()
+
+
+def test_an_interrupted_run_resumes_and_a_finished_one_is_kept(corpus, tmp_path, monkeypatch):
+    settings, inputs, said = prep.Settings(TOKENIZER, 0.1), [str(corpus / "text" / "*.txt")], []
+    prep.prepare(inputs, tmp_path / "clean", settings, workers=1, say=lambda *a: None)
+    interrupted_at(5, "_run_unit", monkeypatch, lambda: prep.prepare(inputs, tmp_path / "o", settings, workers=1,
+                                                                     say=said.append))
     assert not (tmp_path / "o" / "meta.json").exists() and len(list((tmp_path / "o" / ".partial" / "units").glob("*.npy"))) == 4
-    monkeypatch.setattr(prep, "_run_unit", real)
     prep.prepare(inputs, tmp_path / "o", settings, workers=2, say=said.append)
     assert said == ["resuming: 4 of 24 units already tokenized"]
     np.testing.assert_array_equal(outputs(tmp_path / "o")[0], outputs(tmp_path / "clean")[0])
@@ -171,18 +177,8 @@ def test_pairs_on_disk_give_the_in_memory_batches(corpus, tmp_path, monkeypatch)
     monkeypatch.setattr(prep.pairs, "UNIT_SENTENCES", 500)
     files = sorted(str(f) for f in (corpus / "text").glob("*.txt"))
     settings = prep.Settings(f"wordpiece:{VOCAB}", 0.1, pairs_seq_len=64, seed=3)
-    real, calls = prep._run_pairs_unit, []
-
-    def dies_on_the_third(job):
-        calls.append(job[0])
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(job)
-
-    monkeypatch.setattr(prep, "_run_pairs_unit", dies_on_the_third)
-    with pytest.raises(KeyboardInterrupt):
-        prep.prepare(files, tmp_path / "p", settings, workers=1, say=lambda *a: None)
-    monkeypatch.setattr(prep, "_run_pairs_unit", real)
+    interrupted_at(3, "_run_pairs_unit", monkeypatch, lambda: prep.prepare(files, tmp_path / "p", settings, workers=1,
+                                                                           say=lambda *a: None))
     said = []
     meta = prep.prepare(files, tmp_path / "p", settings, workers=2, say=said.append)
     assert said == ["resuming: 2 units already tokenized"]
@@ -244,18 +240,24 @@ def tile_pairs(src: Path, dest: Path, times: int):
     (dest / "meta.json").write_text(json.dumps(meta))
 
 
-def test_startup_memory_does_not_grow_with_a_prepared_corpus(tmp_path):
+def test_startup_memory_does_not_grow_with_a_prepared_corpus(corpus, tmp_path):
     """The built-in corpus (12 MB of the standard library) read into memory, against a prepared
-    pairs corpus ten times its size (the built-in corpus prepared, its pairs written 10 times
-    over): start-up's peak RSS must stay within 10% of the in-memory one's."""
-    from megajax.data.sources import builtin_text
-
-    (tmp_path / "builtin.txt").write_text(builtin_text(), encoding="utf-8")
-    tokenizer = [f"data.tokenizer=wordpiece:{VOCAB}"]
-    prep.prepare([str(tmp_path / "builtin.txt")], tmp_path / "one", prep.Settings(f"wordpiece:{VOCAB}", 0.1, pairs_seq_len=64),
-                 workers=2, say=lambda *a: None)
-    tile_pairs(tmp_path / "one", tmp_path / "ten", 10)
-    memory_rss, memory_pairs = startup_rss("data.source=builtin", *tokenizer)
+    pairs corpus ten times its size (the test corpus prepared, its pairs written over and over
+    until there are ten times the built-in corpus's): start-up's peak RSS must stay within 10%
+    of the in-memory one's."""
+    memory_rss, memory_pairs = startup_rss("data.source=builtin", f"data.tokenizer=wordpiece:{VOCAB}")
+    files = sorted(str(f) for f in (corpus / "text").glob("*.txt"))
+    meta = prep.prepare(files, tmp_path / "one", prep.Settings(f"wordpiece:{VOCAB}", 0.1, pairs_seq_len=64), workers=1,
+                        say=lambda *a: None)
+    train_share = meta["pairs"] - meta["val_pairs"]            # pairs per copy that are training pairs
+    tile_pairs(tmp_path / "one", tmp_path / "ten", -(-10 * memory_pairs // train_share) + 1)
     disk_rss, disk_pairs = startup_rss(f"data.source=pairs:{tmp_path / 'ten'}")
-    assert disk_pairs >= 9 * memory_pairs
+    assert disk_pairs >= 10 * memory_pairs
     assert disk_rss <= 1.1 * memory_rss, (disk_rss, memory_rss)
+
+
+def test_the_tool_does_not_import_jax():
+    """Its pool forks (cheapest) only because nothing it imports starts JAX's threads."""
+    code = "import sys, megajax.prepare; print('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          check=True).stdout.strip() == "False"

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from megajax.data.bert_pretrain import Specials, truncate_pair
+from megajax.data.sentences import Specials, truncate_pair
 from megajax.data.tokenizer import Tokenizer
 from megajax.errors import UserError
 

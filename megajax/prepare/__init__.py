@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from megajax.data import prepared as P
-from megajax.data.bert_pretrain import Specials
+from megajax.data.sentences import Specials
 from megajax.data.tokenizer import Tokenizer, load_tokenizer, make_tokenizer
 from megajax.errors import UserError
 from megajax.files import WorkdirLock, write_atomic
@@ -29,6 +29,13 @@ from megajax.prepare import pairs
 from megajax.prepare.units import Unit, describe_source, expand_inputs, plan_units, tokenize_unit
 
 PARTIAL = ".partial"
+
+
+def _pool(workers: int, init: tuple):
+    """fork is the cheapest start (megajax-prepare itself never imports jax); after JAX has
+    started its threads (a notebook, a test) a fork could inherit a held lock: forkserver then."""
+    context = multiprocessing.get_context("forkserver" if "jax" in sys.modules else "fork")
+    return context.Pool(workers, _init_worker, init)
 
 
 @dataclasses.dataclass
@@ -110,7 +117,7 @@ def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings
         say(f"resuming: {len(done)} units already tokenized")
     init = (str(partial), [], settings.text_field, dtype)
     bar = tqdm(unit=" sentences", unit_scale=True, disable=not sys.stderr.isatty())
-    pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, init) if workers > 1 else None
+    pool = _pool(workers, init) if workers > 1 else None
     if pool is None:
         _init_worker(*init)
     batch, total = [], 0
@@ -147,7 +154,7 @@ def _tokenize_all(partial: Path, units: list[Unit], tok_dir: Path, separator, se
             _run_unit(job)
             bar.update(sizes[job[0]])
     else:
-        with multiprocessing.get_context("fork").Pool(min(workers, len(todo)), _init_worker, init) as pool:
+        with _pool(min(workers, len(todo)), init) as pool:
             for i, _, _ in pool.imap_unordered(_run_unit, todo):
                 bar.update(sizes[i])
     bar.close()

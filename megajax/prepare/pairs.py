@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megajax.data.bert_pretrain import iter_pairs, split_documents
+from megajax.data.sentences import iter_pairs, split_documents
 from megajax.data.sources import read_utf8, tfds_texts
 from megajax.errors import UserError
 
