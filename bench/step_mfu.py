@@ -2,10 +2,13 @@
 """Train-step speed and MFU of a mid-size GPT on one device, against a measured matmul peak.
 
     python bench/step_mfu.py [--layers 8 --hidden 512 --heads 8 --seq 512 --batch 8] [--host-devices N --mesh SPEC]
+                             [--dtypes float32,mixed] [--compile-layers 4,48]
 
 Prints step time, tokens/s, model TFLOP/s per device and MFU = model FLOP/s / peak, where the
-peak is the best rate of a large float32 matmul measured in the same run, plus where the time
-goes (forward, forward+backward, optimizer) for the scanned and the unrolled layer stack.
+peak is the best rate of a large matmul of the same precision measured in the same run (float32;
+for `mixed`, bfloat16 operands with float32 accumulation, as its matmuls run), plus where the
+time goes (forward, forward+backward, optimizer) for the scanned and the unrolled layer stack,
+and how long the train step takes to compile at two depths.
 """
 import argparse
 import os
@@ -28,6 +31,41 @@ def timed(fn, *args, reps=3):
     return best
 
 
+def matmul_peak(dtype: str) -> float:
+    """The best TFLOP/s of n x n matmuls (n = 1024, 2048) in the precision `dtype` runs them."""
+    import jax
+    import jax.numpy as jnp
+
+    from megajax.training.metrics import measure_matmul_tflops
+
+    if dtype == "float32":
+        return max(measure_matmul_tflops(2048, reps=5), measure_matmul_tflops(1024, reps=5))
+    best = 0.0
+    for n in (1024, 2048):
+        a = jnp.ones((n, n), jnp.bfloat16)
+        f = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
+        best = max(best, 2 * n ** 3 / timed(f, a, reps=5) / 1e12)
+    return best
+
+
+def model_config(a, layers: int, scan: bool, dtype: str):
+    from megajax.config import Config, ModelConfig, TrainConfig
+
+    return Config(model=ModelConfig(num_layers=layers, hidden=a.hidden, num_heads=a.heads, seq_len=a.seq,
+                                    vocab_size=256, vocab_multiple=256, hidden_dropout=0.0, attention_dropout=0.0,
+                                    scan_layers=scan, compute_dtype=dtype),
+                  train=TrainConfig(batch_size=a.batch, steps=100))
+
+
+def compile_seconds(a, mesh, layers: int, scan: bool, dtype: str) -> float:
+    from megajax.training.step import make_trainer
+
+    lowered = make_trainer(model_config(a, layers, scan, dtype), mesh).lower_step()
+    t = time.perf_counter()
+    lowered.compile()
+    return time.perf_counter() - t
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=8)
@@ -38,27 +76,27 @@ def main():
     p.add_argument("--mesh", default="1x1")
     p.add_argument("--host-devices", type=int)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dtypes", default="float32,mixed", help="model.compute_dtype values to run")
+    p.add_argument("--compile-layers", default="4,48", help="depths whose train-step compile time is reported")
     a = p.parse_args()
     if a.host_devices:
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.host_devices}"
     import jax
     import jax.numpy as jnp
 
-    from megajax.config import Config, ModelConfig, TrainConfig
     from megajax.core.mesh import make_mesh
     from megajax.tasks import param_count
-    from megajax.training.metrics import flops_per_token, measure_matmul_tflops
+    from megajax.training.metrics import flops_per_token
     from megajax.training.step import make_trainer
 
-    peak = max(measure_matmul_tflops(2048, reps=5), measure_matmul_tflops(1024, reps=5))
     mesh = make_mesh(a.mesh, devices=jax.devices()[:1] if a.mesh == "1x1" else None)
-    print(f"device: {jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {dict(mesh.shape)}; "
-          f"measured float32 matmul peak {peak * 1000:.0f} GFLOP/s per device")
-    for scan in (True, False):
-        cfg = Config(model=ModelConfig(num_layers=a.layers, hidden=a.hidden, num_heads=a.heads, seq_len=a.seq,
-                                       vocab_size=256, vocab_multiple=256, hidden_dropout=0.0,
-                                       attention_dropout=0.0, scan_layers=scan),
-                     train=TrainConfig(batch_size=a.batch, steps=100))
+    dtypes = a.dtypes.split(",")
+    peaks = {d: matmul_peak(d) for d in dtypes}
+    print(f"device: {jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {dict(mesh.shape)}; measured matmul "
+          f"peak per device: " + ", ".join(f"{d} {p * 1000:.0f} GFLOP/s" for d, p in peaks.items()))
+    for dtype, scan in ((d, s) for d in dtypes for s in (True, False)):
+        peak = peaks[dtype]
+        cfg = model_config(a, a.layers, scan, dtype)
         tr = make_trainer(cfg, mesh)
         params, opt = tr.init_state()
         tokens = jax.device_put(jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, 256),
@@ -73,13 +111,19 @@ def main():
         t_step = timed(lambda: step(params, opt, tokens, jnp.int32(1)), reps=a.reps)
         tokens_per_step = a.batch * a.seq
         flops = flops_per_token(cfg) * tokens_per_step / mesh.devices.size
-        print(f"\n{'scanned' if scan else 'unrolled'} stack: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
+        print(f"\n{dtype}, {'scanned' if scan else 'unrolled'} stack: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
               f"batch {a.batch}, {param_count(cfg) / 1e6:.1f}M params, "
               f"{flops_per_token(cfg) / 1e6:.0f} MFLOP/token")
         print(f"  step {t_step * 1000:.0f} ms | {tokens_per_step / t_step:,.0f} tokens/s | "
               f"{flops / t_step / 1e12 * 1000:.0f} GFLOP/s per device | MFU {flops / t_step / 1e12 / peak:.2f}")
         print(f"  forward {t_fwd * 1000:.0f} ms, forward+backward {t_grad * 1000:.0f} ms "
               f"(backward/forward {(t_grad - t_fwd) / t_fwd:.2f}; ideal 2.0), optimizer {t_opt * 1000:.0f} ms")
+    depths = [int(x) for x in a.compile_layers.split(",") if x]
+    for scan in (True, False) if depths else ():
+        times = [compile_seconds(a, mesh, n, scan, dtypes[0]) for n in depths]
+        print(f"\ncompile, {'scanned' if scan else 'unrolled'} train step ({dtypes[0]}): "
+              + ", ".join(f"{n} layers {t:.2f} s" for n, t in zip(depths, times))
+              + (f" (ratio {times[-1] / times[0]:.2f})" if len(times) > 1 else ""))
 
 
 if __name__ == "__main__":
