@@ -84,6 +84,11 @@ def test_every_linear_matmul_runs_in_bfloat16_forward_and_backward():
         assert _bf16_dots(lowered.compile().as_text()) == 4 * 3 * layers
     float32 = make_trainer(tiny_config(num_layers=layers, scan_layers=False), mesh_for("1x1")).lower_step()
     assert _lowered_bf16_dots(float32.as_text()) == 0 and _bf16_dots(float32.compile().as_text()) == 0
+    # The scanned stack (the paper configs') has one layer body, whose 12 matmuls stay bf16 too.
+    scanned = make_trainer(tiny_config(num_layers=layers, compute_dtype="mixed"), mesh_for("1x1")).lower_step()
+    assert _lowered_bf16_dots(scanned.as_text()) == 4 * 3
+    if _cpu_keeps_bf16_matmuls():
+        assert _bf16_dots(scanned.compile().as_text()) == 4 * 3
 
 
 def test_mixed_precision_is_mesh_invariant_with_megatron_collectives():
