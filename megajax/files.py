@@ -116,9 +116,13 @@ def staged_directory(path: Path, what: str = "output"):
     try:
         yield tmp
         check_new_directory(path, what)          # someone may have made it meanwhile
-        if path.exists():
-            path.rmdir()
-        os.replace(tmp, path)
+        try:
+            if path.exists():
+                path.rmdir()
+            os.replace(tmp, path)
+        except OSError:                          # ... even between that check and the rename
+            raise UserError(f"{path} was created by another process meanwhile: nothing of this run "
+                            f"was written there") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -193,7 +193,14 @@ def test_user_errors_are_one_line_and_write_nothing(capsys, tmp_path, imported):
         "no tokenizer": copy_fixture("megatron_bert", tmp_path / "d", drop=["tokenizer.json", "vocab.txt"]),
         "rows but config.json's vocab_size is 299": copy_fixture("gpt2", tmp_path / "e", config={"vocab_size": 299}),
         "relative positions": copy_fixture("bert", tmp_path / "f", config={"position_embedding_type": "relative_key"}),
+        "values that are not numbers: num_layers = 'two'": copy_fixture("gpt2", tmp_path / "i", config={"n_layer": "two"}),
     }
+    listed = copy_fixture("gpt2", tmp_path / "j")
+    (listed / "config.json").write_text("[1, 2]")
+    cases["config.json is not a JSON object"] = listed
+    truncated = copy_fixture("gpt2", tmp_path / "k")
+    (truncated / "model.safetensors").write_bytes((FIXTURES / "gpt2" / "model.safetensors").read_bytes()[:5000])
+    cases["model.safetensors cannot be read"] = truncated
     torch_only = copy_fixture("gpt2", tmp_path / "g", drop=["model.safetensors"])
     (torch_only / "pytorch_model.bin").write_bytes(b"\0")
     cases["save_pretrained(DIR, safe_serialization=True)"] = torch_only

@@ -131,6 +131,32 @@ def test_killed_mid_run_and_started_again(corpus, tmp_path):
     np.testing.assert_array_equal(outputs(tmp_path / "o")[0], outputs(tmp_path / "clean")[0])
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_with_one_line(corpus, tmp_path, sig):
+    """Ctrl-C reaches every process of the group, SIGTERM (a scheduler) the main one: either way
+    one line, exit 128 + the signal, no worker traceback, and the finished units kept."""
+    big = tmp_path / "big"
+    big.mkdir()
+    text = "".join(f.read_text() for f in sorted((corpus / "text").glob("*.txt")))
+    for i in range(12):
+        (big / f"{i:02d}.txt").write_text(text)
+    cmd = [sys.executable, "-m", "megajax.prepare", str(big / "*.txt"), "--tokenizer", TOKENIZER,
+           "--out", str(tmp_path / "o"), "--workers", "2"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    units = tmp_path / "o" / ".partial" / "units"
+    while p.poll() is None and not list(units.glob("*.npy")):
+        time.sleep(0.01)
+    if sig == signal.SIGINT:
+        os.killpg(p.pid, sig)
+    else:
+        p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + sig, err
+    assert err.startswith(f"stopped by {signal.Signals(sig).name}: the finished units are kept") and err.count("\n") == 1, err
+    assert list(units.glob("*.npy")) and not (tmp_path / "o" / "meta.json").exists()
+
+
 def test_train_reads_and_checks_a_prepared_corpus(corpus, tmp_path):
     out = tmp_path / "o"
     prep.prepare([str(corpus / "text" / "*.txt")], out, prep.Settings(TOKENIZER, 0.1), workers=1, say=lambda *a: None)

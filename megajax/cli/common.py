@@ -57,6 +57,20 @@ class Stopped(BaseException):   # not an Exception: nothing on the way may swall
     pass
 
 
+def stop_with_a_line(message: str):
+    """A tool's SIGTERM and SIGINT raise Stopped("SIGNAL: message"), which its main prints as
+    one line (`stopped`) instead of a traceback; what it writes is atomic, so nothing is half done."""
+    def handler(signum, frame):
+        raise Stopped(f"{signal.Signals(signum).name}: {message}", signum)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def stopped(e: "Stopped") -> int:
+    print(f"stopped by {e.args[0]}", file=sys.stderr, flush=True)
+    return 128 + (e.args[1] if len(e.args) > 1 else signal.SIGINT)
+
+
 class StartUp:
     """Whether the program is still starting up. Once train() runs, it handles the signals
     itself (megajax/training/signals.py); when it has returned, the run is ending anyway."""

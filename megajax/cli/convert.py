@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megajax.cli.common import fail
+from megajax.cli.common import Stopped, fail, stop_with_a_line, stopped
 from megajax.errors import UserError
 
 
@@ -34,6 +34,7 @@ def convert_main(argv=None) -> int:
     # jax is imported only now, as every command line does.
     from megajax.convert import export_hf, import_hf
 
+    stop_with_a_line("nothing was written (the output appears in one rename, or not at all)")
     try:
         if args.direction == "import":
             cfg = import_hf(args.hf, args.workdir, args.set)
@@ -46,5 +47,7 @@ def convert_main(argv=None) -> int:
                 print(line)
     except UserError as e:
         return fail(str(e))
+    except Stopped as e:
+        return stopped(e)
     sys.stdout.flush()
     return 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from megajax.cli.common import fail
+from megajax.cli.common import Stopped, fail, stop_with_a_line, stopped
 from megajax.errors import UserError
 
 
@@ -38,10 +38,13 @@ def prepare_main(argv=None) -> int:
     from megajax.prepare import Settings, prepare
 
     settings = Settings(args.tokenizer, args.val_fraction, args.text_field, args.seq_len if args.pairs else 0, args.seed)
+    stop_with_a_line(f"the finished units are kept in {args.out}/.partial: the same command continues")
     try:
         meta = prepare(args.inputs, args.out, settings, args.workers)
     except UserError as e:
         return fail(str(e))
+    except Stopped as e:
+        return stopped(e)
     if args.pairs:
         print(f"{args.out}: {meta['pairs']:,} sentence pairs ({meta['tokens']:,} tokens) for seq_len {meta['seq_len']}, "
               f"the last {meta['val_pairs']:,} for validation, {meta['tokenizer']['kind']} tokenizer; "

@@ -41,9 +41,12 @@ FROM_HF = ("kind", "task", "num_layers", "hidden", "num_heads", "ffn_hidden", "s
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{path} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return value
 
 
 def read_tensors(hf_dir: Path) -> dict:

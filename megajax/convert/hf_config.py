@@ -76,6 +76,10 @@ def model_config(hf: dict, base: ModelConfig | None = None) -> tuple[str, ModelC
                       init_std=hf.get("initializer_range", 0.02))
     except KeyError as e:
         raise UserError(f"config.json of a {arch} lacks '{e.args[0]}'") from None
+    wrong = [f"{k} = {v!r}" for k, v in fields.items() if k not in ("kind", "task", "ln_placement", "gelu")
+             and not (isinstance(v, (int, float)) and not isinstance(v, bool))]
+    if wrong:
+        raise UserError(f"config.json has values that are not numbers: {', '.join(wrong)}")
     cfg = dataclasses.replace(base, **fields)
     cfg.validate()
     return model_type, cfg

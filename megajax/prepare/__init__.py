@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,16 @@ def _pool(workers: int, init: tuple):
     """fork is the cheapest start (megajax-prepare itself never imports jax); after JAX has
     started its threads (a notebook, a test) a fork could inherit a held lock: forkserver then."""
     context = multiprocessing.get_context("forkserver" if "jax" in sys.modules else "fork")
-    return context.Pool(workers, _init_worker, init)
+    return context.Pool(workers, _init_pool_worker, init)
+
+
+def _init_pool_worker(*init):
+    """Ctrl-C reaches the whole process group: the main process alone answers it (and ends the
+    pool, with SIGTERM); a worker just stops, without the main process's handlers (a fork
+    inherits them) or a traceback that would only repeat the main process's one line."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _init_worker(*init)
 
 
 @dataclasses.dataclass
