@@ -35,10 +35,11 @@ def builtin_text(max_bytes: int = BUILTIN_MAX_BYTES) -> str:
     return "\n".join(parts)
 
 
-def _text_files(spec: str) -> list[Path]:
+def text_files(spec: str) -> list[Path]:
+    """The files a comma-separated list of paths and globs names (`**` spans directories)."""
     files = []
     for item in filter(None, spec.split(",")):
-        matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else [item]
+        matches = sorted(glob.glob(item, recursive=True)) if any(c in item for c in "*?[") else [item]
         if not matches:
             raise UserError(f"no file matches '{item}'")
         for m in matches:
@@ -60,23 +61,32 @@ def read_utf8(path: Path) -> str:
 
 
 def read_text(spec: str) -> str:
-    text = "\n".join(read_utf8(p) for p in _text_files(spec))
+    text = "\n".join(read_utf8(p) for p in text_files(spec))
     if not text.strip():
         raise UserError(f"data source text:{spec} is empty")
     return text
 
 
-def tfds_texts(spec: str, split: str) -> list[str]:
+def _tfds_source(spec: str, split: str):
     try:
         import tensorflow_datasets as tfds
     except ImportError:
         raise UserError("tfds: sources need tensorflow-datasets (pip install tensorflow-datasets array_record)") from None
     try:
-        source = tfds.data_source(spec, split=split)
+        return tfds.data_source(spec, split=split)
     except Exception as e:
         raise UserError(f"cannot open tfds:{spec} split '{split}': {first_line(e)}") from None
+
+
+def tfds_size(spec: str, split: str) -> int:
+    return len(_tfds_source(spec, split))
+
+
+def tfds_texts(spec: str, split: str, start: int = 0, stop: int | None = None) -> list[str]:
+    """The text of records start..stop (default: all) of a TFDS split, read by index."""
+    source = _tfds_source(spec, split)
     texts = []
-    for i in range(len(source)):
+    for i in range(start, len(source) if stop is None else min(stop, len(source))):
         record = source[i]
         value = next((v for v in record.values() if isinstance(v, (str, bytes))), None) \
             if isinstance(record, dict) else record
@@ -84,7 +94,6 @@ def tfds_texts(spec: str, split: str) -> list[str]:
             raise UserError(f"tfds:{spec} has no text feature")
         texts.append(value.decode("utf-8", "replace") if isinstance(value, bytes) else value)
     return texts
-
 
 
 def source_text(source: str) -> str:

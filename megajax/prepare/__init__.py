@@ -148,8 +148,8 @@ def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings
     return [units_dir / f"{k}.npz" for k in range(total)]
 
 
-def _tokenize_all(partial: Path, units: list[Unit], tok_dir: Path, separator, settings: Settings, dtype: str,
-                  workers: int, say) -> None:
+def _tokenize_all(partial: Path, units: list[Unit], separator, settings: Settings, dtype: str, workers: int,
+                  say) -> None:
     units_dir = partial / "units"
     todo = [(i, dataclasses.asdict(u), str(units_dir)) for i, u in enumerate(units)
             if not (units_dir / f"{i}.npy").is_file()]
@@ -157,7 +157,7 @@ def _tokenize_all(partial: Path, units: list[Unit], tok_dir: Path, separator, se
         say(f"resuming: {len(units) - len(todo)} of {len(units)} units already tokenized")
     sizes = {i: u.stop - u.start for i, u in enumerate(units)}
     bar = tqdm(total=sum(sizes[i] for i, *_ in todo), unit="B", unit_scale=True, disable=not sys.stderr.isatty())
-    init = (str(tok_dir), separator, settings.text_field, dtype)
+    init = (str(partial), separator, settings.text_field, dtype)     # the tokenizer was saved in partial
     if workers <= 1 or len(todo) <= 1:
         _init_worker(*init)
         for job in todo:
@@ -241,7 +241,7 @@ def _prepare_locked(out: Path, sources: list[dict], tok: Tokenizer, settings: Se
             counts = pairs.write_pairs(files, partial, settings.pairs_seq_len, settings.seed, dtype)
             meta.update(counts, seq_len=settings.pairs_seq_len, val_pairs=int(counts["pairs"] * settings.val_fraction))
         else:
-            _tokenize_all(partial, units, partial, _separator(tok), settings, dtype, workers, say)
+            _tokenize_all(partial, units, _separator(tok), settings, dtype, workers, say)
             meta.update(separator=_separator(tok), splits=_assemble(partial, len(units), settings.val_fraction))
     except UserError:          # bad input (not UTF-8, a broken jsonl line): this plan can never finish
         shutil.rmtree(partial, ignore_errors=True)

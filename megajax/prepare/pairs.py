@@ -18,6 +18,7 @@ import numpy as np
 from megajax.data.sentences import iter_pairs, split_documents
 from megajax.data.sources import read_utf8, tfds_texts
 from megajax.errors import UserError
+from megajax.prepare.units import tfds_split
 
 UNIT_SENTENCES = 20_000
 _PARAGRAPH = re.compile(r"\n\s*\n")
@@ -46,8 +47,7 @@ def documents(sources: list[dict], text_field: str):
 
 def _records(source: dict, text_field: str):
     if source["kind"] == "tfds":
-        name, _, split = source["source"].removeprefix("tfds:").partition(":")
-        yield from tfds_texts(name, split or "train")
+        yield from tfds_texts(*tfds_split(source["source"]))
         return
     with open(source["source"], encoding="utf-8") as f:
         for n, line in enumerate(f, 1):

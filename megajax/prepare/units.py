@@ -10,14 +10,13 @@ so an interrupted preparation can tell whether its finished units still apply.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 
-from megajax.data.sources import tfds_texts
+from megajax.data.sources import text_files, tfds_size, tfds_texts
 from megajax.errors import UserError
 
 UNIT_BYTES = 4 << 20
@@ -26,7 +25,7 @@ TFDS_UNIT_RECORDS = 20_000
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    source: str          # a file path, or tfds:NAME/SPLIT
+    source: str          # a file path, or tfds:NAME[:SPLIT]
     kind: str            # text | jsonl | tfds
     start: int           # byte offset (files) or record index (tfds)
     stop: int
@@ -39,15 +38,17 @@ def expand_inputs(inputs: list[str]) -> list[tuple[str, str]]:
     for item in inputs:
         if item.startswith("tfds:"):
             found.append((item, "tfds"))
-            continue
-        matches = sorted(glob.glob(item, recursive=True)) if any(c in item for c in "*?[") else [item]
-        files = [m for m in matches if Path(m).is_file()]
-        if not files:
-            raise UserError(f"no file matches '{item}'" if matches == [] or matches != [item] else f"data file not found: {item}")
-        found += [(f, "jsonl" if f.endswith((".jsonl", ".json")) else "text") for f in files]
+        else:
+            found += [(str(f), "jsonl" if f.suffix in (".jsonl", ".json") else "text") for f in text_files(item)]
     if not found:
         raise UserError("no input given")
     return found
+
+
+def tfds_split(source: str) -> tuple[str, str]:
+    """tfds:NAME[/CONFIG][:SPLIT] -> (NAME[/CONFIG], SPLIT), the split train by default."""
+    name, _, split = source.removeprefix("tfds:").partition(":")
+    return name, split or "train"
 
 
 def describe_source(source: str, kind: str) -> dict:
@@ -79,8 +80,7 @@ def plan_units(sources: list[dict]) -> list[Unit]:
     units = []
     for s in sources:
         if s["kind"] == "tfds":
-            name, _, split = s["source"].removeprefix("tfds:").partition(":")
-            n = len(tfds_texts(name, split or "train"))
+            n = tfds_size(*tfds_split(s["source"]))
             units += [Unit(s["source"], "tfds", i, min(n, i + TFDS_UNIT_RECORDS), True) for i in range(0, n, TFDS_UNIT_RECORDS)]
             continue
         cuts = _line_cuts(s["source"], s["bytes"])
@@ -91,8 +91,7 @@ def plan_units(sources: list[dict]) -> list[Unit]:
 def _unit_texts(unit: Unit, text_field: str) -> list[str]:
     """The documents (or, for a text file's inner units, the part of one) a unit holds."""
     if unit.kind == "tfds":
-        name, _, split = unit.source.removeprefix("tfds:").partition(":")
-        return tfds_texts(name, split or "train")[unit.start:unit.stop]
+        return tfds_texts(*tfds_split(unit.source), unit.start, unit.stop)
     with open(unit.source, "rb") as f:
         f.seek(unit.start)
         data = f.read(unit.stop - unit.start)
