@@ -10,6 +10,7 @@ from __future__ import annotations
 from megajax.config import Config, load_config
 from megajax.plan import timing
 from megajax.plan.hardware import BUILTIN
+from megajax.plan.memory import state_split
 from megajax.plan.timing import step_time
 from megajax.plan.volumes import step_flops
 
@@ -61,6 +62,53 @@ def table(study: dict | None = None) -> str:
     for i, t in enumerate(MODEL_PARALLEL):
         rows.append(f"| strong scaling, 1.2B, speedup | {t} | {PAPER['strong_scaling'][i]:.2f} | "
                     f"{study['strong_scaling'][i]:.2f} |")
+    return "\n".join(rows)
+
+
+def node_bandwidth_windows(tolerance: float = 5.0) -> dict[str, dict[str, float]]:
+    """What each 64-way data-parallel figure says about the network, read from the paper alone.
+
+    The paper's model-parallel run of the same config is the same step without data parallelism
+    (same GPUs per group, batch 8 per group), so its 64-way figure leaves
+    t(64-way) - t(model parallel) for the fp16 gradient all-reduce, each t being the step's FLOPs
+    per GPU over (figure x 39 TFLOP/s). In that time each node must send its data-parallel
+    groups' ring traffic: `tp` groups (one per model-parallel rank; 16/tp of their GPUs in the
+    node), each 2 (n-1)/n of a GPU's gradients. Returns, per config, that traffic in bytes
+    (`node_bytes`; `node_bytes_lower` is the least any all-reduce algorithm sends,
+    2 (p-1)/p per group over p nodes), the node bandwidth the figure implies (`implied`) and the
+    range of bandwidths (`low`, `high`) for which a model of "bytes over one fixed bandwidth"
+    lands within `tolerance` points of it; `high` is inf where the figure allows no traffic."""
+    hw, tflops = BUILTIN["v100-dgx2h"], PAPER["baseline_tflops"] * 1e12
+    out = {}
+    for i, (name, tp) in enumerate(zip(CONFIGS, MODEL_PARALLEL)):
+        cfg = study_config(name, DATA_PARALLEL)
+        flops = step_flops(cfg) / (DATA_PARALLEL * tp)
+        gradients = state_split(cfg, DATA_PARALLEL, tp).model_shard * PAPER_GRADIENT_BYTES
+        nodes = DATA_PARALLEL * tp // hw.gpus_per_node
+        ring = tp * 2 * (DATA_PARALLEL - 1) / DATA_PARALLEL * gradients
+        lower = tp * 2 * (nodes - 1) / nodes * gradients
+
+        def extra(percent):            # seconds the 64-way step may take beyond the model-parallel one
+            return flops / (percent / 100 * tflops) - flops / (PAPER["model_parallel"][i] / 100 * tflops)
+
+        figure = PAPER["model_and_data_parallel"][i]
+        longest, shortest = extra(figure - tolerance), extra(figure + tolerance)
+        out[name] = {"node_bytes": ring, "node_bytes_lower": lower, "implied": ring / extra(figure),
+                     "low": ring / longest, "high": ring / shortest if shortest > 0 else float("inf")}
+    return out
+
+
+def windows_table(windows: dict | None = None) -> str:
+    """Markdown: node_bandwidth_windows() next to the paper's hardware."""
+    windows = windows or node_bandwidth_windows()
+    gb = 1e9
+    rows = ["| 64-way data parallel | GPUs | each node's all-reduce traffic per step | node bandwidth the paper's "
+            "figure implies | bandwidths within 5 points |", "| --- | --- | --- | --- | --- |"]
+    for (name, w), tp in zip(windows.items(), MODEL_PARALLEL):
+        span = (f"at least {w['low'] / gb:.0f}" if w["high"] == float("inf")
+                else f"{w['low'] / gb:.0f} to {w['high'] / gb:.0f}")
+        rows.append(f"| {name.removeprefix('gpt2_').upper()} | {DATA_PARALLEL * tp} | {w['node_bytes'] / gb:.1f} GB | "
+                    f"{w['implied'] / gb:.0f} GB/s | {span} GB/s |")
     return "\n".join(rows)
 
 
