@@ -2,13 +2,16 @@
 """Train-step speed and MFU of a mid-size GPT on one device, against a measured matmul peak.
 
     python bench/step_mfu.py [--layers 8 --hidden 512 --heads 8 --seq 512 --batch 8] [--host-devices N --mesh SPEC]
-                             [--dtypes float32,mixed] [--compile-layers 4,48]
+                             [--dtypes float32,mixed] [--compile-layers 4,48] [--profile DIR]
 
 Prints step time, tokens/s, model TFLOP/s per device and MFU = model FLOP/s / peak, where the
 peak is the best rate of a large matmul of the same precision measured in the same run (float32;
 for `mixed`, bfloat16 operands with float32 accumulation, as its matmuls run), plus where the
 time goes (forward, forward+backward, optimizer) for the scanned and the unrolled layer stack,
-and how long the train step takes to compile at two depths.
+and how long the train step takes to compile at two depths. With --profile DIR it also traces
+one forward+backward call of each stack (jax.profiler, Perfetto JSON under DIR; on the CPU with
+XLA's per-op trace events turned on) and prints the time by kind of compiled op, the kernels'
+numeric suffixes dropped: where the scanned stack spends what the unrolled one does not.
 """
 import argparse
 import os
@@ -48,6 +51,35 @@ def matmul_peak(dtype: str) -> float:
     return best
 
 
+def op_time_by_kind(trace_dir: str) -> dict[str, float]:
+    """Seconds per kind of compiled op (`ynn_fusion.26` and `ynn_fusion.3` are one kind) in the
+    Perfetto trace jax.profiler wrote under trace_dir. Ops on different threads overlap, so the
+    kinds add up to more than the wall time."""
+    import collections
+    import gzip
+    import json
+    import re
+
+    trace = json.load(gzip.open(next(Path(trace_dir).rglob("*.trace.json.gz"))))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kinds = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and not name.startswith(("$", "ThunkExecutor", "SlinkyThreadPool", "PjitFunction",
+                                                         "CommonPjRt")):
+            kinds[re.sub(r"\.\d+$", "", name)] += e.get("dur", 0) / 1e6
+    return dict(kinds.most_common())
+
+
+def profile(fn, args, trace_dir: str, top: int = 8) -> str:
+    import jax
+
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(fn(*args))
+    kinds = op_time_by_kind(trace_dir)
+    return ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in list(kinds.items())[:top])
+
+
 def model_config(a, layers: int, scan: bool, dtype: str):
     from megajax.config import Config, ModelConfig, TrainConfig
 
@@ -78,9 +110,15 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtypes", default="float32,mixed", help="model.compute_dtype values to run")
     p.add_argument("--compile-layers", default="4,48", help="depths whose train-step compile time is reported")
+    p.add_argument("--profile", metavar="DIR", help="trace one forward+backward call per stack into DIR and "
+                                                    "print the time by kind of compiled op")
     a = p.parse_args()
+    flags = [os.environ.get("XLA_FLAGS", "")]
     if a.host_devices:
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.host_devices}"
+        flags.append(f"--xla_force_host_platform_device_count={a.host_devices}")
+    if a.profile:
+        flags.append("--xla_cpu_enable_xprof_traceme=true")     # XLA:CPU's per-op trace events
+    os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
     import jax
     import jax.numpy as jnp
 
@@ -118,6 +156,9 @@ def main():
               f"{flops / t_step / 1e12 * 1000:.0f} GFLOP/s per device | MFU {flops / t_step / 1e12 / peak:.2f}")
         print(f"  forward {t_fwd * 1000:.0f} ms, forward+backward {t_grad * 1000:.0f} ms "
               f"(backward/forward {(t_grad - t_fwd) / t_fwd:.2f}; ideal 2.0), optimizer {t_opt * 1000:.0f} ms")
+        if a.profile:
+            where = os.path.join(a.profile, f"{dtype}_{'scanned' if scan else 'unrolled'}")
+            print(f"  forward+backward by op kind: {profile(grad, (params, tokens), where)}")
     depths = [int(x) for x in a.compile_layers.split(",") if x]
     for scan in (True, False) if depths else ():
         times = [compile_seconds(a, mesh, n, scan, dtypes[0]) for n in depths]

@@ -20,13 +20,15 @@ def _bf16(a):
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
-def test_mixed_matmul_and_its_gradients_match_a_float64_reference():
+@pytest.mark.parametrize("stacked_residuals", [False, True], ids=["unrolled_vjp", "scanned_vjp"])
+def test_mixed_matmul_and_its_gradients_match_a_float64_reference(stacked_residuals):
+    """Both VJPs: x^T g for layers of their own, (g^T x)^T for a scanned stack's body."""
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (3, 40, 48))
     w = jax.random.normal(kw, (48, 56)) * 0.1
     g = jax.random.normal(kg, (3, 40, 56))
 
-    y, vjp = jax.vjp(lambda x, w: matmul(x, w, jnp.bfloat16), x, w)
+    y, vjp = jax.vjp(lambda x, w: matmul(x, w, jnp.bfloat16, stacked_residuals), x, w)
     dx, dw = vjp(g)
     assert y.dtype == dx.dtype == dw.dtype == jnp.float32
 

@@ -78,7 +78,8 @@ class _Linear(nnx.Module):
         self.bias = param(nnx.initializers.zeros, self.BIAS_SPEC, rngs.params(), (d_out,))
 
     def local_matmul(self, x):
-        return matmul(x.astype(self.precision.compute), self.kernel[...], self.precision.matmul)
+        return matmul(x.astype(self.precision.compute), self.kernel[...], self.precision.matmul,
+                      self.precision.stacked_residuals)
 
     def local_bias(self):
         return self.bias[...].astype(self.precision.compute)
@@ -104,7 +105,8 @@ class ColumnParallelLinear(_Linear):
         # In a scanned stack; in unrolled layers XLA may merge the two gathers (jax 0.10's does),
         # which keeps the whole input as without the checkpoint.
         def local(x, w):
-            return matmul(_gather_sequence(x).astype(self.precision.compute), w, self.precision.matmul)
+            return matmul(_gather_sequence(x).astype(self.precision.compute), w, self.precision.matmul,
+                          self.precision.stacked_residuals)
         local = jax.checkpoint(local) if self.regather else local
         return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.COLUMN)), S.ACT_COLUMN)(x, self.kernel[...])
 
@@ -122,7 +124,8 @@ class RowParallelLinear(_Linear):
 
     def scattered_matmul(self, x):
         def local(x, w):
-            y = matmul(x.astype(self.precision.compute), w, self.precision.matmul)
+            y = matmul(x.astype(self.precision.compute), w, self.precision.matmul,
+                       self.precision.stacked_residuals)
             with jax.named_scope("g_reduce_scatter"):
                 return jax.lax.psum_scatter(y, S.MODEL, scatter_dimension=1, tiled=True)
         return self.layout.shard_map(local, (S.ACT_COLUMN, S.P(*S.ROW)), S.ACT_SEQUENCE)(x, self.kernel[...])

@@ -10,6 +10,12 @@ pass needs x^T g and g W^T; left to JAX's autodiff, XLA folds those transposes i
 matmul's dimension numbers, finds it cannot hand the result to the library, and silently runs
 it in float32 (plus conversions). So the mixed matmul has its own VJP that keeps bfloat16
 copies of x^T and W^T, made row-major in a way XLA cannot fold back (see `_row_major_t`).
+
+A scanned stack that keeps its activations for the backward pass writes each saved one into a
+(layers, ...) buffer, and XLA:CPU fuses a transpose into that write as a slow strided loop
+(686 ms of a 4.1 s forward+backward, `bench/step_mfu.py --profile`). There the VJP keeps x
+as it is and transposes the incoming gradient instead, dW = (g^T x)^T: the same FLOPs, a
+gradient-sized transpose in the backward pass and a weight-sized one after it.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ class Precision:
     param: jnp.dtype
     compute: jnp.dtype
     matmul: jnp.dtype
+    stacked_residuals: bool = False    # a scanned stack that saves activations (no full remat)
 
     @classmethod
     def of(cls, model_cfg, backend: str | None = None) -> "Precision":
@@ -40,7 +47,8 @@ class Precision:
             name = "bfloat16" if (backend or jax.default_backend()) in ("gpu", "tpu") else "float32"
         compute = jnp.dtype(jnp.float32 if name == "mixed" else name)
         matmul_dtype = jnp.dtype(jnp.bfloat16) if name == "mixed" else compute
-        return cls(jnp.dtype(jnp.float32), compute, matmul_dtype)
+        stacked = model_cfg.scan_layers and model_cfg.remat != "full"
+        return cls(jnp.dtype(jnp.float32), compute, matmul_dtype, stacked)
 
     @property
     def name(self) -> str:
@@ -49,20 +57,22 @@ class Precision:
         return self.compute.name
 
 
-def matmul(x, w, dtype):
+def matmul(x, w, dtype, stacked_residuals: bool = False):
     """(..., i) @ (i, o) as one 2-D matmul over all leading rows.
 
     `dtype` is the operand dtype. Equal to x's dtype: a plain matmul in that dtype. Lower
     (bfloat16 for float32 x): bf16 operands, float32 accumulation, a result in x's dtype.
     The 2-D form also keeps the weight gradient a plain 2-D matmul, which XLA:CPU runs
-    several times faster than a dot contracting over two dimensions.
+    several times faster than a dot contracting over two dimensions. `stacked_residuals` picks
+    the VJP that saves x untransposed (module docstring), on XLA:CPU only.
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if jnp.dtype(dtype) == x.dtype:
         y = jnp.dot(x2, w.astype(dtype))
     else:
-        y = _mixed_matmul(x2, w, jnp.dtype(dtype), w.dtype)
+        stacked = stacked_residuals and jax.default_backend() == "cpu"
+        y = (_mixed_matmul_stacked if stacked else _mixed_matmul)(x2, w, jnp.dtype(dtype), w.dtype)
     return y.reshape(*lead, w.shape[-1])
 
 
@@ -88,6 +98,34 @@ def _mixed_bwd(dtype, w_dtype, residuals, g):
 
 
 _mixed_matmul.defvjp(_mixed_fwd, _mixed_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _mixed_matmul_stacked(x, w, dtype, w_dtype):
+    return _dot(x.astype(dtype), w.astype(dtype), x.dtype)
+
+
+def _stacked_fwd(x, w, dtype, w_dtype):
+    x16 = x.astype(dtype)
+    return _dot(x16, w.astype(dtype), x.dtype), (x16, _row_major_t(w, dtype))
+
+
+def _stacked_bwd(dtype, w_dtype, residuals, g):
+    """dx = g W^T as above; dW = (g^T x)^T, so that the saved x needs no transpose. The barriers
+    keep XLA from folding a transpose into either matmul's operands or result (XLA:CPU would
+    then run it in float32, or not at all: its plain dot has no bf16 x bf16 -> f32)."""
+    x16, w_t = residuals
+    g16 = g.astype(dtype)
+    dw_t = _dot(_row_major_t(g16, dtype), _row_major(x16), w_dtype)
+    return _dot(g16, w_t, g.dtype), _row_major_t(jax.lax.optimization_barrier(dw_t), w_dtype)
+
+
+_mixed_matmul_stacked.defvjp(_stacked_fwd, _stacked_bwd)
+
+
+def _row_major(a):
+    """a as its own row-major array (see `_row_major_t`)."""
+    return jax.lax.optimization_barrier(jax.lax.reduce_max(a[None], (0,)))
 
 
 def _row_major_t(a, dtype):
