@@ -96,17 +96,22 @@ def test_every_linear_matmul_runs_in_bfloat16_forward_and_backward():
 def test_mixed_precision_is_mesh_invariant_with_megatron_collectives():
     cfg = tiny_config(compute_dtype="mixed", hidden_dropout=0.0, attention_dropout=0.0)
     tokens = np.asarray(jax.random.randint(jax.random.key(7), (8, cfg.model.seq_len + 1), 0, cfg.model.vocab_size))
+    # Sequence parallelism runs the linear layers inside shard_map, where the weight gradient
+    # of the mixed matmul's own VJP must be summed over "data" as a plain dot's is.
+    sp = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sequence_parallel=True))
     results = {}
-    for spec in ("1x1", "2x4"):
-        trainer = make_trainer(cfg, mesh_for(spec))
+    for name, run_cfg, spec in (("1x1", cfg, "1x1"), ("2x4", cfg, "2x4"), ("2x4 SP", sp, "2x4")):
+        trainer = make_trainer(run_cfg, mesh_for(spec))
         params, _ = trainer.init_state(seed=0)
         batch = jax.device_put(tokens, trainer.batch_sharding)
-        results[spec] = jax.device_get(jax.jit(jax.value_and_grad(trainer.loss_fn))(params, batch, None))
-    (loss1, g1), (loss8, g8) = results["1x1"], results["2x4"]
-    # The mesh changes float32 partial sums, which can flip bfloat16 roundings downstream:
-    # agreement to bfloat16's precision, not float32's (tests/tolerances.py).
-    assert_close(loss8, loss1, BF16_NORM, what="loss")
-    assert_tree_close(g1, g8, BF16_ELEMENT, "gradient", norm_tol=BF16_NORM)
+        results[name] = jax.device_get(jax.jit(jax.value_and_grad(trainer.loss_fn))(params, batch, None))
+    loss1, g1 = results["1x1"]
+    for name in ("2x4", "2x4 SP"):
+        # The mesh changes float32 partial sums, which can flip bfloat16 roundings downstream:
+        # agreement to bfloat16's precision, not float32's (tests/tolerances.py).
+        loss8, g8 = results[name]
+        assert_close(loss8, loss1, BF16_NORM, what=f"loss on {name}")
+        assert_tree_close(g1, g8, BF16_ELEMENT, f"gradient on {name}", norm_tol=BF16_NORM)
     # The float32 model's loss differs by the bf16 rounding (within a few bf16 units of
     # roundoff): mixed is really in effect.
     f32 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype="float32"))

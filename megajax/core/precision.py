@@ -72,8 +72,27 @@ def matmul(x, w, dtype, stacked_residuals: bool = False):
         y = jnp.dot(x2, w.astype(dtype))
     else:
         stacked = stacked_residuals and jax.default_backend() == "cpu"
-        y = (_mixed_matmul_stacked if stacked else _mixed_matmul)(x2, w, jnp.dtype(dtype), w.dtype)
+        x2, w_alike = _vary_alike(x2, w)
+        y = (_mixed_matmul_stacked if stacked else _mixed_matmul)(x2, w_alike, jnp.dtype(dtype), w.dtype)
     return y.reshape(*lead, w.shape[-1])
+
+
+def _varying(a) -> frozenset:
+    mat = getattr(jax.typeof(a), "mat", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _vary_alike(x, w):
+    """x and w over the same varying mesh axes. Inside shard_map (sequence parallelism) x varies
+    over "data" and w does not: a plain dot broadcasts w implicitly and autodiff sums its
+    gradient back over "data", but a custom VJP must return a gradient of w's own type, so the
+    broadcast (and with it that sum) happens here, outside the VJP. Elsewhere a no-op."""
+    vx, vw = _varying(x), _varying(w)
+    if vx - vw:
+        w = jax.lax.pcast(w, tuple(sorted(vx - vw)), to="varying")
+    if vw - vx:
+        x = jax.lax.pcast(x, tuple(sorted(vw - vx)), to="varying")
+    return x, w
 
 
 def _dot(a, b, out_dtype):
