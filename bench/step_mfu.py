@@ -60,7 +60,8 @@ def op_time_by_kind(trace_dir: str) -> dict[str, float]:
     import json
     import re
 
-    trace = json.load(gzip.open(next(Path(trace_dir).rglob("*.trace.json.gz"))))
+    newest = max(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda f: f.stat().st_mtime)   # DIR may hold older runs
+    trace = json.load(gzip.open(newest))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     kinds = collections.Counter()
     for e in events:

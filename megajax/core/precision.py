@@ -71,9 +71,9 @@ def matmul(x, w, dtype, stacked_residuals: bool = False):
     if jnp.dtype(dtype) == x.dtype:
         y = jnp.dot(x2, w.astype(dtype))
     else:
-        stacked = stacked_residuals and jax.default_backend() == "cpu"
+        keep_x = stacked_residuals and jax.default_backend() == "cpu"
         x2, w_alike = _vary_alike(x2, w)
-        y = (_mixed_matmul_stacked if stacked else _mixed_matmul)(x2, w_alike, jnp.dtype(dtype), w.dtype)
+        y = _mixed_matmul(x2, w_alike, jnp.dtype(dtype), w.dtype, keep_x)
     return y.reshape(*lead, w.shape[-1])
 
 
@@ -99,51 +99,36 @@ def _dot(a, b, out_dtype):
     return jnp.dot(a, b, preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _mixed_matmul(x, w, dtype, w_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _mixed_matmul(x, w, dtype, w_dtype, keep_x):
     return _dot(x.astype(dtype), w.astype(dtype), x.dtype)
 
 
-def _mixed_fwd(x, w, dtype, w_dtype):
+def _mixed_fwd(x, w, dtype, w_dtype, keep_x):
     x16 = x.astype(dtype)
-    return _dot(x16, w.astype(dtype), x.dtype), (_row_major_t(x16, dtype), _row_major_t(w, dtype))
+    return _dot(x16, w.astype(dtype), x.dtype), (x16 if keep_x else _row_major_t(x16, dtype), _row_major_t(w, dtype))
 
 
-def _mixed_bwd(dtype, w_dtype, residuals, g):
-    """dx = g W^T and dW = x^T g, each a row-major bf16 matmul accumulating in float32."""
-    x_t, w_t = residuals
+def _mixed_bwd(dtype, w_dtype, keep_x, residuals, g):
+    """dx = g W^T and dW = x^T g, each a row-major bf16 matmul accumulating in float32. With
+    `keep_x` (a scanned stack's saved x, untransposed) dW = (g^T x)^T instead; the barriers keep
+    XLA from folding a transpose into that matmul's operands or result (XLA:CPU would then run
+    it in float32, or not at all: its plain dot has no bf16 x bf16 -> f32)."""
+    x_saved, w_t = residuals
     g16 = g.astype(dtype)
-    return _dot(g16, w_t, g.dtype), _dot(x_t, g16, w_dtype)
+    if not keep_x:
+        return _dot(g16, w_t, g.dtype), _dot(x_saved, g16, w_dtype)
+    dw_t = _dot(_row_major_t(g16, dtype), _row_major(x_saved), w_dtype)
+    return _dot(g16, w_t, g.dtype), _row_major_t(jax.lax.optimization_barrier(dw_t), w_dtype)
 
 
 _mixed_matmul.defvjp(_mixed_fwd, _mixed_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _mixed_matmul_stacked(x, w, dtype, w_dtype):
-    return _dot(x.astype(dtype), w.astype(dtype), x.dtype)
-
-
-def _stacked_fwd(x, w, dtype, w_dtype):
-    x16 = x.astype(dtype)
-    return _dot(x16, w.astype(dtype), x.dtype), (x16, _row_major_t(w, dtype))
-
-
-def _stacked_bwd(dtype, w_dtype, residuals, g):
-    """dx = g W^T as above; dW = (g^T x)^T, so that the saved x needs no transpose. The barriers
-    keep XLA from folding a transpose into either matmul's operands or result (XLA:CPU would
-    then run it in float32, or not at all: its plain dot has no bf16 x bf16 -> f32)."""
-    x16, w_t = residuals
-    g16 = g.astype(dtype)
-    dw_t = _dot(_row_major_t(g16, dtype), _row_major(x16), w_dtype)
-    return _dot(g16, w_t, g.dtype), _row_major_t(jax.lax.optimization_barrier(dw_t), w_dtype)
-
-
-_mixed_matmul_stacked.defvjp(_stacked_fwd, _stacked_bwd)
-
-
 def _row_major(a):
-    """a as its own row-major array (see `_row_major_t`)."""
+    """a as its own row-major array (see `_row_major_t`); XLA:CPU only."""
+    if jax.default_backend() != "cpu":
+        return a
     return jax.lax.optimization_barrier(jax.lax.reduce_max(a[None], (0,)))
 
 
@@ -157,7 +142,4 @@ def _row_major_t(a, dtype):
     row-major layout; and XLA folds any transpose feeding a dot into the dot, which the
     optimization barrier prevents (XLA:CPU removes barriers only after that folding).
     """
-    t = a.T.astype(dtype)
-    if jax.default_backend() != "cpu":
-        return t
-    return jax.lax.optimization_barrier(jax.lax.reduce_max(t[None], (0,)))
+    return _row_major(a.T.astype(dtype))
