@@ -12,6 +12,8 @@ and how long the train step takes to compile at two depths. With --profile DIR i
 one forward+backward call of each stack (jax.profiler, Perfetto JSON under DIR; on the CPU with
 XLA's per-op trace events turned on) and prints the time by kind of compiled op, the kernels'
 numeric suffixes dropped: where the scanned stack spends what the unrolled one does not.
+Like train.py it restarts itself once with megajax/hostenv.py's glibc malloc settings;
+MEGAJAX_MALLOC_TUNING=0 measures without them.
 """
 import argparse
 import os
@@ -114,6 +116,10 @@ def main():
     p.add_argument("--profile", metavar="DIR", help="trace one forward+backward call per stack into DIR and "
                                                     "print the time by kind of compiled op")
     a = p.parse_args()
+    # as train.py does: restart once with glibc settings that keep each step's large blocks in the
+    # heap instead of page-faulting them in afresh (megajax/hostenv.py; MEGAJAX_MALLOC_TUNING=0: off)
+    from megajax.hostenv import restart_with_malloc_tuning
+    restart_with_malloc_tuning()
     flags = [os.environ.get("XLA_FLAGS", "")]
     if a.host_devices:
         flags.append(f"--xla_force_host_platform_device_count={a.host_devices}")
@@ -132,7 +138,8 @@ def main():
     dtypes = a.dtypes.split(",")
     peaks = {d: matmul_peak(d) for d in dtypes}
     print(f"device: {jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {dict(mesh.shape)}; measured matmul "
-          f"peak per device: " + ", ".join(f"{d} {p * 1000:.0f} GFLOP/s" for d, p in peaks.items()))
+          f"peak per device: " + ", ".join(f"{d} {p * 1000:.0f} GFLOP/s" for d, p in peaks.items())
+          + f"; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(none)')}")
     for dtype, scan in ((d, s) for d in dtypes for s in (True, False)):
         peak = peaks[dtype]
         cfg = model_config(a, a.layers, scan, dtype)

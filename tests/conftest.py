@@ -31,6 +31,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The glibc malloc settings train.py restarts itself with (megajax/hostenv.py), for the pytest-xdist
+# workers and the processes the tests start: glibc reads them when a process starts, and this
+# module is imported before the workers are.
+from megajax.hostenv import tuned_env  # noqa: E402
+
+os.environ.update(tuned_env(dict(os.environ)) or {})
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
