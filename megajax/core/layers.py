@@ -17,7 +17,7 @@ from jax.extend.random import threefry2x32_p
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
 from megajax.core.loss import vocab_parallel_lookup
-from megajax.core.ops import apply_dropout, layer_norm, masked_softmax
+from megajax.core.ops import apply_dropout, attention_context, attention_scores, layer_norm, masked_softmax
 from megajax.core.precision import Precision, matmul
 
 
@@ -246,11 +246,11 @@ class ParallelSelfAttention(nnx.Module):
         """softmax(q k^T / sqrt(d) + masks) v, with attention dropout: (b, heads/tp, q, d). Its
         intermediates grow with s^2; selective remat (Korthikanti et al. 2022) recomputes just
         this in the backward pass, from q, k and v, and keeps everything else."""
-        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = attention_scores(q, k)
         scores = self.layout.constrain(scores / math.sqrt(self.head_dim), S.ATTN_SCORES)
         probs = masked_softmax(scores, self.keep(q_pos, k.shape[2], mask), q.dtype)
         probs = dropout(probs, self.attention_dropout, key, self.layout, S.ATTN_SCORES)
-        return jnp.einsum("bhqk,bhkd->bhqd", probs, v.astype(q.dtype))
+        return attention_context(probs, v.astype(q.dtype))
 
     def fused_core(self, q, k, v, q_pos, mask, key):
         """The same through `jax.nn.dot_product_attention` (no attention dropout): cuDNN's flash

@@ -118,14 +118,14 @@ def _mixed_bwd(dtype, w_dtype, keep_x, residuals, g):
     g16 = g.astype(dtype)
     if not keep_x:
         return _dot(g16, w_t, g.dtype), _dot(x_saved, g16, w_dtype)
-    dw_t = _dot(_row_major_t(g16, dtype), _row_major(x_saved), w_dtype)
+    dw_t = _dot(_row_major_t(g16, dtype), row_major(x_saved), w_dtype)
     return _dot(g16, w_t, g.dtype), _row_major_t(jax.lax.optimization_barrier(dw_t), w_dtype)
 
 
 _mixed_matmul.defvjp(_mixed_fwd, _mixed_bwd)
 
 
-def _row_major(a):
+def row_major(a):
     """a as its own row-major array (see `_row_major_t`); XLA:CPU only."""
     if jax.default_backend() != "cpu":
         return a
@@ -142,4 +142,4 @@ def _row_major_t(a, dtype):
     row-major layout; and XLA folds any transpose feeding a dot into the dot, which the
     optimization barrier prevents (XLA:CPU removes barriers only after that folding).
     """
-    return _row_major(a.T.astype(dtype))
+    return row_major(a.T.astype(dtype))
