@@ -106,57 +106,42 @@ def attention_scores(q, k):
     """q k^T over the last two axes, (..., q, d) x (..., k, d) -> (..., q, k), in float32."""
     if q.dtype != jnp.float32 or k.dtype != jnp.float32 or jax.default_backend() != "cpu":
         return jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32)
-    return _scores(q, k)
+    return _matmul(q, jnp.swapaxes(k, -1, -2))
 
 
 def attention_context(p, v):
     """p v over the last two axes, (..., q, k) x (..., k, d) -> (..., q, d)."""
     if p.dtype != jnp.float32 or v.dtype != jnp.float32 or jax.default_backend() != "cpu":
         return jnp.einsum("...qk,...kd->...qd", p, v)
-    return _context(p, v)
+    return _matmul(p, v)
 
 
 # On XLA:CPU the two attention matmuls' autodiff backward passes include one contraction over
 # the query axis each, dk = ds^T q and dv = p^T do, with the (q, k) matrix as the transposed
 # operand: XLA:CPU runs that as a strided dot at a third of the matmul rate (66 vs 187 GFLOP/s
-# at b*heads 64, s 512, d 64). `_rows_contracted` computes it as (y^T x)^T instead, transposing
-# only the small (q, d) operand: 32.5 -> 18.5 ms each, ~5% of bench/step_mfu.py's step.
+# at b*heads 64, s 512, d 64). `_rows_contracted` transposes only the small (q, d) operand
+# instead: 32.5 -> 18.5 ms each, ~5% of bench/step_mfu.py's step.
 @jax.custom_vjp
-def _scores(q, k):
-    return jnp.einsum("...qd,...kd->...qk", q, k)
+def _matmul(a, b):
+    return a @ b
 
 
-def _scores_fwd(q, k):
-    return _scores(q, k), (q, k)
+def _matmul_fwd(a, b):
+    return a @ b, (a, b)
 
 
-def _scores_bwd(residuals, g):
-    q, k = residuals
-    return jnp.einsum("...qk,...kd->...qd", g, k), _rows_contracted(g, q)
+def _matmul_bwd(residuals, g):
+    a, b = residuals
+    return g @ jnp.swapaxes(b, -1, -2), _rows_contracted(a, g)
 
 
-_scores.defvjp(_scores_fwd, _scores_bwd)
-
-
-@jax.custom_vjp
-def _context(p, v):
-    return jnp.einsum("...qk,...kd->...qd", p, v)
-
-
-def _context_fwd(p, v):
-    return _context(p, v), (p, v)
-
-
-def _context_bwd(residuals, g):
-    p, v = residuals
-    return jnp.einsum("...qd,...kd->...qk", g, v), _rows_contracted(p, g)
-
-
-_context.defvjp(_context_fwd, _context_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def _rows_contracted(x, y):
-    """x^T y over the last two axes for a large x (..., m, n) and a small y (..., m, d): (y^T x)^T,
-    with y^T made row-major and the product kept from XLA's folding (precision.row_major)."""
-    y_t = row_major(jnp.swapaxes(y, -1, -2))
-    return jnp.swapaxes(jax.lax.optimization_barrier(jnp.einsum("...dm,...mn->...dn", y_t, x)), -1, -2)
+    """x^T y over the last two axes, (..., m, i) x (..., m, j) -> (..., i, j), transposing only the
+    smaller operand: made row-major and kept from XLA's folding (precision.row_major)."""
+    if x.shape[-1] <= y.shape[-1]:
+        return jax.lax.optimization_barrier(row_major(jnp.swapaxes(x, -1, -2)) @ y)
+    y_t_x = jax.lax.optimization_barrier(row_major(jnp.swapaxes(y, -1, -2)) @ x)
+    return jnp.swapaxes(y_t_x, -1, -2)
