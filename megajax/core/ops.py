@@ -104,16 +104,21 @@ apply_dropout.defvjp(_dropout_fwd, _dropout_bwd)
 
 def attention_scores(q, k):
     """q k^T over the last two axes, (..., q, d) x (..., k, d) -> (..., q, k), in float32."""
-    if q.dtype != jnp.float32 or k.dtype != jnp.float32 or jax.default_backend() != "cpu":
+    if not _strided_dots_matter(q, k):
         return jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32)
     return _matmul(q, jnp.swapaxes(k, -1, -2))
 
 
 def attention_context(p, v):
     """p v over the last two axes, (..., q, k) x (..., k, d) -> (..., q, d)."""
-    if p.dtype != jnp.float32 or v.dtype != jnp.float32 or jax.default_backend() != "cpu":
+    if not _strided_dots_matter(p, v):
         return jnp.einsum("...qk,...kd->...qd", p, v)
     return _matmul(p, v)
+
+
+def _strided_dots_matter(a, b) -> bool:
+    """float32 operands on XLA:CPU: where autodiff's backward would run the strided dots below."""
+    return a.dtype == b.dtype == jnp.float32 and jax.default_backend() == "cpu"
 
 
 # On XLA:CPU the two attention matmuls' autodiff backward passes include one contraction over
