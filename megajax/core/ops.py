@@ -9,6 +9,9 @@ LayerNorm saves its input in the activations' dtype and two float32 numbers per 
 softmax saves its output in the activations' dtype, from which its backward pass follows
 (masked positions have probability 0, so their gradient is 0 with no mask kept); dropout
 saves its boolean mask alone.
+
+The attention matmuls, q k^T and p v, also have their own backward pass on the CPU, for speed
+alone: the same products as autodiff's, in the forms XLA:CPU's matmul library takes.
 """
 from __future__ import annotations
 
