@@ -123,3 +123,22 @@ def test_mixed_precision_is_mesh_invariant_with_megatron_collectives():
     counts = audit(cfg, mesh_for("2x4")).model_axis_layer_counts()
     assert all(c == {("attention", "forward"): 1, ("mlp", "forward"): 1,
                      ("attention", "backward"): 1, ("mlp", "backward"): 1} for c in counts.values())
+
+
+def _widened_slice_writes(hlo: str) -> list[str]:
+    """dynamic-update-slices whose buffer operand is a convert: XLA widened a 16-bit buffer to
+    write one slice into it, which rewrites the whole buffer, not the slice, each time."""
+    converts = set(re.findall(r"%([\w.\-]+) = \S+ convert\(", hlo))
+    return [m.group(0) for m in re.finditer(r"dynamic-update-slice\(%([\w.\-]+)", hlo) if m.group(1) in converts]
+
+
+def test_scanned_stack_writes_its_saved_bfloat16_activations_in_place():
+    """A scanned stack's forward pass writes what each layer saves for the backward pass into
+    one (layers, ...) buffer. XLA:CPU widens a bfloat16 dynamic-update-slice to float32, which
+    turns that one-slice write into a rewrite of the whole buffer at every layer (time
+    quadratic in depth: 1.52x the unrolled step at 24 layers, against 1.11x written in place).
+    The mixed matmul saves its bfloat16 operand as uint16 bits instead."""
+    lowered = make_trainer(tiny_config(num_layers=3, compute_dtype="mixed"), mesh_for("1x1")).lower_step()
+    hlo = lowered.compile().as_text()
+    assert "dynamic-update-slice" in hlo and _widened_slice_writes(hlo) == []
+    assert re.search(r"u16\[3,\d+,\d+\]\S* \S*dynamic-update-slice", hlo)    # the saves, as bits

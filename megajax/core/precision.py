@@ -15,7 +15,11 @@ A scanned stack that keeps its activations for the backward pass writes each sav
 (layers, ...) buffer, and XLA:CPU fuses a transpose into that write as a slow strided loop
 (686 ms of a 4.1 s forward+backward, `bench/step_mfu.py --profile`). There the VJP keeps x
 as it is and transposes the incoming gradient instead, dW = (g^T x)^T: the same FLOPs, a
-gradient-sized transpose in the backward pass and a weight-sized one after it.
+gradient-sized transpose in the backward pass and a weight-sized one after it. It keeps x's
+bfloat16 copy as uint16 bits (`_as_bits`: XLA:CPU would widen the bf16 write into the stacked
+buffer to a float32 rewrite of the whole buffer, per layer). Either VJP keeps the weight
+itself, not a bf16 W^T: a scanned stack's weight is the scan's own input, which JAX hands to
+the backward pass as it is instead of stacking a copy per layer.
 """
 from __future__ import annotations
 
@@ -106,7 +110,8 @@ def _mixed_matmul(x, w, dtype, w_dtype, keep_x):
 
 def _mixed_fwd(x, w, dtype, w_dtype, keep_x):
     x16 = x.astype(dtype)
-    return _dot(x16, w.astype(dtype), x.dtype), (x16 if keep_x else _row_major_t(x16, dtype), _row_major_t(w, dtype))
+    y = _dot(x16, w.astype(dtype), x.dtype)
+    return y, (_as_bits(x16) if keep_x else _row_major_t(x16, dtype), w)
 
 
 def _mixed_bwd(dtype, w_dtype, keep_x, residuals, g):
@@ -114,15 +119,28 @@ def _mixed_bwd(dtype, w_dtype, keep_x, residuals, g):
     `keep_x` (a scanned stack's saved x, untransposed) dW = (g^T x)^T instead; the barriers keep
     XLA from folding a transpose into that matmul's operands or result (XLA:CPU would then run
     it in float32, or not at all: its plain dot has no bf16 x bf16 -> f32)."""
-    x_saved, w_t = residuals
-    g16 = g.astype(dtype)
+    x_saved, w = residuals
+    g16, w_t = g.astype(dtype), _row_major_t(w, dtype)
     if not keep_x:
         return _dot(g16, w_t, g.dtype), _dot(x_saved, g16, w_dtype)
+    x_saved = _from_bits(x_saved, dtype)
     dw_t = _dot(_row_major_t(g16, dtype), row_major(x_saved), w_dtype)
     return _dot(g16, w_t, g.dtype), _row_major_t(jax.lax.optimization_barrier(dw_t), w_dtype)
 
 
 _mixed_matmul.defvjp(_mixed_fwd, _mixed_bwd)
+
+
+def _as_bits(a):
+    """A 16-bit float residual as uint16 bits. XLA:CPU widens a bfloat16 dynamic-update-slice to
+    float32 (its float normalization), and a scan that saves a bf16 residual per layer then
+    rewrites its whole stacked (layers, ...) buffer at every layer instead of one slice: time
+    quadratic in depth. The integer write stays an in-place slice."""
+    return jax.lax.bitcast_convert_type(a, jnp.uint16)
+
+
+def _from_bits(a, dtype):
+    return jax.lax.bitcast_convert_type(a, dtype)
 
 
 def row_major(a):
