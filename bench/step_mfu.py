@@ -2,13 +2,15 @@
 """Train-step speed and MFU of a mid-size GPT on one device, against a measured matmul peak.
 
     python bench/step_mfu.py [--layers 8 --hidden 512 --heads 8 --seq 512 --batch 8] [--host-devices N --mesh SPEC]
-                             [--dtypes float32,mixed] [--compile-layers 4,48] [--profile DIR]
+                             [--dtypes float32,mixed] [--rounds 6] [--compile-layers 4,48] [--profile DIR]
 
 Prints step time, tokens/s, model TFLOP/s per device and MFU = model FLOP/s / peak, where the
 peak is the best rate of a large matmul of the same precision measured in the same run (float32;
 for `mixed`, bfloat16 operands with float32 accumulation, as its matmuls run), plus where the
 time goes (forward, forward+backward, optimizer) for the scanned and the unrolled layer stack,
-and how long the train step takes to compile at two depths. With --profile DIR it also traces
+the scanned / unrolled step ratio measured with the two run in turn (`--rounds` each: on a
+shared VM speed drifts more between minutes than the gap being measured), and how long the
+train step takes to compile at two depths. With --profile DIR it also traces
 one forward+backward call of each stack (jax.profiler, Perfetto JSON under DIR; on the CPU with
 XLA's per-op trace events turned on) and prints the time by kind of compiled op, the kernels'
 numeric suffixes dropped: where the scanned stack spends what the unrolled one does not.
@@ -34,6 +36,24 @@ def timed(fn, *args, reps=3):
         jax.block_until_ready(fn(*args))
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def alternating_ratio(scanned, unrolled, rounds: int) -> str:
+    """The two steps run in turn, so that both see the same machine: on a shared VM the speed
+    drifts by 10-25% between minutes, more than the difference being measured."""
+    import statistics
+
+    import jax
+
+    times = {scanned: [], unrolled: []}
+    for _ in range(rounds):
+        for fn in (scanned, unrolled):
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[fn].append(time.perf_counter() - t)
+    med = {fn: statistics.median(ts) for fn, ts in times.items()}
+    return (f"{med[scanned] / med[unrolled]:.3f} (medians of {rounds} rounds, {med[scanned] * 1000:.0f} / "
+            f"{med[unrolled] * 1000:.0f} ms; best {min(times[scanned]) / min(times[unrolled]):.3f})")
 
 
 def matmul_peak(dtype: str) -> float:
@@ -111,6 +131,8 @@ def main():
     p.add_argument("--mesh", default="1x1")
     p.add_argument("--host-devices", type=int)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=6, help="rounds of the scanned and unrolled steps run in turn, "
+                                                         "for their ratio (0: skip)")
     p.add_argument("--dtypes", default="float32,mixed", help="model.compute_dtype values to run")
     p.add_argument("--compile-layers", default="4,48", help="depths whose train-step compile time is reported")
     p.add_argument("--profile", metavar="DIR", help="trace one forward+backward call per stack into DIR and "
@@ -140,6 +162,7 @@ def main():
     print(f"device: {jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {dict(mesh.shape)}; measured matmul "
           f"peak per device: " + ", ".join(f"{d} {p * 1000:.0f} GFLOP/s" for d, p in peaks.items())
           + f"; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(none)')}")
+    steps = {}
     for dtype, scan in ((d, s) for d in dtypes for s in (True, False)):
         peak = peaks[dtype]
         cfg = model_config(a, a.layers, scan, dtype)
@@ -154,7 +177,9 @@ def main():
         step = tr.jit_step(donate=False)
         t_fwd, t_grad = timed(loss, params, tokens, reps=a.reps), timed(grad, params, tokens, reps=a.reps)
         t_opt = timed(upd, g, opt, params, reps=a.reps)
-        t_step = timed(lambda: step(params, opt, tokens, jnp.int32(1)), reps=a.reps)
+        steps[dtype, scan] = lambda step=step, params=params, opt=opt, tokens=tokens: step(params, opt, tokens,
+                                                                                          jnp.int32(1))
+        t_step = timed(steps[dtype, scan], reps=a.reps)
         tokens_per_step = a.batch * a.seq
         flops = flops_per_token(cfg) * tokens_per_step / mesh.devices.size
         print(f"\n{dtype}, {'scanned' if scan else 'unrolled'} stack: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
@@ -167,6 +192,8 @@ def main():
         if a.profile:
             where = os.path.join(a.profile, f"{dtype}_{'scanned' if scan else 'unrolled'}")
             print(f"  forward+backward by op kind: {profile(grad, (params, tokens), where)}")
+    for dtype in dtypes if a.rounds else ():
+        print(f"\n{dtype}, scanned / unrolled train step: {alternating_ratio(steps[dtype, True], steps[dtype, False], a.rounds)}")
     depths = [int(x) for x in a.compile_layers.split(",") if x]
     for scan in (True, False) if depths else ():
         times = [compile_seconds(a, mesh, n, scan, dtypes[0]) for n in depths]
