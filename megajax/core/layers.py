@@ -17,7 +17,8 @@ from jax.extend.random import threefry2x32_p
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
 from megajax.core.loss import vocab_parallel_lookup
-from megajax.core.ops import apply_dropout, attention_context, attention_scores, layer_norm, masked_softmax
+from megajax.core.ops import (apply_dropout, attention_context, attention_recomputing_probs, attention_scores,
+                              layer_norm, masked_softmax, recomputing_pays)
 from megajax.core.precision import Precision, matmul
 
 
@@ -212,6 +213,8 @@ class ParallelSelfAttention(nnx.Module):
         self.attention_dropout = cfg.attention_dropout
         self.fused = fused_attention(cfg, layout)
         self.selective_remat = cfg.remat == "selective"
+        # A scanned stack saving its activations (on the CPU, see ops.py) keeps no probabilities.
+        self.recompute_probs = precision.stacked_residuals and cfg.remat == "none" and cfg.attention_dropout == 0
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, layout=layout, precision=precision,
                                         regather=cfg.remat != "full",
@@ -245,7 +248,12 @@ class ParallelSelfAttention(nnx.Module):
     def core(self, q, k, v, q_pos, mask, key):
         """softmax(q k^T / sqrt(d) + masks) v, with attention dropout: (b, heads/tp, q, d). Its
         intermediates grow with s^2; selective remat (Korthikanti et al. 2022) recomputes just
-        this in the backward pass, from q, k and v, and keeps everything else."""
+        this in the backward pass, from q, k and v, and keeps everything else. A scanned CPU
+        stack without attention dropout recomputes only the probabilities, from saved row
+        statistics (ops.attention_recomputing_probs)."""
+        if self.recompute_probs and recomputing_pays(q):
+            return attention_recomputing_probs(q, k, v.astype(q.dtype), self.keep(q_pos, k.shape[2], mask),
+                                               1 / math.sqrt(self.head_dim))
         scores = attention_scores(q, k)
         scores = self.layout.constrain(scores / math.sqrt(self.head_dim), S.ATTN_SCORES)
         probs = masked_softmax(scores, self.keep(q_pos, k.shape[2], mask), q.dtype)

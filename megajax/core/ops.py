@@ -6,12 +6,14 @@ copies of its input for the backward pass (12 bytes an element instead of 2), an
 over float32 scores saves the scores, their exponentials and the broadcast masks (9 bytes a
 score instead of 2). At GPT-2 shapes that was two thirds of a layer's activation memory. Here
 LayerNorm saves its input in the activations' dtype and two float32 numbers per row; the
-softmax saves its output in the activations' dtype, from which its backward pass follows
-(masked positions have probability 0, so their gradient is 0 with no mask kept); dropout
+softmax saves its output in the activations' dtype (and the broadcast masks, never a
+(b, heads, q, k) array), from which its backward pass follows; dropout
 saves its boolean mask alone.
 
 The attention matmuls, q k^T and p v, also have their own backward pass on the CPU, for speed
-alone: the same products as autodiff's, in the forms XLA:CPU's matmul library takes.
+alone: the same products as autodiff's, in the forms XLA:CPU's matmul library takes. A scanned
+stack on the CPU without attention dropout goes further: its attention core keeps no
+probabilities at all and recomputes them (`attention_recomputing_probs`).
 """
 from __future__ import annotations
 
@@ -74,7 +76,9 @@ def _softmax_fwd(scores, keep, dtype):
 def _softmax_bwd(dtype, residuals, g):
     probs, keep = residuals
     p, g32 = probs.astype(jnp.float32), g.astype(jnp.float32)
-    ds = p * (g32 - (g32 * p).sum(-1, keepdims=True))
+    # Masked scores get no gradient; only a row with nothing to attend to (uniform, all masked:
+    # a sequence of padding alone) has a nonzero p there.
+    ds = jnp.where(keep, p * (g32 - (g32 * p).sum(-1, keepdims=True)), 0.0)
     return ds, zero_cotangent(keep)   # keep: positions and the padding mask, no gradient
 
 
@@ -153,3 +157,48 @@ def _rows_contracted(x, y):
         return jax.lax.optimization_barrier(row_major(jnp.swapaxes(x, -1, -2)) @ y)
     y_t_x = jax.lax.optimization_barrier(row_major(jnp.swapaxes(y, -1, -2)) @ x)
     return jnp.swapaxes(y_t_x, -1, -2)
+
+
+
+def recomputing_pays(q) -> bool:
+    """Whether `attention_recomputing_probs` is the faster core for a scanned stack: XLA:CPU,
+    float32 (see its docstring)."""
+    return _strided_dots_matter(q, q)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attention_recomputing_probs(q, k, v, keep, scale: float):
+    """softmax(q k^T * scale where `keep`, 0 elsewhere) v, (..., q, d) each, saving q, k, v and
+    two float32 numbers per query (the scores' row max and the exponentials' row sum) instead
+    of the (q, k) probabilities, which the backward pass recomputes exactly: one more q k^T
+    and one exp. No attention dropout.
+
+    Made for a scanned stack on XLA:CPU, where each saved (q, k) matrix is zero-filled, copied
+    into a (layers, ...) buffer and copied out again for the backward pass, which costs more
+    than recomputing it (64 MiB a layer at bench/step_mfu.py's shapes); it also drops the
+    b·heads·s² probabilities from the memory a layer keeps."""
+    return _attention_fwd(q, k, v, keep, scale)[0]
+
+
+def _probs(q, k, keep, scale, row_max=None, row_sum=None):
+    s = jnp.where(keep, (q @ jnp.swapaxes(k, -1, -2)) * scale, jnp.finfo(jnp.float32).min)
+    row_max = s.max(-1, keepdims=True) if row_max is None else row_max
+    e = jnp.exp(s - row_max)
+    row_sum = e.sum(-1, keepdims=True) if row_sum is None else row_sum
+    return e / row_sum, row_max, row_sum
+
+
+def _attention_fwd(q, k, v, keep, scale):
+    p, row_max, row_sum = _probs(q, k, keep, scale)
+    return p @ v, (q, k, v, keep, row_max, row_sum)
+
+
+def _attention_bwd(scale, residuals, g):
+    q, k, v, keep, row_max, row_sum = residuals
+    p, _, _ = _probs(q, k, keep, scale, row_max, row_sum)
+    dp = g @ jnp.swapaxes(v, -1, -2)
+    ds = jnp.where(keep, p * (dp - (dp * p).sum(-1, keepdims=True)) * scale, 0.0)   # as _softmax_bwd
+    return ds @ k, _rows_contracted(ds, q), _rows_contracted(p, g), zero_cotangent(keep)
+
+
+attention_recomputing_probs.defvjp(_attention_fwd, _attention_bwd)
