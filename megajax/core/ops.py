@@ -159,7 +159,6 @@ def _rows_contracted(x, y):
     return jnp.swapaxes(y_t_x, -1, -2)
 
 
-
 def recomputing_pays(q) -> bool:
     """Whether `attention_recomputing_probs` is the faster core for a scanned stack: XLA:CPU,
     float32 (see its docstring)."""
