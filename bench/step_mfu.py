@@ -138,6 +138,8 @@ def main():
     p.add_argument("--profile", metavar="DIR", help="trace one forward+backward call per stack into DIR and "
                                                     "print the time by kind of compiled op")
     a = p.parse_args()
+    if a.rounds < 0:
+        p.error(f"--rounds must be 0 (skip) or more, got {a.rounds}")
     # as train.py does: restart once with glibc settings that keep each step's large blocks in the
     # heap instead of page-faulting them in afresh (megajax/hostenv.py; MEGAJAX_MALLOC_TUNING=0: off)
     from megajax.hostenv import restart_with_malloc_tuning

@@ -75,11 +75,15 @@ def _softmax_fwd(scores, keep, dtype):
 
 def _softmax_bwd(dtype, residuals, g):
     probs, keep = residuals
-    p, g32 = probs.astype(jnp.float32), g.astype(jnp.float32)
-    # Masked scores get no gradient; only a row with nothing to attend to (uniform, all masked:
-    # a sequence of padding alone) has a nonzero p there.
-    ds = jnp.where(keep, p * (g32 - (g32 * p).sum(-1, keepdims=True)), 0.0)
+    ds = _scores_grad(probs.astype(jnp.float32), g.astype(jnp.float32), keep)
     return ds, zero_cotangent(keep)   # keep: positions and the padding mask, no gradient
+
+
+def _scores_grad(p, g, keep):
+    """The scores' gradient from softmax's output p and its gradient g. Masked scores get none;
+    only a row with nothing to attend to (uniform, all masked: a sequence of padding alone) has
+    a nonzero p there."""
+    return jnp.where(keep, p * (g - (g * p).sum(-1, keepdims=True)), 0.0)
 
 
 masked_softmax.defvjp(_softmax_fwd, _softmax_bwd)
@@ -195,8 +199,7 @@ def _attention_fwd(q, k, v, keep, scale):
 def _attention_bwd(scale, residuals, g):
     q, k, v, keep, row_max, row_sum = residuals
     p, _, _ = _probs(q, k, keep, scale, row_max, row_sum)
-    dp = g @ jnp.swapaxes(v, -1, -2)
-    ds = jnp.where(keep, p * (dp - (dp * p).sum(-1, keepdims=True)) * scale, 0.0)   # as _softmax_bwd
+    ds = _scores_grad(p, g @ jnp.swapaxes(v, -1, -2), keep) * scale
     return ds @ k, _rows_contracted(ds, q), _rows_contracted(p, g), zero_cotangent(keep)
 
 
