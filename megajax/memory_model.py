@@ -14,8 +14,8 @@ and in general, with `act` bytes per activation (4 for float32) and 1 byte per d
     the attention core (softmax output, its dropout mask and result): (2·act + 1)·b·heads·s²/t;
     LayerNorm's float32 mean and 1/std: 16 bytes a row.
 These are the residuals megajax keeps (megajax/core/ops.py keeps LayerNorm and softmax to
-these; `tests/test_memory_model.py` checks the sum against XLA's compiled buffers); a scanned
-float32 stack on the CPU without attention dropout keeps no attention core either (it
+these; `tests/test_memory_model.py` checks the sum against XLA's compiled buffers); float32
+on the CPU without attention dropout keeps no attention core either (blocked_attention.py
 recomputes the probabilities, as selective recomputation would, for speed). Not
 counted: parameters, gradients, optimizer state, the embedding and logits (outside the layers),
 and on XLA:CPU, which stores 16-bit activations as float32, the weights' per-layer copies.

@@ -1,8 +1,7 @@
 """model.attention = "fused": the attention core through jax.nn.dot_product_attention (cuDNN's
 flash attention on NVIDIA GPUs, XLA here) computes what megajax's own core computes, with the
-same collectives; "auto" picks it only on GPUs without attention dropout. And megajax's own
-core in a scanned CPU stack, which recomputes the probabilities instead of saving them."""
-import re
+same collectives; "auto" picks it only on GPUs without attention dropout. (megajax's own core on
+the CPU without attention dropout: tests/test_blocked_attention.py.)"""
 from collections import Counter
 
 import jax
@@ -12,7 +11,6 @@ from conftest import mesh_for, tiny_config
 from tolerances import assert_close, assert_tree_close
 
 from megajax.config import ConfigError
-from megajax.core import layers as layers_module
 from megajax.core.layers import fused_attention
 from megajax.core.sharding import Layout
 from megajax.tools.audit import audit
@@ -58,21 +56,3 @@ def test_auto_picks_fused_only_on_gpus_without_attention_dropout():
     assert not fused_attention(tiny_config(attention="megajax").model, cpu)
     with pytest.raises(ConfigError, match="attention_dropout=0"):
         tiny_config(attention="fused")                                          # attention dropout 0.1
-
-
-@pytest.mark.parametrize("kind,spec", [("gpt", "1x1"), ("bert", "2x4")])
-def test_scanned_cpu_stack_recomputes_the_probabilities_with_the_same_numbers(kind, spec, monkeypatch):
-    """Without attention dropout a scanned float32 stack on the CPU keeps no (layers, b, heads,
-    s, s) probabilities for its backward pass (ops.attention_recomputing_probs), and its loss and
-    gradients are those of the same stack through the core that keeps them: causal (GPT) and
-    padding (BERT) masks."""
-    cfg = config("megajax", **({} if kind == "gpt" else {"kind": "bert"}))
-    s, layers = cfg.model.seq_len, cfg.model.num_layers
-    stacked_probs = rf"f32\[{layers},\d+,\d+,{s},{s}\]"
-    got_loss, got = loss_and_grads(cfg, spec)
-    assert not re.search(stacked_probs, make_trainer(cfg, mesh_for(spec)).lower_step().compile().as_text())
-    monkeypatch.setattr(layers_module, "recomputing_pays", lambda q: False)
-    want_loss, want = loss_and_grads(cfg, spec)
-    assert re.search(stacked_probs, make_trainer(cfg, mesh_for(spec)).lower_step().compile().as_text())
-    assert_close(got_loss, want_loss, what="loss")
-    assert_tree_close(want, got, what="gradient")

@@ -6,8 +6,7 @@ import numpy as np
 from jax import ad_checkpoint
 from tolerances import assert_tree_close
 
-from megajax.core.ops import (apply_dropout, attention_context, attention_recomputing_probs, attention_scores,
-                              layer_norm, masked_softmax)
+from megajax.core.ops import apply_dropout, attention_context, attention_scores, layer_norm, masked_softmax
 
 RNG = np.random.default_rng(0)
 
@@ -96,26 +95,3 @@ def test_attention_matmuls_match_autodiff_and_avoid_the_strided_dot():
                         for line in jax.jit(lambda *a, f=f: grads(f, *a)).lower(*args).compile().as_text().splitlines())
                     for f in (plain, ours)]
         assert row_dots == [1, 0] or jax.default_backend() != "cpu", row_dots
-
-
-def test_attention_recomputing_probs_matches_autodiff_and_saves_no_probabilities(capsys):
-    """The core a scanned CPU stack uses: softmax(q k^T * scale) v with a causal mask, a padding
-    mask and one query that may attend to nothing (then uniform, as jax.nn.softmax gives), equal
-    to autodiff of the plain formula in value and gradients; and what it saves for the backward
-    pass is q, k, v, the mask and two numbers per query, never a (q, k) matrix."""
-    q, k, v = (jnp.asarray(RNG.normal(size=(2, 3, 24, 16)), jnp.float32) for _ in range(3))
-    keys = jnp.asarray(RNG.random((2, 1, 1, 24)) > 0.3).at[1].set(False)     # batch 1: no key at all
-    keep = keys & (jnp.arange(24)[:, None] >= jnp.arange(24)[None, :])
-    scale = 0.25
-
-    def plain(q, k, v):
-        s = jnp.where(keep, jnp.einsum("bhqd,bhkd->bhqk", q, k) * scale, jnp.finfo(jnp.float32).min)
-        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
-
-    ours = lambda q, k, v: attention_recomputing_probs(q, k, v, keep, scale)   # noqa: E731
-    assert_tree_close(plain(q, k, v), ours(q, k, v), what="forward")
-    assert_tree_close(grads(plain, q, k, v), grads(ours, q, k, v), what="gradients")
-    capsys.readouterr()
-    ad_checkpoint.print_saved_residuals(lambda *a: ours(*a).sum(), q, k, v)
-    saved = sorted(line.split(" ")[0] for line in capsys.readouterr().out.splitlines() if "[" in line)
-    assert saved == sorted(["f32[2,3,24,16]"] * 3 + ["bool[2,1,24,24]"] + ["f32[2,3,24,1]"] * 2), saved

@@ -17,8 +17,8 @@ from jax.extend.random import threefry2x32_p
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
 from megajax.core.loss import vocab_parallel_lookup
-from megajax.core.ops import (apply_dropout, attention_context, attention_recomputing_probs, attention_scores,
-                              layer_norm, masked_softmax, recomputing_pays)
+from megajax.core.blocked_attention import blocked_attention, blocked_attention_pays
+from megajax.core.ops import apply_dropout, attention_context, attention_scores, layer_norm, masked_softmax
 from megajax.core.precision import Precision, matmul
 
 
@@ -213,8 +213,7 @@ class ParallelSelfAttention(nnx.Module):
         self.attention_dropout = cfg.attention_dropout
         self.fused = fused_attention(cfg, layout)
         self.selective_remat = cfg.remat == "selective"
-        # A scanned stack saving its activations (on the CPU, see ops.py) keeps no probabilities.
-        self.recompute_probs = precision.stacked_residuals and cfg.remat == "none" and cfg.attention_dropout == 0
+        self.blocked = cfg.attention_dropout == 0    # where it pays: blocked_attention_pays
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, layout=layout, precision=precision,
                                         regather=cfg.remat != "full",
@@ -238,8 +237,12 @@ class ParallelSelfAttention(nnx.Module):
             v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, 0, pos, 0))
             k, v = (self.layout.constrain(t, S.KV_CACHE) for t in (k, v))
             cache, q_pos = (k, v), pos + q_pos
-        core = self.fused_core if self.fused and cache is None else self.core
-        core = jax.checkpoint(core) if self.selective_remat else core
+        if cache is None and self.fused:
+            core = self.fused_core
+        elif cache is None and self.blocked and blocked_attention_pays(q):
+            core = self.blocked_core    # keeps no probabilities: nothing for selective remat to drop
+        else:
+            core = jax.checkpoint(self.core) if self.selective_remat else self.core
         ctx = core(q, k, v, q_pos, mask, key)
         ctx = self.layout.constrain(jnp.moveaxis(ctx, 1, 2), S.ACT_HEADS).reshape(b, s, self.num_heads * self.head_dim)
         out = self.out(ctx)
@@ -248,17 +251,20 @@ class ParallelSelfAttention(nnx.Module):
     def core(self, q, k, v, q_pos, mask, key):
         """softmax(q k^T / sqrt(d) + masks) v, with attention dropout: (b, heads/tp, q, d). Its
         intermediates grow with s^2; selective remat (Korthikanti et al. 2022) recomputes just
-        this in the backward pass, from q, k and v, and keeps everything else. A scanned CPU
-        stack without attention dropout recomputes only the probabilities, from saved row
-        statistics (ops.attention_recomputing_probs)."""
-        if self.recompute_probs and recomputing_pays(q):
-            return attention_recomputing_probs(q, k, v.astype(q.dtype), self.keep(q_pos, k.shape[2], mask),
-                                               1 / math.sqrt(self.head_dim))
+        this in the backward pass, from q, k and v, and keeps everything else."""
         scores = attention_scores(q, k)
         scores = self.layout.constrain(scores / math.sqrt(self.head_dim), S.ATTN_SCORES)
         probs = masked_softmax(scores, self.keep(q_pos, k.shape[2], mask), q.dtype)
         probs = dropout(probs, self.attention_dropout, key, self.layout, S.ATTN_SCORES)
         return attention_context(probs, v.astype(q.dtype))
+
+    def blocked_core(self, q, k, v, q_pos, mask, key):
+        """The same without attention dropout on the CPU: a few (batch, head) pairs at a time,
+        keeping no probabilities (blocked_attention.py); the heads stay split over "model"."""
+        del q_pos, key    # positions 0..s-1: no cache
+        ways = (1 if self.layout.data_manual else self.layout.dp, self.layout.tp)
+        return blocked_attention(q, k, v.astype(q.dtype), mask, causal=self.causal,
+                                 scale=1 / math.sqrt(self.head_dim), ways=ways)
 
     def fused_core(self, q, k, v, q_pos, mask, key):
         """The same through `jax.nn.dot_product_attention` (no attention dropout): cuDNN's flash

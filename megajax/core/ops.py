@@ -11,9 +11,9 @@ softmax saves its output in the activations' dtype (and the broadcast masks, nev
 saves its boolean mask alone.
 
 The attention matmuls, q k^T and p v, also have their own backward pass on the CPU, for speed
-alone: the same products as autodiff's, in the forms XLA:CPU's matmul library takes. A scanned
-stack on the CPU without attention dropout goes further: its attention core keeps no
-probabilities at all and recomputes them (`attention_recomputing_probs`).
+alone: the same products as autodiff's, in the forms XLA:CPU's matmul library takes. Without
+attention dropout the CPU goes further: its attention core (blocked_attention.py) keeps no
+probabilities at all and recomputes them.
 """
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def _strided_dots_matter(a, b) -> bool:
 # On XLA:CPU the two attention matmuls' autodiff backward passes include one contraction over
 # the query axis each, dk = ds^T q and dv = p^T do, with the (q, k) matrix as the transposed
 # operand: XLA:CPU runs that as a strided dot at a third of the matmul rate (66 vs 187 GFLOP/s
-# at b*heads 64, s 512, d 64). `_rows_contracted` transposes only the small (q, d) operand
+# at b*heads 64, s 512, d 64). `rows_contracted` transposes only the small (q, d) operand
 # instead: 32.5 -> 18.5 ms each, ~5% of bench/step_mfu.py's step.
 @jax.custom_vjp
 def _matmul(a, b):
@@ -148,59 +148,16 @@ def _matmul_fwd(a, b):
 
 def _matmul_bwd(residuals, g):
     a, b = residuals
-    return g @ jnp.swapaxes(b, -1, -2), _rows_contracted(a, g)
+    return g @ jnp.swapaxes(b, -1, -2), rows_contracted(a, g)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def _rows_contracted(x, y):
+def rows_contracted(x, y):
     """x^T y over the last two axes, (..., m, i) x (..., m, j) -> (..., i, j), transposing only the
     smaller operand: made row-major and kept from XLA's folding (precision.row_major)."""
     if x.shape[-1] <= y.shape[-1]:
         return jax.lax.optimization_barrier(row_major(jnp.swapaxes(x, -1, -2)) @ y)
     y_t_x = jax.lax.optimization_barrier(row_major(jnp.swapaxes(y, -1, -2)) @ x)
     return jnp.swapaxes(y_t_x, -1, -2)
-
-
-def recomputing_pays(q) -> bool:
-    """Whether `attention_recomputing_probs` is the faster core for a scanned stack: XLA:CPU,
-    float32 (see its docstring)."""
-    return _strided_dots_matter(q, q)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def attention_recomputing_probs(q, k, v, keep, scale: float):
-    """softmax(q k^T * scale where `keep`, 0 elsewhere) v, (..., q, d) each, saving q, k, v and
-    two float32 numbers per query (the scores' row max and the exponentials' row sum) instead
-    of the (q, k) probabilities, which the backward pass recomputes exactly: one more q k^T
-    and one exp. No attention dropout.
-
-    Made for a scanned stack on XLA:CPU, where each saved (q, k) matrix is zero-filled, copied
-    into a (layers, ...) buffer and copied out again for the backward pass, which costs more
-    than recomputing it (64 MiB a layer at bench/step_mfu.py's shapes); it also drops the
-    b·heads·s² probabilities from the memory a layer keeps."""
-    return _attention_fwd(q, k, v, keep, scale)[0]
-
-
-def _probs(q, k, keep, scale, row_max=None, row_sum=None):
-    s = jnp.where(keep, (q @ jnp.swapaxes(k, -1, -2)) * scale, jnp.finfo(jnp.float32).min)
-    row_max = s.max(-1, keepdims=True) if row_max is None else row_max
-    e = jnp.exp(s - row_max)
-    row_sum = e.sum(-1, keepdims=True) if row_sum is None else row_sum
-    return e / row_sum, row_max, row_sum
-
-
-def _attention_fwd(q, k, v, keep, scale):
-    p, row_max, row_sum = _probs(q, k, keep, scale)
-    return p @ v, (q, k, v, keep, row_max, row_sum)
-
-
-def _attention_bwd(scale, residuals, g):
-    q, k, v, keep, row_max, row_sum = residuals
-    p, _, _ = _probs(q, k, keep, scale, row_max, row_sum)
-    ds = _scores_grad(p, g @ jnp.swapaxes(v, -1, -2), keep) * scale
-    return ds @ k, _rows_contracted(ds, q), _rows_contracted(p, g), zero_cotangent(keep)
-
-
-attention_recomputing_probs.defvjp(_attention_fwd, _attention_bwd)
