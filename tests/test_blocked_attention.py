@@ -85,10 +85,14 @@ def test_blocked_attention_keeps_q_k_v_its_output_and_two_numbers_a_query(capsys
     assert saved == sorted(["f32[2,3,24,16]"] * 4 + ["bool[2,24]"] + ["f32[1,2,3,24,1]"] * 2), saved
 
 
-def test_blocked_attention_is_the_cpus_float32_core():
-    x = jnp.zeros((1, 1, 2, 2))
-    assert blocked_attention_pays(x) == (jax.default_backend() == "cpu")
-    assert not blocked_attention_pays(x.astype(jnp.bfloat16))
+def test_blocked_attention_is_the_cpus_float32_core_for_scores_larger_than_a_block(monkeypatch):
+    q = jnp.zeros((2, 4, 64, 8))                   # 2 x 4 x 64 x 64 float32 scores: 128 KiB
+    monkeypatch.setattr(blocked_module, "BLOCK_BYTES", 64 << 10)
+    assert blocked_attention_pays(q) == (jax.default_backend() == "cpu")
+    assert not blocked_attention_pays(q, ways=(2, 1))          # 64 KiB on each device
+    assert not blocked_attention_pays(q.astype(jnp.bfloat16))
+    monkeypatch.setattr(blocked_module, "BLOCK_BYTES", 128 << 10)
+    assert not blocked_attention_pays(q)
 
 
 def loss_grads_and_residuals(cfg, spec, capsys):
@@ -111,9 +115,10 @@ def test_models_get_the_same_numbers_and_keep_no_probabilities(kind, spec, scan,
     cfg = tiny_config(attention_dropout=0.0, scan_layers=scan, **({} if kind == "gpt" else {"kind": "bert"}))
     s = cfg.model.seq_len
     monkeypatch.setattr(blocked_module, "QUERY_TILE", s // 2 - 1)    # GPT: 3 tiles of queries, the last short
+    monkeypatch.setattr(blocked_module, "BLOCK_BYTES", 1)            # blocked, 2 pairs a block
     probs = re.compile(rf"f32\[(\d+,)+{s},{s}\]")
     (got_loss, got), saved = loss_grads_and_residuals(cfg, spec, capsys)
-    monkeypatch.setattr(layers_module, "blocked_attention_pays", lambda q: False)
+    monkeypatch.setattr(layers_module, "blocked_attention_pays", lambda q, ways: False)
     (want_loss, want), reference_saved = loss_grads_and_residuals(cfg, spec, capsys)
     assert any(map(probs.fullmatch, reference_saved)) and not any(map(probs.fullmatch, saved)), saved
     assert_close(got_loss, want_loss, what="loss")
@@ -124,8 +129,9 @@ def test_blocked_attention_adds_no_collective(monkeypatch):
     """On 2x4 the blocks span every device's own pairs: the same collectives as the core that
     keeps the probabilities."""
     cfg = tiny_config(attention_dropout=0.0)
+    monkeypatch.setattr(blocked_module, "BLOCK_BYTES", 1)
     collectives = lambda: Counter((c.kind, c.axis, c.origin, c.direction, c.shape, c.count)   # noqa: E731
                                   for c in audit(cfg, mesh_for("2x4")).collectives)
     got = collectives()
-    monkeypatch.setattr(layers_module, "blocked_attention_pays", lambda q: False)
+    monkeypatch.setattr(layers_module, "blocked_attention_pays", lambda q, ways: False)
     assert got == collectives()

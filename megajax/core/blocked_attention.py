@@ -31,10 +31,14 @@ from megajax.core.ops import rows_contracted, zero_cotangent
 BLOCK_BYTES = 8 << 20
 
 
-def blocked_attention_pays(q) -> bool:
-    """float32 activations on XLA:CPU, where the (b, heads, s, s) arrays' memory traffic is what
-    the attention core's time goes to; GPUs take jax.nn.dot_product_attention (model.attention)."""
-    return q.dtype == jnp.float32 and jax.default_backend() == "cpu"
+def blocked_attention_pays(q, ways: tuple[int, int] = (1, 1)) -> bool:
+    """float32 activations on XLA:CPU whose (b, heads, s, s) scores on a device exceed a block:
+    there the memory traffic of those arrays is what the attention core's time goes to. Smaller
+    ones stay in the caches anyway, and the plain core, which keeps its probabilities, saves
+    the recomputation. GPUs take jax.nn.dot_product_attention (model.attention)."""
+    b, h, s, _ = q.shape
+    scores = 4 * b * h * s * s // (ways[0] * ways[1])
+    return q.dtype == jnp.float32 and jax.default_backend() == "cpu" and scores > BLOCK_BYTES
 
 
 def blocked_attention(q, k, v, key_mask, *, causal: bool, scale: float, ways: tuple[int, int] = (1, 1)):

@@ -239,7 +239,7 @@ class ParallelSelfAttention(nnx.Module):
             cache, q_pos = (k, v), pos + q_pos
         if cache is None and self.fused:
             core = self.fused_core
-        elif cache is None and self.blocked and blocked_attention_pays(q):
+        elif cache is None and self.blocked and blocked_attention_pays(q, self.ways()):
             core = self.blocked_core    # keeps no probabilities: nothing for selective remat to drop
         else:
             core = jax.checkpoint(self.core) if self.selective_remat else self.core
@@ -262,9 +262,13 @@ class ParallelSelfAttention(nnx.Module):
         """The same without attention dropout on the CPU: a few (batch, head) pairs at a time,
         keeping no probabilities (blocked_attention.py); the heads stay split over "model"."""
         del q_pos, key    # positions 0..s-1: no cache
-        ways = (1 if self.layout.data_manual else self.layout.dp, self.layout.tp)
         return blocked_attention(q, k, v.astype(q.dtype), mask, causal=self.causal,
-                                 scale=1 / math.sqrt(self.head_dim), ways=ways)
+                                 scale=1 / math.sqrt(self.head_dim), ways=self.ways())
+
+    def ways(self) -> tuple[int, int]:
+        """How many devices split the batch and the heads (the batch is already this device's
+        rows inside the data-manual shard_map)."""
+        return 1 if self.layout.data_manual else self.layout.dp, self.layout.tp
 
     def fused_core(self, q, k, v, q_pos, mask, key):
         """The same through `jax.nn.dot_product_attention` (no attention dropout): cuDNN's flash
