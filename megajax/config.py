@@ -63,8 +63,8 @@ class ModelConfig:
     scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
     sequence_parallel: bool = False   # between blocks, activations split over "model" along the sequence
                                       # (Korthikanti et al. 2022); model.seq_len must divide by the model axis
-    attention: str = "auto"           # the attention core: megajax (float32 scores, 16-bit probabilities kept,
-                                      # attention dropout) | fused (jax.nn.dot_product_attention: cuDNN's flash
+    attention: str = "auto"           # the attention core: megajax (its own, with attention dropout; on the CPU
+                                      # without it: core/blocked_attention.py) | fused (jax.nn.dot_product_attention: cuDNN's flash
                                       # attention on NVIDIA GPUs, XLA elsewhere; needs attention_dropout = 0) |
                                       # auto (fused on GPUs when attention_dropout = 0, else megajax)
 

@@ -3,6 +3,7 @@
 for every way of cutting the pairs into blocks, with causal and padding masks and a query
 that may attend to nothing; it keeps what it claims; and in the models it gives the numbers
 and the collectives of the core that keeps the probabilities."""
+import dataclasses
 import re
 from collections import Counter
 
@@ -135,3 +136,31 @@ def test_blocked_attention_adds_no_collective(monkeypatch):
     got = collectives()
     monkeypatch.setattr(layers_module, "blocked_attention_pays", lambda q, ways: False)
     assert got == collectives()
+
+
+@pytest.mark.parametrize("train,model", [({"shard_params": True}, {}), ({}, {"sequence_parallel": True})],
+                         ids=["fsdp", "sequence_parallel"])
+def test_blocked_attention_with_fsdp_and_sequence_parallelism(train, model, monkeypatch):
+    """GPT on 2x4 with FSDP (inside its data-manual shard_map the batch is each device's own
+    rows) and with sequence parallelism: the plain core's loss and gradients."""
+    cfg = tiny_config(attention_dropout=0.0, **model)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train)).validate()
+    monkeypatch.setattr(blocked_module, "BLOCK_BYTES", 1)
+
+    def loss_and_grads():
+        trainer = make_trainer(cfg, mesh_for("2x4"))
+        params, _ = trainer.init_state(seed=0)
+        batch = jax.device_put(trainer.task.synthetic_batch(cfg, cfg.train.batch_size, np.random.default_rng(0)),
+                               trainer.batch_sharding)
+        metrics, grads = jax.jit(trainer.gradients)(params, batch, jax.random.key(1))
+        return jax.device_get((metrics["loss"], grads))
+
+    calls = []
+    monkeypatch.setattr(layers_module, "blocked_attention", lambda *a, **k: calls.append(k["ways"])
+                        or blocked_module.blocked_attention(*a, **k))
+    got_loss, got = loss_and_grads()
+    assert set(calls) == {(1, 4) if train else (2, 4)}
+    monkeypatch.setattr(layers_module, "blocked_attention_pays", lambda q, ways: False)
+    want_loss, want = loss_and_grads()
+    assert_close(got_loss, want_loss, what="loss")
+    assert_tree_close(want, got, what="gradient")
