@@ -8,9 +8,10 @@ Prints step time, tokens/s, model TFLOP/s per device and MFU = model FLOP/s / pe
 peak is the best rate of a large matmul of the same precision measured in the same run (float32;
 for `mixed`, bfloat16 operands with float32 accumulation, as its matmuls run), plus where the
 time goes (forward, forward+backward, optimizer) for the scanned and the unrolled layer stack,
-the scanned / unrolled step ratio measured with the two run in turn (`--rounds` each: on a
-shared VM speed drifts more between minutes than the gap being measured), and how long the
-train step takes to compile at two depths. With --profile DIR it also traces
+the scanned / unrolled step ratio from those steps, each timed alone, and again with the two
+run in turn (`--rounds` each). In turn both see the same minutes of a shared VM, but XLA:CPU's
+unrolled step runs slower when another program runs between its steps (README: up to 1.2x),
+so that ratio flatters the scan. Last, how long the train step takes to compile at two depths. With --profile DIR it also traces
 one forward+backward call of each stack (jax.profiler, Perfetto JSON under DIR; on the CPU with
 XLA's per-op trace events turned on) and prints the time by kind of compiled op, the kernels'
 numeric suffixes dropped: where the scanned stack spends what the unrolled one does not.
@@ -164,7 +165,7 @@ def main():
     print(f"device: {jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {dict(mesh.shape)}; measured matmul "
           f"peak per device: " + ", ".join(f"{d} {p * 1000:.0f} GFLOP/s" for d, p in peaks.items())
           + f"; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(none)')}")
-    steps = {}
+    steps, alone = {}, {}
     for dtype, scan in ((d, s) for d in dtypes for s in (True, False)):
         peak = peaks[dtype]
         cfg = model_config(a, a.layers, scan, dtype)
@@ -181,7 +182,7 @@ def main():
         t_opt = timed(upd, g, opt, params, reps=a.reps)
         steps[dtype, scan] = lambda step=step, params=params, opt=opt, tokens=tokens: step(params, opt, tokens,
                                                                                           jnp.int32(1))
-        t_step = timed(steps[dtype, scan], reps=a.reps)
+        t_step = alone[dtype, scan] = timed(steps[dtype, scan], reps=a.reps)
         tokens_per_step = a.batch * a.seq
         flops = flops_per_token(cfg) * tokens_per_step / mesh.devices.size
         print(f"\n{dtype}, {'scanned' if scan else 'unrolled'} stack: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
@@ -194,8 +195,10 @@ def main():
         if a.profile:
             where = os.path.join(a.profile, f"{dtype}_{'scanned' if scan else 'unrolled'}")
             print(f"  forward+backward by op kind: {profile(grad, (params, tokens), where)}")
-    for dtype in dtypes if a.rounds else ():
-        print(f"\n{dtype}, scanned / unrolled train step: {alternating_ratio(steps[dtype, True], steps[dtype, False], a.rounds)}")
+    for dtype in dtypes:
+        print(f"\n{dtype}, scanned / unrolled train step, each timed alone: {alone[dtype, True] / alone[dtype, False]:.3f}")
+        if a.rounds:
+            print(f"  run in turn: {alternating_ratio(steps[dtype, True], steps[dtype, False], a.rounds)}")
     depths = [int(x) for x in a.compile_layers.split(",") if x]
     for scan in (True, False) if depths else ():
         times = [compile_seconds(a, mesh, n, scan, dtypes[0]) for n in depths]
