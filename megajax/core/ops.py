@@ -12,8 +12,8 @@ saves its boolean mask alone.
 
 The attention matmuls, q k^T and p v, also have their own backward pass on the CPU, for speed
 alone: the same products as autodiff's, in the forms XLA:CPU's matmul library takes. Without
-attention dropout the CPU goes further: its attention core (blocked_attention.py) keeps no
-probabilities at all and recomputes them.
+attention dropout, and with more than 8 MiB of scores on a device, the CPU goes further: its
+attention core (blocked_attention.py) keeps no probabilities at all and recomputes them.
 """
 from __future__ import annotations
 
