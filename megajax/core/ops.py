@@ -12,7 +12,7 @@ saves its boolean mask alone.
 
 The attention matmuls, q k^T and p v, also have their own backward pass on the CPU, for speed
 alone: the same products as autodiff's, in the forms XLA:CPU's matmul library takes. Without
-attention dropout, and with more than 8 MiB of scores on a device, the CPU goes further: its
+attention dropout, and with more than a block of scores on a device, the CPU goes further: its
 attention core (blocked_attention.py) keeps no probabilities at all and recomputes them.
 """
 from __future__ import annotations
@@ -75,15 +75,11 @@ def _softmax_fwd(scores, keep, dtype):
 
 def _softmax_bwd(dtype, residuals, g):
     probs, keep = residuals
-    ds = _scores_grad(probs.astype(jnp.float32), g.astype(jnp.float32), keep)
+    p, g32 = probs.astype(jnp.float32), g.astype(jnp.float32)
+    # Masked scores get no gradient; only a row with nothing to attend to (uniform, all masked: a
+    # sequence of padding alone) has a nonzero p there, hence the select.
+    ds = jnp.where(keep, p * (g32 - (g32 * p).sum(-1, keepdims=True)), 0.0)
     return ds, zero_cotangent(keep)   # keep: positions and the padding mask, no gradient
-
-
-def _scores_grad(p, g, keep):
-    """The scores' gradient from softmax's output p and its gradient g. Masked scores get none;
-    only a row with nothing to attend to (uniform, all masked: a sequence of padding alone) has
-    a nonzero p there."""
-    return jnp.where(keep, p * (g - (g * p).sum(-1, keepdims=True)), 0.0)
 
 
 masked_softmax.defvjp(_softmax_fwd, _softmax_bwd)
