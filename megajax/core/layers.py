@@ -18,6 +18,7 @@ from megajax.config import ModelConfig
 from megajax.core import sharding as S
 from megajax.core.loss import vocab_parallel_lookup
 from megajax.core.blocked_attention import blocked_attention, blocked_attention_pays
+from megajax.core.fused_attention import fused_attention_core
 from megajax.core.ops import apply_dropout, attention_context, attention_scores, layer_norm, masked_softmax
 from megajax.core.precision import Precision, matmul
 
@@ -272,12 +273,10 @@ class ParallelSelfAttention(nnx.Module):
 
     def fused_core(self, q, k, v, q_pos, mask, key):
         """The same through `jax.nn.dot_product_attention` (no attention dropout): cuDNN's flash
-        attention on NVIDIA GPUs, XLA's attention elsewhere; the heads stay split over "model"."""
-        del key
-        heads_second = lambda t: jnp.moveaxis(t, 1, 2)   # noqa: E731  (b, s, heads, d), as it takes them
-        ctx = jax.nn.dot_product_attention(heads_second(q), heads_second(k), heads_second(v.astype(q.dtype)),
-                                           mask=self.keep(q_pos, k.shape[2], mask), scale=1 / math.sqrt(self.head_dim))
-        return heads_second(ctx)
+        attention on NVIDIA GPUs, XLA's attention elsewhere (fused_attention.py)."""
+        del q_pos, key    # positions 0..s-1: no cache
+        return fused_attention_core(q, k, v.astype(q.dtype), mask, causal=self.causal,
+                                    scale=1 / math.sqrt(self.head_dim), platform=platform(self.layout))
 
     def keep(self, q_pos, num_keys: int, mask):
         """Which (query, key) pairs attend: causal and padding masks, broadcast, never (b, heads, q, k)."""
@@ -289,12 +288,17 @@ class ParallelSelfAttention(nnx.Module):
         return keep
 
 
+def platform(layout: S.Layout) -> str:
+    """The platform of the layout's devices ("cpu", "gpu", "tpu")."""
+    devices = layout.mesh.devices.flat if layout.mesh is not None else jax.devices()
+    return next(iter(devices)).platform
+
+
 def fused_attention(cfg: ModelConfig, layout: S.Layout) -> bool:
     """model.attention: fused when asked, or (auto) on GPUs without attention dropout; on the CPU
     XLA's form keeps the float32 scores for its backward pass, which megajax's own core does not."""
     if cfg.attention == "auto":
-        devices = layout.mesh.devices.flat if layout.mesh is not None else jax.devices()
-        return cfg.attention_dropout == 0 and next(iter(devices)).platform == "gpu"
+        return cfg.attention_dropout == 0 and platform(layout) == "gpu"
     return cfg.attention == "fused"
 
 

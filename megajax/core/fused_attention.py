@@ -1,0 +1,55 @@
+"""The attention core through `jax.nn.dot_product_attention` (model.attention = "fused").
+
+On NVIDIA GPUs it asks for cuDNN's flash attention by name: `implementation=None` falls back to
+XLA's attention (jax 0.10-0.12), which writes the (b, heads, q, k) scores to memory like
+megajax's own core. cuDNN takes bf16/fp16 only, head dims that are multiples of 8 (up to 128,
+256 on Hopper) and a mask as a (b, 1, q, k) bias; causal masking it takes as a flag, and it then
+skips the masked half of the work. Where cuDNN refuses the shapes (jax checks them while
+tracing), XLA's attention runs instead, with a warning that says why.
+
+The heads stay split over "model" as the inputs are: cuDNN's kernel is partitioned along batch
+and heads, so no collective is added (tests/test_attention.py audits it).
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def implementation(dtype, platform: str) -> str:
+    """"cudnn" where the flash kernel can take the inputs, "xla" elsewhere."""
+    return "cudnn" if platform == "gpu" and jnp.dtype(dtype) in CUDNN_DTYPES else "xla"
+
+
+def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platform: str):
+    """softmax(q k^T scale + masks) v for q, k, v (b, heads, s, d), queries and keys at positions
+    0..s-1; key_mask (b, k) True where a key may be attended to, or None. Returns (b, heads, q, d)."""
+    heads_second = lambda t: jnp.moveaxis(t, 1, 2)   # noqa: E731  (b, s, heads, d), as jax takes them
+    q, k, v = heads_second(q), heads_second(k), heads_second(v)
+    if implementation(q.dtype, platform) == "cudnn":
+        try:
+            return heads_second(_cudnn(q, k, v, key_mask, causal=causal, scale=scale))
+        except (NotImplementedError, ValueError, RuntimeError) as e:   # shapes, dtypes or cuDNN version
+            warnings.warn(f"cuDNN flash attention refused these shapes ({e}); XLA's attention runs instead",
+                          stacklevel=2)
+    keep = jnp.ones((1, 1, 1, 1), bool)
+    if causal:
+        keep = keep & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+    if key_mask is not None:
+        keep = keep & key_mask[:, None, None, :]
+    return heads_second(jax.nn.dot_product_attention(q, k, v, mask=keep, scale=scale, implementation="xla"))
+
+
+def _cudnn(q, k, v, key_mask, *, causal: bool, scale: float):
+    """cuDNN's kernel on (b, s, heads, d): causality as its flag, padding as a (b, 1, q, k) mask
+    (its bias must span the queries; a broadcast boolean costs q k bytes a sequence, not per head)."""
+    mask = None
+    if key_mask is not None:
+        b, s_q, s_k = q.shape[0], q.shape[1], k.shape[1]
+        mask = jnp.broadcast_to(key_mask[:, None, None, :], (b, 1, s_q, s_k))
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
+                                        implementation="cudnn")
