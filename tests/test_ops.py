@@ -95,3 +95,22 @@ def test_attention_matmuls_match_autodiff_and_avoid_the_strided_dot():
                         for line in jax.jit(lambda *a, f=f: grads(f, *a)).lower(*args).compile().as_text().splitlines())
                     for f in (plain, ours)]
         assert row_dots == [1, 0] or jax.default_backend() != "cpu", row_dots
+
+
+def test_bfloat16_scores_take_their_gradient_in_bfloat16():
+    """16-bit q k^T: float32 scores (exact here: bf16 products summed in float32 over d = 16),
+    and a backward pass on the scores' gradient rounded to bf16, as Megatron's half-precision
+    scores have it: dq = bf16(g) k and dk = bf16(g)^T q, each rounded once to bf16 (1 u)."""
+    import ml_dtypes
+    from tolerances import BF16_U, F32, assert_close
+
+    q, k = (jnp.asarray(RNG.normal(size=(2, 3, 24, 16)), jnp.bfloat16) for _ in range(2))
+    g = jnp.asarray(RNG.normal(size=(2, 3, 24, 24)), jnp.float32)
+    scores, vjp = jax.vjp(attention_scores, q, k)
+    dq, dk = vjp(g)
+    assert (scores.dtype, dq.dtype, dk.dtype) == (jnp.float32, jnp.bfloat16, jnp.bfloat16)
+    q64, k64 = (np.asarray(t, np.float64) for t in (q, k))
+    g16 = np.asarray(g).astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert_close(scores, np.einsum("bhqd,bhkd->bhqk", q64, k64), tol=F32)
+    assert_close(dq, np.einsum("bhqk,bhkd->bhqd", g16, k64), tol=BF16_U)
+    assert_close(dk, np.einsum("bhqk,bhqd->bhkd", g16, q64), tol=BF16_U)

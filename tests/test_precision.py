@@ -11,7 +11,7 @@ from conftest import mesh_for, tiny_config
 from tolerances import BF16_ELEMENT, BF16_NORM, BF16_U, F32_U, assert_close, assert_tree_close
 
 from megajax.tools.audit import audit
-from megajax.core.precision import matmul
+from megajax.core.precision import logits_product, matmul
 from megajax.training.step import make_trainer
 
 
@@ -142,3 +142,38 @@ def test_scanned_stack_writes_its_saved_bfloat16_activations_in_place():
     hlo = lowered.compile().as_text()
     assert "dynamic-update-slice" in hlo and _widened_slice_writes(hlo) == []
     assert re.search(r"u16\[3,\d+,\d+\]\S* \S*dynamic-update-slice", hlo)    # the saves, as bits
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+def test_logits_product_and_its_gradients_match_a_float64_reference(x_dtype):
+    """The tied output layer's x E^T: bf16 operands, float32 logits; its backward pass rounds
+    the logits' gradient to bf16 (Megatron's half-precision logits) and accumulates in float32."""
+    kx, kt, kg = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (2, 20, 48)).astype(x_dtype)
+    table = jax.random.normal(kt, (64, 48)) * 0.1
+    g = jax.random.normal(kg, (2, 20, 64))
+    y, vjp = jax.vjp(lambda x, t: logits_product(x, t, jnp.bfloat16), x, table)
+    dx, dtable = vjp(g)
+    assert (y.dtype, dx.dtype, dtable.dtype) == (jnp.float32, x_dtype, jnp.float32)
+
+    x2, g2, t = np.asarray(x, np.float32).reshape(-1, 48), np.asarray(g).reshape(-1, 64), np.asarray(table)
+    cases = [(y, _bf16(x2) @ _bf16(t).T, (x2, t.T)), (dtable, _bf16(g2).T @ _bf16(x2), (g2.T, x2))]
+    if x_dtype == jnp.float32:    # a bf16 dx is rounded once more, to its own dtype
+        cases.append((dx, _bf16(g2) @ _bf16(t), (g2, t)))
+    else:
+        assert_close(np.asarray(dx, np.float32).reshape(-1, 48), _bf16(g2) @ _bf16(t), tol=BF16_U)
+    for got, want, (a, b) in cases:
+        bound = a.shape[-1] * F32_U * (np.abs(_bf16(a)) @ np.abs(_bf16(b)))
+        assert (np.abs(np.asarray(got).reshape(want.shape) - want) <= bound).all()
+
+
+def test_a_bfloat16_model_runs_every_matmul_in_bfloat16_forward_and_backward():
+    """The layers', the attention core's (q k^T and p v, with their backward passes) and the
+    output layer's (x E^T, dx = g E, dE = g^T x): all bf16 x bf16. Autodiff took the float32
+    gradients of the scores and of the logits into float32 matmuls (tf32 on a GPU)."""
+    cfg = tiny_config(num_layers=1, compute_dtype="bfloat16", vocab_size=384)   # 384: no other dim
+    text = make_trainer(cfg, mesh_for("1x1")).lower_step().as_text()
+    dots = re.findall(r"dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+    assert len(dots) == 4 * 3 + 2 * 3 + 3    # linear layers, attention core, output layer
+    assert all(a.endswith("bf16>") and b.endswith("bf16>") for a, b in dots), dots
+    assert len([d for d in dots if any(re.search(r"[<x]384x", t) for t in d)]) == 3

@@ -20,7 +20,7 @@ from megajax.core.loss import vocab_parallel_lookup
 from megajax.core.blocked_attention import blocked_attention, blocked_attention_pays
 from megajax.core.fused_attention import fused_attention_core
 from megajax.core.ops import apply_dropout, attention_context, attention_scores, layer_norm, masked_softmax
-from megajax.core.precision import Precision, matmul
+from megajax.core.precision import Precision, logits_product, matmul
 
 
 def param(init, spec, key, shape):
@@ -168,14 +168,12 @@ class VocabParallelEmbedding(nnx.Module):
         if sequence_sharded:
             return self.gathered_attend(x)
         with jax.named_scope("logits"):
-            logits = jnp.einsum("bsh,vh->bsv", x.astype(self.dtype), self.table[...].astype(self.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = logits_product(x, self.table[...], self.dtype)
             return self.layout.constrain(logits, S.P(S.DATA, None, S.MODEL))
 
     def gathered_attend(self, x):
         def local(x, table):
-            return jnp.einsum("bsh,vh->bsv", _gather_sequence(x).astype(self.dtype), table.astype(self.dtype),
-                              preferred_element_type=jnp.float32)
+            return logits_product(_gather_sequence(x), table, self.dtype)
         with jax.named_scope("logits"):
             return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.VOCAB)), S.P(S.DATA, None, S.MODEL))(
                 x, self.table[...])

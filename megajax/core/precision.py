@@ -161,3 +161,35 @@ def _row_major_t(a, dtype):
     optimization barrier prevents (XLA:CPU removes barriers only after that folding).
     """
     return row_major(a.T.astype(dtype))
+
+
+def logits_product(x, table, dtype):
+    """x E^T, (b, s, h) x (v, h) -> float32 (b, s, v) logits, with `dtype` operands.
+
+    The backward pass takes the logits' gradient in `dtype` as well, as Megatron-LM does (its
+    logits, and so their gradient, are half precision): left to autodiff, the float32 cotangent
+    makes both backward matmuls float32 (tf32 on a GPU), which at GPT-2 1.2B's shapes took
+    17.8 ms of a 352 ms H200 step against ~6.5 ms in bfloat16. In float32 it is autodiff's."""
+    x, table = _vary_alike(x, table)
+    return _logits_product(x, table, jnp.dtype(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _logits_product(x, table, dtype):
+    return jnp.einsum("bsh,vh->bsv", x.astype(dtype), table.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _logits_fwd(x, table, dtype):
+    x16 = x.astype(dtype)
+    return _logits_product(x16, table, dtype), (x16, table, jnp.zeros((0,), x.dtype))
+
+
+def _logits_bwd(dtype, residuals, g):
+    x16, table, x_like = residuals
+    g16 = g.astype(dtype)
+    dx = jnp.einsum("bsv,vh->bsh", g16, table.astype(dtype), preferred_element_type=jnp.float32)
+    dtable = jnp.einsum("bsv,bsh->vh", g16, x16, preferred_element_type=jnp.float32)
+    return dx.astype(x_like.dtype), dtable.astype(table.dtype)
+
+
+_logits_product.defvjp(_logits_fwd, _logits_bwd)
