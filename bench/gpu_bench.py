@@ -3,12 +3,16 @@
 
     python bench/gpu_bench.py [--configs gpt2_355m,gpt2_1.2b,...] [--mesh model=8] [--batch 8] [--out bench_gpu.md]
     python bench/gpu_bench.py --configs bert_336m,bert_1.3b,bert_3.9b --batch 16
+    python bench/gpu_bench.py --configs gpt2_1.2b --batch 16 --set model.remat=none --json runs.jsonl --profile prof
 
 For each config that fits: step time, tokens/s, model TFLOP/s per device and MFU against the
 GPU's dense bf16 peak (megajax.training.metrics.KNOWN_PEAK_TFLOPS, or --peak-tflops). Configs that do
-not fit in memory are reported as such. Writes a Markdown table.
+not fit in memory are reported as such. Writes a Markdown table; `--set` overrides every config,
+`--json` appends each result as a line, `--profile` traces two steps (kernel times on the GPU's
+streams, with the compiled program whose op names they carry).
 """
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -25,10 +29,11 @@ def synthetic_batch(trainer, step: int):
     return jax.device_put(arrays, trainer.batch_sharding)
 
 
-def measure(cfg, mesh, steps: int, peak_tflops: float | None, compiled=None) -> dict:
+def measure(cfg, mesh, steps: int, peak_tflops: float | None, compiled=None, profile_to=None) -> dict:
     """One config's train step on `mesh`: compile (or take `compiled`, the trainer's
     `lower_step().compile()`), one warm-up step, then `steps` timed steps. Peak memory per
-    device: the runtime's count where it keeps one (GPUs), else XLA's plan."""
+    device: the runtime's count where it keeps one (GPUs: the process's peak so far, so
+    an earlier, larger step counts too), else XLA's plan (`planned_bytes`, this step's own)."""
     import jax
     import numpy as np
 
@@ -48,18 +53,43 @@ def measure(cfg, mesh, steps: int, peak_tflops: float | None, compiled=None) -> 
         params, opt, m = step(params, opt, batches[i + 1], np.int32(i + 1))
     jax.block_until_ready(m)
     dt = (time.perf_counter() - t) / steps
+    if profile_to:
+        profile(step, params, opt, batches[0], Path(profile_to))
     stats = mesh.devices.flat[0].memory_stats() or {}
     tokens = cfg.train.batch_size * tr.task.tokens_per_example(cfg)
     tflops = flops_per_token(cfg) * tokens / dt / 1e12 / mesh.size
     return {"step_ms": dt * 1000, "tokens_per_s": tokens / dt, "tflops_per_device": tflops,
             "mfu": tflops / peak_tflops if peak_tflops else None, "loss": float(m["loss"]),
-            "peak_bytes": int(stats.get("peak_bytes_in_use") or planned or 0),
+            "planned_bytes": planned, "peak_bytes": int(stats.get("peak_bytes_in_use") or planned or 0),
             "peak_source": "runtime" if stats.get("peak_bytes_in_use") else "compiled plan"}
+
+
+def profile(step, params, opt, batch, path: Path):
+    """A trace of two more steps (XLA's kernels on the GPU's streams, Perfetto's JSON) to
+    PATH.trace.json.gz, and the compiled program, whose op names the kernels carry, to PATH.hlo.txt."""
+    import glob
+    import shutil
+    import tempfile
+
+    import jax
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for i in range(2):
+                params, opt, m = step(params, opt, batch, np.int32(100 + i))
+            jax.block_until_ready(m)
+        shutil.copy(max(glob.glob(d + "/**/*.trace.json.gz", recursive=True)), f"{path}.trace.json.gz")
+    Path(f"{path}.hlo.txt").write_text(step.as_text())
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="gpt2_355m,gpt2_1.2b,gpt2_2.5b,gpt2_4.2b,gpt2_8.3b")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, for every config")
+    p.add_argument("--label", default="", help="names this run in --json's lines")
+    p.add_argument("--json", help="append one JSON line per config to this file")
+    p.add_argument("--profile", help="trace two steps of each config to PROFILE-<config>.trace.json.gz (+ .hlo.txt)")
     p.add_argument("--mesh", default=None, help="default: all GPUs on the model axis")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences of the config's length)")
     p.add_argument("--steps", type=int, default=5)
@@ -80,14 +110,17 @@ def main():
     rows = ["| config | params | mesh | batch x seq | step (ms) | tokens/s | TFLOP/s/device | MFU |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in a.configs.split(","):
-        cfg = load_config(name, [f"train.batch_size={a.batch}", "train.microbatches=1"])
+        cfg = load_config(name, [f"train.batch_size={a.batch}", "train.microbatches=1", *a.set])
         try:
-            r = measure(cfg, mesh, a.steps, peak)
+            r = measure(cfg, mesh, a.steps, peak, profile_to=a.profile and f"{a.profile}-{name}")
         except Exception as e:  # out of memory and the like: report and go on
             msg = str(e).splitlines()[0][:80]
             rows.append(f"| {name} | {param_count(cfg) / 1e9:.2f}B | {dict(mesh.shape)} | - | - | - | - | {msg} |")
             print(rows[-1], flush=True)
             continue
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps({"label": a.label, "config": name, "set": a.set, **r}) + "\n")
         mfu = f"{r['mfu']:.2f}" if r["mfu"] is not None else "n/a"
         rows.append(f"| {name} | {param_count(cfg) / 1e9:.2f}B | {dict(mesh.shape)} | {a.batch}x{cfg.model.seq_len} "
                     f"| {r['step_ms']:.0f} | {r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.1f} | {mfu} |")

@@ -4,31 +4,48 @@
     python bench/gpu_check.py [--out DIR]      # a machine with NVIDIA GPUs and a CUDA-enabled jax
     python bench/gpu_check.py --smoke          # the same path on the CPU with tiny shapes, in seconds
 
-It installs nothing and reaches no network. It prints the device, then for the paper's GPT-2
-355M and 1.2B shapes (bfloat16, one GPU) picks the first (remat, batch) that the compiled step's
-memory plan fits in the GPU's memory, measures step time, tokens/s, model TFLOP/s, MFU against
-the GPU's dense bf16 peak and peak memory, and writes DIR/gpu_check.json and DIR/gpu_check.md
-(bench/gpu_bench.py's `measure` does the timing). Under 8 minutes on one H100/H200.
+It installs nothing and reaches no network. It prints the device, then checks the fused
+attention core against megajax's own on this device (loss and gradients of a small GPT, and
+whether the compiled program calls cuDNN's flash attention). Then, for each row below (the
+paper's GPT-2 355M and 1.2B shapes, bfloat16, one GPU: through cuDNN's flash attention without
+attention dropout, and beside it the paper's attention dropout with megajax's own core, the
+paper's full remat, and the unrolled stack), it picks the first (remat, batch)
+whose compiled step's memory plan fits the GPU, measures step time, tokens/s, model TFLOP/s,
+MFU against the GPU's dense bf16 peak and peak memory, and writes DIR/gpu_check.json (after
+every row, so a run cut short keeps what it measured) and DIR/gpu_check.md
+(bench/gpu_bench.py's `measure` does the timing). Rows past --budget seconds are skipped.
+On one H200 the first four rows took 107 s in all.
 """
 import argparse
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# (config, [(remat, global batch), ...] fastest first): the first whose step fits is measured.
-PLANS = [("gpt2_355m", [("none", 8), ("selective", 8), ("full", 8), ("full", 4)]),
-         ("gpt2_1.2b", [("selective", 8), ("full", 8), ("full", 4), ("full", 2)])]
+FUSED = ["model.attention_dropout=0", "model.attention=fused"]   # no attention dropout in cuDNN's kernel
+PAPER = ["model.attention=megajax"]     # megajax's own core, with the paper's attention dropout 0.1
+FAST = [("none", 16), ("none", 8), ("full", 16), ("full", 8), ("full", 4)]
+# (label, config, overrides, [(remat, global batch), ...] fastest first): the first that fits is measured.
+ROWS = [("gpt2_355m", "gpt2_355m", FUSED, FAST),
+        ("gpt2_1.2b", "gpt2_1.2b", FUSED, FAST),
+        ("gpt2_1.2b, megajax attention core, dropout 0.1 (the paper's)", "gpt2_1.2b", PAPER, FAST),
+        ("gpt2_1.2b, full remat (the paper's)", "gpt2_1.2b", FUSED, [("full", 16), ("full", 8)]),
+        ("gpt2_355m, unrolled stack", "gpt2_355m", [*FUSED, "model.scan_layers=false"], FAST)]
 # --smoke: the same configs shrunk until a CPU runs them in seconds.
 SMOKE = ["model.num_layers=2", "model.hidden=128", "model.num_heads=4", "model.seq_len=64",
          "model.vocab_size=512", "model.vocab_multiple=128"]
+# The attention check's model: head dim 64 and sequence 256, shapes cuDNN's kernel takes.
+CHECK = ["model.num_layers=2", "model.hidden=256", "model.num_heads=4", "model.seq_len=256",
+         "model.vocab_size=1024", "model.vocab_multiple=128", "model.hidden_dropout=0",
+         "model.attention_dropout=0", "model.remat=none", "train.batch_size=4", "train.microbatches=1"]
 FITS_FRACTION = 0.9   # of a device's memory: headroom for the runtime's own buffers
 
 
-def pick(name: str, options, mesh, smoke: bool):
+def pick(name: str, overrides, options, mesh, smoke: bool):
     """(config, its compiled step) of the first option whose step fits, or (None, why)."""
     from megajax.config import load_config
     from megajax.training.memory import device_memory_bytes, step_memory
@@ -38,7 +55,7 @@ def pick(name: str, options, mesh, smoke: bool):
     why = "no option"
     for remat, batch in options:
         cfg = load_config(name, [f"train.batch_size={batch}", "train.microbatches=1", f"model.remat={remat}",
-                                 *(SMOKE if smoke else [])])
+                                 *overrides, *(SMOKE if smoke else [])])
         compiled = make_trainer(cfg, mesh).lower_step().compile()
         peak = step_memory(compiled).get("step_peak_bytes")
         if peak is None or limit is None or peak <= FITS_FRACTION * limit:
@@ -47,17 +64,43 @@ def pick(name: str, options, mesh, smoke: bool):
     return None, why
 
 
+def check_attention(mesh) -> dict:
+    """Loss and gradients of a small bf16 GPT through the fused core against megajax's own core
+    on this device: the largest difference of each, relative to its scale, and whether the
+    fused program calls cuDNN's flash attention."""
+    import jax
+    import numpy as np
+
+    from megajax.config import load_config
+    from megajax.training.step import make_trainer
+
+    results = {}
+    for attention in ("megajax", "fused"):
+        cfg = load_config("gpt2_355m", [*CHECK, f"model.attention={attention}"])
+        tr = make_trainer(cfg, mesh)
+        params, _ = tr.init_state(seed=0)
+        batch = jax.device_put(tr.task.synthetic_batch(cfg, 4, np.random.default_rng(0)), tr.batch_sharding)
+        compiled = jax.jit(tr.gradients).lower(params, batch, jax.random.key(1)).compile()
+        metrics, grads = jax.device_get(compiled(params, batch, jax.random.key(1)))
+        results[attention] = (float(metrics["loss"]), jax.tree.leaves(grads), "cudnn$fmha" in compiled.as_text())
+    (loss0, g0, _), (loss1, g1, cudnn) = results["megajax"], results["fused"]
+    rel = max(float(np.abs(np.float64(a) - np.float64(b)).max() / max(np.abs(np.float64(a)).max(), 1e-30))
+              for a, b in zip(g0, g1))
+    return {"cudnn_flash_attention": cudnn, "loss_megajax": loss0, "loss_fused": loss1,
+            "loss_rel_diff": abs(loss1 - loss0) / abs(loss0), "grad_max_rel_diff": rel}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".", help="directory for gpu_check.json and gpu_check.md")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--budget", type=float, default=420, help="seconds after which the remaining rows are skipped")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on whatever devices jax has (the CPU)")
     a = p.parse_args()
+    start = time.perf_counter()
     import jax
 
-    from gpu_bench import measure
     from megajax.core.mesh import make_mesh
-    from megajax.tasks import param_count
     from megajax.training.metrics import device_peak_tflops
 
     devices = jax.devices()
@@ -68,42 +111,78 @@ def main() -> int:
               file=sys.stderr)
         return 2
     mesh = make_mesh("model=1", devices=devices[:1])
-    peak = device_peak_tflops(measure_cpu=False)
-    rows = []
-    for name, options in PLANS:
-        cfg, compiled = pick(name, options, mesh, a.smoke)
-        row = {"config": name, "params": param_count(cfg) if cfg else None}
-        if cfg is None:
-            rows.append({**row, "fits": False, "why": compiled})
-        else:
-            rows.append({**row, "fits": True, "remat": cfg.model.remat, "batch": cfg.train.batch_size,
-                         "seq_len": cfg.model.seq_len, "dtype": cfg.model.compute_dtype,
-                         **measure(cfg, mesh, 2 if a.smoke else a.steps, peak, compiled)})
-        print(json.dumps(rows[-1]), flush=True)
     result = {"device": devices[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
-              "bf16_peak_tflops": peak, "smoke": a.smoke, "rows": rows}
+              "bf16_peak_tflops": device_peak_tflops(measure_cpu=False), "smoke": a.smoke, "rows": []}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
+    try:
+        result["attention_check"] = check_attention(mesh)
+    except Exception as e:   # reported, and the speed rows still run
+        result["attention_check"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    print(json.dumps(result["attention_check"]), flush=True)
+    for label, name, overrides, options in ROWS:
+        if time.perf_counter() - start > a.budget:
+            row = {"config": label, "fits": None, "why": f"skipped: past the {a.budget:.0f} s budget"}
+        else:
+            row = measure_row(label, name, overrides, options, mesh, a, result["bf16_peak_tflops"])
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "gpu_check.md").write_text(markdown(result))
     print(markdown(result))
     return 0
 
 
+def measure_row(label, name, overrides, options, mesh, a, peak) -> dict:
+    """One row: the first option that fits, measured; an error is the row's result, not the run's end."""
+    from gpu_bench import measure
+    from megajax.core.layers import fused_attention
+    from megajax.core.sharding import Layout
+    from megajax.tasks import param_count
+
+    try:
+        cfg, compiled = pick(name, overrides, options, mesh, a.smoke)
+        if cfg is None:
+            return {"config": label, "fits": False, "why": compiled}
+        m = cfg.model
+        return {"config": label, "fits": True, "params": param_count(cfg), "remat": m.remat,
+                "batch": cfg.train.batch_size, "seq_len": m.seq_len, "dtype": m.compute_dtype,
+                "attention": "fused" if fused_attention(m, Layout(mesh)) else "megajax",
+                "attention_dropout": m.attention_dropout,
+                **measure(cfg, mesh, 2 if a.smoke else a.steps, peak, compiled)}
+    except Exception as e:   # out of memory and the like: reported in the row, the next row runs
+        return {"config": label, "fits": None, "why": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+
+
 def markdown(result: dict) -> str:
+    check = result["attention_check"]
+    if "error" in check:
+        checked = f"Fused attention core: the check failed ({check['error']})."
+    else:
+        checked = (f"Fused attention core: cuDNN flash attention {'called' if check['cudnn_flash_attention'] else 'not called'}; "
+                   f"against megajax's core, loss {check['loss_rel_diff']:.1e} and gradients "
+                   f"{check['grad_max_rel_diff']:.1e} apart (relative to their scale, bf16).")
     lines = [f"GPU check on {result['device']} (jax {result['jax']}, bf16 peak "
              f"{result['bf16_peak_tflops'] or 'unknown'} TFLOP/s){' [smoke]' if result['smoke'] else ''}", "",
-             "| config | remat | batch x seq | step (ms) | tokens/s | TFLOP/s | MFU | peak memory |",
+             checked, "",
+             "| config | remat | batch x seq | step (ms) | tokens/s | TFLOP/s | MFU | peak memory (plan) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         if not r["fits"]:
-            lines.append(f"| {r['config']} | does not fit: {r['why']} | | | | | | |")
+            lines.append(f"| {r['config']} | {'does not fit: ' if r['fits'] is False else ''}{r['why']} | | | | | | |")
             continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         lines.append(f"| {r['config']} | {r['remat']} | {r['batch']}x{r['seq_len']} | {r['step_ms']:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.1f} | {mfu} | "
-                     f"{r['peak_bytes'] / 2**30:.2f} GiB ({r['peak_source']}) |")
+                     f"{memory(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def memory(row: dict) -> str:
+    """XLA's plan for this row's step, and the runtime's peak where it keeps one (on GPUs the
+    process's peak so far: a larger earlier row shows through)."""
+    plan = f"{row['planned_bytes'] / 2**30:.2f} GiB" if row.get("planned_bytes") else "n/a"
+    return plan + (f" (runtime peak so far {row['peak_bytes'] / 2**30:.2f})" if row["peak_source"] == "runtime" else "")
 
 
 if __name__ == "__main__":
