@@ -9,7 +9,7 @@ attention core against megajax's own on this device (loss and gradients of a sma
 whether the compiled program calls cuDNN's flash attention). Then, for each row below (the
 paper's GPT-2 355M and 1.2B shapes, bfloat16, one GPU: through cuDNN's flash attention without
 attention dropout, and beside it the paper's attention dropout with megajax's own core, the
-paper's full remat, and the unrolled stack), it picks the first (remat, batch)
+paper's full remat, the unrolled stack and model.recompute_norm_gelu), it picks the first (remat, batch)
 whose compiled step's memory plan fits the GPU, measures step time, tokens/s, model TFLOP/s,
 MFU against the GPU's dense bf16 peak and peak memory, and writes DIR/gpu_check.json (after
 every row, so a run cut short keeps what it measured) and DIR/gpu_check.md
@@ -34,7 +34,9 @@ ROWS = [("gpt2_355m", "gpt2_355m", FUSED, FAST),
         ("gpt2_1.2b", "gpt2_1.2b", FUSED, FAST),
         ("gpt2_1.2b, megajax attention core, dropout 0.1 (the paper's)", "gpt2_1.2b", PAPER, FAST),
         ("gpt2_1.2b, full remat (the paper's)", "gpt2_1.2b", FUSED, [("full", 16), ("full", 8)]),
-        ("gpt2_355m, unrolled stack", "gpt2_355m", [*FUSED, "model.scan_layers=false"], FAST)]
+        ("gpt2_355m, unrolled stack", "gpt2_355m", [*FUSED, "model.scan_layers=false"], FAST),
+        ("gpt2_1.2b, LayerNorm and GeLU outputs recomputed", "gpt2_1.2b", [*FUSED, "model.recompute_norm_gelu=true"],
+         FAST)]
 # --smoke: the same configs shrunk until a CPU runs them in seconds.
 SMOKE = ["model.num_layers=2", "model.hidden=128", "model.num_heads=4", "model.seq_len=64",
          "model.vocab_size=512", "model.vocab_multiple=128"]

@@ -61,6 +61,8 @@ class ModelConfig:
     remat: str = "none"               # none | selective (recompute the attention core: scores, softmax, dropout,
                                       # probabilities x values) | full (recompute each layer); true/false: full/none
     scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
+    recompute_norm_gelu: bool = False # a scanned stack without full remat recomputes LayerNorm's and GeLU's outputs
+                                      # in the backward pass instead of keeping them: a third fewer bytes (not "mixed")
     sequence_parallel: bool = False   # between blocks, activations split over "model" along the sequence
                                       # (Korthikanti et al. 2022); model.seq_len must divide by the model axis
     attention: str = "auto"           # the attention core: megajax (its own, with attention dropout; on the CPU
@@ -98,7 +100,7 @@ class ModelConfig:
             raise ConfigError(f"model.compute_dtype must be auto, float32, bfloat16 or mixed, got '{self.compute_dtype}'")
         if self.gelu not in ("exact", "tanh"):
             raise ConfigError(f"model.gelu must be exact or tanh, got '{self.gelu}'")
-        for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size", "vocab_multiple"):
+        for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size", "vocab_multiple", "ln_eps", "init_std"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.hidden % self.num_heads:
@@ -106,9 +108,6 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
-        for name in ("ln_eps", "init_std"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.ffn_hidden < 0:
             raise ConfigError(f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}")
         if self.attention not in ("auto", "megajax", "fused"):
@@ -153,21 +152,15 @@ class TrainConfig:
 
     def validate(self):
         for name in ("batch_size", "microbatches", "steps", "log_every", "eval_every", "eval_batches",
-                     "save_every", "keep_checkpoints"):
+                     "save_every", "keep_checkpoints", "lr", "eps", "grad_clip"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "decay_steps", "seed"):
+        for name in ("warmup_steps", "decay_steps", "seed", "min_lr", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be 0 or more, got {getattr(self, name)}")
         if self.batch_size % self.microbatches:
             raise ConfigError(f"train.batch_size={self.batch_size} is not divisible by "
                               f"train.microbatches={self.microbatches}")
-        for name in ("lr", "eps", "grad_clip"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
-        for name in ("min_lr", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name} must be 0 or more, got {getattr(self, name)}")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")

@@ -120,6 +120,7 @@ def test_indivisible_sizes(change, tp, message):
     ("model.ln_eps=0", "model.ln_eps must be positive"),
     ("model.num_layers=2.5e0", "model.num_layers expects int, got '2.5e0'"),
     ("model.hidden_dropout=1.0", "model.hidden_dropout must be in [0, 1)"),
+    ("model.recompute_norm_gelu=sometimes", "model.recompute_norm_gelu expects true or false"),
 ])
 def test_every_value_is_range_checked(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -189,13 +189,20 @@ class ParallelMLP(nnx.Module):
                                         regather=cfg.remat != "full", std=cfg.init_std, rngs=rngs)
         self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden, layout=layout, precision=precision,
                                      std=out_std, rngs=rngs)
+        self.recompute_cheap = precision.recompute_cheap
 
-    def __call__(self, x):
+    def __call__(self, x, norm=None):
+        """fc2(GeLU(fc1(x))), or of norm(x): the LayerNorm before the block, which with
+        `recompute_cheap` the backward pass recomputes from x (kept anyway) instead of keeping."""
         # Exact (erf) GeLU by default, as Megatron-LM; "tanh" is GPT-2's approximation, cheaper on
         # CPUs. Recomputed in the backward pass from its input, which is saved anyway: that keeps
         # no (b, s, ffn) intermediates alive and is ~5% faster on XLA:CPU (bench/shakespeare_char.py).
         gelu = jax.checkpoint(lambda h: jax.nn.gelu(h, approximate=self.approximate_gelu))
-        return self.fc2(gelu(self.fc1(x)))
+        first = lambda x: self.fc1(x if norm is None else norm(x))   # noqa: E731
+        second = lambda h: self.fc2(gelu(h))                         # noqa: E731
+        if self.recompute_cheap:    # keeps x and fc1's output, not LayerNorm's and the GeLU's too
+            first, second = jax.checkpoint(first), jax.checkpoint(second)
+        return second(first(x))
 
 
 class ParallelSelfAttention(nnx.Module):
@@ -219,14 +226,18 @@ class ParallelSelfAttention(nnx.Module):
                                         std=cfg.init_std, rngs=rngs)
         self.out = RowParallelLinear(cfg.hidden, cfg.hidden, layout=layout, precision=precision,
                                      std=out_std, rngs=rngs)
+        self.recompute_cheap = precision.recompute_cheap
 
-    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
-        """Self-attention over x (b, s, h). With `cache` = (k, v), each (b, heads, max_len,
-        head_dim) and split over heads like the weights, x holds the tokens at positions
-        pos..pos+s-1: their keys and values are written into the cache and the queries attend
-        to every cached position up to their own. Returns the output (and the new cache)."""
+    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None, norm=None):
+        """Self-attention over x (b, s, h), or over norm(x) (as ParallelMLP). With `cache` = (k, v),
+        each (b, heads, max_len, head_dim) and split over heads like the weights, x holds the
+        tokens at positions pos..pos+s-1: their keys and values are written into the cache and
+        the queries attend to every cached position up to their own. Returns the output (and
+        the new cache)."""
         b, s, _ = x.shape
-        qkv = self.qkv(x).reshape(b, s, self.num_heads, 3, self.head_dim)
+        project = lambda x: self.qkv(x if norm is None else norm(x))   # noqa: E731
+        project = jax.checkpoint(project) if self.recompute_cheap else project
+        qkv = project(x).reshape(b, s, self.num_heads, 3, self.head_dim)
         qkv = self.layout.constrain(qkv, S.P(S.DATA, None, S.MODEL, None, None))
         # (b, heads, s, head_dim): batch dimensions leading, the layout XLA's dots prefer.
         q, k, v = (jnp.moveaxis(qkv[:, :, :, i], 2, 1) for i in range(3))
@@ -316,21 +327,21 @@ class TransformerLayer(nnx.Module):
         k_attn, k1, k2 = jax.random.split(key, 3) if key is not None else (None, None, None)
         drop = lambda y, k: dropout(y, self.hidden_dropout, k, self.layout, self.layout.between_blocks)  # noqa: E731
 
-        def attend(h):
+        def attend(h, norm=None):
             if cache is None:
-                return self.attention(h, key=k_attn, mask=mask), None
-            return self.attention(h, key=k_attn, mask=mask, cache=cache, pos=pos)
+                return self.attention(h, key=k_attn, mask=mask, norm=norm), None
+            return self.attention(h, key=k_attn, mask=mask, cache=cache, pos=pos, norm=norm)
 
         with jax.named_scope("attention"):
             if self.placement == "pre":
-                a, new_cache = attend(self.ln1(x))
+                a, new_cache = attend(x, norm=self.ln1)
                 x = x + drop(a, k1)
             else:
                 a, new_cache = attend(x)
                 x = self.ln1(x + drop(a, k1))
         with jax.named_scope("mlp"):
             if self.placement == "pre":
-                x = x + drop(self.mlp(self.ln2(x)), k2)
+                x = x + drop(self.mlp(x, norm=self.ln2), k2)
             else:
                 x = self.ln2(x + drop(self.mlp(x), k2))
         x = self.layout.constrain(x, self.layout.between_blocks)

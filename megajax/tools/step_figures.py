@@ -72,7 +72,8 @@ def modelled_bytes_per_layer(cfg: Config, mesh, dtype: str) -> int:
     return activation_bytes_per_layer(
         b=1, s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=mesh.shape["model"], ffn=m.ffn,
         sequence_parallel=m.sequence_parallel, remat=m.remat, dtype=dtype,
-        hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0)
+        hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
+        recompute_cheap=Precision.of(m).recompute_cheap)
 
 
 def step_figures(cfg: Config, mesh, temp_bytes: int | None) -> dict:
