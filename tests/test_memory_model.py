@@ -7,6 +7,7 @@ from conftest import mesh_for, tiny_config
 
 from megajax.core.precision import Precision
 from megajax.memory_model import activation_bytes_per_layer, paper_bytes_per_layer
+from megajax.tools.audit import audit
 from megajax.training.step import make_trainer
 
 
@@ -77,8 +78,9 @@ def test_cudnn_flash_attention_keeps_one_statistic_a_query_and_head():
 def test_recomputing_layernorm_and_gelu_outputs_changes_no_number():
     """Loss and gradients with LayerNorm's and GeLU's outputs recomputed equal those with them
     kept (the same operations, evaluated again: within float32 roundoff), on 2x4 with sequence
-    parallelism, where the recomputed LayerNorm feeds an all-gather; and what the backward pass
-    keeps loses (at least) the two LayerNorm outputs, their statistics and GeLU's output per layer."""
+    parallelism, where the recomputed LayerNorm feeds an all-gather; no matmul and no collective
+    is added (the program's dots, the audit's collectives); and what the backward pass keeps
+    loses (at least) the two LayerNorm outputs, their statistics and GeLU's output per layer."""
     import collections
     import math
 
@@ -87,17 +89,22 @@ def test_recomputing_layernorm_and_gelu_outputs_changes_no_number():
     from jax.ad_checkpoint import print_saved_residuals
     from tolerances import assert_close, assert_tree_close
 
-    results, kept = {}, {}
+    results, kept, dots, collectives = {}, {}, {}, {}
     for recompute in (False, True):
         cfg = tiny_config(recompute_norm_gelu=recompute, sequence_parallel=True, attention_dropout=0.0)
         trainer = make_trainer(cfg, mesh_for("2x4"))
         params, _ = trainer.init_state(seed=0)
         batch = jax.device_put(trainer.task.synthetic_batch(cfg, 8, np.random.default_rng(0)), trainer.batch_sharding)
-        metrics, grads = jax.jit(trainer.gradients)(params, batch, jax.random.key(1))
+        gradients = jax.jit(trainer.gradients)
+        metrics, grads = gradients(params, batch, jax.random.key(1))
         results[recompute] = jax.device_get((metrics["loss"], grads))
         kept[recompute] = _stacked_residual_shapes(trainer, params, batch, print_saved_residuals)
+        dots[recompute] = gradients.lower(params, batch, jax.random.key(1)).as_text().count("dot_general")
+        collectives[recompute] = collections.Counter(
+            (c.kind, c.axis, c.origin, c.direction, c.shape, c.count) for c in audit(cfg, mesh_for("2x4")).collectives)
     assert_close(results[True][0], results[False][0], what="loss")
     assert_tree_close(results[False][1], results[True][1], what="gradients")
+    assert dots[True] == dots[False] and collectives[True] == collectives[False]   # no matmul or collective again
     megatron, recomputing = (collections.Counter(kept[r]) for r in (False, True))
     assert not recomputing - megatron          # nothing kept that was not kept before
     layers, rows, h, ffn = 2, 8 * 16, 64, 256
