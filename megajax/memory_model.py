@@ -14,7 +14,7 @@ and in general, with `act` bytes per activation (4 for float32) and 1 byte per d
     the attention core (softmax output, its dropout mask and result): (2·act + 1)·b·heads·s²/t;
     LayerNorm's float32 mean and 1/std: 16 bytes a row.
 With `model.recompute_norm_gelu` a scanned stack that keeps its activations, with plain
-matmuls (`Precision.recompute_cheap`: not "mixed", not full remat), keeps less: the backward
+matmuls (`Precision.recompute_norm_gelu`: not "mixed", not full remat), keeps less: the backward
 pass recomputes the LayerNorms' outputs (the QKV and fc1 inputs) and GeLU's output from the
 block inputs and fc1's output, so it keeps (2·act + 2)·s·b·h between blocks,
 act·s·b·(4h + ffn)/t inside and no LayerNorm statistics.
@@ -34,9 +34,9 @@ REMAT_MODES = ("none", "selective", "full")
 def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 1, ffn: int | None = None,
                                sequence_parallel: bool = False, remat: str = "none", dtype: str = "bfloat16",
                                hidden_dropout: bool = True, attention_dropout: bool = True,
-                               recompute_cheap: bool = False, fused_attention: bool = False) -> int:
+                               recompute_norm_gelu: bool = False, fused_attention: bool = False) -> int:
     """Bytes one device keeps for one layer's backward pass, for b sequences of s tokens
-    (`recompute_cheap`: LayerNorm's and GeLU's outputs recomputed, as above; `fused_attention`:
+    (`recompute_norm_gelu`: LayerNorm's and GeLU's outputs recomputed, as above; `fused_attention`:
     cuDNN's flash attention, which keeps one float32 softmax statistic a query and head)."""
     if remat not in REMAT_MODES:
         raise ValueError(f"remat must be one of {REMAT_MODES}, got {remat!r}")
@@ -44,7 +44,7 @@ def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 
     sp = tp if sequence_parallel else 1          # what the between-blocks tensors are split by
     if remat == "full":
         return s * b * h * act // sp
-    kept_inputs, kept_ffn, stats = (2, 1, 0) if recompute_cheap else (4, 2, 2 * 2 * 4 * s * b // sp)
+    kept_inputs, kept_ffn, stats = (2, 1, 0) if recompute_norm_gelu else (4, 2, 2 * 2 * 4 * s * b // sp)
     between = (kept_inputs * act + (2 if hidden_dropout else 0)) * s * b * h // sp + stats
     inside = act * s * b * (4 * h + kept_ffn * ffn) // tp
     core = 0 if remat == "selective" else (act + (act + 1 if attention_dropout else 0)) * b * heads * s * s // tp

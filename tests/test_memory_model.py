@@ -41,7 +41,7 @@ def test_compiled_activation_memory_follows_the_model(recompute):
     and with LayerNorm's and GeLU's outputs recomputed (model.recompute_norm_gelu). Float32:
     XLA:CPU stores 16-bit activations as float32, so only float32 means the same bytes here as
     on a GPU."""
-    assert Precision.of(tiny_config(**MID, recompute_norm_gelu=recompute).model).recompute_cheap == recompute
+    assert Precision.of(tiny_config(**MID, recompute_norm_gelu=recompute).model).recompute_norm_gelu == recompute
     measured, model = {}, {}
     for sp, remat in itertools.product([False, True], ["none", "selective"]):
         t = {(n, b): compiled_temp_bytes(n, b, sequence_parallel=sp, remat=remat, recompute_norm_gelu=recompute)
@@ -49,7 +49,7 @@ def test_compiled_activation_memory_follows_the_model(recompute):
         measured[sp, remat] = t[3, 16] - t[2, 16] - t[3, 8] + t[2, 8]
         model[sp, remat] = activation_bytes_per_layer(b=8, s=256, h=512, heads=8, tp=8, sequence_parallel=sp,
                                                       remat=remat, dtype="float32",
-                                                      recompute_cheap=recompute)
+                                                      recompute_norm_gelu=recompute)
     for k in measured:
         assert measured[k] == pytest.approx(model[k], rel=0.15), (k, measured, model)
     tp_only, best = (False, "none"), (True, "selective")
@@ -60,7 +60,7 @@ def test_recomputing_layernorm_and_gelu_outputs_keeps_a_third_less():
     """bf16, GPT-2 1.2B's layer at batch 16 (the H200 check's): 2 instead of 4 (s, b, h) block
     inputs, fc1's output without GeLU's, no LayerNorm statistics."""
     shape = dict(b=16, s=1024, h=1536, heads=16, attention_dropout=False, remat="selective")
-    kept, megatron = (activation_bytes_per_layer(**shape, recompute_cheap=r) for r in (True, False))
+    kept, megatron = (activation_bytes_per_layer(**shape, recompute_norm_gelu=r) for r in (True, False))
     sbh = 16 * 1024 * 1536
     assert megatron - kept == 2 * 2 * sbh + 2 * 4 * sbh + 16 * 16 * 1024
     assert kept / megatron == pytest.approx(22 / 34, abs=0.01)    # Megatron's 34 sbh (selective) -> 22

@@ -30,26 +30,15 @@ def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platf
     0..s-1; key_mask (b, k) True where a key may be attended to, or None. Returns (b, heads, q, d)."""
     heads_second = lambda t: jnp.moveaxis(t, 1, 2)   # noqa: E731  (b, s, heads, d), as jax takes them
     q, k, v = heads_second(q), heads_second(k), heads_second(v)
+    mask = None if key_mask is None else key_mask[:, None, None, :]
     if implementation(q.dtype, platform) == "cudnn":
+        # cuDNN's mask must span the queries: (b, 1, q, k), broadcast per sequence, not per head.
+        full = None if mask is None else jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], k.shape[1]))
         try:
-            return heads_second(_cudnn(q, k, v, key_mask, causal=causal, scale=scale))
+            return heads_second(jax.nn.dot_product_attention(q, k, v, mask=full, is_causal=causal, scale=scale,
+                                                             implementation="cudnn"))
         except (NotImplementedError, ValueError, RuntimeError) as e:   # shapes, dtypes or cuDNN version
             warnings.warn(f"cuDNN flash attention refused these shapes ({e}); XLA's attention runs instead",
                           stacklevel=2)
-    keep = jnp.ones((1, 1, 1, 1), bool)
-    if causal:
-        keep = keep & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
-    if key_mask is not None:
-        keep = keep & key_mask[:, None, None, :]
-    return heads_second(jax.nn.dot_product_attention(q, k, v, mask=keep, scale=scale, implementation="xla"))
-
-
-def _cudnn(q, k, v, key_mask, *, causal: bool, scale: float):
-    """cuDNN's kernel on (b, s, heads, d): causality as its flag, padding as a (b, 1, q, k) mask
-    (its bias must span the queries; a broadcast boolean costs q k bytes a sequence, not per head)."""
-    mask = None
-    if key_mask is not None:
-        b, s_q, s_k = q.shape[0], q.shape[1], k.shape[1]
-        mask = jnp.broadcast_to(key_mask[:, None, None, :], (b, 1, s_q, s_k))
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
-                                        implementation="cudnn")
+    return heads_second(jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
+                                                     implementation="xla"))

@@ -189,18 +189,18 @@ class ParallelMLP(nnx.Module):
                                         regather=cfg.remat != "full", std=cfg.init_std, rngs=rngs)
         self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden, layout=layout, precision=precision,
                                      std=out_std, rngs=rngs)
-        self.recompute_cheap = precision.recompute_cheap
+        self.recompute_norm_gelu = precision.recompute_norm_gelu
 
     def __call__(self, x, norm=None):
         """fc2(GeLU(fc1(x))), or of norm(x): the LayerNorm before the block, which with
-        `recompute_cheap` the backward pass recomputes from x (kept anyway) instead of keeping."""
+        `recompute_norm_gelu` the backward pass recomputes from x (kept anyway) instead of keeping."""
         # Exact (erf) GeLU by default, as Megatron-LM; "tanh" is GPT-2's approximation, cheaper on
         # CPUs. Recomputed in the backward pass from its input, which is saved anyway: that keeps
         # no (b, s, ffn) intermediates alive and is ~5% faster on XLA:CPU (bench/shakespeare_char.py).
         gelu = jax.checkpoint(lambda h: jax.nn.gelu(h, approximate=self.approximate_gelu))
         first = lambda x: self.fc1(x if norm is None else norm(x))   # noqa: E731
         second = lambda h: self.fc2(gelu(h))                         # noqa: E731
-        if self.recompute_cheap:    # keeps x and fc1's output, not LayerNorm's and the GeLU's too
+        if self.recompute_norm_gelu:    # keeps x and fc1's output, not LayerNorm's and the GeLU's too
             first, second = jax.checkpoint(first), jax.checkpoint(second)
         return second(first(x))
 
@@ -226,7 +226,7 @@ class ParallelSelfAttention(nnx.Module):
                                         std=cfg.init_std, rngs=rngs)
         self.out = RowParallelLinear(cfg.hidden, cfg.hidden, layout=layout, precision=precision,
                                      std=out_std, rngs=rngs)
-        self.recompute_cheap = precision.recompute_cheap
+        self.recompute_norm_gelu = precision.recompute_norm_gelu
 
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None, norm=None):
         """Self-attention over x (b, s, h), or over norm(x) (as ParallelMLP). With `cache` = (k, v),
@@ -236,7 +236,7 @@ class ParallelSelfAttention(nnx.Module):
         the new cache)."""
         b, s, _ = x.shape
         project = lambda x: self.qkv(x if norm is None else norm(x))   # noqa: E731
-        project = jax.checkpoint(project) if self.recompute_cheap else project
+        project = jax.checkpoint(project) if self.recompute_norm_gelu else project
         qkv = project(x).reshape(b, s, self.num_heads, 3, self.head_dim)
         qkv = self.layout.constrain(qkv, S.P(S.DATA, None, S.MODEL, None, None))
         # (b, heads, s, head_dim): batch dimensions leading, the layout XLA's dots prefer.
@@ -303,11 +303,12 @@ def platform(layout: S.Layout) -> str:
     return next(iter(devices)).platform
 
 
-def fused_attention(cfg: ModelConfig, layout: S.Layout) -> bool:
+def fused_attention(cfg: ModelConfig, layout: S.Layout | None = None, on: str | None = None) -> bool:
     """model.attention: fused when asked, or (auto) on GPUs without attention dropout; on the CPU
-    XLA's form keeps the float32 scores for its backward pass, which megajax's own core does not."""
+    XLA's form keeps the float32 scores for its backward pass, which megajax's own core does not.
+    `on`: the platform ("gpu", "cpu") instead of the layout's."""
     if cfg.attention == "auto":
-        return cfg.attention_dropout == 0 and platform(layout) == "gpu"
+        return cfg.attention_dropout == 0 and (on or platform(layout)) == "gpu"
     return cfg.attention == "fused"
 
 

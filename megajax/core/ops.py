@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from megajax.core.precision import row_major
+from megajax.core.precision import low_precision_product, row_major
 
 
 def zero_cotangent(x):
@@ -111,34 +111,11 @@ apply_dropout.defvjp(_dropout_fwd, _dropout_bwd)
 
 def attention_scores(q, k):
     """q k^T over the last two axes, (..., q, d) x (..., k, d) -> (..., q, k), in float32."""
-    if jnp.dtype(q.dtype).itemsize == 2:
-        return _half_scores(q, k)
+    if jnp.dtype(q.dtype).itemsize == 2:    # its gradient in 16 bits too, as Megatron's
+        return low_precision_product("...qd,...kd->...qk", q, k, q.dtype)
     if not _strided_dots_matter(q, k):
         return jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32)
     return _matmul(q, jnp.swapaxes(k, -1, -2))
-
-
-@jax.custom_vjp
-def _half_scores(q, k):
-    """16-bit q k^T accumulated into float32 scores, whose gradient the backward pass takes in
-    q's dtype, as Megatron-LM's half-precision scores have it. Autodiff would run dq = ds k and
-    dk = ds^T q on float32 operands: off the GPU's bf16 matrix units, twice the bytes."""
-    return jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32)
-
-
-def _half_scores_fwd(q, k):
-    return _half_scores(q, k), (q, k)
-
-
-def _half_scores_bwd(residuals, g):
-    q, k = residuals
-    g16 = g.astype(q.dtype)
-    dq = jnp.einsum("...qk,...kd->...qd", g16, k, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("...qk,...qd->...kd", g16, q, preferred_element_type=jnp.float32)
-    return dq.astype(q.dtype), dk.astype(k.dtype)
-
-
-_half_scores.defvjp(_half_scores_fwd, _half_scores_bwd)
 
 
 def attention_context(p, v):

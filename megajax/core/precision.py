@@ -48,7 +48,7 @@ class Precision:
     # a third fewer bytes. Off by default until a GPU measures it: on the CPU the copies are
     # cheap and the recomputed tanh is not (float32 scanned step: 3.2-3.3 s against 3.15-3.2 s).
     # Only with plain matmuls: the mixed matmul's custom VJP would be recomputed, matmul and all.
-    recompute_cheap: bool = False
+    recompute_norm_gelu: bool = False
 
     @classmethod
     def of(cls, model_cfg, backend: str | None = None) -> "Precision":
@@ -173,32 +173,36 @@ def _row_major_t(a, dtype):
 
 
 def logits_product(x, table, dtype):
-    """x E^T, (b, s, h) x (v, h) -> float32 (b, s, v) logits, with `dtype` operands.
-
-    The backward pass takes the logits' gradient in `dtype` as well, as Megatron-LM does (its
-    logits, and so their gradient, are half precision): left to autodiff, the float32 cotangent
-    makes both backward matmuls float32 (tf32 on a GPU), which at GPT-2 1.2B's shapes took
-    17.8 ms of a 352 ms H200 step against ~6.5 ms in bfloat16. In float32 it is autodiff's."""
+    """x E^T, (b, s, h) x (v, h) -> float32 (b, s, v) logits, with `dtype` operands and the
+    logits' gradient taken in `dtype` (`low_precision_product`): left to autodiff, at GPT-2
+    1.2B's shapes its two backward matmuls ran as float32 (tf32) GEMMs, 17.8 ms of a 352 ms H200
+    step against ~6.5 ms in bfloat16."""
     x, table = _vary_alike(x, table)
-    return _logits_product(x, table, jnp.dtype(dtype))
+    return low_precision_product("bsh,vh->bsv", x, table, jnp.dtype(dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _logits_product(x, table, dtype):
-    return jnp.einsum("bsh,vh->bsv", x.astype(dtype), table.astype(dtype), preferred_element_type=jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def low_precision_product(spec: str, a, b, dtype):
+    """einsum(spec, a, b) on `dtype` operands into a float32 result, whose backward pass takes the
+    cotangent in `dtype` too, as Megatron-LM's half-precision logits and attention scores have
+    it: autodiff would run both backward products on float32 operands (off a GPU's bf16 matrix
+    units, twice the bytes). Each gradient accumulates in float32, then takes its operand's
+    dtype. In float32 it is autodiff's. `spec` names every index of the result in one operand
+    or the other, so the gradients are einsums of the same indices."""
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
 
 
-def _logits_fwd(x, table, dtype):
-    x16 = x.astype(dtype)
-    return _logits_product(x16, table, dtype), (x16, table, jnp.zeros((0,), x.dtype))
+def _low_precision_fwd(spec, a, b, dtype):
+    return low_precision_product(spec, a, b, dtype), (a, b)
 
 
-def _logits_bwd(dtype, residuals, g):
-    x16, table, x_like = residuals
-    g16 = g.astype(dtype)
-    dx = jnp.einsum("bsv,vh->bsh", g16, table.astype(dtype), preferred_element_type=jnp.float32)
-    dtable = jnp.einsum("bsv,bsh->vh", g16, x16, preferred_element_type=jnp.float32)
-    return dx.astype(x_like.dtype), dtable.astype(table.dtype)
+def _low_precision_bwd(spec, dtype, residuals, g):
+    a, b = residuals
+    (a_idx, b_idx), out_idx = spec.split("->")[0].split(","), spec.split("->")[1]
+    g, a16, b16 = (t.astype(dtype) for t in (g, a, b))
+    da = jnp.einsum(f"{out_idx},{b_idx}->{a_idx}", g, b16, preferred_element_type=jnp.float32)
+    db = jnp.einsum(f"{out_idx},{a_idx}->{b_idx}", g, a16, preferred_element_type=jnp.float32)
+    return da.astype(a.dtype), db.astype(b.dtype)
 
 
-_logits_product.defvjp(_logits_fwd, _logits_bwd)
+low_precision_product.defvjp(_low_precision_fwd, _low_precision_bwd)

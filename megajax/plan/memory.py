@@ -28,6 +28,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from megajax.config import Config, ModelConfig
+from megajax.core.layers import fused_attention
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL, data_sharded_spec
 from megajax.memory_model import DTYPE_BYTES, activation_bytes_per_layer
@@ -120,12 +121,6 @@ def activation_dtype(cfg: Config, cpu: bool = False) -> str:
     return "float32" if cpu else name
 
 
-def fused_attention_on_gpus(m: ModelConfig, cpu: bool) -> bool:
-    """Whether the run's attention core is cuDNN's flash attention (layers.fused_attention, on
-    GPUs; on the CPU "fused" is XLA's attention, which keeps its scores like megajax's core)."""
-    return not cpu and (m.attention == "fused" or (m.attention == "auto" and not m.attention_dropout))
-
-
 def memory_bytes(cfg: Config, dp: int, tp: int, cpu: bool = False) -> dict:
     """Per-device bytes of the train step by kind, and their total: the compiled step's peak."""
     m, t = cfg.model, cfg.train
@@ -135,7 +130,9 @@ def memory_bytes(cfg: Config, dp: int, tp: int, cpu: bool = False) -> dict:
     kw = dict(b=b, s=s, h=h, heads=m.num_heads, tp=tp, ffn=m.ffn, sequence_parallel=m.sequence_parallel,
               dtype=activation_dtype(cfg, cpu), hidden_dropout=m.hidden_dropout > 0,
               attention_dropout=m.attention_dropout > 0,
-              recompute_cheap=Precision.of(m).recompute_cheap, fused_attention=fused_attention_on_gpus(m, cpu))
+              recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
+              # cuDNN's flash attention, on GPUs (on the CPU "fused" is XLA's, which keeps its scores)
+              fused_attention=not cpu and fused_attention(m, on="gpu"))
     kept = L * activation_bytes_per_layer(remat=m.remat, **kw)
     if cpu and m.remat == "full" and DTYPE_BYTES[activation_dtype(cfg)] == 2:
         kept += kept // 2                      # the 16-bit copy of the float32 checkpoints

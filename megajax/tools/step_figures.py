@@ -73,7 +73,7 @@ def modelled_bytes_per_layer(cfg: Config, mesh, dtype: str) -> int:
         b=1, s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=mesh.shape["model"], ffn=m.ffn,
         sequence_parallel=m.sequence_parallel, remat=m.remat, dtype=dtype,
         hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
-        recompute_cheap=Precision.of(m).recompute_cheap)
+        recompute_norm_gelu=Precision.of(m).recompute_norm_gelu)
 
 
 def step_figures(cfg: Config, mesh, temp_bytes: int | None) -> dict:
