@@ -144,6 +144,20 @@ def test_scanned_stack_writes_its_saved_bfloat16_activations_in_place():
     assert re.search(r"u16\[3,\d+,\d+\]\S* \S*dynamic-update-slice", hlo)    # the saves, as bits
 
 
+def test_a_scanned_bfloat16_stack_keeps_no_16_bit_copy_of_its_weights():
+    """bfloat16 matmuls of float32 weights: autodiff would keep each layer's bf16 weight for the
+    backward pass, and the scan would stack them (2 bytes a parameter, zero-filled, written and
+    read back every step). The backward pass casts the float32 weight, the scan's own input,
+    again instead. Checked on the compiled step's loops; the float32 weights are there (rows of
+    8 x 16 = 128 tokens: no activation has a weight's shape)."""
+    cfg = tiny_config(num_layers=3, compute_dtype="bfloat16", scan_layers=True, remat="none")
+    hlo = make_trainer(cfg, mesh_for("1x1")).lower_step().compile().as_text()
+    loops = " ".join(re.findall(r"= \(.*\) while\(", hlo))
+    shapes = ("3,64,192", "3,64,64", "3,64,256", "3,256,64")
+    assert all(f"f32[{s}]" in loops for s in shapes)
+    assert not [s for s in shapes if f"bf16[{s}]" in loops]
+
+
 @pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
 def test_logits_product_and_its_gradients_match_a_float64_reference(x_dtype):
     """The tied output layer's x E^T: bf16 operands, float32 logits; its backward pass rounds

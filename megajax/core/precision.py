@@ -82,7 +82,14 @@ def matmul(x, w, dtype, stacked_residuals: bool = False):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if jnp.dtype(dtype) == x.dtype:
-        y = jnp.dot(x2, w.astype(dtype))
+        plain = lambda x2, w: jnp.dot(x2, w.astype(dtype))    # noqa: E731
+        if w.dtype != dtype:
+            # Checkpointed, the backward pass casts the float32 weight again instead of keeping
+            # autodiff's 16-bit copy, which a scan would stack for every layer (GPT-2 1.2B in
+            # bf16: 2.1 GiB, zero-filled, written and read back each step); a scan's weight is
+            # its own input, which reaches the backward pass unstacked. The dot is not redone.
+            plain = jax.checkpoint(plain, prevent_cse=False)
+        y = plain(x2, w)
     else:
         keep_x = stacked_residuals and jax.default_backend() == "cpu"
         x2, w_alike = _vary_alike(x2, w)
