@@ -5,19 +5,26 @@ specs (megajax/models/registry.py) and the data axis's split of them (`sharding.
 as ZeRO-1 and FSDP split them in megajax/training/data_parallel.py): the figures the dry run
 prints, exactly. Activations come from the activation-memory model (megajax/memory_model.py)
 and the step's other temporaries from what XLA's buffer assignment of the compiled step holds
-at its peak (read from XLA's memory-usage report of gpt2_8.3b; tests/test_plan.py checks the
-total against the dry run's compiled peak at several points):
+at its peak:
 
-  - two float32 copies of the gradients (the microbatch's and the accumulator), split like the
-    parameters under FSDP;
+  - float32 gradients: on an accelerator one copy, two with gradient accumulation (the
+    microbatch's and the accumulator). XLA:GPU fuses the clipping's scale and Adam's update of
+    each weight into one kernel that reads the gradient once (the H200's compiled step);
+    XLA:CPU materialises the scaled gradients beside the raw ones, so it holds two copies
+    even without accumulation (its buffer assignment). Split like the parameters under FSDP;
   - the activations the backward pass keeps, for every layer, for one microbatch;
   - at the backward pass's start, the larger of: one layer's backward working set (with full
     remat, its recomputed activations plus the 32-bit random bits its dropout masks are drawn
-    from) and the vocab-parallel logits (float32: logits, their exponentials and gradient);
+    from) and the vocab-parallel logits: float32 logits and their 16-bit gradient for 16-bit
+    models on an accelerator (`precision.logits_product`), else float32 logits, their
+    exponentials and their gradient (XLA:CPU's plan of gpt2_8.3b);
   - FSDP: one layer's gathered weights and the weights outside the layers, gathered.
-XLA:CPU of jax 0.10 computes 16-bit activations in float32 and keeps a 16-bit copy of the
-stacked checkpoints too: `cpu=True` models that, to compare with its dry runs (jax 0.12's
-XLA:CPU keeps them 16-bit, as accelerators do).
+
+`backend="gpu"` (the default: the planner's hardware) predicts XLA:GPU's plan, checked against
+the plans compiled on an H200 (tests/test_plan.py); `backend="cpu"` XLA:CPU's, checked against
+the dry run's compiled peak at several points, in float32. (XLA:CPU of jax 0.10 computes
+16-bit activations in float32 and keeps a 16-bit copy of the stacked checkpoints too; jax
+0.12's keeps them 16-bit, as accelerators do, and as modelled here.)
 """
 from __future__ import annotations
 
@@ -36,8 +43,7 @@ from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.tasks import task_for
 
 ADAM_MOMENTS = 2          # float32 first and second moments per parameter
-GRADIENT_COPIES = 2       # the microbatch's float32 gradients and the accumulator
-LOGIT_COPIES = 3          # float32 logits, their exponentials, their gradient
+BACKENDS = ("gpu", "cpu")
 OPTIMIZER_COUNTERS = 8    # optax's int32 step counts (Adam's and the schedule's)
 
 
@@ -114,38 +120,49 @@ def state_split(cfg: Config, dp: int, tp: int) -> StateSplit:
     return out
 
 
-def activation_dtype(cfg: Config, cpu: bool = False) -> str:
-    """What an accelerator keeps activations in ("auto" is 16-bit there); XLA:CPU: float32."""
+def activation_dtype(cfg: Config) -> str:
+    """What an accelerator keeps activations in ("auto" is 16-bit there)."""
     name = cfg.model.compute_dtype
-    name = "bfloat16" if name == "auto" else "float32" if name == "mixed" else name
-    return "float32" if cpu else name
+    return "bfloat16" if name == "auto" else "float32" if name == "mixed" else name
 
 
-def memory_bytes(cfg: Config, dp: int, tp: int, cpu: bool = False) -> dict:
+def gradient_copies(cfg: Config, backend: str = "gpu") -> int:
+    """Float32 gradient buffers at the step's peak (module docstring)."""
+    return 2 if backend == "cpu" or cfg.train.microbatches > 1 else 1
+
+
+def logit_bytes(cfg: Config, backend: str = "gpu") -> int:
+    """Bytes the loss holds per logit (module docstring)."""
+    sixteen_bit = DTYPE_BYTES[activation_dtype(cfg)] == 2
+    return 4 + 2 if backend != "cpu" and sixteen_bit else 3 * 4
+
+
+def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu") -> dict:
     """Per-device bytes of the train step by kind, and their total: the compiled step's peak."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     m, t = cfg.model, cfg.train
+    cpu = backend == "cpu"
     st, task = state_split(cfg, dp, tp), task_for(cfg)
     b = t.batch_size // t.microbatches // dp * task.sequences_per_example
     s, h, L = m.seq_len, m.hidden, m.num_layers
     kw = dict(b=b, s=s, h=h, heads=m.num_heads, tp=tp, ffn=m.ffn, sequence_parallel=m.sequence_parallel,
-              dtype=activation_dtype(cfg, cpu), hidden_dropout=m.hidden_dropout > 0,
+              dtype=activation_dtype(cfg), hidden_dropout=m.hidden_dropout > 0,
               attention_dropout=m.attention_dropout > 0,
               recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
               # cuDNN's flash attention, on GPUs (on the CPU "fused" is XLA's, which keeps its scores)
               fused_attention=not cpu and fused_attention(m, on="gpu"))
     kept = L * activation_bytes_per_layer(remat=m.remat, **kw)
-    if cpu and m.remat == "full" and DTYPE_BYTES[activation_dtype(cfg)] == 2:
-        kept += kept // 2                      # the 16-bit copy of the float32 checkpoints
     working = 0
     if m.remat == "full":
         random_bits = 4 * (b * m.num_heads // tp * s * s * (m.attention_dropout > 0)
                            + 2 * b * s * h * (m.hidden_dropout > 0))
         working = activation_bytes_per_layer(remat="none", **kw) + random_bits
-    logits = LOGIT_COPIES * 4 * b * task.head_rows(cfg) * m.padded_vocab // tp
+    logits = logit_bytes(cfg, backend) * b * task.head_rows(cfg) * m.padded_vocab // tp
     gathered = 0
     if t.shard_params and dp > 1:
         gathered = 4 * (st.layers // L + st.nonlayer_shard)
-    out = {"params": 4 * st.params_local, "gradients": 4 * GRADIENT_COPIES * st.params_local,
+    out = {"params": 4 * st.params_local, "gradients": 4 * gradient_copies(cfg, backend) * st.params_local,
            "optimizer": 4 * ADAM_MOMENTS * st.optimizer_local + OPTIMIZER_COUNTERS, "activations": kept,
            "working": max(working, logits) + gathered}
     out["total"] = sum(out.values())
