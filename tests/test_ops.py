@@ -4,8 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import ad_checkpoint
+from jax.extend.random import threefry_2x32
 from tolerances import assert_tree_close
 
+from megajax.core.layers import keep_mask
 from megajax.core.ops import apply_dropout, attention_context, attention_scores, layer_norm, masked_softmax
 
 RNG = np.random.default_rng(0)
@@ -114,3 +116,26 @@ def test_bfloat16_scores_take_their_gradient_in_bfloat16():
     assert_close(scores, np.einsum("bhqd,bhkd->bhqk", q64, k64), tol=F32)
     assert_close(dq, np.einsum("bhqk,bhkd->bhqd", g16, k64), tol=BF16_U)
     assert_close(dk, np.einsum("bhqk,bhqd->bhkd", g16, q64), tol=BF16_U)
+
+
+def test_dropout_mask_is_threefry_of_global_row_and_position():
+    """The keep mask by hand: threefry2x32 of (global row, counter) under the key; each call's two
+    words serve two neighbours along an even last axis, an odd one takes the first word only.
+    Its keep rate is 1 - rate within 4.5 standard deviations."""
+    key, rate = jax.random.key(5), 0.25
+    words = jax.random.key_data(key).reshape(-1)
+    threshold = round(rate * 2.0 ** 32)
+    for shape in ((3, 4, 6), (3, 5)):
+        rows = np.arange(3, dtype=np.uint32) + 8              # a data shard's global rows
+        pairs = shape[-1] % 2 == 0
+        per_row = int(np.prod(shape[1:])) // (2 if pairs else 1)
+        row = np.repeat(rows, per_row)
+        pos = np.tile(np.arange(per_row, dtype=np.uint32), len(rows))
+        out = np.asarray(threefry_2x32(words, np.concatenate([row, pos])))
+        first, second = out[:row.size], out[row.size:]
+        bits = np.stack([first, second], -1).reshape(shape) if pairs else first.reshape(shape)
+        mask = np.asarray(keep_mask(key, shape, rate, jnp.asarray(rows)))
+        np.testing.assert_array_equal(mask, bits >= threshold)
+    big = np.asarray(keep_mask(key, (64, 128, 128), rate, jnp.arange(64)))
+    n = big.size
+    assert abs(big.mean() - (1 - rate)) < 4.5 * np.sqrt(rate * (1 - rate) / n)

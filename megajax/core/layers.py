@@ -41,11 +41,17 @@ def dropout(x, rate: float, key, layout: S.Layout, spec):
 
 def keep_mask(key, shape, rate: float, rows):
     """True with probability 1 - rate: counter-based threefry bits of (global row, position in
-    the row), so each device computes just its own slice of the mask with no communication."""
+    the row), so each device computes just its own slice of the mask with no communication.
+    Each threefry call makes two 32-bit words: along an even last axis they serve two neighbours
+    (half the calls; a device's slice of that axis, a multiple of 2, never splits a pair)."""
     words = jax.random.key_data(key).reshape(-1)
-    counter_row = jnp.broadcast_to(rows.astype(jnp.uint32).reshape(-1, *([1] * (len(shape) - 1))), shape)
-    counter_pos = jnp.broadcast_to(jnp.arange(math.prod(shape[1:]), dtype=jnp.uint32).reshape(shape[1:]), shape)
-    bits, _ = threefry2x32_p.bind(words[0], words[1], counter_row, counter_pos)
+    pairs = len(shape) > 1 and shape[-1] % 2 == 0
+    counters = (*shape[:-1], shape[-1] // 2) if pairs else shape
+    counter_row = jnp.broadcast_to(rows.astype(jnp.uint32).reshape(-1, *([1] * (len(counters) - 1))), counters)
+    counter_pos = jnp.broadcast_to(jnp.arange(math.prod(counters[1:]), dtype=jnp.uint32).reshape(counters[1:]),
+                                   counters)
+    first, second = threefry2x32_p.bind(words[0], words[1], counter_row, counter_pos)
+    bits = jnp.stack([first, second], axis=-1).reshape(shape) if pairs else first
     return bits >= jnp.uint32(round(rate * 2.0 ** 32))
 
 
