@@ -7,8 +7,8 @@ from jax import ad_checkpoint
 from jax.extend.random import threefry_2x32
 from tolerances import assert_tree_close
 
-from megajax.core.layers import keep_mask
-from megajax.core.ops import apply_dropout, attention_context, attention_scores, layer_norm, masked_softmax
+from megajax.core.ops import (apply_dropout, attention_context, attention_scores, keep_mask, layer_norm,
+                              masked_softmax)
 
 RNG = np.random.default_rng(0)
 

@@ -12,14 +12,14 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.extend.random import threefry2x32_p
 
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
 from megajax.core.loss import vocab_parallel_lookup
 from megajax.core.blocked_attention import blocked_attention, blocked_attention_pays
 from megajax.core.fused_attention import fused_attention_core
-from megajax.core.ops import apply_dropout, attention_context, attention_scores, layer_norm, masked_softmax
+from megajax.core.ops import (apply_dropout, attention_context, attention_scores, keep_mask, layer_norm,
+                              masked_softmax)
 from megajax.core.precision import Precision, logits_product, matmul
 
 
@@ -37,22 +37,6 @@ def dropout(x, rate: float, key, layout: S.Layout, spec):
     if key is None or rate == 0.0:
         return x
     return apply_dropout(x, layout.constrain(keep_mask(key, x.shape, rate, layout.row_ids(x.shape[0])), spec), rate)
-
-
-def keep_mask(key, shape, rate: float, rows):
-    """True with probability 1 - rate: counter-based threefry bits of (global row, position in
-    the row), so each device computes just its own slice of the mask with no communication.
-    Each threefry call makes two 32-bit words: along an even last axis they serve two neighbours
-    (half the calls; a device's slice of that axis, a multiple of 2, never splits a pair)."""
-    words = jax.random.key_data(key).reshape(-1)
-    pairs = len(shape) > 1 and shape[-1] % 2 == 0
-    counters = (*shape[:-1], shape[-1] // 2) if pairs else shape
-    counter_row = jnp.broadcast_to(rows.astype(jnp.uint32).reshape(-1, *([1] * (len(counters) - 1))), counters)
-    counter_pos = jnp.broadcast_to(jnp.arange(math.prod(counters[1:]), dtype=jnp.uint32).reshape(counters[1:]),
-                                   counters)
-    first, second = threefry2x32_p.bind(words[0], words[1], counter_row, counter_pos)
-    bits = jnp.stack([first, second], axis=-1).reshape(shape) if pairs else first
-    return bits >= jnp.uint32(round(rate * 2.0 ** 32))
 
 
 class LayerNorm(nnx.Module):

@@ -8,7 +8,8 @@ score instead of 2). At GPT-2 shapes that was two thirds of a layer's activation
 LayerNorm saves its input in the activations' dtype and two float32 numbers per row; the
 softmax saves its output in the activations' dtype (and the broadcast masks, never a
 (b, heads, q, k) array), from which its backward pass follows; dropout
-saves its boolean mask alone.
+saves its boolean mask alone (drawn by `keep_mask`, a function of the key and each element's
+global position).
 
 The attention matmuls, q k^T and p v, also have their own backward pass on the CPU, for speed
 alone: the same products as autodiff's, in the forms XLA:CPU's matmul library takes. Without
@@ -18,9 +19,11 @@ attention core (blocked_attention.py) keeps no probabilities at all and recomput
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
 
 from megajax.core.precision import low_precision_product, row_major
 
@@ -96,6 +99,22 @@ def _scaled_select(x, keep, rate):
     # The scale in float32: 1 - rate rounded to bfloat16 (0.9 -> 0.898) would bias every kept value.
     scaled = (x.astype(jnp.float32) / (1.0 - rate)).astype(x.dtype)
     return jax.lax.select(keep, scaled, jnp.zeros_like(x))
+
+
+def keep_mask(key, shape, rate: float, rows):
+    """True with probability 1 - rate: counter-based threefry bits of (global row, position in
+    the row), so each device computes just its own slice of the mask with no communication.
+    Each threefry call makes two 32-bit words: along an even last axis they serve two neighbours
+    (half the calls; a device's slice of that axis, a multiple of 2, never splits a pair)."""
+    words = jax.random.key_data(key).reshape(-1)
+    pairs = len(shape) > 1 and shape[-1] % 2 == 0
+    counters = (*shape[:-1], shape[-1] // 2) if pairs else shape
+    counter_row = jnp.broadcast_to(rows.astype(jnp.uint32).reshape(-1, *([1] * (len(counters) - 1))), counters)
+    counter_pos = jnp.broadcast_to(jnp.arange(math.prod(counters[1:]), dtype=jnp.uint32).reshape(counters[1:]),
+                                   counters)
+    first, second = threefry2x32_p.bind(words[0], words[1], counter_row, counter_pos)
+    bits = jnp.stack([first, second], axis=-1).reshape(shape) if pairs else first
+    return bits >= jnp.uint32(round(rate * 2.0 ** 32))
 
 
 def _dropout_fwd(x, keep, rate):

@@ -15,6 +15,12 @@ A user file (`--hardware my_gpus.toml`) holds one table per accelerator, keys as
     gpus_per_node = 8
     intra_node_bandwidth = 450e9 # per GPU, one direction (NVLink)
     inter_node_bandwidth = 400e9 # per node, all NICs together, one direction
+    stack = "megajax"            # optional: what runs there (below)
+
+`stack` picks the step-time constants of megajax/plan/timing.py: "megajax" (the default) is
+megajax's XLA-compiled step, calibrated on an H200; "megatron-2019" is the paper's Megatron-LM
+(PyTorch, eager), calibrated on its DGX-2H figures, which the built-in v100-dgx2h uses so that
+the planner reproduces the paper's scaling study.
 """
 from __future__ import annotations
 
@@ -37,11 +43,14 @@ class Hardware:
     intra_node_latency: float = 5e-6    # s per ring step (NVLink/NVSwitch; nccl-tests small-message times)
     inter_node_latency: float = 10e-6   # s per ring step (InfiniBand)
     source: str = ""
+    stack: str = "megajax"              # whose step runs there: one of STACKS (timing.py's constants)
 
 
+STACKS = ("megajax", "megatron-2019")
 GB, TB, TFLOPS = 1e9, 1e12, 1e12
 BUILTIN = {h.name: h for h in (
     Hardware("v100-dgx2h", 130 * TFLOPS, 32 * 2**30, 900 * GB, 16, 150 * GB, 100 * GB,
+             stack="megatron-2019",
              source="the paper's: DGX-2H, V100 SXM3 32GB at 450 W (39 TFLOP/s = 30% of peak: 130), "
                     "NVSwitch 300 GB/s per GPU both ways, 8 x 100 Gb/s InfiniBand per node; HBM2 900 GB/s "
                     "(NVIDIA V100 datasheet)"),
@@ -88,6 +97,12 @@ def _hardware(name: str, table, path: Path) -> Hardware:
     values = {}
     for key, value in table.items():
         if key in ("name", "source"):
+            continue
+        if key == "stack":
+            if value not in STACKS:
+                raise UserError(f"hardware file {path}: [{name}] stack must be one of {', '.join(STACKS)}, "
+                                f"got {value!r}")
+            values[key] = value
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise UserError(f"hardware file {path}: [{name}] {key} must be a positive number, got {value!r}")

@@ -137,22 +137,31 @@ def logit_bytes(cfg: Config, backend: str = "gpu") -> int:
     return 4 + 2 if backend != "cpu" and sixteen_bit else 3 * 4
 
 
+def _layer_shape(cfg: Config, dp: int, tp: int, backend: str) -> dict:
+    """activation_bytes_per_layer's arguments for one device and microbatch."""
+    m, t = cfg.model, cfg.train
+    b = t.batch_size // t.microbatches // dp * task_for(cfg).sequences_per_example
+    return dict(b=b, s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=tp, ffn=m.ffn,
+                sequence_parallel=m.sequence_parallel, dtype=activation_dtype(cfg),
+                hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
+                recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
+                # cuDNN's flash attention, on GPUs (on the CPU "fused" is XLA's, which keeps its scores)
+                fused_attention=backend != "cpu" and fused_attention(m, on="gpu"))
+
+
+def kept_activation_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu") -> int:
+    """What the backward pass keeps, for every layer, for one microbatch."""
+    return cfg.model.num_layers * activation_bytes_per_layer(remat=cfg.model.remat,
+                                                             **_layer_shape(cfg, dp, tp, backend))
+
+
 def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu") -> dict:
     """Per-device bytes of the train step by kind, and their total: the compiled step's peak."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     m, t = cfg.model, cfg.train
-    cpu = backend == "cpu"
-    st, task = state_split(cfg, dp, tp), task_for(cfg)
-    b = t.batch_size // t.microbatches // dp * task.sequences_per_example
-    s, h, L = m.seq_len, m.hidden, m.num_layers
-    kw = dict(b=b, s=s, h=h, heads=m.num_heads, tp=tp, ffn=m.ffn, sequence_parallel=m.sequence_parallel,
-              dtype=activation_dtype(cfg), hidden_dropout=m.hidden_dropout > 0,
-              attention_dropout=m.attention_dropout > 0,
-              recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
-              # cuDNN's flash attention, on GPUs (on the CPU "fused" is XLA's, which keeps its scores)
-              fused_attention=not cpu and fused_attention(m, on="gpu"))
-    kept = L * activation_bytes_per_layer(remat=m.remat, **kw)
+    st, task, kw = state_split(cfg, dp, tp), task_for(cfg), _layer_shape(cfg, dp, tp, backend)
+    b, s, h, L = kw["b"], m.seq_len, m.hidden, m.num_layers
     working = 0
     if m.remat == "full":
         random_bits = 4 * (b * m.num_heads // tp * s * s * (m.attention_dropout > 0)
@@ -163,7 +172,7 @@ def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu") -> dict:
     if t.shard_params and dp > 1:
         gathered = 4 * (st.layers // L + st.nonlayer_shard)
     out = {"params": 4 * st.params_local, "gradients": 4 * gradient_copies(cfg, backend) * st.params_local,
-           "optimizer": 4 * ADAM_MOMENTS * st.optimizer_local + OPTIMIZER_COUNTERS, "activations": kept,
-           "working": max(working, logits) + gathered}
+           "optimizer": 4 * ADAM_MOMENTS * st.optimizer_local + OPTIMIZER_COUNTERS,
+           "activations": kept_activation_bytes(cfg, dp, tp, backend), "working": max(working, logits) + gathered}
     out["total"] = sum(out.values())
     return out

@@ -4,14 +4,23 @@ and ring collectives on the link each mesh axis runs over. Nothing overlaps (Meg
 all-reduces the gradients after the backward pass; XLA overlaps some collectives, so this
 errs slow).
 
-Two constants are calibrated, on two of the paper's figures (Shoeybi et al. 2019, section
-5.1; megajax/plan/paper.py refits them, tests/test_plan.py keeps the table the rest predicts):
-  MATMUL_EFFICIENCY       the fraction of peak a large matmul reaches: the 1.2B model's
-                          39 TFLOP/s on one V100;
-  LAYER_OVERHEAD_SECONDS  what a layer costs per microbatch besides its FLOPs and bytes (kernel
-                          launches and synchronisation: PyTorch's eager mode ran some 200
-                          kernels per layer and pass): the 8.3B model's 77% weak-scaling
-                          efficiency on 8 GPUs. XLA's compiled step has less, so it errs slow.
+What runs on the hardware (its `stack`) sets three constants:
+  "megatron-2019", the paper's Megatron-LM (PyTorch, eager), two constants calibrated on two of
+  the paper's figures (Shoeybi et al. 2019, section 5.1; megajax/plan/paper.py refits them,
+  tests/test_plan.py keeps the table the rest predicts):
+    MATMUL_EFFICIENCY       the fraction of peak a large matmul reaches: the 1.2B model's
+                            39 TFLOP/s on one V100;
+    LAYER_OVERHEAD_SECONDS  what a layer costs per microbatch besides its FLOPs and bytes
+                            (kernel launches and synchronisation: PyTorch's eager mode ran some
+                            200 kernels per layer and pass): the 8.3B model's 77% weak-scaling
+                            efficiency on 8 GPUs.
+  "megajax", megajax's compiled step (XLA on CUDA), one constant calibrated on one figure
+  (megajax/plan/measured.py refits it, tests/test_plan.py checks the other H200 runs):
+    XLA_MATMUL_EFFICIENCY   GPT-2 1.2B at batch 16 on one H200, 320.1 ms a step. No fixed cost
+                            per layer: the GPU's stream is busy the whole compiled step (its
+                            profile). A scanned stack also copies what it keeps for the backward
+                            pass (SCAN_COPY_PASSES), and cuDNN's flash attention keeps its scores
+                            on chip (no element-wise passes over them).
 Every other constant is counted from megajax's layer or taken from the hardware.
 """
 from __future__ import annotations
@@ -19,14 +28,20 @@ from __future__ import annotations
 import dataclasses
 
 from megajax.config import Config
+from megajax.core.layers import fused_attention
 from megajax.memory_model import DTYPE_BYTES
 from megajax.plan.hardware import Hardware
-from megajax.plan.memory import activation_dtype, state_split
+from megajax.plan.memory import activation_dtype, kept_activation_bytes, state_split
 from megajax.plan.volumes import (Matmul, data_axis_sent, head_matmul, layer_matmuls, model_axis_elements,
                                   recompute_passes, rows_per_microbatch)
 
 MATMUL_EFFICIENCY = 0.5407        # calibrated: gpt2_1.2b on one V100, 39 TFLOP/s
 LAYER_OVERHEAD_SECONDS = 7.72e-3  # calibrated: gpt2_8.3b on 8 V100s, 77% of the 1.2B model's FLOP/s per GPU
+XLA_MATMUL_EFFICIENCY = 0.6576    # calibrated: gpt2_1.2b on one H200, 320.1 ms (megajax/plan/measured.py)
+# A scan's kept activations: its stacked buffers zero-filled (a write), each layer's slice
+# written in (a read and a write) and copied out in the backward pass (a read and a write):
+# 54 of the 1.2B step's 320 ms on the H200.
+SCAN_COPY_PASSES = 5
 # A matmul with inner size k and n output columns per device runs at
 # MATMUL_EFFICIENCY / ((1 + D/k)(1 + D/n)): tensor-core GEMM kernels compute 128 x 128 output
 # tiles, and a dimension of one tile leaves half the kernel's pipeline idle.
@@ -41,8 +56,16 @@ BACKWARD_PASSES = 2               # the backward pass moves twice the forward's 
 OPTIMIZER_BYTES_PER_PARAM = 28    # Adam: read params, gradient, two moments; write params, two moments (float32)
 
 
+def stack_constants(hw: Hardware) -> tuple[float, float, int]:
+    """(matmul efficiency, seconds per layer and microbatch, scan copy passes) of what runs on hw
+    (read when called: megajax/plan/paper.py and measured.py refit them)."""
+    if hw.stack == "megatron-2019":
+        return MATMUL_EFFICIENCY, LAYER_OVERHEAD_SECONDS, 0
+    return XLA_MATMUL_EFFICIENCY, 0.0, SCAN_COPY_PASSES
+
+
 def matmul_seconds(mm: Matmul, hw: Hardware) -> float:
-    eff = MATMUL_EFFICIENCY / ((1 + HALF_EFFICIENCY_DIM / mm.inner) * (1 + HALF_EFFICIENCY_DIM / mm.cols))
+    eff = stack_constants(hw)[0] / ((1 + HALF_EFFICIENCY_DIM / mm.inner) * (1 + HALF_EFFICIENCY_DIM / mm.cols))
     return mm.flops / (hw.peak_flops * eff)
 
 
@@ -56,17 +79,21 @@ def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware) -> dict[str, fl
         layer += sum(matmul_seconds(mm, hw) for mm in mms[4:])
     matmuls = mb * (m.num_layers * layer + 3 * matmul_seconds(head_matmul(cfg, dp, tp), hw))
     act = DTYPE_BYTES[activation_dtype(cfg)]
+    _, layer_overhead, copy_passes = stack_constants(hw)
     b, s, h = rows_per_microbatch(cfg, dp), m.seq_len, m.hidden
     stream = b * s * h // (tp if m.sequence_parallel else 1)
-    scores = b * m.num_heads // tp * s * s
+    on_chip = hw.stack == "megajax" and fused_attention(m, on="gpu")     # cuDNN's flash attention
+    scores = 0 if on_chip else b * m.num_heads // tp * s * s
     forward = HIDDEN_PASSES * stream + FFN_PASSES * b * s * m.ffn // tp + SCORE_PASSES * scores
     total = forward * (1 + BACKWARD_PASSES + recompute_passes(m.remat))
     if m.remat == "selective":
         total += SCORE_PASSES * scores
     elementwise = mb * m.num_layers * total * act / hw.hbm_bandwidth
+    if m.scan_layers:
+        elementwise += mb * copy_passes * kept_activation_bytes(cfg, dp, tp) / hw.hbm_bandwidth
     local = state_split(cfg, dp, tp)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * local.optimizer_local / hw.hbm_bandwidth
-    overhead = mb * m.num_layers * LAYER_OVERHEAD_SECONDS
+    overhead = mb * m.num_layers * layer_overhead
     return {"matmuls": matmuls, "elementwise": elementwise, "optimizer": optimizer, "overhead": overhead}
 
 
