@@ -13,8 +13,10 @@ paper's full remat, the unrolled stack and model.recompute_norm_gelu), it picks 
 whose compiled step's memory plan fits the GPU, measures step time, tokens/s, model TFLOP/s,
 MFU against the GPU's dense bf16 peak and peak memory, and writes DIR/gpu_check.json (after
 every row, so a run cut short keeps what it measured) and DIR/gpu_check.md
-(bench/gpu_bench.py's `measure` does the timing). Rows past --budget seconds are skipped.
-On one H200 the first four rows took 107 s in all.
+(bench/gpu_bench.py's `measure` does the timing). Beside each row: what `megajax-plan`
+predicts for it on this GPU's entry (H200, H100, A100), to check the planner's constants
+(megajax/plan/measured.py records the runs they are fitted on). Rows past --budget seconds are
+skipped. On one H200 the first four rows took 107 s in all.
 """
 import argparse
 import json
@@ -113,7 +115,9 @@ def main() -> int:
               file=sys.stderr)
         return 2
     mesh = make_mesh("model=1", devices=devices[:1])
+    a.hardware = planner_hardware(devices[0].device_kind, a.smoke)
     result = {"device": devices[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
+              "planner_hardware": a.hardware,
               "bf16_peak_tflops": device_peak_tflops(measure_cpu=False), "smoke": a.smoke, "rows": []}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,9 +155,29 @@ def measure_row(label, name, overrides, options, mesh, a, peak) -> dict:
                 "batch": cfg.train.batch_size, "seq_len": m.seq_len, "dtype": m.compute_dtype,
                 "attention": "fused" if fused_attention(m, Layout(mesh)) else "megajax",
                 "attention_dropout": m.attention_dropout,
-                **measure(cfg, mesh, 2 if a.smoke else a.steps, peak, compiled)}
+                **measure(cfg, mesh, 2 if a.smoke else a.steps, peak, compiled), **predicted(cfg, a.hardware)}
     except Exception as e:   # out of memory and the like: reported in the row, the next row runs
         return {"config": label, "fits": None, "why": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+
+
+def planner_hardware(device_kind: str, smoke: bool) -> str | None:
+    """The planner's entry for this GPU (megajax/plan/hardware.py), to print its prediction beside
+    each row; with --smoke the H200's, so that the path runs."""
+    for marker, name in (("H200", "h200"), ("H100", "h100-80g"), ("A100", "a100-80g")):
+        if marker in device_kind:
+            return name
+    return "h200" if smoke else None
+
+
+def predicted(cfg, hardware: str | None) -> dict:
+    """What `megajax-plan` predicts for the row's config on one such GPU: step time and memory."""
+    if hardware is None:
+        return {}
+    from megajax.plan import BUILTIN
+    from megajax.plan.memory import memory_bytes
+    from megajax.plan.timing import step_time
+    return {"predicted_ms": 1000 * step_time(cfg, 1, 1, BUILTIN[hardware]).seconds,
+            "predicted_bytes": memory_bytes(cfg, 1, 1)["total"]}
 
 
 def markdown(result: dict) -> str:
@@ -167,16 +191,19 @@ def markdown(result: dict) -> str:
     lines = [f"GPU check on {result['device']} (jax {result['jax']}, bf16 peak "
              f"{result['bf16_peak_tflops'] or 'unknown'} TFLOP/s){' [smoke]' if result['smoke'] else ''}", "",
              checked, "",
-             "| config | remat | batch x seq | step (ms) | tokens/s | TFLOP/s | MFU | peak memory (plan) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"| config | remat | batch x seq | step (ms) | tokens/s | TFLOP/s | MFU | peak memory (plan) | "
+             f"megajax-plan on {result.get('planner_hardware') or 'n/a'} |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         if not r["fits"]:
-            lines.append(f"| {r['config']} | {'does not fit: ' if r['fits'] is False else ''}{r['why']} | | | | | | |")
+            lines.append(f"| {r['config']} | {'does not fit: ' if r['fits'] is False else ''}{r['why']} | | | | | | | |")
             continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        plan = (f"{r['predicted_ms']:.4g} ms, {r['predicted_bytes'] / 2**30:.2f} GiB" if "predicted_ms" in r
+                else "n/a")
         lines.append(f"| {r['config']} | {r['remat']} | {r['batch']}x{r['seq_len']} | {r['step_ms']:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.1f} | {mfu} | "
-                     f"{memory(r)} |")
+                     f"{memory(r)} | {plan} |")
     return "\n".join(lines) + "\n"
 
 

@@ -31,8 +31,9 @@ def test_gpu_check_smoke_writes_its_table(tmp_path):
         assert r["fits"] and r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_bytes"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq_len"] * 1000 / r["step_ms"], rel=1e-9)
         assert 3.0 < r["loss"] < 8.0            # ln(512) = 6.2 at initialisation: a real step ran
+        assert r["predicted_ms"] > 0 and r["predicted_bytes"] > 0    # the planner's, for an H200
     table = (tmp_path / "gpu_check.md").read_text()
-    assert table.count("| gpt2_") == len(ROWS) and "[smoke]" in table
+    assert table.count("| gpt2_") == len(ROWS) and "[smoke]" in table and "megajax-plan on h200" in table
 
 
 def test_gpu_check_refuses_a_machine_without_gpus(tmp_path):
