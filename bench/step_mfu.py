@@ -3,6 +3,7 @@
 
     python bench/step_mfu.py [--layers 8 --hidden 512 --heads 8 --seq 512 --batch 8] [--host-devices N --mesh SPEC]
                              [--dtypes float32,mixed] [--rounds 6] [--compile-layers 4,48] [--profile DIR]
+                             [--dropout 0.1] [--remat none|selective|full]
 
 Prints step time, tokens/s, model TFLOP/s per device and MFU = model FLOP/s / peak, where the
 peak is the best rate of a large matmul of the same precision measured in the same run (float32;
@@ -108,8 +109,8 @@ def model_config(a, layers: int, scan: bool, dtype: str):
     from megajax.config import Config, ModelConfig, TrainConfig
 
     return Config(model=ModelConfig(num_layers=layers, hidden=a.hidden, num_heads=a.heads, seq_len=a.seq,
-                                    vocab_size=256, vocab_multiple=256, hidden_dropout=0.0, attention_dropout=0.0,
-                                    scan_layers=scan, compute_dtype=dtype),
+                                    vocab_size=256, vocab_multiple=256, hidden_dropout=a.dropout,
+                                    attention_dropout=a.dropout, scan_layers=scan, compute_dtype=dtype, remat=a.remat),
                   train=TrainConfig(batch_size=a.batch, steps=100))
 
 
@@ -129,6 +130,8 @@ def main():
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout (the paper's: 0.1)")
+    p.add_argument("--remat", default="none", choices=("none", "selective", "full"))
     p.add_argument("--mesh", default="1x1")
     p.add_argument("--host-devices", type=int)
     p.add_argument("--reps", type=int, default=3)
@@ -173,8 +176,9 @@ def main():
         params, opt = tr.init_state()
         tokens = jax.device_put(jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, 256),
                                 tr.batch_sharding)
-        loss = jax.jit(lambda p, t: tr.loss_fn(p, t, None))
-        grad = jax.jit(jax.grad(lambda p, t: tr.loss_fn(p, t, None)))
+        key = jax.random.key(0) if a.dropout else None    # no key: no dropout
+        loss = jax.jit(lambda p, t: tr.loss_fn(p, t, key))
+        grad = jax.jit(jax.grad(lambda p, t: tr.loss_fn(p, t, key)))
         g = grad(params, tokens)
         upd = jax.jit(lambda g, o, p: tr.tx.update(g, o, p))
         step = tr.jit_step(donate=False)

@@ -1,5 +1,5 @@
-"""bench/gpu_check.py, the one-command GPU check, runs its whole path on the CPU (--smoke) so
-that it cannot rot between the occasions a GPU is lent."""
+"""The bench scripts run their whole path on the CPU at tiny shapes, so that they cannot rot:
+bench/gpu_check.py (--smoke) between the occasions a GPU is lent, bench/step_mfu.py."""
 import json
 import subprocess
 import sys
@@ -43,3 +43,19 @@ def test_gpu_check_refuses_a_machine_without_gpus(tmp_path):
                        capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
     assert p.returncode == 2 and p.stderr.strip().startswith("error: jax sees no GPU")
     assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_step_mfu_runs_with_the_papers_dropout_and_remat():
+    """bench/step_mfu.py's whole path at tiny shapes: both stacks, with dropout (its forward and
+    backward timings draw the masks too) and full remat."""
+    e = env()
+    e["XLA_FLAGS"] += " --xla_force_host_platform_device_count=1"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "step_mfu.py"), "--layers", "2", "--hidden", "64",
+                        "--heads", "4", "--seq", "32", "--batch", "2", "--dtypes", "float32", "--rounds", "1",
+                        "--reps", "1", "--compile-layers", "2,4", "--dropout", "0.1", "--remat", "full"],
+                       capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for stack in ("scanned", "unrolled"):
+        assert f"float32, {stack} stack: 2 layers, hidden 64" in p.stdout
+    assert p.stdout.count("backward/forward") == 2 and "scanned / unrolled train step" in p.stdout
+    assert "compile, scanned train step (float32): 2 layers" in p.stdout
