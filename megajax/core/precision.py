@@ -19,7 +19,9 @@ gradient-sized transpose in the backward pass and a weight-sized one after it. I
 bfloat16 copy as uint16 bits (`_as_bits`: XLA:CPU would widen the bf16 write into the stacked
 buffer to a float32 rewrite of the whole buffer, per layer). Either VJP keeps the weight
 itself, not a bf16 W^T: a scanned stack's weight is the scan's own input, which JAX hands to
-the backward pass as it is instead of stacking a copy per layer.
+the backward pass as it is instead of stacking a copy per layer. A plain 16-bit matmul of a
+float32 weight (`compute_dtype = "bfloat16"`, the GPU default) does the same: its cast is
+checkpointed, so the backward pass casts the weight again instead of keeping its 16-bit copy.
 """
 from __future__ import annotations
 
