@@ -56,6 +56,11 @@ def row(p: Plan) -> tuple:
             f"{100 * p.scaling_efficiency:.0f}%")
 
 
+# Whose step the times are of (megajax/plan/timing.py)
+STACK_NOTE = {"megajax": "megajax's compiled step (constants fitted on an H200)",
+              "megatron-2019": "the paper's Megatron-LM (constants fitted on its DGX-2H figures)"}
+
+
 def render(cfg: Config, devices: int, hw: Hardware, plans: list[Plan], top: int = 10) -> str:
     m = cfg.model
     lines = [f"megajax-plan: {cfg.name} ({m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, seq "
@@ -71,7 +76,8 @@ def render(cfg: Config, devices: int, hw: Hardware, plans: list[Plan], top: int 
     for r in table[:1] + [tuple("-" * w for w in widths)] + table[1:]:
         lines.append("  ".join(str(v).rjust(w) if i > 1 else str(v).ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
     lines.append(f"\n{len(plans)} plans, {sum(p.fits for p in plans)} fit. Memory per device in GiB (activ: activations "
-                 f"and the step's working set); step time without overlap; TFLOP/s counts recomputation (the "
+                 f"and the step's working set); step time without overlap, {STACK_NOTE[hw.stack]}; "
+                 f"TFLOP/s counts recomputation (the "
                  f"paper's count), MFU does not; scaling: model FLOP/s per device over the "
                  f"reference run's on one device (the config's fastest one-device plan).")
     return "\n".join(lines)
