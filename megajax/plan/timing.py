@@ -19,8 +19,9 @@ What runs on the hardware (its `stack`) sets three constants:
     XLA_MATMUL_EFFICIENCY   GPT-2 1.2B at batch 16 on one H200, 320.1 ms a step. No fixed cost
                             per layer: the GPU's stream is busy the whole compiled step (its
                             profile). A scanned stack also copies what it keeps for the backward
-                            pass (SCAN_COPY_PASSES), and cuDNN's flash attention keeps its scores
-                            on chip (no element-wise passes over them).
+                            pass (SCAN_COPY_PASSES), each microbatch reads the weights and writes
+                            their gradients (WEIGHT_BYTES_PER_PARAM), and cuDNN's flash attention
+                            keeps its scores on chip (no element-wise passes over them).
 Every other constant is counted from megajax's layer or taken from the hardware.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from megajax.plan.volumes import (Matmul, data_axis_sent, head_matmul, layer_mat
 
 MATMUL_EFFICIENCY = 0.5407        # calibrated: gpt2_1.2b on one V100, 39 TFLOP/s
 LAYER_OVERHEAD_SECONDS = 7.72e-3  # calibrated: gpt2_8.3b on 8 V100s, 77% of the 1.2B model's FLOP/s per GPU
-XLA_MATMUL_EFFICIENCY = 0.6576    # calibrated: gpt2_1.2b on one H200, 320.1 ms (megajax/plan/measured.py)
+XLA_MATMUL_EFFICIENCY = 0.6656    # calibrated: gpt2_1.2b on one H200, 320.1 ms (megajax/plan/measured.py)
 # A scan's kept activations: its stacked buffers zero-filled (a write), each layer's slice
 # written in (a read and a write) and copied out in the backward pass (a read and a write):
 # 54 of the 1.2B step's 320 ms on the H200.
@@ -54,6 +55,11 @@ LINK_EFFICIENCY = 1.0             # large ring collectives run at the link's rat
 HIDDEN_PASSES, FFN_PASSES, SCORE_PASSES = 2 * 2 + 2 * 3.5, 2, 5
 BACKWARD_PASSES = 2               # the backward pass moves twice the forward's bytes
 OPTIMIZER_BYTES_PER_PARAM = 28    # Adam: read params, gradient, two moments; write params, two moments (float32)
+# megajax's stack: each microbatch reads every float32 weight in its forward and backward passes
+# and writes its gradient (12 bytes a parameter), and with accumulation reads and writes the
+# float32 accumulator too (8 more): what many small microbatches cost. The paper's stack has
+# its fitted per-layer constant instead.
+WEIGHT_BYTES_PER_PARAM, ACCUMULATE_BYTES_PER_PARAM = 12, 8
 
 
 def stack_constants(hw: Hardware) -> tuple[float, float, int]:
@@ -92,6 +98,9 @@ def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware) -> dict[str, fl
     if m.scan_layers:
         elementwise += mb * copy_passes * kept_activation_bytes(cfg, dp, tp) / hw.hbm_bandwidth
     local = state_split(cfg, dp, tp)
+    if hw.stack == "megajax":
+        per_param = WEIGHT_BYTES_PER_PARAM + (ACCUMULATE_BYTES_PER_PARAM if mb > 1 else 0)
+        elementwise += mb * per_param * local.model_shard / hw.hbm_bandwidth
     optimizer = OPTIMIZER_BYTES_PER_PARAM * local.optimizer_local / hw.hbm_bandwidth
     overhead = mb * m.num_layers * layer_overhead
     return {"matmuls": matmuls, "elementwise": elementwise, "optimizer": optimizer, "overhead": overhead}
