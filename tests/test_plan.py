@@ -278,7 +278,8 @@ def test_hardware_files_name_their_stack(tmp_path, capsys):
     toml.write_text(f"[ours]\n{gpu}[theirs]\n{gpu}stack = \"megatron-2019\"\n")
     ours, theirs = (pick_hardware(f"{toml}:{n}") for n in ("ours", "theirs"))
     assert (ours.stack, theirs.stack) == ("megajax", "megatron-2019")
-    assert timing.stack_constants(theirs) == (timing.MATMUL_EFFICIENCY, timing.LAYER_OVERHEAD_SECONDS, 0)
+    assert timing.stack_constants(theirs)[:2] == (timing.MATMUL_EFFICIENCY, timing.LAYER_OVERHEAD_SECONDS)
+    assert timing.stack_constants(ours).matmul_efficiency == timing.XLA_MATMUL_EFFICIENCY
     toml.write_text(f"[bad]\n{gpu}stack = \"pytorch\"\n")
     assert plan_main(["--config", "tiny", "--devices", "8", "--hardware", str(toml)]) == 2
     err = capsys.readouterr().err

@@ -27,6 +27,7 @@ Every other constant is counted from megajax's layer or taken from the hardware.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from megajax.config import Config
 from megajax.core.layers import fused_attention
@@ -62,16 +63,26 @@ OPTIMIZER_BYTES_PER_PARAM = 28    # Adam: read params, gradient, two moments; wr
 WEIGHT_BYTES_PER_PARAM, ACCUMULATE_BYTES_PER_PARAM = 12, 8
 
 
-def stack_constants(hw: Hardware) -> tuple[float, float, int]:
-    """(matmul efficiency, seconds per layer and microbatch, scan copy passes) of what runs on hw
-    (read when called: megajax/plan/paper.py and measured.py refit them)."""
+class Stack(NamedTuple):
+    matmul_efficiency: float
+    layer_overhead_seconds: float     # per layer and microbatch
+    scan_copy_passes: int             # over a scanned stack's kept activations
+    weight_bytes: int                 # per parameter and microbatch (without accumulation)
+    accumulate_bytes: int             # per parameter and microbatch, with accumulation
+    flash_attention: bool             # cuDNN's, where the model asks for the fused core
+
+
+def stack_constants(hw: Hardware) -> Stack:
+    """The constants of what runs on hw (read when called: megajax/plan/paper.py and
+    measured.py refit them)."""
     if hw.stack == "megatron-2019":
-        return MATMUL_EFFICIENCY, LAYER_OVERHEAD_SECONDS, 0
-    return XLA_MATMUL_EFFICIENCY, 0.0, SCAN_COPY_PASSES
+        return Stack(MATMUL_EFFICIENCY, LAYER_OVERHEAD_SECONDS, 0, 0, 0, False)
+    return Stack(XLA_MATMUL_EFFICIENCY, 0.0, SCAN_COPY_PASSES, WEIGHT_BYTES_PER_PARAM, ACCUMULATE_BYTES_PER_PARAM,
+                 True)
 
 
 def matmul_seconds(mm: Matmul, hw: Hardware) -> float:
-    eff = stack_constants(hw)[0] / ((1 + HALF_EFFICIENCY_DIM / mm.inner) * (1 + HALF_EFFICIENCY_DIM / mm.cols))
+    eff = stack_constants(hw).matmul_efficiency / ((1 + HALF_EFFICIENCY_DIM / mm.inner) * (1 + HALF_EFFICIENCY_DIM / mm.cols))
     return mm.flops / (hw.peak_flops * eff)
 
 
@@ -85,10 +96,10 @@ def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware) -> dict[str, fl
         layer += sum(matmul_seconds(mm, hw) for mm in mms[4:])
     matmuls = mb * (m.num_layers * layer + 3 * matmul_seconds(head_matmul(cfg, dp, tp), hw))
     act = DTYPE_BYTES[activation_dtype(cfg)]
-    _, layer_overhead, copy_passes = stack_constants(hw)
+    stack = stack_constants(hw)
     b, s, h = rows_per_microbatch(cfg, dp), m.seq_len, m.hidden
     stream = b * s * h // (tp if m.sequence_parallel else 1)
-    on_chip = hw.stack == "megajax" and fused_attention(m, on="gpu")     # cuDNN's flash attention
+    on_chip = stack.flash_attention and fused_attention(m, on="gpu")     # scores never reach memory
     scores = 0 if on_chip else b * m.num_heads // tp * s * s
     forward = HIDDEN_PASSES * stream + FFN_PASSES * b * s * m.ffn // tp + SCORE_PASSES * scores
     total = forward * (1 + BACKWARD_PASSES + recompute_passes(m.remat))
@@ -96,13 +107,12 @@ def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware) -> dict[str, fl
         total += SCORE_PASSES * scores
     elementwise = mb * m.num_layers * total * act / hw.hbm_bandwidth
     if m.scan_layers:
-        elementwise += mb * copy_passes * kept_activation_bytes(cfg, dp, tp) / hw.hbm_bandwidth
+        elementwise += mb * stack.scan_copy_passes * kept_activation_bytes(cfg, dp, tp) / hw.hbm_bandwidth
     local = state_split(cfg, dp, tp)
-    if hw.stack == "megajax":
-        per_param = WEIGHT_BYTES_PER_PARAM + (ACCUMULATE_BYTES_PER_PARAM if mb > 1 else 0)
-        elementwise += mb * per_param * local.model_shard / hw.hbm_bandwidth
+    per_param = stack.weight_bytes + (stack.accumulate_bytes if mb > 1 else 0)
+    elementwise += mb * per_param * local.model_shard / hw.hbm_bandwidth
     optimizer = OPTIMIZER_BYTES_PER_PARAM * local.optimizer_local / hw.hbm_bandwidth
-    overhead = mb * m.num_layers * layer_overhead
+    overhead = mb * m.num_layers * stack.layer_overhead_seconds
     return {"matmuls": matmuls, "elementwise": elementwise, "optimizer": optimizer, "overhead": overhead}
 
 
