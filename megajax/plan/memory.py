@@ -137,11 +137,16 @@ def logit_bytes(cfg: Config, backend: str = "gpu") -> int:
     return 4 + 2 if backend != "cpu" and sixteen_bit else 3 * 4
 
 
+def rows_per_microbatch(cfg: Config, dp: int) -> int:
+    """Sequences one data shard runs per microbatch (each RACE option is one)."""
+    t = cfg.train
+    return t.batch_size // t.microbatches // dp * task_for(cfg).sequences_per_example
+
+
 def _layer_shape(cfg: Config, dp: int, tp: int, backend: str) -> dict:
     """activation_bytes_per_layer's arguments for one device and microbatch."""
-    m, t = cfg.model, cfg.train
-    b = t.batch_size // t.microbatches // dp * task_for(cfg).sequences_per_example
-    return dict(b=b, s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=tp, ffn=m.ffn,
+    m = cfg.model
+    return dict(b=rows_per_microbatch(cfg, dp), s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=tp, ffn=m.ffn,
                 sequence_parallel=m.sequence_parallel, dtype=activation_dtype(cfg),
                 hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
                 recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,

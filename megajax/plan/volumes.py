@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from megajax.config import Config
-from megajax.plan.memory import state_split
+from megajax.plan.memory import rows_per_microbatch, state_split
 from megajax.tasks import task_for
 
 
@@ -45,12 +45,6 @@ def head_matmul(cfg: Config, dp: int, tp: int) -> Matmul:
     m = cfg.model
     rows = rows_per_microbatch(cfg, dp) * task_for(cfg).head_rows(cfg)
     return Matmul(rows, m.hidden, m.padded_vocab // tp)
-
-
-def rows_per_microbatch(cfg: Config, dp: int) -> int:
-    """Sequences one data shard runs per microbatch (each RACE option is one)."""
-    t = cfg.train
-    return t.batch_size // t.microbatches // dp * task_for(cfg).sequences_per_example
 
 
 def recompute_passes(remat: str) -> int:
