@@ -66,20 +66,29 @@ def _blocks(shape, ways) -> tuple[int, int]:
 
 
 def _to_blocks(t, ways, blocks):
-    """(b, h, ...) -> (blocks, b / batch blocks, h / head blocks, ...), block-major."""
+    """(b, h, ...) -> (blocks, pairs a block, ...), block-major. A block's (batch, head) pairs are
+    one axis, which `_block_shaped` splits inside the loop: a (blocks, 1, heads, ...) array (one
+    batch row a block) made XLA:CPU pick a layout for it that it then copied whole, per layer."""
     (wb, wh), (nb, nh) = ways, blocks
     b, h, *rest = t.shape
     t = t.reshape(wb, nb, b // (wb * nb), wh, nh, h // (wh * nh), *rest)
     t = jnp.moveaxis(t, (1, 4), (0, 1))
-    return t.reshape(nb * nh, b // nb, h // nh, *rest)
+    return t.reshape(nb * nh, (b // nb) * (h // nh), *rest)
 
 
-def _from_blocks(t, ways, blocks):
+def _block_shaped(t, shape, blocks):
+    """One block's (pairs, ...) as (b / batch blocks, h / head blocks, ...)."""
+    return t.reshape(shape[0] // blocks[0], shape[1] // blocks[1], *t.shape[1:])
+
+
+def _from_blocks(t, ways, blocks, shape):
+    """(blocks, pairs a block, ...) -> (b, h, ...) of the original `shape`."""
     (wb, wh), (nb, nh) = ways, blocks
-    _, bb, hb, *rest = t.shape
-    t = t.reshape(nb, nh, wb, bb // wb, wh, hb // wh, *rest)
+    b, h = shape[:2]
+    rest = t.shape[2:]
+    t = t.reshape(nb, nh, wb, b // (wb * nb), wh, h // (wh * nh), *rest)
     t = jnp.moveaxis(t, (0, 1), (1, 4))
-    return t.reshape(bb * nb, hb * nh, *rest)
+    return t.reshape(b, h, *rest)
 
 
 def _mask_blocks(key_mask, ways, blocks):
@@ -125,7 +134,8 @@ def _attention(q, k, v, key_mask, causal, scale, ways, blocks):
 
 def _attention_fwd(q, k, v, key_mask, causal, scale, ways, blocks):
     def block(xs):
-        q, k, v, mask = xs
+        mask = xs[3]
+        q, k, v = (_block_shaped(t, q_shape, blocks) for t in xs[:3])
         parts = []
         for lo, hi, kend in _tiles(q.shape[-2], causal, mask):
             s = _scores(q[..., lo:hi, :], k[..., :kend, :], _keep(lo, hi, kend, causal, mask), scale)
@@ -133,19 +143,25 @@ def _attention_fwd(q, k, v, key_mask, causal, scale, ways, blocks):
             e = jnp.exp(s - row_max)
             inv_sum = 1 / e.sum(-1, keepdims=True)
             parts.append(((e @ v[..., :kend, :]) * inv_sum, row_max, inv_sum))  # normalised on (q, d)
-        return tuple(jnp.concatenate(t, axis=-2) for t in zip(*parts))
+        out, row_max, inv_sum = (jnp.concatenate(t, axis=-2) for t in zip(*parts))
+        pairs = out.shape[0] * out.shape[1]    # no axis of 1 in what the loop stacks (`_to_blocks`)
+        return out.reshape(pairs, *out.shape[2:]), row_max.reshape(pairs, -1), inv_sum.reshape(pairs, -1)
 
+    q_shape = q.shape
     split = functools.partial(_to_blocks, ways=ways, blocks=blocks)
     out, row_max, inv_sum = jax.lax.map(block, (split(q), split(k), split(v), _mask_blocks(key_mask, ways, blocks)))
-    out = _from_blocks(out, ways, blocks)
+    out = _from_blocks(out, ways, blocks, q_shape)
     return out, (q, k, v, out, key_mask, row_max, inv_sum)
 
 
 def _attention_bwd(causal, scale, ways, blocks, residuals, g):
     q, k, v, out, key_mask, row_max, inv_sum = residuals
+    shape = q.shape
 
     def block(xs):
-        q, k, v, out, g, mask, row_max, inv_sum = xs
+        mask = xs[5]
+        q, k, v, out, g = (_block_shaped(t, shape, blocks) for t in xs[:5])
+        row_max, inv_sum = (_block_shaped(t, shape, blocks)[..., None] for t in xs[6:])
         dq, dk, dv = [], jnp.zeros_like(k), jnp.zeros_like(v)
         for lo, hi, kend in _tiles(q.shape[-2], causal, mask):
             keep = _keep(lo, hi, kend, causal, mask)
@@ -158,12 +174,12 @@ def _attention_bwd(causal, scale, ways, blocks, residuals, g):
             dq.append(ds @ kt)
             dk = dk.at[..., :kend, :].add(rows_contracted(ds, qt))
             dv = dv.at[..., :kend, :].add(rows_contracted(p, gt))
-        return jnp.concatenate(dq, axis=-2), dk, dv
+        return tuple(t.reshape(-1, *t.shape[2:]) for t in (jnp.concatenate(dq, axis=-2), dk, dv))
 
     split = functools.partial(_to_blocks, ways=ways, blocks=blocks)
     grads = jax.lax.map(block, (split(q), split(k), split(v), split(out), split(g),
                                 _mask_blocks(key_mask, ways, blocks), row_max, inv_sum))
-    dq, dk, dv = (_from_blocks(t, ways, blocks) for t in grads)
+    dq, dk, dv = (_from_blocks(t, ways, blocks, shape) for t in grads)
     return dq, dk, dv, None if key_mask is None else zero_cotangent(key_mask)
 
 
