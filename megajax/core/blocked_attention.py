@@ -81,6 +81,11 @@ def _block_shaped(t, shape, blocks):
     return t.reshape(shape[0] // blocks[0], shape[1] // blocks[1], *t.shape[1:])
 
 
+def _pairs(t):
+    """`_block_shaped`'s inverse: (b / batch blocks, h / head blocks, ...) -> (pairs, ...)."""
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
 def _from_blocks(t, ways, blocks, shape):
     """(blocks, pairs a block, ...) -> (b, h, ...) of the original `shape`."""
     (wb, wh), (nb, nh) = ways, blocks
@@ -133,9 +138,11 @@ def _attention(q, k, v, key_mask, causal, scale, ways, blocks):
 
 
 def _attention_fwd(q, k, v, key_mask, causal, scale, ways, blocks):
+    shape = q.shape
+
     def block(xs):
         mask = xs[3]
-        q, k, v = (_block_shaped(t, q_shape, blocks) for t in xs[:3])
+        q, k, v = (_block_shaped(t, shape, blocks) for t in xs[:3])
         parts = []
         for lo, hi, kend in _tiles(q.shape[-2], causal, mask):
             s = _scores(q[..., lo:hi, :], k[..., :kend, :], _keep(lo, hi, kend, causal, mask), scale)
@@ -144,13 +151,11 @@ def _attention_fwd(q, k, v, key_mask, causal, scale, ways, blocks):
             inv_sum = 1 / e.sum(-1, keepdims=True)
             parts.append(((e @ v[..., :kend, :]) * inv_sum, row_max, inv_sum))  # normalised on (q, d)
         out, row_max, inv_sum = (jnp.concatenate(t, axis=-2) for t in zip(*parts))
-        pairs = out.shape[0] * out.shape[1]    # no axis of 1 in what the loop stacks (`_to_blocks`)
-        return out.reshape(pairs, *out.shape[2:]), row_max.reshape(pairs, -1), inv_sum.reshape(pairs, -1)
+        return _pairs(out), _pairs(row_max[..., 0]), _pairs(inv_sum[..., 0])   # no axis of 1 (`_to_blocks`)
 
-    q_shape = q.shape
     split = functools.partial(_to_blocks, ways=ways, blocks=blocks)
     out, row_max, inv_sum = jax.lax.map(block, (split(q), split(k), split(v), _mask_blocks(key_mask, ways, blocks)))
-    out = _from_blocks(out, ways, blocks, q_shape)
+    out = _from_blocks(out, ways, blocks, shape)
     return out, (q, k, v, out, key_mask, row_max, inv_sum)
 
 
@@ -174,7 +179,7 @@ def _attention_bwd(causal, scale, ways, blocks, residuals, g):
             dq.append(ds @ kt)
             dk = dk.at[..., :kend, :].add(rows_contracted(ds, qt))
             dv = dv.at[..., :kend, :].add(rows_contracted(p, gt))
-        return tuple(t.reshape(-1, *t.shape[2:]) for t in (jnp.concatenate(dq, axis=-2), dk, dv))
+        return _pairs(jnp.concatenate(dq, axis=-2)), _pairs(dk), _pairs(dv)
 
     split = functools.partial(_to_blocks, ways=ways, blocks=blocks)
     grads = jax.lax.map(block, (split(q), split(k), split(v), split(out), split(g),
