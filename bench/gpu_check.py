@@ -15,8 +15,9 @@ MFU against the GPU's dense bf16 peak and peak memory, and writes DIR/gpu_check.
 every row, so a run cut short keeps what it measured) and DIR/gpu_check.md
 (bench/gpu_bench.py's `measure` does the timing). Beside each row: what `megajax-plan`
 predicts for it on this GPU's entry (H200, H100, A100), to check the planner's constants
-(megajax/plan/measured.py records the runs they are fitted on). Rows past --budget seconds are
-skipped. On one H200 the first four rows took 107 s in all.
+(megajax/plan/measured.py records the runs they are fitted on). Last, the layer stack alone,
+forward+backward, as a scan, as one compiled program per layer and unrolled
+(bench/layer_programs.py), for the 355M and 1.2B shapes. Rows past --budget seconds are skipped. On one H200 the first four rows took 107 s in all.
 """
 import argparse
 import json
@@ -39,6 +40,10 @@ ROWS = [("gpt2_355m", "gpt2_355m", FUSED, FAST),
         ("gpt2_355m, unrolled stack", "gpt2_355m", [*FUSED, "model.scan_layers=false"], FAST),
         ("gpt2_1.2b, LayerNorm and GeLU outputs recomputed", "gpt2_1.2b", [*FUSED, "model.recompute_norm_gelu=true"],
          FAST)]
+# The layer stack alone, forward+backward, three ways (bench/layer_programs.py): the scan, one
+# program per layer, and the unrolled stack where its compile time is short.
+STACKS = [("gpt2_355m", ("scan", "per_layer", "unrolled")), ("gpt2_1.2b", ("scan", "per_layer"))]
+STACK_BATCH = 16
 # --smoke: the same configs shrunk until a CPU runs them in seconds.
 SMOKE = ["model.num_layers=2", "model.hidden=128", "model.num_heads=4", "model.seq_len=64",
          "model.vocab_size=512", "model.vocab_multiple=128"]
@@ -134,6 +139,15 @@ def main() -> int:
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
+    result["stacks"] = []
+    for name, ways in STACKS:
+        if time.perf_counter() - start > a.budget:
+            row = {"config": name, "why": f"skipped: past the {a.budget:.0f} s budget"}
+        else:
+            row = measure_stack(name, ways, mesh, a.smoke)
+        result["stacks"].append(row)
+        print(json.dumps(row), flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "gpu_check.md").write_text(markdown(result))
     print(markdown(result))
     return 0
@@ -158,6 +172,29 @@ def measure_row(label, name, overrides, options, mesh, a, peak) -> dict:
                 **measure(cfg, mesh, 2 if a.smoke else a.steps, peak, compiled), **predicted(cfg, a.hardware)}
     except Exception as e:   # out of memory and the like: reported in the row, the next row runs
         return {"config": label, "fits": None, "why": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+
+
+def measure_stack(name: str, ways, mesh, smoke: bool) -> dict:
+    """The config's layer stack alone (bf16, no remat, fused attention, batch STACK_BATCH):
+    forward+backward time each way, and each way's gradients against the scan's."""
+    from layer_programs import inputs, max_rel_diff, stack_gradients, time_ways
+    from megajax.config import load_config
+
+    try:
+        cfg = load_config(name, [*FUSED, "model.remat=none", f"train.batch_size={STACK_BATCH}", "train.microbatches=1",
+                                 *(SMOKE if smoke else [])])
+        fns, state = stack_gradients(cfg, mesh)
+        x, ct, keys = inputs(cfg)
+        args = (state, x, keys, ct)
+        reference = fns["scan"](*args)
+        diffs = {w: max_rel_diff(fns[w](*args), reference) for w in ways if w != "scan"}
+        del reference
+        times = time_ways(fns, args, ways, reps=2 if smoke else 5)
+        return {"config": name, "batch": STACK_BATCH, "seq_len": cfg.model.seq_len,
+                "best_ms": {w: t[0] * 1000 for w, t in times.items()},
+                "median_ms": {w: t[1] * 1000 for w, t in times.items()}, "grad_rel_diff": diffs}
+    except Exception as e:   # out of memory and the like: reported, the run goes on
+        return {"config": name, "why": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
 
 
 def planner_hardware(device_kind: str, smoke: bool) -> str | None:
@@ -204,6 +241,19 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['config']} | {r['remat']} | {r['batch']}x{r['seq_len']} | {r['step_ms']:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.1f} | {mfu} | "
                      f"{memory(r)} | {plan} |")
+    if result.get("stacks"):
+        lines += ["", "The layer stack alone, forward+backward (bench/layer_programs.py; best of the runs, ms):", "",
+                  "| config | batch x seq | scan | one program per layer | unrolled | per-layer / scan | "
+                  "gradients vs the scan's |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in result["stacks"]:
+            if "best_ms" not in r:
+                lines.append(f"| {r['config']} | {r['why']} | | | | | |")
+                continue
+            ms = r["best_ms"]
+            cell = lambda w: f"{ms[w]:.1f}" if w in ms else "n/a"  # noqa: E731
+            diff = ", ".join(f"{w} {d:.1e}" for w, d in r["grad_rel_diff"].items())
+            lines.append(f"| {r['config']} | {r['batch']}x{r['seq_len']} | {cell('scan')} | {cell('per_layer')} | "
+                         f"{cell('unrolled')} | {ms['per_layer'] / ms['scan']:.3f} | {diff} |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,13 +4,16 @@ import json
 import subprocess
 import sys
 
+import jax
 import pytest
-from tolerances import BF16_ELEMENT, BF16_U
+from conftest import mesh_for, tiny_config
+from tolerances import BF16_ELEMENT, BF16_U, F32, assert_tree_close
 
 from test_train_cli import ROOT, env
 
 sys.path.insert(0, str(ROOT / "bench"))
-from gpu_check import ROWS  # noqa: E402
+from gpu_check import ROWS, STACKS  # noqa: E402
+from layer_programs import inputs, stack_gradients  # noqa: E402
 
 
 def test_gpu_check_smoke_writes_its_table(tmp_path):
@@ -32,8 +35,26 @@ def test_gpu_check_smoke_writes_its_table(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq_len"] * 1000 / r["step_ms"], rel=1e-9)
         assert 3.0 < r["loss"] < 8.0            # ln(512) = 6.2 at initialisation: a real step ran
         assert r["predicted_ms"] > 0 and r["predicted_bytes"] > 0    # the planner's, for an H200
+    assert [r["config"] for r in result["stacks"]] == [name for name, _ in STACKS]
+    for r, (_, ways) in zip(result["stacks"], STACKS):
+        assert set(r["best_ms"]) == set(ways) and min(r["best_ms"].values()) > 0
+        assert r["grad_rel_diff"]["per_layer"] < BF16_ELEMENT    # the same bf16 layer, run another way
     table = (tmp_path / "gpu_check.md").read_text()
-    assert table.count("| gpt2_") == len(ROWS) and "[smoke]" in table and "megajax-plan on h200" in table
+    assert table.count("| gpt2_") == len(ROWS) + len(STACKS) and "[smoke]" in table and "megajax-plan on h200" in table
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_layer_programs_ways_give_the_scans_gradients(remat):
+    """bench/layer_programs.py's three ways compute one thing: with dropout, the stacked weights'
+    and the input's gradients of the unrolled stack and of one program per layer equal the scan's."""
+    cfg = tiny_config(num_layers=3, remat=remat)
+    fns, state = stack_gradients(cfg, mesh_for("1x1"))
+    x, ct, keys = inputs(cfg)
+    assert keys is not None and keys.shape == (3,)
+    want = fns["scan"](state, x, keys, ct)
+    assert float(jax.numpy.abs(want[1]).max()) > 0
+    for way in ("unrolled", "per_layer"):
+        assert_tree_close(want, fns[way](state, x, keys, ct), F32, what=way)
 
 
 def test_gpu_check_refuses_a_machine_without_gpus(tmp_path):
