@@ -9,7 +9,8 @@ attention core against megajax's own on this device (loss and gradients of a sma
 whether the compiled program calls cuDNN's flash attention). Then, for each row below (the
 paper's GPT-2 355M and 1.2B shapes, bfloat16, one GPU: through cuDNN's flash attention without
 attention dropout, and beside it the paper's attention dropout with megajax's own core, the
-paper's full remat, the unrolled stack and model.recompute_norm_gelu), it picks the first (remat, batch)
+paper's full remat, the unrolled stack, the step as one program per layer (train.layer_programs)
+and model.recompute_norm_gelu), it picks the first (remat, batch)
 whose compiled step's memory plan fits the GPU, measures step time, tokens/s, model TFLOP/s,
 MFU against the GPU's dense bf16 peak and peak memory, and writes DIR/gpu_check.json (after
 every row, so a run cut short keeps what it measured) and DIR/gpu_check.md
@@ -17,7 +18,8 @@ every row, so a run cut short keeps what it measured) and DIR/gpu_check.md
 predicts for it on this GPU's entry (H200, H100, A100), to check the planner's constants
 (megajax/plan/measured.py records the runs they are fitted on). Last, the layer stack alone,
 forward+backward, as a scan, as one compiled program per layer and unrolled
-(bench/layer_programs.py), for the 355M and 1.2B shapes. Rows past --budget seconds are skipped. On one H200 the first four rows took 107 s in all.
+(bench/layer_programs.py), for the 355M and 1.2B shapes. Rows past --budget seconds are skipped.
+On one H200 the first four rows of an earlier version took 107 s in all.
 """
 import argparse
 import json
@@ -33,8 +35,11 @@ FUSED = ["model.attention_dropout=0", "model.attention=fused"]   # no attention 
 PAPER = ["model.attention=megajax"]     # megajax's own core, with the paper's attention dropout 0.1
 FAST = [("none", 16), ("none", 8), ("full", 16), ("full", 8), ("full", 4)]
 # (label, config, overrides, [(remat, global batch), ...] fastest first): the first that fits is measured.
+PROGRAMS = [*FUSED, "train.layer_programs=true"]    # the scanned weights, one compiled program per layer
 ROWS = [("gpt2_355m", "gpt2_355m", FUSED, FAST),
         ("gpt2_1.2b", "gpt2_1.2b", FUSED, FAST),
+        ("gpt2_1.2b, layer programs", "gpt2_1.2b", PROGRAMS, FAST),
+        ("gpt2_355m, layer programs", "gpt2_355m", PROGRAMS, FAST),
         ("gpt2_1.2b, megajax attention core, dropout 0.1 (the paper's)", "gpt2_1.2b", PAPER, FAST),
         ("gpt2_1.2b, full remat (the paper's)", "gpt2_1.2b", FUSED, [("full", 16), ("full", 8)]),
         ("gpt2_355m, unrolled stack", "gpt2_355m", [*FUSED, "model.scan_layers=false"], FAST),
@@ -65,7 +70,7 @@ def pick(name: str, overrides, options, mesh, smoke: bool):
     for remat, batch in options:
         cfg = load_config(name, [f"train.batch_size={batch}", "train.microbatches=1", f"model.remat={remat}",
                                  *overrides, *(SMOKE if smoke else [])])
-        compiled = make_trainer(cfg, mesh).lower_step().compile()
+        compiled = make_trainer(cfg, mesh).compiled_step()   # layer programs: an estimate, first programs compiled
         peak = step_memory(compiled).get("step_peak_bytes")
         if peak is None or limit is None or peak <= FITS_FRACTION * limit:
             return cfg, compiled

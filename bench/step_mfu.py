@@ -9,7 +9,8 @@ Prints step time, tokens/s, model TFLOP/s per device and MFU = model FLOP/s / pe
 peak is the best rate of a large matmul of the same precision measured in the same run (float32;
 for `mixed`, bfloat16 operands with float32 accumulation, as its matmuls run), plus where the
 time goes (forward, forward+backward, optimizer) for the scanned and the unrolled layer stack,
-the scanned / unrolled step ratio from those steps, each timed alone, and again with the two
+and the step of the scanned weights run as one compiled program per layer (`train.layer_programs`),
+each one's step against the unrolled one's, each timed alone, and again with the two
 run in turn (`--rounds` each). In turn both see the same minutes of a shared VM, but XLA:CPU's
 unrolled step runs slower when another program runs between its steps (README: up to 1.2x),
 so that ratio flatters the scan. Last, how long the train step takes to compile at two depths. With --profile DIR it also traces
@@ -26,6 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+STACKS = {"scanned": "scanned stack", "unrolled": "unrolled stack",
+          "programs": "layer programs (train.layer_programs: the scanned weights, one program per layer)"}
 
 
 def timed(fn, *args, reps=3):
@@ -105,13 +110,29 @@ def profile(fn, args, trace_dir: str, top: int = 8) -> str:
     return ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in list(kinds.items())[:top])
 
 
-def model_config(a, layers: int, scan: bool, dtype: str):
+def model_config(a, layers: int, scan: bool, dtype: str, layer_programs: bool = False):
     from megajax.config import Config, ModelConfig, TrainConfig
 
     return Config(model=ModelConfig(num_layers=layers, hidden=a.hidden, num_heads=a.heads, seq_len=a.seq,
                                     vocab_size=256, vocab_multiple=256, hidden_dropout=a.dropout,
                                     attention_dropout=a.dropout, scan_layers=scan, compute_dtype=dtype, remat=a.remat),
-                  train=TrainConfig(batch_size=a.batch, steps=100))
+                  train=TrainConfig(batch_size=a.batch, steps=100, layer_programs=layer_programs)).validate()
+
+
+def stepper(tr, params, opt, tokens):
+    """A no-argument call of one train step. The single program runs undonated on the same state
+    each time; the layer programs donate theirs, so their state is carried from call to call."""
+    import jax.numpy as jnp
+
+    if not tr.cfg.train.layer_programs:
+        step = tr.jit_step(donate=False)
+        return lambda: step(params, opt, tokens, jnp.int32(1))
+    step, state = tr.compiled_step(), [params, opt]
+
+    def run():
+        state[0], state[1], metrics = step(state[0], state[1], tokens, jnp.int32(1))
+        return metrics
+    return run
 
 
 def compile_seconds(a, mesh, layers: int, scan: bool, dtype: str) -> float:
@@ -169,40 +190,42 @@ def main():
           f"peak per device: " + ", ".join(f"{d} {p * 1000:.0f} GFLOP/s" for d, p in peaks.items())
           + f"; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(none)')}")
     steps, alone = {}, {}
-    for dtype, scan in ((d, s) for d in dtypes for s in (True, False)):
+    for dtype, stack in ((d, s) for d in dtypes for s in STACKS):
         peak = peaks[dtype]
-        cfg = model_config(a, a.layers, scan, dtype)
+        cfg = model_config(a, a.layers, stack != "unrolled", dtype, layer_programs=stack == "programs")
         tr = make_trainer(cfg, mesh)
         params, opt = tr.init_state()
         tokens = jax.device_put(jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, 256),
                                 tr.batch_sharding)
         key = jax.random.key(0) if a.dropout else None    # no key: no dropout
+        tokens_per_step = a.batch * a.seq
+        flops = flops_per_token(cfg) * tokens_per_step / mesh.devices.size
+        print(f"\n{dtype}, {STACKS[stack]}: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
+              f"batch {a.batch}, {param_count(cfg) / 1e6:.1f}M params, "
+              f"{flops_per_token(cfg) / 1e6:.0f} MFLOP/token")
+        steps[dtype, stack] = stepper(tr, params, opt, tokens)
+        t_step = alone[dtype, stack] = timed(steps[dtype, stack], reps=a.reps)
+        print(f"  step {t_step * 1000:.0f} ms | {tokens_per_step / t_step:,.0f} tokens/s | "
+              f"{flops / t_step / 1e12 * 1000:.0f} GFLOP/s per device | MFU {flops / t_step / 1e12 / peak:.2f}")
+        if stack == "programs":     # its forward and backward are the same layer programs, called in turn
+            continue
         loss = jax.jit(lambda p, t: tr.loss_fn(p, t, key))
         grad = jax.jit(jax.grad(lambda p, t: tr.loss_fn(p, t, key)))
         g = grad(params, tokens)
         upd = jax.jit(lambda g, o, p: tr.tx.update(g, o, p))
-        step = tr.jit_step(donate=False)
         t_fwd, t_grad = timed(loss, params, tokens, reps=a.reps), timed(grad, params, tokens, reps=a.reps)
         t_opt = timed(upd, g, opt, params, reps=a.reps)
-        steps[dtype, scan] = lambda step=step, params=params, opt=opt, tokens=tokens: step(params, opt, tokens,
-                                                                                          jnp.int32(1))
-        t_step = alone[dtype, scan] = timed(steps[dtype, scan], reps=a.reps)
-        tokens_per_step = a.batch * a.seq
-        flops = flops_per_token(cfg) * tokens_per_step / mesh.devices.size
-        print(f"\n{dtype}, {'scanned' if scan else 'unrolled'} stack: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
-              f"batch {a.batch}, {param_count(cfg) / 1e6:.1f}M params, "
-              f"{flops_per_token(cfg) / 1e6:.0f} MFLOP/token")
-        print(f"  step {t_step * 1000:.0f} ms | {tokens_per_step / t_step:,.0f} tokens/s | "
-              f"{flops / t_step / 1e12 * 1000:.0f} GFLOP/s per device | MFU {flops / t_step / 1e12 / peak:.2f}")
         print(f"  forward {t_fwd * 1000:.0f} ms, forward+backward {t_grad * 1000:.0f} ms "
               f"(backward/forward {(t_grad - t_fwd) / t_fwd:.2f}; ideal 2.0), optimizer {t_opt * 1000:.0f} ms")
         if a.profile:
-            where = os.path.join(a.profile, f"{dtype}_{'scanned' if scan else 'unrolled'}")
+            where = os.path.join(a.profile, f"{dtype}_{stack}")
             print(f"  forward+backward by op kind: {profile(grad, (params, tokens), where)}")
     for dtype in dtypes:
-        print(f"\n{dtype}, scanned / unrolled train step, each timed alone: {alone[dtype, True] / alone[dtype, False]:.3f}")
-        if a.rounds:
-            print(f"  run in turn: {alternating_ratio(steps[dtype, True], steps[dtype, False], a.rounds)}")
+        for other in ("scanned", "programs"):
+            print(f"\n{dtype}, {other} / unrolled train step, each timed alone: "
+                  f"{alone[dtype, other] / alone[dtype, 'unrolled']:.3f}")
+            if a.rounds:
+                print(f"  run in turn: {alternating_ratio(steps[dtype, other], steps[dtype, 'unrolled'], a.rounds)}")
     depths = [int(x) for x in a.compile_layers.split(",") if x]
     for scan in (True, False) if depths else ():
         times = [compile_seconds(a, mesh, n, scan, dtypes[0]) for n in depths]

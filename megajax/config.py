@@ -131,6 +131,8 @@ class TrainConfig:
                                       # (uses the cores of a CPU better; memory of all, not one)
     shard_optimizer: bool = False     # ZeRO-1: optimizer state split over "data", gradients reduce-scattered once per step
     shard_params: bool = False        # FSDP (implies shard_optimizer): parameters split over "data" too, gathered per layer
+    layer_programs: bool = False      # the step as one compiled program per layer, called from Python: a scanned
+                                      # stack's compile time without its stacked activations (plain data parallelism)
     steps: int = 1000
     lr: float = 6e-4
     min_lr: float = 6e-5
@@ -208,6 +210,12 @@ class Config:
         self.model.validate()
         self.train.validate()
         self.data.validate()
+        if self.train.layer_programs and not self.model.scan_layers:
+            raise ConfigError("train.layer_programs runs the stacked layers of model.scan_layers = true one at a "
+                              "time; set model.scan_layers = true (or train.layer_programs = false)")
+        if self.train.layer_programs and (self.train.shard_optimizer or self.train.shard_params):
+            raise ConfigError("train.layer_programs works with plain data parallelism only: unset "
+                              "train.shard_optimizer and train.shard_params (or train.layer_programs)")
         return self
 
     def to_dict(self) -> dict:

@@ -25,8 +25,10 @@ def test_gpu_check_smoke_writes_its_table(tmp_path):
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["smoke"] and result["backend"] == "cpu"
     assert [r["config"] for r in result["rows"]] == [row[0] for row in ROWS]
+    assert all(r["fits"] for r in result["rows"]), [r.get("why") for r in result["rows"]]
     assert [(r["remat"], r["attention"]) for r in result["rows"]] == [
-        ("none", "fused"), ("none", "fused"), ("none", "megajax"), ("full", "fused"), ("none", "fused"), ("none", "fused")]
+        ("none", "fused"), ("none", "fused"), ("none", "fused"), ("none", "fused"), ("none", "megajax"),
+        ("full", "fused"), ("none", "fused"), ("none", "fused")]
     check = result["attention_check"]      # the fused core (XLA's here) against megajax's, in bf16
     assert not check["cudnn_flash_attention"] and check["loss_rel_diff"] < BF16_U
     assert check["grad_max_rel_diff"] < 2 * BF16_ELEMENT   # two bf16 paths, each within BF16_ELEMENT
@@ -76,7 +78,8 @@ def test_step_mfu_runs_with_the_papers_dropout_and_remat():
                         "--reps", "1", "--compile-layers", "2,4", "--dropout", "0.1", "--remat", "full"],
                        capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    for stack in ("scanned", "unrolled"):
-        assert f"float32, {stack} stack: 2 layers, hidden 64" in p.stdout
-    assert p.stdout.count("backward/forward") == 2 and "scanned / unrolled train step" in p.stdout
+    for stack in ("scanned stack", "unrolled stack", "layer programs"):
+        assert f"float32, {stack}" in p.stdout and p.stdout.count("2 layers, hidden 64") == 3
+    assert p.stdout.count("backward/forward") == 2 and p.stdout.count("MFU") == 3
+    assert "scanned / unrolled train step" in p.stdout and "programs / unrolled train step" in p.stdout
     assert "compile, scanned train step (float32): 2 layers" in p.stdout

@@ -1,7 +1,15 @@
 """The stack of transformer layers: a scan over stacked weights (one compiled layer, the form
 the paper's configs use) or a Python loop; the full-remat checkpoint around each layer; and,
-with FSDP, each layer's weights all-gathered over "data" right before it runs."""
+with FSDP, each layer's weights all-gathered over "data" right before it runs.
+
+`split_at_stack` lets the train step's layer programs (megajax/training/layer_programs.py) run
+a model's own code before and after its stack without the stack, and `layer_call` is the one
+layer the scan runs, for them to run a layer at a time."""
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +30,23 @@ def _stacked_layers(cfg: ModelConfig, layout: S.Layout, precision: Precision, rn
         return TransformerLayer(cfg, layout=layout, precision=precision, rngs=nnx.Rngs(params=key), causal=causal)
 
     return make(keys)
+
+
+# While set, a LayerStack does not run: it hands its input to this function and returns what
+# that returns (see split_at_stack).
+_SPLIT: contextvars.ContextVar = contextvars.ContextVar("layer_stack_split", default=None)
+
+
+@contextlib.contextmanager
+def split_at_stack(handler: Callable):
+    """Within this block every LayerStack call returns handler(stack, x, keys, mask) instead of
+    running its layers (`keys`: the layers' dropout keys, or None). A model's code then runs
+    up to its stack (a handler that records x) or from it (one that returns a given output)."""
+    token = _SPLIT.set(handler)
+    try:
+        yield
+    finally:
+        _SPLIT.reset(token)
 
 
 class LayerStack(nnx.Module):
@@ -56,9 +81,22 @@ class LayerStack(nnx.Module):
             return jax.checkpoint(layer_fn, policy=S.drop_data_gathers)
         return layer_fn
 
+    def layer_call(self, mask=None) -> tuple[Callable, object, object]:
+        """(fn(layer_state, h, key) -> h, the stacked layers' graphdef, their stacked state): one
+        layer as the scan runs it (FSDP gather and remat included); index the state's leaves
+        for one layer's. For the train step's layer programs; scanned stacks only."""
+        graphdef, state = nnx.split(self.stacked)
+
+        def call(layer_state, h, k):
+            layer_state, h = self._gathered(layer_state, h)
+            return nnx.merge(graphdef, layer_state)(h, key=k, mask=mask)
+        return self._checkpointed(call), graphdef, state
+
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
         """Run the layers; with `cache` (k, v stacked over layers) also return the new cache."""
         keys = None if key is None else jax.random.split(key, self.num_layers)
+        if (split := _SPLIT.get()) is not None and cache is None:
+            return split(self, x, keys, mask)
         if self.scan:
             graphdef, state = nnx.split(self.stacked)
 

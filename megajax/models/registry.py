@@ -64,8 +64,9 @@ def init_model(cfg: ModelConfig, mesh, seed: int = 0, param_shardings: dict | No
 # optax, orbax and the train step work on plain dicts of arrays (string keys); the NNX
 # graph definition and a template state turn them back into a module inside the step.
 
-def _stringify(tree):
-    return {str(k): _stringify(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+def params_dict(tree):
+    """A pure dict of an NNX state (nnx.to_pure_dict) with string keys: the params dict form."""
+    return {str(k): params_dict(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
 def _unstringify(tree, template):
@@ -89,10 +90,10 @@ class ModelDef:
         self.layout = model.layout
 
     def params(self, model) -> dict:
-        return _stringify(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        return params_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
     def abstract_params(self) -> dict:
-        return _stringify(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+        return params_dict(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                        nnx.to_pure_dict(self._template)))
 
     def abstract_sharded_params(self, shardings) -> dict:
@@ -101,7 +102,7 @@ class ModelDef:
                             self.abstract_params(), shardings)
 
     def specs(self) -> dict:
-        return _stringify(nnx.to_pure_dict(nnx.get_partition_spec(self._template)))
+        return params_dict(nnx.to_pure_dict(nnx.get_partition_spec(self._template)))
 
     def bind(self, params: dict):
         state = jax.tree.map(lambda x: x, self._template)

@@ -69,9 +69,9 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
         if is_main():     # one run per workdir; taken before its checkpoints are read
             held.enter_context(WorkdirLock(workdir))
         t0 = time.perf_counter()
-        step_fn = run.trainer.lower_step().compile()   # for the task's batch layout; nothing allocated yet
+        step_fn = run.trainer.compiled_step()   # for the task's batch layout; nothing allocated yet
+        check_step_fits(step_fn)      # (with train.layer_programs this compiles the first programs)
         compile_s = time.perf_counter() - t0
-        check_step_fits(step_fn)
         ckpts = Checkpoints(workdir, keep=run.cfg.train.keep_checkpoints)
         start, params, opt_state = restore_or_init(run, ckpts, out)
         write_run_files(run.cfg, workdir, run.data.tokenizer)   # only now, with every check passed

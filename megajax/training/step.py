@@ -84,6 +84,11 @@ class Trainer:
         t = self.cfg.train
         key = jax.random.fold_in(jax.random.key(t.seed), step)
         metrics, grads = self.gradients(params, batch, key)
+        return self.apply_gradients(params, opt_state, grads, metrics, step)
+
+    def apply_gradients(self, params, opt_state, grads, metrics, step):
+        """The optimizer's update from one step's gradients; metrics gain grad_norm and lr."""
+        t = self.cfg.train
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.tx.update(grads, opt_state, params)
@@ -147,6 +152,15 @@ class Trainer:
             return self.objective(params, batch, None)[1]
         return jax.jit(eval_metrics, in_shardings=(self.param_shardings, self.batch_sharding),
                        out_shardings=self.replicated())
+
+    def compiled_step(self):
+        """What the train loop calls: the donated step compiled as one program, or with
+        train.layer_programs the sequence of per-layer programs (megajax/training/layer_programs.py).
+        Either has XLA's memory_analysis() for the fit check."""
+        if self.cfg.train.layer_programs:
+            from megajax.training.layer_programs import LayerProgramStep
+            return LayerProgramStep(self)
+        return self.lower_step().compile()
 
     def lower_step(self):
         """The train step lowered for abstract inputs (for compiling, the audit and memory analysis)."""

@@ -1,0 +1,87 @@
+"""train.layer_programs: the step as one compiled program per layer gives the single-program
+step's result, keeps the four all-reduces per layer, and refuses what it does not support."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from conftest import mesh_for, tiny_config
+from tolerances import F32, assert_tree_close
+
+from megajax.config import ConfigError
+from megajax.tools.hlo import parse_collectives
+from megajax.training.layer_programs import LayerProgramStep
+from megajax.training.step import make_trainer
+
+
+def _programs(cfg):
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, layer_programs=True)).validate()
+
+
+def _two_steps(cfg, mesh, step_fn_of):
+    """Two optimizer steps from the same start: (params, optimizer state, metrics of each)."""
+    tr = make_trainer(cfg, mesh)
+    params, opt = tr.init_state(seed=0)
+    step = step_fn_of(tr)
+    rng = np.random.default_rng(0)
+    metrics = []
+    for i in range(2):
+        batch = jax.device_put(tr.task.synthetic_batch(cfg, cfg.train.batch_size, rng), tr.batch_sharding)
+        params, opt, m = step(params, opt, batch, np.int32(i))
+        metrics.append(jax.device_get(m))
+    return jax.device_get(params), jax.device_get(opt), metrics
+
+
+@pytest.mark.parametrize("kind, mesh, model", [
+    ("gpt", "1x1", {}),
+    ("gpt", "2x4", {}),                                   # tensor and data parallel, microbatches, dropout
+    ("gpt", "1x4", {"remat": "full", "sequence_parallel": True}),
+    ("bert", "2x2", {"remat": "selective"}),              # the stack's padding mask and BERT's heads
+])
+def test_layer_programs_give_the_single_program_step(kind, mesh, model):
+    cfg = tiny_config(kind=kind, num_layers=3, **model)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2)).validate()
+    m = mesh_for(mesh)
+    want = _two_steps(cfg, m, lambda tr: tr.jit_step(donate=False))
+    got = _two_steps(_programs(cfg), m, lambda tr: tr.compiled_step())
+    assert isinstance(make_trainer(_programs(cfg), m).compiled_step(), LayerProgramStep)
+    assert_tree_close(want[0], got[0], F32, what="params")
+    assert_tree_close(want[1], got[1], F32, what="optimizer state")
+    for w, g in zip(want[2], got[2]):
+        assert set(w) == set(g)
+        for k in w:
+            np.testing.assert_allclose(g[k], w[k], rtol=F32, atol=0, err_msg=k)
+    assert want[2][1]["loss"] != want[2][0]["loss"]      # the second step saw the first's update
+
+
+def _model_axis(hlo: str, mesh_shape) -> list:
+    return [(c.kind, c.count) for c in parse_collectives(hlo, mesh_shape) if c.axis == "model"]
+
+
+def test_each_layer_program_holds_two_of_the_four_all_reduces():
+    """The paper's f and g per layer: the forward program all-reduces after attention and after
+    the MLP, the backward program before each (the transposes of g and f); nothing else over
+    "model"."""
+    cfg = _programs(tiny_config(num_layers=2, hidden_dropout=0.0, attention_dropout=0.0))
+    mesh = mesh_for("1x4")
+    step = make_trainer(cfg, mesh).compiled_step()
+    tr = step.tr
+    params, _ = tr.init_state(seed=0)
+    batch = jax.device_put(tr.task.synthetic_batch(cfg, 8, np.random.default_rng(0)), tr.batch_sharding)
+    x, aux, _ = step._pre(params, batch, np.int32(0), np.int32(0))
+    fwd_hlo = step._forward.lower(params, np.int32(0), x, aux).compile().as_text()
+    _, pullback = step._forward(params, np.int32(0), x, aux)
+    grads = step._zeros(params)[1]
+    bwd_hlo = step._backward.lower(pullback, grads, np.int32(0), x).compile().as_text()
+    assert _model_axis(fwd_hlo, (1, 4)) == [("all-reduce", 1)] * 2
+    assert _model_axis(bwd_hlo, (1, 4)) == [("all-reduce", 1)] * 2
+
+
+def test_layer_programs_refuse_what_they_do_not_run():
+    base = tiny_config()
+    with pytest.raises(ConfigError, match="model.scan_layers = true"):
+        _programs(tiny_config(scan_layers=False))
+    for key in ("shard_optimizer", "shard_params"):
+        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, **{key: True}))
+        with pytest.raises(ConfigError, match="plain data parallelism"):
+            _programs(cfg)
