@@ -5,8 +5,8 @@ pass needs are kept in buffers stacked over the layers, which XLA zero-fills, wr
 out again: about 17% of a GPT-2 1.2B step on an H200 (README, "Performance of the big-model
 path"). An unrolled stack keeps them in separate buffers but compiles every layer. Here one
 layer is compiled, as in the scan, and called once per layer: its forward returns jax.vjp's
-pullback, whose leaves are that layer's saved activations, in buffers of their own; its
-backward adds the layer's weight gradients into the stacked gradients in place
+pullback, whose leaves are that layer's saved activations, in buffers of their own (its
+weights are sliced again in the backward program, `_Saved`); its backward adds the layer's weight gradients into the stacked gradients in place
 (bench/layer_programs.py times the three ways).
 
 Per microbatch: the model's own code up to its stack (`_pre`, with jax.vjp), the layers'
@@ -54,6 +54,36 @@ def _replace(tree: dict, path: tuple, sub):
     return out
 
 
+@jax.tree_util.register_pytree_node_class
+class _Saved:
+    """A layer's pullback without its weights: the activations it saved (the leaves) and, as
+    static data, where the weight slices go back in. jax.vjp keeps the layer's weights among
+    its residuals, and as slices of the stacked weights they would be copies: a second float32
+    copy of every layer's weights held from the forward pass to the backward. The backward
+    program slices them again instead, as the scan's backward pass does."""
+
+    def __init__(self, leaves, layout):
+        self.leaves, self.layout = leaves, layout
+
+    def tree_flatten(self):
+        return self.leaves, self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, leaves):
+        return cls(list(leaves), layout)
+
+    @classmethod
+    def of(cls, pullback, weights):
+        leaves, treedef = jax.tree.flatten(pullback)
+        slots = tuple(next((n for n, w in enumerate(weights) if w is leaf), None) for leaf in leaves)
+        return cls([leaf for leaf, slot in zip(leaves, slots) if slot is None], (treedef, slots))
+
+    def pullback(self, weights):
+        treedef, slots = self.layout
+        saved = iter(self.leaves)
+        return jax.tree.unflatten(treedef, [next(saved) if slot is None else weights[slot] for slot in slots])
+
+
 def _stack_of(model) -> tuple[tuple[str, ...], LayerStack]:
     stacks = [(tuple(str(k) for k in path), node) for path, node in nnx.iter_graph(model)
               if isinstance(node, LayerStack)]
@@ -82,7 +112,7 @@ class LayerProgramStep:
         self._forward = jax.jit(self._forward_fn)
         self._post = jax.jit(self._post_fn, out_shardings=(trainer.replicated(), self.rest_shardings, None))
         self._backward = jax.jit(self._backward_fn, out_shardings=(self.stacked_shardings, None),
-                                 donate_argnums=(1,))
+                                 donate_argnums=(2,))
         self._accumulate = jax.jit(self._accumulate_fn, out_shardings=(self.rest_shardings, trainer.replicated()),
                                    donate_argnums=(2, 4))
         self._update = jax.jit(self._update_fn, out_shardings=(shardings, trainer.opt_shardings, trainer.replicated()),
@@ -127,10 +157,12 @@ class LayerProgramStep:
 
     def _forward_fn(self, params, i, h, aux):
         call, layer_state, key = self._layer(params, aux, i)
-        return jax.vjp(lambda st, h: call(st, h, key), layer_state, h)
+        h, pullback = jax.vjp(lambda st, h: call(st, h, key), layer_state, h)
+        return h, _Saved.of(pullback, jax.tree.leaves(layer_state))
 
-    def _backward_fn(self, pullback, stacked_grads, i, g):
-        d_layer, dh = pullback(g)
+    def _backward_fn(self, params, saved, stacked_grads, i, g):
+        _, layer_state, _ = self._layer(params, (None, None), i)
+        d_layer, dh = saved.pullback(jax.tree.leaves(layer_state))(g)
         d_layer = params_dict(nnx.to_pure_dict(d_layer))
         return jax.tree.map(lambda acc, d: acc.at[i].add(d), stacked_grads, d_layer), dh
 
@@ -172,7 +204,7 @@ class LayerProgramStep:
                 pullbacks.append(pullback)
             metrics, post_grads, g = self._post(params, batch, step, j, x)
             for i in reversed(range(self.num_layers)):    # each layer's activations freed as it goes
-                stacked_grads, g = self._backward(pullbacks.pop(), stacked_grads, np.int32(i), g)
+                stacked_grads, g = self._backward(params, pullbacks.pop(), stacked_grads, np.int32(i), g)
             rest_grads, metrics_sum = self._accumulate(pre_pullback, g, rest_grads, post_grads, metrics_sum,
                                                        metrics)
         return self._update(params, opt_state, rest_grads, stacked_grads, metrics_sum, step)
