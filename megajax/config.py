@@ -131,8 +131,7 @@ class TrainConfig:
                                       # (uses the cores of a CPU better; memory of all, not one)
     shard_optimizer: bool = False     # ZeRO-1: optimizer state split over "data", gradients reduce-scattered once per step
     shard_params: bool = False        # FSDP (implies shard_optimizer): parameters split over "data" too, gathered per layer
-    layer_programs: bool = False      # the step as one compiled program per layer, called from Python: a scanned
-                                      # stack's compile time without its stacked activations (plain data parallelism)
+    layer_programs: bool = False      # the step as one compiled program per layer, called from Python (README)
     steps: int = 1000
     lr: float = 6e-4
     min_lr: float = 6e-5

@@ -28,6 +28,7 @@ from megajax.core.mesh import check_fits
 from megajax.models.registry import ModelDef, abstract_model, init_model, path_keys
 from megajax.tasks import Task, task_for
 from megajax.training.data_parallel import DataParallel
+from megajax.training.layer_programs import LayerProgramStep
 from megajax.training.optimizer import lr_schedule, make_optimizer
 
 
@@ -158,7 +159,6 @@ class Trainer:
         train.layer_programs the sequence of per-layer programs (megajax/training/layer_programs.py).
         Either has XLA's memory_analysis() for the fit check."""
         if self.cfg.train.layer_programs:
-            from megajax.training.layer_programs import LayerProgramStep
             return LayerProgramStep(self)
         return self.lower_step().compile()
 
