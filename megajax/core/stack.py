@@ -81,6 +81,11 @@ class LayerStack(nnx.Module):
             return jax.checkpoint(layer_fn, policy=S.drop_data_gathers)
         return layer_fn
 
+    def _run_layer(self, graphdef, layer_state, h, key, mask=None, cache=None, pos=None):
+        """One layer on h: its weights gathered first under FSDP."""
+        layer_state, h = self._gathered(layer_state, h)
+        return nnx.merge(graphdef, layer_state)(h, key=key, mask=mask, cache=cache, pos=pos)
+
     def layer_call(self, mask=None) -> tuple[Callable, object, object]:
         """(fn(layer_state, h, key) -> h, the stacked layers' graphdef, their stacked state): one
         layer as the scan runs it (FSDP gather and remat included); index the state's leaves
@@ -88,8 +93,7 @@ class LayerStack(nnx.Module):
         graphdef, state = nnx.split(self.stacked)
 
         def call(layer_state, h, k):
-            layer_state, h = self._gathered(layer_state, h)
-            return nnx.merge(graphdef, layer_state)(h, key=k, mask=mask)
+            return self._run_layer(graphdef, layer_state, h, k, mask)
         return self._checkpointed(call), graphdef, state
 
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
@@ -101,9 +105,8 @@ class LayerStack(nnx.Module):
             graphdef, state = nnx.split(self.stacked)
 
             def body(h, xs):
-                layer_state, h = self._gathered(xs[0], h)
-                _, k, c = xs
-                out = nnx.merge(graphdef, layer_state)(h, key=k, mask=mask, cache=c, pos=pos)
+                layer_state, k, c = xs
+                out = self._run_layer(graphdef, layer_state, h, k, mask, c, pos)
                 return (out, None) if c is None else out
 
             with jax.named_scope("layers"):
@@ -114,8 +117,7 @@ class LayerStack(nnx.Module):
             graphdef, state = nnx.split(layer)
 
             def call(layer_state, h, k, c, graphdef=graphdef):
-                layer_state, h = self._gathered(layer_state, h)
-                return nnx.merge(graphdef, layer_state)(h, key=k, mask=mask, cache=c, pos=pos)
+                return self._run_layer(graphdef, layer_state, h, k, mask, c, pos)
 
             with jax.named_scope(f"layer_{i}"):
                 out = self._checkpointed(call)(state, x, None if keys is None else keys[i],

@@ -27,9 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
-from megajax.core import sharding as S
 from megajax.core.stack import LayerStack, split_at_stack
 from megajax.models.registry import params_dict
 from megajax.training.memory import per_device_bytes
@@ -120,17 +118,12 @@ class LayerProgramStep:
 
     # -- the programs ------------------------------------------------------------------------
     def _microbatch(self, batch, step, j):
-        """Microbatch j (rows j, j+m, ...: every data shard keeps its own, as in the single
-        program) and its dropout key."""
-        t, m = self.tr.cfg.train, self.microbatches
-        key = jax.random.fold_in(jax.random.key(t.seed), step)
-        if m == 1:
+        """Microbatch j and its dropout key, as the single program splits them."""
+        key = self.tr.step_key(step)
+        if self.microbatches == 1:
             return batch, key
-
-        def take(x):
-            x = jax.lax.dynamic_index_in_dim(x.reshape(x.shape[0] // m, m, *x.shape[1:]), j, axis=1, keepdims=False)
-            return jax.lax.with_sharding_constraint(x, NamedSharding(self.tr.mesh, S.BATCH))
-        return jax.tree.map(take, batch), jax.random.fold_in(key, j)
+        take = lambda x: jax.lax.dynamic_index_in_dim(x, j, keepdims=False)  # noqa: E731
+        return jax.tree.map(take, self.tr.split_microbatches(batch)), jax.random.fold_in(key, j)
 
     def _pre_fn(self, params, batch, step, j):
         """The model up to its stack: (stack input, (layer keys, mask), pullback to the weights)."""

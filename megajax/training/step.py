@@ -82,10 +82,22 @@ class Trainer:
         return self.objective(params, batch, key)[0]
 
     def _step(self, params, opt_state, batch, step):
-        t = self.cfg.train
-        key = jax.random.fold_in(jax.random.key(t.seed), step)
-        metrics, grads = self.gradients(params, batch, key)
+        metrics, grads = self.gradients(params, batch, self.step_key(step))
         return self.apply_gradients(params, opt_state, grads, metrics, step)
+
+    def step_key(self, step):
+        """The step's dropout key: a function of (seed, step) only, so a resumed run draws the same."""
+        return jax.random.fold_in(jax.random.key(self.cfg.train.seed), step)
+
+    def split_microbatches(self, batch):
+        """Every batch array as (microbatches, rows, ...): microbatch j takes rows j, j+m, j+2m, ...,
+        so every data shard keeps its own rows. Microbatch j's dropout key is fold_in(key, j)."""
+        m = self.cfg.train.microbatches
+
+        def split(x):
+            x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, S.DATA)))
+        return jax.tree.map(split, batch)
 
     def apply_gradients(self, params, opt_state, grads, metrics, step):
         """The optimizer's update from one step's gradients; metrics gain grad_norm and lr."""
@@ -112,19 +124,14 @@ class Trainer:
         if t.microbatches == 1:
             (_, metrics), grads = grad_fn(params, batch, key)
         else:
-            # Microbatch j takes rows j, j+m, j+2m, ...: every data shard keeps its own rows.
             m = t.microbatches
-
-            def split(x):
-                x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-                return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, S.DATA)))
 
             def accumulate(carry, xs):
                 mb, j = xs
                 (_, metrics), grads = grad_fn(params, mb, jax.random.fold_in(key, j))
                 return jax.tree.map(jnp.add, carry, (metrics, grads)), None
 
-            micro = jax.tree.map(split, batch)
+            micro = self.split_microbatches(batch)
             metric_shapes = jax.eval_shape(lambda mb: self.objective(params, mb, key)[1],
                                            jax.tree.map(lambda x: x[0], micro))
             zeros = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), metric_shapes),
