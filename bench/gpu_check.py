@@ -85,6 +85,7 @@ def check_attention(mesh) -> dict:
     import jax
     import numpy as np
 
+    from layer_programs import max_rel_diff
     from megajax.config import load_config
     from megajax.training.step import make_trainer
 
@@ -98,8 +99,7 @@ def check_attention(mesh) -> dict:
         metrics, grads = jax.device_get(compiled(params, batch, jax.random.key(1)))
         results[attention] = (float(metrics["loss"]), jax.tree.leaves(grads), "cudnn$fmha" in compiled.as_text())
     (loss0, g0, _), (loss1, g1, cudnn) = results["megajax"], results["fused"]
-    rel = max(float(np.abs(np.float64(a) - np.float64(b)).max() / max(np.abs(np.float64(a)).max(), 1e-30))
-              for a, b in zip(g0, g1))
+    rel = max_rel_diff(g1, g0)
     return {"cudnn_flash_attention": cudnn, "loss_megajax": loss0, "loss_fused": loss1,
             "loss_rel_diff": abs(loss1 - loss0) / abs(loss0), "grad_max_rel_diff": rel}
 

@@ -125,16 +125,12 @@ def inputs(cfg, seed: int = 0):
 
 def max_rel_diff(got, want) -> float:
     """The largest |got - want| of any leaf, relative to that leaf's largest |want|."""
+    import jax
     import numpy as np
 
+    got, want = (jax.tree.leaves(jax.device_get(t)) for t in (got, want))
     return max(float(np.abs(np.float64(a) - np.float64(b)).max() / max(np.abs(np.float64(b)).max(), 1e-30))
-               for a, b in zip(jax_leaves(got), jax_leaves(want)))
-
-
-def jax_leaves(tree):
-    import jax
-
-    return jax.tree.leaves(jax.device_get(tree))
+               for a, b in zip(got, want))
 
 
 def time_ways(fns: dict, args, ways, reps: int) -> dict:
