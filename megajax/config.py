@@ -54,10 +54,9 @@ class ModelConfig:
     ln_placement: str = "pre"         # pre (GPT-2, the paper's BERT) | post (original BERT)
     ln_eps: float = 1e-5
     init_std: float = 0.02
-    compute_dtype: str = "auto"       # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16 | mixed
+    compute_dtype: str = "auto"       # auto (16-bit on GPU/TPU, float32 on CPU) | float32 | bfloat16 | float16 | mixed
                                       # (mixed: bfloat16 matmul operands, float32 accumulation and activations)
-    gelu: str = "tanh"                # tanh (Megatron-LM's fused bias-GeLU and openai_gelu, GPT-2) | exact (erf;
-                                      # Hugging Face's BERT)
+    gelu: str = "tanh"                # tanh (Megatron-LM's fused bias-GeLU and openai_gelu, GPT-2) | exact (erf; HF's BERT)
     remat: str = "none"               # none | selective (recompute the attention core: scores, softmax, dropout,
                                       # probabilities x values) | full (recompute each layer); true/false: full/none
     scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
@@ -96,8 +95,8 @@ class ModelConfig:
                               f"model.kind = \"{self.kind}\", got '{self.task}'{hint}")
         if self.ln_placement not in ("pre", "post"):
             raise ConfigError(f"model.ln_placement must be 'pre' or 'post', got '{self.ln_placement}'")
-        if self.compute_dtype not in ("auto", "float32", "bfloat16", "mixed"):
-            raise ConfigError(f"model.compute_dtype must be auto, float32, bfloat16 or mixed, got '{self.compute_dtype}'")
+        if self.compute_dtype not in ("auto", "float32", "bfloat16", "float16", "mixed"):
+            raise ConfigError(f"model.compute_dtype must be auto, float32, bfloat16, float16 or mixed, got '{self.compute_dtype}'")
         if self.gelu not in ("exact", "tanh"):
             raise ConfigError(f"model.gelu must be exact or tanh, got '{self.gelu}'")
         for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size", "vocab_multiple", "ln_eps", "init_std"):
@@ -127,8 +126,7 @@ class ModelConfig:
 class TrainConfig:
     batch_size: int = 16              # global, over all data-parallel replicas
     microbatches: int = 1             # gradient accumulation steps per optimizer step
-    unroll_microbatches: bool = False # True: microbatches as independent branches XLA can run at once
-                                      # (uses the cores of a CPU better; memory of all, not one)
+    unroll_microbatches: bool = False # True: microbatches as independent branches XLA can run at once (CPU cores)
     shard_optimizer: bool = False     # ZeRO-1: optimizer state split over "data", gradients reduce-scattered once per step
     shard_params: bool = False        # FSDP (implies shard_optimizer): parameters split over "data" too, gathered per layer
     layer_programs: bool = False      # the step as one compiled program per layer, called from Python (README)
@@ -143,6 +141,8 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    loss_scale: float = 65536.0       # float16 activations: the first dynamic loss scale (training/loss_scale.py)
+    loss_scale_window: int = 1000     # ... doubled after this many steps without overflow, halved on one
     seed: int = 0
     init_from: str = ""               # a workdir whose weights start this run (BERT fine-tuning: its encoder)
     log_every: int = 10
@@ -153,7 +153,7 @@ class TrainConfig:
 
     def validate(self):
         for name in ("batch_size", "microbatches", "steps", "log_every", "eval_every", "eval_batches",
-                     "save_every", "keep_checkpoints", "lr", "eps", "grad_clip"):
+                     "save_every", "keep_checkpoints", "lr", "eps", "grad_clip", "loss_scale", "loss_scale_window"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "decay_steps", "seed", "min_lr", "weight_decay"):

@@ -25,10 +25,13 @@ class Progress:
                                  refresh=False)
             self.bar.refresh()
         else:
+            norm = "skipped (overflow)" if record["grad_norm"] is None else f"{record['grad_norm']:.3f}"
             print(f"step {step:>6}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                  f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_sec']:,.0f} tok/s  "
+                  f"grad_norm {norm}  {record['tokens_per_sec']:,.0f} tok/s  "
                   f"{record['step_time_s'] * 1000:.1f} ms/step"
-                  + "".join(f"  {k} {record[k]:.3f}" for k in ("mlm_accuracy", "sop_accuracy", "accuracy") if k in record),
+                  + "".join(f"  {k} {record[k]:.3f}" for k in ("mlm_accuracy", "sop_accuracy", "accuracy") if k in record)
+                  + (f"  loss_scale {record['loss_scale']:g} ({record['skipped_steps']} skipped)"
+                     if "loss_scale" in record else ""),
                   flush=True)
 
     def advance(self, done: int, total: int):

@@ -37,6 +37,7 @@ def _two_steps(cfg, mesh, step_fn_of):
     ("gpt", "2x4", {}),                                   # tensor and data parallel, microbatches, dropout
     ("gpt", "1x4", {"remat": "full", "sequence_parallel": True}),
     ("bert", "2x2", {"remat": "selective"}),              # the stack's padding mask and BERT's heads
+    ("gpt", "2x2", {"compute_dtype": "float16"}),         # the loss scale reaches the programs
 ])
 def test_layer_programs_give_the_single_program_step(kind, mesh, model):
     cfg = tiny_config(kind=kind, num_layers=3, **model)

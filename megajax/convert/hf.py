@@ -118,7 +118,7 @@ def _save_step0(workdir: Path, cfg: Config, params: dict, source: str):
     """Step 0: the weights and a fresh optimizer state, so train.py can also resume in place."""
     with jax.default_device(single_device_mesh().devices.flat[0]):
         params = jax.tree.map(jax.numpy.asarray, params)
-        opt_state = make_optimizer(cfg.train).init(params)
+        opt_state = make_optimizer(cfg).init(params)
         ckpts = Checkpoints(workdir, async_save=False)
         failure = ckpts.save(0, params, opt_state, {"step": 0, "config": cfg.name, "imported_from": source})
         ckpts.close()

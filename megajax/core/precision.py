@@ -54,11 +54,14 @@ class Precision:
 
     @classmethod
     def of(cls, model_cfg, backend: str | None = None) -> "Precision":
-        """From `model.compute_dtype`: auto is bfloat16 on GPU/TPU, float32 on the CPU; mixed is
-        float32 activations with bfloat16 matmul operands."""
+        """From `model.compute_dtype`: auto is bfloat16 on GPU/TPU (float16 on a GPU whose tensor
+        cores lack bfloat16, with loss scaling: training/loss_scale.py), float32 on the CPU; mixed
+        is float32 activations with bfloat16 matmul operands."""
         name = model_cfg.compute_dtype
         if name == "auto":
             name = "bfloat16" if (backend or jax.default_backend()) in ("gpu", "tpu") else "float32"
+            if backend is None and name == "bfloat16" and not _device_has_bfloat16():
+                name = "float16"
         compute = jnp.dtype(jnp.float32 if name == "mixed" else name)
         matmul_dtype = jnp.dtype(jnp.bfloat16) if name == "mixed" else compute
         stacked = model_cfg.scan_layers and model_cfg.remat != "full"
@@ -69,7 +72,17 @@ class Precision:
     def name(self) -> str:
         if self.matmul != self.compute:
             return "mixed (bf16 matmuls, f32 activations)"
-        return self.compute.name
+        return "float16 (dynamic loss scaling)" if self.compute == jnp.float16 else self.compute.name
+
+
+def _device_has_bfloat16() -> bool:
+    """False on NVIDIA GPUs before compute capability 8.0 (V100, T4: the paper's GPUs, Colab's
+    free one), whose tensor cores take float16 only: XLA would run bfloat16 matmuls in float32."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return capability is None or float(capability) >= 8.0
+    except (TypeError, ValueError):
+        return True
 
 
 def matmul(x, w, dtype, stacked_residuals: bool = False):

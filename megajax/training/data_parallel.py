@@ -104,15 +104,16 @@ class DataParallel:
             return S.gather_over_data(x, d, tuple(spec))
         return jax.tree_util.tree_map_with_path(gather, params, self.dims, self.model_specs)
 
-    def _objective(self, params, batch, key):
+    def _objective(self, params, batch, key, loss_scale=None):
         if self.fsdp:
             params = self._gather_outside_layers(params)
-        return self.manual.bind(params).objective(batch, key=key)
+        loss, metrics = self.manual.bind(params).objective(batch, key=key)
+        return (loss, metrics) if loss_scale is None else (loss * loss_scale, metrics)
 
-    def _local(self, params, batch, key):
+    def _local(self, params, batch, key, loss_scale):
         """One device's rows: (metrics, gradients) summed over the microbatches, reduced once."""
         t = self.cfg.train
-        grad_fn = jax.value_and_grad(self._objective, has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, b, k: self._objective(p, b, k, loss_scale), has_aux=True)
         m = t.microbatches
         # Microbatch j takes this shard's rows j, j+m, ...: the rows j, j+m, ... of the global
         # batch that this shard holds, as the GSPMD step splits them.
@@ -156,13 +157,14 @@ class DataParallel:
             return jax.lax.psum_scatter(g, S.DATA, scatter_dimension=d, tiled=True)
 
     # -- called by the step ------------------------------------------------------------------
-    def gradients(self, params, batch, key):
-        """(metrics, gradients), the gradients split over "data" like the optimizer state."""
+    def gradients(self, params, batch, key, loss_scale=None):
+        """(metrics, gradients), the gradients split over "data" like the optimizer state (of
+        the loss times `loss_scale`, if given)."""
         specs = jax.tree.map(lambda d, x: self._data_spec(d, x.ndim), self.dims, params)
         held = specs if self.fsdp else jax.tree.map(lambda _: P(), params)
-        fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=(held, P(S.DATA), P()),
+        fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=(held, P(S.DATA), P(), P()),
                            out_specs=(P(), specs), axis_names={S.DATA}, check_vma=False)
-        metrics, grads = fn(params, batch, key)
+        metrics, grads = fn(params, batch, key, loss_scale)
         return metrics, jax.lax.with_sharding_constraint(grads, self.sharded)
 
     def updated_params(self, params):

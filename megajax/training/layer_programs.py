@@ -159,14 +159,15 @@ class LayerProgramStep:
         d_layer = params_dict(nnx.to_pure_dict(d_layer))
         return jax.tree.map(lambda acc, d: acc.at[i].add(d), stacked_grads, d_layer), dh
 
-    def _post_fn(self, params, batch, step, j, h):
-        """The model from its stack's output h: ((loss, metrics), grads of the other weights, dh)."""
+    def _post_fn(self, params, batch, step, j, h, loss_scale):
+        """The model from its stack's output h: (metrics, grads of the other weights, dh), of the
+        loss times `loss_scale` if given (float16)."""
         mb, key = self._microbatch(batch, step, j)
         stacked = _get(params, self.path)
 
         def from_stack(rest, h):
             with split_at_stack(lambda stack, x, keys, mask: h):
-                return self.tr.objective(_replace(rest, self.path, stacked), mb, key)
+                return self.tr.objective(_replace(rest, self.path, stacked), mb, key, loss_scale)
         (_, metrics), (grads, dh) = jax.value_and_grad(from_stack, argnums=(0, 1), has_aux=True)(
             _replace(params, self.path, None), h)
         return metrics, grads, dh
@@ -187,7 +188,7 @@ class LayerProgramStep:
     # -- the step ------------------------------------------------------------------------
     def __call__(self, params, opt_state, batch, step):
         rest_grads, stacked_grads = self._zeros(params)
-        metrics_sum = None
+        metrics_sum, loss_scale = None, self.tr.loss_scale(opt_state)
         for j in range(self.microbatches):
             j = np.int32(j)
             x, aux, pre_pullback = self._pre(params, batch, step, j)
@@ -195,7 +196,7 @@ class LayerProgramStep:
             for i in range(self.num_layers):
                 x, pullback = self._forward(params, np.int32(i), x, aux)
                 pullbacks.append(pullback)
-            metrics, post_grads, g = self._post(params, batch, step, j, x)
+            metrics, post_grads, g = self._post(params, batch, step, j, x, loss_scale)
             for i in reversed(range(self.num_layers)):    # each layer's activations freed as it goes
                 stacked_grads, g = self._backward(params, pullbacks.pop(), stacked_grads, np.int32(i), g)
             rest_grads, metrics_sum = self._accumulate(pre_pullback, g, rest_grads, post_grads, metrics_sum,

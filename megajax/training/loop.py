@@ -106,7 +106,8 @@ def restore_or_init(run: Run, ckpts: Checkpoints, out) -> tuple[int | None, dict
     """(step, params, optimizer state) of the newest checkpoint that reads back, or (None,
     fresh state): new weights, with --init-from's encoder when fine-tuning."""
     abstract_p, abstract_o = run.trainer.abstract_state()
-    found = ckpts.restore_newest_intact(lambda s: ckpts.restore(s, abstract_p, abstract_o),
+    legacy = run.trainer.legacy_opt_state()
+    found = ckpts.restore_newest_intact(lambda s: ckpts.restore(s, abstract_p, abstract_o, legacy),
                                         warn=out if is_main() else lambda _: None)
     if found is not None:
         step, (params, opt_state, _) = found
@@ -217,6 +218,9 @@ class StepLogger:
                   "grad_norm": float(m["grad_norm"]), "tokens_per_sec": self.tokens_per_step / dt,
                   "step_time_s": dt, "tflops_per_device": self.flops / dt / 1e12}
         record.update({k: float(v) for k, v in m.items() if k not in record})  # BERT: mlm_loss, sop_accuracy, ...
+        if "skipped_steps" in record:     # float16: a skipped step's norm is not finite, and JSON has no inf
+            record["skipped_steps"] = int(record["skipped_steps"])
+            record["grad_norm"] = record["grad_norm"] if math.isfinite(record["grad_norm"]) else None
         if self.peak:
             record["mfu"] = record["tflops_per_device"] / self.peak
         self.metrics.write(record)
@@ -224,13 +228,18 @@ class StepLogger:
 
     def _check_finite(self, step: int, m: dict):
         # The loss is computed before the update, the gradient norm from what updates the
-        # weights: either one not finite means the weights after `step` are not either.
+        # weights: either one not finite means the weights after `step` are not either. With
+        # float16's loss scaling, gradients that overflowed skip the update instead (the
+        # weights stay finite) and halve the scale; at a scale of 1 the run has diverged.
         bad = [(k, float(m[k])) for k in ("loss", "grad_norm") if not math.isfinite(float(m[k]))]
-        if not bad:
+        scale = float(m.get("loss_scale", 0.0))
+        if not bad or ([k for k, _ in bad] == ["grad_norm"] and scale > 1.0):
             return
         self.progress.close()
         self._forget(self.ckpts.failed_save(block=True))
         what = " and ".join(f"{'gradient norm' if k == 'grad_norm' else k} {v}" for k, v in bad)
+        if scale:
+            what += f" (float16 gradients, loss scale {scale:g})"
         good = (f"last good checkpoint: step {self.saves[-1]} in {self.run.workdir / 'checkpoints'}"
                 if self.saves else "no checkpoint was saved before it")
         raise UserError(f"{what} at step {step}; stopped, nothing of step {step} or later saved; {good}")

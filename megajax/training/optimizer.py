@@ -1,11 +1,13 @@
 """The paper's optimiser recipe, from optax: global-norm clipping, then AdamW with linear
-warmup and cosine (GPT-2) or linear (the paper's BERT) decay."""
+warmup and cosine (GPT-2) or linear (the paper's BERT) decay, behind a loss scale that is
+dynamic for float16 activations (megajax/training/loss_scale.py)."""
 from __future__ import annotations
 
 import jax
 import optax
 
-from megajax.config import TrainConfig
+from megajax.config import Config, TrainConfig
+from megajax.training.loss_scale import loss_scaled, uses_loss_scaling
 
 # Megatron-LM decays every weight matrix and embedding (token, position, token-type tables)
 # and exempts only biases and LayerNorm parameters (scale and shift).
@@ -28,9 +30,11 @@ def weight_decay_mask(params: dict):
     return jax.tree_util.tree_map_with_path(lambda path, _: not str(path[-1].key).endswith(_NOT_DECAYED), params)
 
 
-def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    return optax.chain(
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    t = cfg.train
+    adamw = optax.chain(
         optax.clip_by_global_norm(t.grad_clip),
         optax.adamw(lr_schedule(t), b1=t.beta1, b2=t.beta2, eps=t.eps,
                     weight_decay=t.weight_decay, mask=weight_decay_mask),
     )
+    return loss_scaled(adamw, dynamic=uses_loss_scaling(cfg), initial=t.loss_scale, window=t.loss_scale_window)

@@ -15,6 +15,7 @@ Over "data", three schemes (megajax/training/data_parallel.py has the data-manua
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ from megajax.models.registry import ModelDef, abstract_model, init_model, path_k
 from megajax.tasks import Task, task_for
 from megajax.training.data_parallel import DataParallel
 from megajax.training.layer_programs import LayerProgramStep
+from megajax.training.loss_scale import around, uses_loss_scaling
 from megajax.training.optimizer import lr_schedule, make_optimizer
 
 
@@ -73,16 +75,33 @@ class Trainer:
                            opt, self.opt_shardings)
         return params, opt
 
+    def legacy_opt_state(self):
+        """(the abstract optimizer state megajax saved before the loss scale, a function that
+        puts a fresh scale in front of it) for `Checkpoints.restore`."""
+        _, opt = self.abstract_state()
+        upgrade = jax.jit(functools.partial(around, cfg=self.cfg), out_shardings=self.opt_shardings)
+        return opt.inner, upgrade
+
     # -- step ----------------------------------------------------------------------------
-    def objective(self, params, batch, key):
-        """(loss, metrics) of the model's training objective on one batch."""
-        return self.modeldef.bind(params).objective(batch, key=key)
+    def objective(self, params, batch, key, loss_scale=None):
+        """(loss, metrics) of the model's training objective on one batch; with a loss scale
+        (float16) the loss is multiplied by it, the metrics are not."""
+        loss, metrics = self.modeldef.bind(params).objective(batch, key=key)
+        return (loss, metrics) if loss_scale is None else (loss * loss_scale, metrics)
+
+    @property
+    def loss_scaling(self) -> bool:
+        return uses_loss_scaling(self.cfg)
+
+    def loss_scale(self, opt_state):
+        """What this step multiplies its loss by (None: no loss scaling)."""
+        return opt_state.scale if self.loss_scaling else None
 
     def loss_fn(self, params, batch, key):
         return self.objective(params, batch, key)[0]
 
     def _step(self, params, opt_state, batch, step):
-        metrics, grads = self.gradients(params, batch, self.step_key(step))
+        metrics, grads = self.gradients(params, batch, self.step_key(step), self.loss_scale(opt_state))
         return self.apply_gradients(params, opt_state, grads, metrics, step)
 
     def step_key(self, step):
@@ -100,27 +119,35 @@ class Trainer:
         return jax.tree.map(split, batch)
 
     def apply_gradients(self, params, opt_state, grads, metrics, step):
-        """The optimizer's update from one step's gradients; metrics gain grad_norm and lr."""
-        t = self.cfg.train
+        """The optimizer's update from one step's gradients (loss-scaled ones with float16:
+        divided by the scale here); metrics gain grad_norm and lr, and with float16 the scale
+        used and the steps skipped so far."""
+        t, scale, extra = self.cfg.train, self.loss_scale(opt_state), {}
+        if scale is not None:
+            grads = jax.tree.map(lambda g: g / scale, grads)
+            step = step - opt_state.skipped       # a skipped step did not advance the schedule
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
-            updates, opt_state = self.tx.update(grads, opt_state, params)
+            updates, new_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         if self.data_parallel is not None:
             params = self.data_parallel.updated_params(params)
-        metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(t)(step)}
-        return params, opt_state, metrics
+        if scale is not None:
+            extra = {"loss_scale": scale, "skipped_steps": new_state.skipped}
+        metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(t)(step), **extra}
+        return params, new_state, metrics
 
-    def gradients(self, params, batch, key):
-        """(metrics, gradients): means over the step's microbatches, reduced over "data"."""
+    def gradients(self, params, batch, key, loss_scale=None):
+        """(metrics, gradients): means over the step's microbatches, reduced over "data" (the
+        gradients of the loss times `loss_scale`, if given)."""
         if self.data_parallel is not None:
-            return self.data_parallel.gradients(params, batch, key)
-        return self._gspmd_gradients(params, batch, key)
+            return self.data_parallel.gradients(params, batch, key, loss_scale)
+        return self._gspmd_gradients(params, batch, key, loss_scale)
 
-    def _gspmd_gradients(self, params, batch, key):
+    def _gspmd_gradients(self, params, batch, key, loss_scale):
         """GSPMD places the data-axis reductions: once per microbatch."""
         t = self.cfg.train
-        grad_fn = jax.value_and_grad(self.objective, has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, b, k: self.objective(p, b, k, loss_scale), has_aux=True)
         if t.microbatches == 1:
             (_, metrics), grads = grad_fn(params, batch, key)
         else:
@@ -181,7 +208,7 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     task = task_for(cfg)
     check_fits(cfg, mesh)
     modeldef = ModelDef(abstract_model(cfg.model, S.Layout(mesh)))
-    tx = make_optimizer(cfg.train)
+    tx = make_optimizer(cfg)
     opt_shapes = jax.eval_shape(tx.init, modeldef.abstract_params())
     shardings = S.param_shardings(mesh, modeldef.specs())
     if not (cfg.train.shard_optimizer or cfg.train.shard_params):

@@ -1,0 +1,74 @@
+"""Dynamic loss scaling for float16 activations: the paper's mixed precision (Micikevicius et
+al. 2018, as Megatron-LM's dynamic grad scaler and PyTorch's GradScaler run it).
+
+float16 keeps 11 significant bits down to 6.1e-5 and none below 6e-8, so the small gradients
+of a language model's backward pass (the logits' is ~1/(tokens x vocab)) would lose their
+precision or vanish. The step multiplies the loss by a scale S before differentiating, so every
+16-bit gradient is S times larger, and divides the float32 weight gradients by S before the
+optimizer (`Trainer.apply_gradients`). A step whose gradients overflowed (some not finite) is
+skipped: weights and Adam's state stay as they were, and S halves. After `window` steps in a
+row without overflow S doubles, up to 2^32. As in Megatron-LM, a skipped step does not advance
+the learning-rate schedule (Adam's own count stays); its batch is not seen again.
+
+bfloat16 has float32's range and needs none of this. The state is part of every optimizer
+state (the scale stays 1 and nothing is skipped when the activations are not float16), so a
+checkpoint restores whatever the precision of the run that reads it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from megajax.config import Config
+from megajax.core.precision import Precision
+
+MAX_SCALE = 2.0 ** 32
+
+
+class LossScaleState(NamedTuple):
+    scale: jax.Array        # float32: what the next step multiplies its loss by
+    good_steps: jax.Array   # int32: steps without overflow since the scale last changed
+    skipped: jax.Array      # int32: steps skipped so far (their gradients overflowed)
+    inner: optax.OptState   # the wrapped optimizer's state
+
+
+def uses_loss_scaling(cfg: Config) -> bool:
+    """float16 activations (`model.compute_dtype = "float16"`, or "auto" on a GPU without
+    bfloat16 tensor cores)."""
+    return Precision.of(cfg.model).compute == jnp.float16
+
+
+def around(inner_state, cfg: Config) -> LossScaleState:
+    """An optimizer state saved without a loss scale (megajax before float16: AdamW's alone),
+    behind a fresh one, so that such checkpoints resume."""
+    initial = cfg.train.loss_scale if uses_loss_scaling(cfg) else 1.0
+    return LossScaleState(jnp.float32(initial), jnp.int32(0), jnp.int32(0), inner_state)
+
+
+def loss_scaled(inner: optax.GradientTransformation, *, dynamic: bool, initial: float,
+                window: int) -> optax.GradientTransformation:
+    """`inner` behind a loss scale. Its update takes the *unscaled* gradients (the step divides
+    by `state.scale` itself, so that the gradient norm it logs is the true one). Not dynamic:
+    `inner` as it is, with a scale of 1."""
+
+    def init(params):
+        return LossScaleState(jnp.float32(initial if dynamic else 1.0), jnp.int32(0), jnp.int32(0),
+                              inner.init(params))
+
+    def update(grads, state, params=None):
+        updates, inner_state = inner.update(grads, state.inner, params)
+        if not dynamic:
+            return updates, state._replace(inner=inner_state)
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
+        inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), inner_state, state.inner)
+        grow = finite & (state.good_steps + 1 >= window)
+        scale = jnp.where(finite, jnp.where(grow, jnp.minimum(2 * state.scale, MAX_SCALE), state.scale),
+                          state.scale / 2)
+        good = jnp.where(finite & ~grow, state.good_steps + 1, 0)
+        return updates, LossScaleState(scale, good, state.skipped + (~finite).astype(jnp.int32), inner_state)
+
+    return optax.GradientTransformation(init, update)
