@@ -73,6 +73,15 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {first_line(e)}"
 
 
+def _leaf_paths(tree) -> set[str]:
+    """Every array's path, in a form an abstract pytree and orbax's metadata of it share (on
+    disk a NamedTuple's fields are dict keys)."""
+    def name(key) -> str:
+        return str(next((getattr(key, a) for a in ("key", "name", "idx") if hasattr(key, a)), key))
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {"/".join(name(k) for k in path) for path, _ in leaves}
+
+
 class Checkpoints:
     def __init__(self, directory: Path, keep: int = 3, async_save: bool = True):
         _quiet_orbax()
@@ -143,12 +152,24 @@ class Checkpoints:
             raise UserError(f"checkpoint step {step} in {self.directory} has another model shape: "
                             + "; ".join(diffs[:3]) + more)
 
-    def restore(self, step: int, abstract_params, abstract_opt_state):
+    def restore(self, step: int, abstract_params, abstract_opt_state, legacy: tuple | None = None):
+        """(params, optimizer state, meta) of `step`. `legacy`: (the abstract optimizer state an
+        older megajax saved, a function making today's of it); an optimizer state of any other
+        form is the user's mistake (another optimizer), raised as a UserError, not damage."""
         self.check_shapes(step, abstract_params)
+        saved = _leaf_paths(self.manager.item_metadata(step)["opt_state"])
+        target, convert = abstract_opt_state, None
+        if legacy is not None and saved == _leaf_paths(legacy[0]):
+            target, convert = legacy
+        elif saved != _leaf_paths(abstract_opt_state):
+            diff = sorted(saved ^ _leaf_paths(abstract_opt_state))
+            raise UserError(f"checkpoint step {step} in {self.directory} holds another optimizer's state than "
+                            f"this run's ({len(diff)} entries differ, e.g. {diff[0]})")
         out = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params), opt_state=ocp.args.StandardRestore(abstract_opt_state),
+            params=ocp.args.StandardRestore(abstract_params), opt_state=ocp.args.StandardRestore(target),
             meta=ocp.args.JsonRestore()))
-        return out["params"], out["opt_state"], out["meta"]
+        opt_state = out["opt_state"] if convert is None else convert(out["opt_state"])
+        return out["params"], opt_state, out["meta"]
 
     def restore_newest_intact(self, restore, warn, set_aside: bool = True):
         """`restore(step)` of the newest step that reads back. A step that fails to read (a
