@@ -141,8 +141,9 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    loss_scale: float = 65536.0       # float16 activations: the first dynamic loss scale (training/loss_scale.py)
-    loss_scale_window: int = 1000     # ... doubled after this many steps without overflow, halved on one
+    loss_scale: float = 65536.0       # float16 activations: the first dynamic loss scale (training/loss_scale.py),
+    loss_scale_window: int = 1000     # doubled after this many steps without overflow, halved from the
+    loss_scale_hysteresis: int = 2    # hysteresis-th overflow on (Megatron-LM's rule and defaults but 2^32)
     seed: int = 0
     init_from: str = ""               # a workdir whose weights start this run (BERT fine-tuning: its encoder)
     log_every: int = 10
@@ -153,7 +154,8 @@ class TrainConfig:
 
     def validate(self):
         for name in ("batch_size", "microbatches", "steps", "log_every", "eval_every", "eval_batches",
-                     "save_every", "keep_checkpoints", "lr", "eps", "grad_clip", "loss_scale", "loss_scale_window"):
+                     "save_every", "keep_checkpoints", "lr", "eps", "grad_clip", "loss_scale", "loss_scale_window",
+                     "loss_scale_hysteresis"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "decay_steps", "seed", "min_lr", "weight_decay"):
@@ -245,10 +247,8 @@ def _coerce(key: str, value, typ):
     if isinstance(value, str) and typ is not str:
         text = value.strip()
         if typ is bool:
-            if text.lower() in ("true", "1", "yes", "on"):
-                return True
-            if text.lower() in ("false", "0", "no", "off"):
-                return False
+            if text.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                return text.lower() in ("true", "1", "yes", "on")
             raise ConfigError(f"{key} expects true or false, got '{value}'")
         try:
             if typ is int and "e" in text.lower():    # 1e6 is an integer written as a float

@@ -57,6 +57,20 @@ def test_an_overflowed_step_changes_nothing_but_halves_the_scale():
     assert int(state.skipped) == 2
 
 
+def test_megatrons_hysteresis_tolerates_overflows_until_the_scale_grows():
+    """Megatron-LM's DynamicGradScaler with hysteresis 2: the first overflow keeps the scale,
+    a later one halves it even after good steps (only growth restores the tolerance), every
+    one after that halves it too, and `window` good steps in a row double it."""
+    params, tx = _params(), loss_scaled(_inner(), dynamic=True, initial=2.0 ** 10, window=3, hysteresis=2)
+    state, good, bad = tx.init(params), jax.tree.map(jnp.cos, params), {"w": jnp.full((2, 3), jnp.inf), "b": jnp.ones(3)}
+    scales = []
+    for grads in (bad, good, bad, bad, good, good, good, bad):
+        _, state = tx.update(grads, state, params)
+        scales.append(float(state.scale))
+    assert scales == [2.0 ** 10, 2.0 ** 10, 2.0 ** 9, 2.0 ** 8, 2.0 ** 8, 2.0 ** 8, 2.0 ** 9, 2.0 ** 9]
+    assert int(state.skipped) == 4 and int(state.tolerance) == 1
+
+
 def test_the_scale_stops_growing_at_its_cap_and_is_one_without_float16():
     params = _params()
     tx = loss_scaled(_inner(), dynamic=True, initial=MAX_SCALE, window=1)
@@ -156,8 +170,8 @@ def _records(workdir):
 
 def test_a_float16_run_skips_overflowing_steps_recovers_and_resumes_bitwise(tmp_path):
     """Started at 2^19, the tiny model's float16 gradients overflow: those steps are skipped
-    (grad_norm null, weights unchanged) and the scale halves until they fit; after 3 good steps
-    it doubles again. Stopped at step 6 and resumed, the run logs bitwise what a straight run does."""
+    (grad_norm null, weights unchanged) and the scale halves (from the second overflow on:
+    Megatron's hysteresis) until they fit; after 3 good steps it doubles again. Stopped at step 6 and resumed, the run logs bitwise what a straight run does."""
     args = [*RUN_ARGS, "--mesh", "2x4", "--log-every", "1", "--eval-every", "100", "--save-every", "6",
             "--set", "model.compute_dtype=float16", "--set", "train.loss_scale=524288",
             "--set", "train.loss_scale_window=3", "--set", "train.decay_steps=12"]
@@ -172,7 +186,7 @@ def test_a_float16_run_skips_overflowing_steps_recovers_and_resumes_bitwise(tmp_
     for before, after in zip(straight, straight[1:]):
         overflowed = before["grad_norm"] is None
         assert after["skipped_steps"] == before["skipped_steps"] + (after["grad_norm"] is None)
-        assert after["loss_scale"] in ((before["loss_scale"] / 2,) if overflowed else
-                                       (before["loss_scale"], 2 * before["loss_scale"]))
-    assert any(b["loss_scale"] * 2 == a["loss_scale"] for b, a in zip(straight, straight[1:]))   # grew again
+        assert after["loss_scale"] / before["loss_scale"] in ((1, 0.5) if overflowed else (1, 2))
+    ratios = [a["loss_scale"] / b["loss_scale"] for b, a in zip(straight, straight[1:])]
+    assert 0.5 in ratios and 2 in ratios      # halved (from the second overflow on) and grew again
     assert straight[-1]["skipped_steps"] < 12 and straight[-1]["loss"] < straight[0]["loss"]

@@ -44,7 +44,7 @@ from megajax.tasks import task_for
 
 ADAM_MOMENTS = 2          # float32 first and second moments per parameter
 BACKENDS = ("gpu", "cpu")
-OPTIMIZER_COUNTERS = 8 + 12   # optax's int32 step counts (Adam's and the schedule's); the loss scale's three scalars
+OPTIMIZER_COUNTERS = 8 + 16   # optax's int32 step counts (Adam's and the schedule's); the loss scale's four scalars
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,9 +6,13 @@ of a language model's backward pass (the logits' is ~1/(tokens x vocab)) would l
 precision or vanish. The step multiplies the loss by a scale S before differentiating, so every
 16-bit gradient is S times larger, and divides the float32 weight gradients by S before the
 optimizer (`Trainer.apply_gradients`). A step whose gradients overflowed (some not finite) is
-skipped: weights and Adam's state stay as they were, and S halves. After `window` steps in a
-row without overflow S doubles, up to 2^32. As in Megatron-LM, a skipped step does not advance
-the learning-rate schedule (Adam's own count stays); its batch is not seen again.
+skipped: weights and Adam's state stay as they were. Megatron-LM's rule then sets S: each
+overflow uses up one of `hysteresis` tolerated overflows, and once they are used up every
+overflow halves S; after `window` steps in a row without overflow S doubles (up to 2^32) and
+the tolerance is restored. As in Megatron-LM, a skipped step does not advance the
+learning-rate schedule (Adam's own count stays); its batch is not seen again. Megatron-LM
+starts S at 2^32 and floors it at 1; megajax starts at 2^16 (PyTorch's GradScaler: 16 fewer
+skipped steps at the start) and stops the run if gradients overflow at 1 (it has diverged).
 
 bfloat16 has float32's range and needs none of this. The state is part of every optimizer
 state (the scale stays 1 and nothing is skipped when the activations are not float16), so a
@@ -30,7 +34,8 @@ MAX_SCALE = 2.0 ** 32
 
 class LossScaleState(NamedTuple):
     scale: jax.Array        # float32: what the next step multiplies its loss by
-    good_steps: jax.Array   # int32: steps without overflow since the scale last changed
+    good_steps: jax.Array   # int32: steps without overflow since the last overflow or growth
+    tolerance: jax.Array    # int32: overflows left before one halves the scale (Megatron's hysteresis)
     skipped: jax.Array      # int32: steps skipped so far (their gradients overflowed)
     inner: optax.OptState   # the wrapped optimizer's state
 
@@ -44,19 +49,20 @@ def uses_loss_scaling(cfg: Config) -> bool:
 def around(inner_state, cfg: Config) -> LossScaleState:
     """An optimizer state saved without a loss scale (megajax before float16: AdamW's alone),
     behind a fresh one, so that such checkpoints resume."""
-    initial = cfg.train.loss_scale if uses_loss_scaling(cfg) else 1.0
-    return LossScaleState(jnp.float32(initial), jnp.int32(0), jnp.int32(0), inner_state)
+    t, dynamic = cfg.train, uses_loss_scaling(cfg)
+    return LossScaleState(jnp.float32(t.loss_scale if dynamic else 1.0), jnp.int32(0),
+                          jnp.int32(t.loss_scale_hysteresis), jnp.int32(0), inner_state)
 
 
-def loss_scaled(inner: optax.GradientTransformation, *, dynamic: bool, initial: float,
-                window: int) -> optax.GradientTransformation:
+def loss_scaled(inner: optax.GradientTransformation, *, dynamic: bool, initial: float, window: int,
+                hysteresis: int = 1) -> optax.GradientTransformation:
     """`inner` behind a loss scale. Its update takes the *unscaled* gradients (the step divides
     by `state.scale` itself, so that the gradient norm it logs is the true one). Not dynamic:
     `inner` as it is, with a scale of 1."""
 
     def init(params):
-        return LossScaleState(jnp.float32(initial if dynamic else 1.0), jnp.int32(0), jnp.int32(0),
-                              inner.init(params))
+        return LossScaleState(jnp.float32(initial if dynamic else 1.0), jnp.int32(0), jnp.int32(hysteresis),
+                              jnp.int32(0), inner.init(params))
 
     def update(grads, state, params=None):
         updates, inner_state = inner.update(grads, state.inner, params)
@@ -66,9 +72,11 @@ def loss_scaled(inner: optax.GradientTransformation, *, dynamic: bool, initial: 
         updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
         inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), inner_state, state.inner)
         grow = finite & (state.good_steps + 1 >= window)
-        scale = jnp.where(finite, jnp.where(grow, jnp.minimum(2 * state.scale, MAX_SCALE), state.scale),
-                          state.scale / 2)
+        tolerance = jnp.where(finite, jnp.where(grow, hysteresis, state.tolerance), state.tolerance - 1)
+        halve = ~finite & (tolerance <= 0)
+        scale = jnp.where(grow, jnp.minimum(2 * state.scale, MAX_SCALE), jnp.where(halve, state.scale / 2, state.scale))
         good = jnp.where(finite & ~grow, state.good_steps + 1, 0)
-        return updates, LossScaleState(scale, good, state.skipped + (~finite).astype(jnp.int32), inner_state)
+        skipped = state.skipped + (~finite).astype(jnp.int32)
+        return updates, LossScaleState(scale, good, tolerance.astype(jnp.int32), skipped, inner_state)
 
     return optax.GradientTransformation(init, update)

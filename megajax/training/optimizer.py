@@ -37,4 +37,5 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         optax.adamw(lr_schedule(t), b1=t.beta1, b2=t.beta2, eps=t.eps,
                     weight_decay=t.weight_decay, mask=weight_decay_mask),
     )
-    return loss_scaled(adamw, dynamic=uses_loss_scaling(cfg), initial=t.loss_scale, window=t.loss_scale_window)
+    return loss_scaled(adamw, dynamic=uses_loss_scaling(cfg), initial=t.loss_scale, window=t.loss_scale_window,
+                       hysteresis=t.loss_scale_hysteresis)
