@@ -11,8 +11,9 @@ from conftest import ROOT, TEST_XLA_FLAGS, mesh_for, tiny_config
 
 from megajax.cli.plan import plan_main
 from megajax.config import ConfigError, load_config, with_values
+from megajax.errors import UserError
 from megajax.plan import BUILTIN, measured, paper, pick_hardware, plan, timing
-from megajax.plan.memory import memory_bytes, state_split
+from megajax.plan.memory import kept_activation_bytes, memory_bytes, state_split
 from megajax.plan.report import why
 from megajax.plan.volumes import data_axis_sent, model_axis_elements, paper_flops, step_flops
 from megajax.core.sharding import MODEL
@@ -269,6 +270,24 @@ def test_microbatches_cost_their_weight_traffic():
              - timing.WEIGHT_BYTES_PER_PARAM) * shard / hw.hbm_bandwidth
     assert t2["elementwise"] - t1["elementwise"] == pytest.approx(extra, rel=1e-9)
     assert t2["matmuls"] == pytest.approx(t1["matmuls"], rel=1e-9) and t2["overhead"] == t1["overhead"] == 0
+
+
+def test_layer_programs_save_the_scans_copies_and_take_plain_data_parallelism():
+    """train.layer_programs keeps each layer's activations in buffers of their own: by hand, the
+    step is the scan's less its copies of the kept activations, and only plain data-parallel
+    plans are made (asked for with ZeRO-1 or FSDP alone: one error line)."""
+    hw = BUILTIN["h200"]
+    scan = load_config("gpt2_355m", ["train.batch_size=16", "train.microbatches=1", "model.remat=none"])
+    programs = with_values(scan, {"train.layer_programs": True})
+    t_scan, t_programs = (timing.compute_seconds(c, 1, 1, hw) for c in (scan, programs))
+    copies = timing.SCAN_COPY_PASSES * kept_activation_bytes(scan, 1, 1) / hw.hbm_bandwidth
+    assert t_scan["elementwise"] - t_programs["elementwise"] == pytest.approx(copies, rel=1e-9)
+    assert t_programs["matmuls"] == t_scan["matmuls"]
+    found = plan("gpt2_355m", 8, "h200", ["train.layer_programs=true"])
+    assert found and all(p.scheme == "plain" and p.layer_programs for p in found)
+    assert "layer programs" in why(found[0], found)
+    with pytest.raises(UserError, match="--schemes plain"):
+        plan("gpt2_355m", 8, "h200", ["train.layer_programs=true"], schemes=("zero", "fsdp"))
 
 
 def test_hardware_files_name_their_stack(tmp_path, capsys):

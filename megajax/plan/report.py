@@ -18,6 +18,8 @@ def _options(p: Plan) -> str:
         parts.append("SP")
     if p.scheme != "plain":
         parts.append(p.scheme.upper() if p.scheme == "fsdp" else "ZeRO-1")
+    if p.layer_programs:
+        parts.append("layer programs")
     return ", ".join(parts)
 
 

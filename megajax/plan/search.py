@@ -33,6 +33,7 @@ class Plan:
     mfu: float                   # model FLOPs (no recomputation) per second over the peak
     scaling_efficiency: float = 0.0
     links: dict = dataclasses.field(default_factory=dict)
+    layer_programs: bool = False  # train.layer_programs (as the config asks: not searched)
 
     @property
     def mesh(self) -> str:
@@ -49,7 +50,8 @@ class Plan:
     @property
     def options(self) -> dict:
         return {"microbatches": self.microbatches, "remat": self.remat,
-                "sequence_parallel": self.sequence_parallel, "data_scheme": self.scheme}
+                "sequence_parallel": self.sequence_parallel, "data_scheme": self.scheme,
+                "layer_programs": self.layer_programs}
 
     def to_json(self) -> dict:
         return {"mesh": self.mesh, "options": self.options, "fits": self.fits,
@@ -66,8 +68,11 @@ def model_sizes(cfg: Config, devices: int) -> list[int]:
 
 
 def candidates(cfg: Config, devices: int, schemes=tuple(SCHEMES)):
-    """(data, model, microbatches, remat, sequence parallel, scheme) for every valid plan."""
+    """(data, model, microbatches, remat, sequence parallel, scheme) for every valid plan
+    (train.layer_programs runs with plain data parallelism only)."""
     batch = cfg.train.batch_size
+    if cfg.train.layer_programs:
+        schemes = [s for s in schemes if s == "plain"]
     for tp in model_sizes(cfg, devices):
         dp = devices // tp
         if batch % dp:
@@ -90,7 +95,8 @@ def evaluate(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 
     return Plan(dp, tp, t.microbatches, m.remat, m.sequence_parallel, scheme, memory_bytes(cfg, dp, tp),
                 hw.memory_bytes, seconds, t.batch_size * m.seq_len / total, step_flops(cfg) / n / total / 1e12,
                 step_flops(cfg, remat="none") / n / total / hw.peak_flops,
-                links={axis: link for axis, (_, _, link) in axis_links(dp, tp, hw).items()})
+                links={axis: link for axis, (_, _, link) in axis_links(dp, tp, hw).items()},
+                layer_programs=t.layer_programs)
 
 
 def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = None,
@@ -102,6 +108,8 @@ def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = Non
     unknown = sorted(set(schemes) - set(SCHEMES))
     if unknown or not schemes:
         raise UserError(f"unknown data-parallel scheme(s) {', '.join(unknown) or '(none)'}: use {', '.join(SCHEMES)}")
+    if cfg.train.layer_programs and "plain" not in schemes:
+        raise UserError("train.layer_programs works with plain data parallelism only: plan it with --schemes plain")
     found = []
     for dp, tp, mb, remat, sp, scheme in candidates(cfg, devices, schemes):
         c = with_values(cfg, {"train.microbatches": mb, "model.remat": remat, "model.sequence_parallel": sp,

@@ -19,7 +19,9 @@ What runs on the hardware (its `stack`) sets three constants:
     XLA_MATMUL_EFFICIENCY   GPT-2 1.2B at batch 16 on one H200, 320.1 ms a step. No fixed cost
                             per layer: the GPU's stream is busy the whole compiled step (its
                             profile). A scanned stack also copies what it keeps for the backward
-                            pass (SCAN_COPY_PASSES), each microbatch reads the weights and writes
+                            pass (SCAN_COPY_PASSES; not train.layer_programs, whose Python loop's
+                            2L+4 dispatches a microbatch are taken to overlap the GPU's work:
+                            not measured on a GPU yet), each microbatch reads the weights and writes
                             their gradients (WEIGHT_BYTES_PER_PARAM), and cuDNN's flash attention
                             keeps its scores on chip (no element-wise passes over them).
 Every other constant is counted from megajax's layer or taken from the hardware.
@@ -106,7 +108,7 @@ def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware) -> dict[str, fl
     if m.remat == "selective":
         total += SCORE_PASSES * scores
     elementwise = mb * m.num_layers * total * act / hw.hbm_bandwidth
-    if m.scan_layers:
+    if m.scan_layers and not cfg.train.layer_programs:   # the layer programs keep them in buffers of their own
         elementwise += mb * stack.scan_copy_passes * kept_activation_bytes(cfg, dp, tp) / hw.hbm_bandwidth
     local = state_split(cfg, dp, tp)
     per_param = stack.weight_bytes + (stack.accumulate_bytes if mb > 1 else 0)
