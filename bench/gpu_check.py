@@ -44,7 +44,9 @@ ROWS = [("gpt2_355m", "gpt2_355m", FUSED, FAST),
         ("gpt2_1.2b, full remat (the paper's)", "gpt2_1.2b", FUSED, [("full", 16), ("full", 8)]),
         ("gpt2_355m, unrolled stack", "gpt2_355m", [*FUSED, "model.scan_layers=false"], FAST),
         ("gpt2_1.2b, LayerNorm and GeLU outputs recomputed", "gpt2_1.2b", [*FUSED, "model.recompute_norm_gelu=true"],
-         FAST)]
+         FAST),
+        ("gpt2_355m, float16 with dynamic loss scaling (V100/T4's precision)", "gpt2_355m",
+         [*FUSED, "model.compute_dtype=float16"], FAST)]
 # The layer stack alone, forward+backward, three ways (bench/layer_programs.py): the scan, one
 # program per layer, and the unrolled stack where its compile time is short.
 STACKS = [("gpt2_355m", ("scan", "per_layer", "unrolled")), ("gpt2_1.2b", ("scan", "per_layer"))]
