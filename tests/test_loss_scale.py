@@ -16,6 +16,7 @@ from tolerances import F32, assert_tree_close
 from megajax.config import ConfigError, load_config
 from megajax.errors import UserError
 from megajax.training.checkpoint import Checkpoints
+from megajax.training.loop import fatal_non_finite
 from megajax.training.loss_scale import MAX_SCALE, LossScaleState, loss_scaled, uses_loss_scaling
 from megajax.training.step import make_trainer
 
@@ -82,6 +83,15 @@ def test_the_scale_stops_growing_at_its_cap_and_is_one_without_float16():
     grads = {"w": jnp.full((2, 3), jnp.nan), "b": jnp.ones(3)}        # passed on: the run's NaN check stops it
     updates, state = plain.update(grads, state, params)
     assert np.isnan(np.asarray(updates["w"])).all() and int(state.skipped) == 0
+
+
+def test_an_overflow_stops_the_run_only_at_a_scale_of_one_or_a_non_finite_loss():
+    inf, nan = float("inf"), float("nan")
+    assert fatal_non_finite({"loss": 2.0, "grad_norm": inf, "loss_scale": 8.0}) == []      # skipped
+    assert fatal_non_finite({"loss": 2.0, "grad_norm": nan, "loss_scale": 1.0}) != []      # diverged
+    assert fatal_non_finite({"loss": inf, "grad_norm": inf, "loss_scale": 8.0}) != []      # the forward pass
+    assert fatal_non_finite({"loss": 2.0, "grad_norm": inf}) != []                         # no loss scaling
+    assert fatal_non_finite({"loss": 2.0, "grad_norm": 3.0, "loss_scale": 1.0}) == []
 
 
 def test_only_float16_activations_scale_the_loss():

@@ -155,6 +155,18 @@ def evaluate(eval_fn, params, val_batches, max_batches: int) -> dict:
     return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
 
 
+def fatal_non_finite(m: dict) -> list[tuple[str, float]]:
+    """The step's metrics that stop the run: the loss is computed before the update, the
+    gradient norm from what updates the weights, so either one not finite means the weights
+    after the step are not either. With float16's loss scaling, gradients that overflowed skip
+    the update instead (the weights stay finite) and lower the scale; at a scale of 1 or less
+    the run has diverged."""
+    bad = [(k, float(m[k])) for k in ("loss", "grad_norm") if not math.isfinite(float(m[k]))]
+    if [k for k, _ in bad] == ["grad_norm"] and float(m.get("loss_scale", 0.0)) > 1.0:
+        return []
+    return bad
+
+
 class StepLogger:
     """Each step's metrics, read on the host a log interval at a time: checked (a step whose
     loss or gradient norm is not finite stops the run before it can be saved), written to
@@ -227,19 +239,15 @@ class StepLogger:
         return record
 
     def _check_finite(self, step: int, m: dict):
-        # The loss is computed before the update, the gradient norm from what updates the
-        # weights: either one not finite means the weights after `step` are not either. With
-        # float16's loss scaling, gradients that overflowed skip the update instead (the
-        # weights stay finite) and halve the scale; at a scale of 1 the run has diverged.
-        bad = [(k, float(m[k])) for k in ("loss", "grad_norm") if not math.isfinite(float(m[k]))]
-        scale = float(m.get("loss_scale", 0.0))
-        if not bad or ([k for k, _ in bad] == ["grad_norm"] and scale > 1.0):
+        bad = fatal_non_finite(m)
+        if not bad:
             return
+        scale = float(m.get("loss_scale", 0.0))
         self.progress.close()
         self._forget(self.ckpts.failed_save(block=True))
         what = " and ".join(f"{'gradient norm' if k == 'grad_norm' else k} {v}" for k, v in bad)
         if scale:
-            what += f" (float16 gradients, loss scale {scale:g})"
+            what += f" (float16, loss scale {scale:g})"
         good = (f"last good checkpoint: step {self.saves[-1]} in {self.run.workdir / 'checkpoints'}"
                 if self.saves else "no checkpoint was saved before it")
         raise UserError(f"{what} at step {step}; stopped, nothing of step {step} or later saved; {good}")
