@@ -11,7 +11,7 @@ import optax
 import pytest
 from conftest import mesh_for, tiny_config
 from test_train_cli import RUN_ARGS, run
-from tolerances import F32, assert_tree_close
+from tolerances import F16_U, F32, assert_tree_close
 
 from megajax.config import ConfigError, load_config
 from megajax.errors import UserError
@@ -19,9 +19,6 @@ from megajax.training.checkpoint import Checkpoints
 from megajax.training.loop import fatal_non_finite
 from megajax.training.loss_scale import MAX_SCALE, LossScaleState, loss_scaled, uses_loss_scaling
 from megajax.training.step import make_trainer
-
-F16_U = 2.0 ** -11    # float16's unit roundoff (10 stored mantissa bits)
-
 
 def _inner():
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.01))

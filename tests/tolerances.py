@@ -17,6 +17,9 @@ Numerical Algorithms", Thm 3.5), where u is the unit roundoff of the arithmetic:
   4 u of the array's scale (an operand flip, doubled for the forward and backward matmul it
   feeds); in norm, within BF16_NORM = 1 u of the array's norm (flips are rare and of both
   signs). A wrong or missing collective changes results by O(1) of their scale and fails both.
+- float16 activations (u = 2^-11): gradients through a float16 model against float32's, in
+  norm, within a few dozen u (a few roundings per layer and pass, in random directions);
+  stated where used (tests/test_loss_scale.py).
 - Adam divides a gradient by its own running magnitude, so a gradient error delta on an
   entry of size |g| moves the update by ~delta / |g| of the learning rate, at most ~2 lr per
   step (a sign flip): `adam_tolerance` turns the gradient bound into a per-entry parameter
@@ -35,6 +38,7 @@ import numpy as np
 
 F32_U = 2.0 ** -24
 BF16_U = 2.0 ** -8
+F16_U = 2.0 ** -11
 F32 = 2 ** 8 * F32_U                 # ~1.5e-5
 BF16_ELEMENT = 4 * BF16_U            # ~1.6e-2 of the array's scale
 BF16_NORM = BF16_U                   # ~3.9e-3 of the array's norm
