@@ -69,14 +69,14 @@ def test_megatrons_hysteresis_tolerates_overflows_until_the_scale_grows():
     assert int(state.skipped) == 4 and int(state.tolerance) == 1
 
 
-def test_the_scale_stops_growing_at_its_cap_and_is_one_without_float16():
+def test_the_scale_stops_growing_at_its_cap_and_waits_unused_without_float16():
     params = _params()
     tx = loss_scaled(_inner(), dynamic=True, initial=MAX_SCALE, window=1)
     _, state = tx.update(jax.tree.map(jnp.cos, params), tx.init(params), params)
     assert float(state.scale) == MAX_SCALE
     plain = loss_scaled(_inner(), dynamic=False, initial=2.0 ** 16, window=1)
     state = plain.init(params)
-    assert isinstance(state, LossScaleState) and float(state.scale) == 1.0
+    assert isinstance(state, LossScaleState) and float(state.scale) == 2.0 ** 16     # kept, unused
     grads = {"w": jnp.full((2, 3), jnp.nan), "b": jnp.ones(3)}        # passed on: the run's NaN check stops it
     updates, state = plain.update(grads, state, params)
     assert np.isnan(np.asarray(updates["w"])).all() and int(state.skipped) == 0
@@ -158,7 +158,7 @@ def test_a_checkpoint_from_before_the_loss_scale_resumes_and_another_optimizer_i
     restored = ckpts.restore_newest_intact(
         lambda s: ckpts.restore(s, *trainer.abstract_state(), trainer.legacy_opt_state()), warn=print)
     step, (_, got, _) = restored
-    assert step == 3 and isinstance(got, LossScaleState) and float(got.scale) == 1.0 and int(got.skipped) == 0
+    assert step == 3 and isinstance(got, LossScaleState) and float(got.scale) == 2.0 ** 16 and int(got.skipped) == 0
     for want, have in zip(jax.tree.leaves(jax.device_get(opt.inner)), jax.tree.leaves(jax.device_get(got.inner))):
         np.testing.assert_array_equal(have, want)
     ckpts.close()

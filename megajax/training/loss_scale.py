@@ -15,8 +15,9 @@ starts S at 2^32 and floors it at 1; megajax starts at 2^16 (PyTorch's GradScale
 skipped steps at the start) and stops the run if gradients overflow at 1 (it has diverged).
 
 bfloat16 has float32's range and needs none of this. The state is part of every optimizer
-state (the scale stays 1 and nothing is skipped when the activations are not float16), so a
-checkpoint restores whatever the precision of the run that reads it.
+state (outside float16 the scale is kept at its first value, unused, and nothing is skipped),
+so a checkpoint restores whatever the precision of the run that reads it, and a run that
+switches to float16 starts from `train.loss_scale`.
 """
 from __future__ import annotations
 
@@ -49,20 +50,20 @@ def uses_loss_scaling(cfg: Config) -> bool:
 def around(inner_state, cfg: Config) -> LossScaleState:
     """An optimizer state saved without a loss scale (megajax before float16: AdamW's alone),
     behind a fresh one, so that such checkpoints resume."""
-    t, dynamic = cfg.train, uses_loss_scaling(cfg)
-    return LossScaleState(jnp.float32(t.loss_scale if dynamic else 1.0), jnp.int32(0),
-                          jnp.int32(t.loss_scale_hysteresis), jnp.int32(0), inner_state)
+    t = cfg.train
+    return LossScaleState(jnp.float32(t.loss_scale), jnp.int32(0), jnp.int32(t.loss_scale_hysteresis),
+                          jnp.int32(0), inner_state)
 
 
 def loss_scaled(inner: optax.GradientTransformation, *, dynamic: bool, initial: float, window: int,
                 hysteresis: int = 1) -> optax.GradientTransformation:
     """`inner` behind a loss scale. Its update takes the *unscaled* gradients (the step divides
     by `state.scale` itself, so that the gradient norm it logs is the true one). Not dynamic:
-    `inner` as it is, with a scale of 1."""
+    `inner` as it is, the scale kept as it is (unused)."""
 
     def init(params):
-        return LossScaleState(jnp.float32(initial if dynamic else 1.0), jnp.int32(0), jnp.int32(hysteresis),
-                              jnp.int32(0), inner.init(params))
+        return LossScaleState(jnp.float32(initial), jnp.int32(0), jnp.int32(hysteresis), jnp.int32(0),
+                              inner.init(params))
 
     def update(grads, state, params=None):
         updates, inner_state = inner.update(grads, state.inner, params)
