@@ -306,7 +306,7 @@ def test_hardware_files_name_their_stack(tmp_path, capsys):
 
 
 def test_builtin_hardware_cites_its_sources():
-    assert {"v100-dgx2h", "a100-80g", "h100-80g", "h200"} <= set(BUILTIN)
+    assert {"v100-dgx2h", "a100-80g", "h100-80g", "h200", "t4"} <= set(BUILTIN)
     assert all(h.source for h in BUILTIN.values())
 
 

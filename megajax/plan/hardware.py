@@ -60,6 +60,10 @@ BUILTIN = {h.name: h for h in (
     Hardware("h100-80g", 989 * TFLOPS, 80 * GB, 3350 * GB, 8, 450 * GB, 400 * GB,
              source="DGX H100: H100 SXM5 80GB, 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s, NVLink 4 900 GB/s "
                     "per GPU both ways, 8 x 400 Gb/s NDR InfiniBand per node (NVIDIA H100 datasheet)"),
+    Hardware("t4", 65 * TFLOPS, 15 * 2**30, 320 * GB, 1, 16 * GB, 16 * GB,
+             source="one T4 (Colab's free GPU): 65 TFLOP/s fp16 dense (no bf16 tensor cores: "
+                    "model.compute_dtype float16), 16 GB GDDR6 (15 GiB usable) at 320 GB/s, PCIe 3 x16 "
+                    "16 GB/s (NVIDIA T4 datasheet)"),
     Hardware("h200", 989 * TFLOPS, 141 * GB, 4800 * GB, 8, 450 * GB, 400 * GB,
              source="HGX H200: H200 SXM 141GB, 989 TFLOP/s bf16 dense, HBM3e 4.8 TB/s, NVLink 4 900 GB/s "
                     "per GPU both ways, 8 x 400 Gb/s NDR InfiniBand per node (NVIDIA H200 datasheet)"),
