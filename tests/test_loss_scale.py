@@ -100,15 +100,19 @@ def test_only_float16_activations_scale_the_loss():
             load_config("tiny", [bad])
 
 
-def _gradients(dtype, loss_scale=None):
-    """The unscaled gradients of a dropout-free tiny GPT on one device, 64 x 128 tokens."""
+def _gradients(dtype, scales):
+    """The unscaled gradients of a dropout-free tiny GPT on one device, 64 x 128 tokens, for
+    each loss scale (None: not scaled), from one compiled program per kind."""
     cfg = tiny_config(compute_dtype=dtype, seq_len=128, hidden_dropout=0.0, attention_dropout=0.0)
     tr = make_trainer(cfg, mesh_for("1x1"))
     params, _ = tr.init_state(seed=0)
     batch = jax.device_put(tr.task.synthetic_batch(cfg, 64, np.random.default_rng(0)), tr.batch_sharding)
-    scale = None if loss_scale is None else jnp.float32(loss_scale)
-    _, grads = jax.jit(lambda p, b: tr.gradients(p, b, jax.random.key(0), scale))(params, batch)
-    return jax.device_get(grads if scale is None else jax.tree.map(lambda g: g / scale, grads))
+    grads = jax.jit(lambda p, b, s: tr.gradients(p, b, jax.random.key(0), s)[1])
+    out = []
+    for scale in scales:
+        g = grads(params, batch, None if scale is None else jnp.float32(scale))
+        out.append(jax.device_get(g if scale is None else jax.tree.map(lambda x: x / scale, g)))
+    return out
 
 
 def _relative_errors(got, want) -> dict:
@@ -123,9 +127,8 @@ def test_float16_gradients_need_the_loss_scale():
     of each weight's gradient norm against float32's: scaled, every one within 32 u (a few dozen
     roundings of u in random directions, some gradients sums that cancel) and the median within
     4 u; unscaled, the median is at least 8 u off (about 35 u on the machine this was written on)."""
-    want = _gradients("float32")
-    scaled = _relative_errors(_gradients("float16", 2.0 ** 16), want)
-    unscaled = _relative_errors(_gradients("float16", 1.0), want)
+    (want,) = _gradients("float32", [None])
+    scaled, unscaled = (_relative_errors(g, want) for g in _gradients("float16", [2.0 ** 16, 1.0]))
     assert max(scaled.values()) <= 32 * F16_U, scaled
     assert np.median(list(scaled.values())) <= 4 * F16_U, scaled
     assert np.median(list(unscaled.values())) >= 8 * F16_U, unscaled
@@ -142,8 +145,7 @@ def test_the_data_parallel_schemes_scale_the_loss_too(scheme):
     params, _ = tr.init_state(seed=0)
     batch = jax.device_put(tr.task.synthetic_batch(cfg, 8, np.random.default_rng(0)), tr.batch_sharding)
     grads = jax.jit(lambda p, b, s: tr.gradients(p, b, jax.random.key(0), s)[1])
-    plain = jax.jit(lambda p, b: tr.gradients(p, b, jax.random.key(0))[1])(params, batch)
-    scaled = grads(params, batch, jnp.float32(2.0 ** 10))
+    plain, scaled = (grads(params, batch, jnp.float32(s)) for s in (1.0, 2.0 ** 10))
     assert_tree_close(jax.device_get(plain), jax.device_get(jax.tree.map(lambda g: g / 2.0 ** 10, scaled)), F32)
 
 
