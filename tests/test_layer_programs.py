@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import mesh_for, tiny_config
-from tolerances import F32, assert_tree_close
+from tolerances import F16_U, F32, assert_tree_close
 
 from megajax.config import ConfigError
 from megajax.tools.hlo import parse_collectives
@@ -46,12 +46,21 @@ def test_layer_programs_give_the_single_program_step(kind, mesh, model):
     want = _two_steps(cfg, m, lambda tr: tr.jit_step(donate=False))
     got = _two_steps(_programs(cfg), m, lambda tr: tr.compiled_step())
     assert isinstance(make_trainer(_programs(cfg), m).compiled_step(), LayerProgramStep)
-    assert_tree_close(want[0], got[0], F32, what="params")
-    assert_tree_close(want[1], got[1], F32, what="optimizer state")
+    metric_tol = F32
+    if model.get("compute_dtype") == "float16":
+        # The same float16 operations in other programs: a float32 rounding difference may flip
+        # a float16 rounding (one unit of an operand), which Adam can turn into up to 2 lr per
+        # entry and step (tolerances.adam_tolerance's cap); the metrics stay within 4 units.
+        for w, g in zip(jax.tree.leaves(want[0]), jax.tree.leaves(got[0])):
+            np.testing.assert_allclose(g, w, rtol=0, atol=2 * 2 * cfg.train.lr)
+        metric_tol = 4 * F16_U        # grad_norm and loss_scale catch a loss scale left out
+    else:
+        assert_tree_close(want[0], got[0], F32, what="params")
+        assert_tree_close(want[1], got[1], F32, what="optimizer state")
     for w, g in zip(want[2], got[2]):
         assert set(w) == set(g)
         for k in w:
-            np.testing.assert_allclose(g[k], w[k], rtol=F32, atol=0, err_msg=k)
+            np.testing.assert_allclose(g[k], w[k], rtol=metric_tol, atol=0, err_msg=k)
     assert want[2][1]["loss"] != want[2][0]["loss"]      # the second step saw the first's update
 
 

@@ -40,11 +40,10 @@ def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platf
         except (NotImplementedError, ValueError, RuntimeError) as e:   # shapes, dtypes or cuDNN version
             warnings.warn(f"cuDNN flash attention refused these shapes ({e}); XLA's attention runs instead",
                           stacklevel=2)
-    if platform == "cpu" and q.dtype == jnp.float16:
+    dtype = q.dtype
+    if platform == "cpu" and dtype == jnp.float16:
         # XLA's attention asks for float16 x float16 -> float32 products, which XLA:CPU has no
         # kernel for: on the CPU it runs in float32, and its output is rounded back.
-        out = jax.nn.dot_product_attention(*(t.astype(jnp.float32) for t in (q, k, v)), mask=mask,
-                                           is_causal=causal, scale=scale, implementation="xla")
-        return heads_second(out.astype(q.dtype))
-    return heads_second(jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
-                                                     implementation="xla"))
+        q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale, implementation="xla")
+    return heads_second(out.astype(dtype))

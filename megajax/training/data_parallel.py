@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.core import sharding as S
 from megajax.models.registry import ModelDef, abstract_model, path_keys
+from megajax.training.loss_scale import scaled
 
 NONE = -1   # a weight no dimension of which "data" divides
 
@@ -107,8 +108,7 @@ class DataParallel:
     def _objective(self, params, batch, key, loss_scale=None):
         if self.fsdp:
             params = self._gather_outside_layers(params)
-        loss, metrics = self.manual.bind(params).objective(batch, key=key)
-        return (loss, metrics) if loss_scale is None else (loss * loss_scale, metrics)
+        return scaled(self.manual.bind(params).objective(batch, key=key), loss_scale)
 
     def _local(self, params, batch, key, loss_scale):
         """One device's rows: (metrics, gradients) summed over the microbatches, reduced once."""

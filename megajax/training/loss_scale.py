@@ -47,12 +47,21 @@ def uses_loss_scaling(cfg: Config) -> bool:
     return Precision.of(cfg.model).compute == jnp.float16
 
 
+def scaled(objective_out, loss_scale):
+    """An objective's (loss, metrics) with the loss times `loss_scale` (None: as it is); the
+    metrics keep the true loss."""
+    loss, metrics = objective_out
+    return (loss, metrics) if loss_scale is None else (loss * loss_scale, metrics)
+
+
+def _fresh(inner_state, initial: float, hysteresis: int) -> LossScaleState:
+    return LossScaleState(jnp.float32(initial), jnp.int32(0), jnp.int32(hysteresis), jnp.int32(0), inner_state)
+
+
 def around(inner_state, cfg: Config) -> LossScaleState:
     """An optimizer state saved without a loss scale (megajax before float16: AdamW's alone),
     behind a fresh one, so that such checkpoints resume."""
-    t = cfg.train
-    return LossScaleState(jnp.float32(t.loss_scale), jnp.int32(0), jnp.int32(t.loss_scale_hysteresis),
-                          jnp.int32(0), inner_state)
+    return _fresh(inner_state, cfg.train.loss_scale, cfg.train.loss_scale_hysteresis)
 
 
 def loss_scaled(inner: optax.GradientTransformation, *, dynamic: bool, initial: float, window: int,
@@ -62,8 +71,7 @@ def loss_scaled(inner: optax.GradientTransformation, *, dynamic: bool, initial: 
     `inner` as it is, the scale kept as it is (unused)."""
 
     def init(params):
-        return LossScaleState(jnp.float32(initial), jnp.int32(0), jnp.int32(hysteresis), jnp.int32(0),
-                              inner.init(params))
+        return _fresh(inner.init(params), initial, hysteresis)
 
     def update(grads, state, params=None):
         updates, inner_state = inner.update(grads, state.inner, params)

@@ -30,7 +30,7 @@ from megajax.models.registry import ModelDef, abstract_model, init_model, path_k
 from megajax.tasks import Task, task_for
 from megajax.training.data_parallel import DataParallel
 from megajax.training.layer_programs import LayerProgramStep
-from megajax.training.loss_scale import around, uses_loss_scaling
+from megajax.training.loss_scale import around, scaled, uses_loss_scaling
 from megajax.training.optimizer import lr_schedule, make_optimizer
 
 
@@ -86,8 +86,7 @@ class Trainer:
     def objective(self, params, batch, key, loss_scale=None):
         """(loss, metrics) of the model's training objective on one batch; with a loss scale
         (float16) the loss is multiplied by it, the metrics are not."""
-        loss, metrics = self.modeldef.bind(params).objective(batch, key=key)
-        return (loss, metrics) if loss_scale is None else (loss * loss_scale, metrics)
+        return scaled(self.modeldef.bind(params).objective(batch, key=key), loss_scale)
 
     @property
     def loss_scaling(self) -> bool:
