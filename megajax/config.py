@@ -33,15 +33,21 @@ class ConfigError(UserError, ValueError):
     """A mistake in a config file or override that the user can fix."""
 
 
+FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127; MAX_LOSS_SCALE = 2.0 ** 32   # float32 arrays hold these
 REMAT_MODES = ("none", "selective", "full")
 REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}   # the boolean it once was
+
+
+def _one_of(section_config, section: str, **choices):
+    for name, allowed in choices.items():
+        if getattr(section_config, name) not in allowed:
+            raise ConfigError(f"{section}.{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got '{getattr(section_config, name)}'")
 
 
 @dataclasses.dataclass
 class ModelConfig:
     kind: str = "gpt"                 # gpt | bert
-    task: str = "pretrain"            # pretrain (GPT: next token; BERT: MLM + SOP) | BERT fine-tuning: race | mnli | qqp
-                                      # (the pairs that exist: megajax/shapes.py, MODEL_TASKS)
+    task: str = "pretrain"            # pretrain (GPT: next token; BERT: MLM + SOP) | BERT: race | mnli | qqp (shapes.py)
     num_layers: int = 4
     hidden: int = 256
     num_heads: int = 4
@@ -64,10 +70,9 @@ class ModelConfig:
                                       # in the backward pass instead of keeping them: a third fewer bytes (not "mixed")
     sequence_parallel: bool = False   # between blocks, activations split over "model" along the sequence
                                       # (Korthikanti et al. 2022); model.seq_len must divide by the model axis
-    attention: str = "auto"           # the attention core: megajax (its own, with attention dropout; on the CPU
-                                      # without it: core/blocked_attention.py) | fused (jax.nn.dot_product_attention: cuDNN's flash
-                                      # attention on NVIDIA GPUs, XLA elsewhere; needs attention_dropout = 0) |
-                                      # auto (fused on GPUs when attention_dropout = 0, else megajax)
+    attention: str = "auto"           # the attention core: megajax (its own; core/blocked_attention.py on the CPU without
+                                      # attention dropout) | fused (jax.nn.dot_product_attention: cuDNN's flash attention on
+                                      # NVIDIA GPUs, XLA elsewhere; no attention dropout) | auto (fused on GPUs where it can)
 
     @property
     def ffn(self) -> int:
@@ -93,12 +98,8 @@ class ModelConfig:
             hint = f"; it is a {other[0]} task: set model.kind = \"{other[0]}\"" if other else ""
             raise ConfigError(f"model.task must be one of {', '.join(MODEL_TASKS[self.kind])} for "
                               f"model.kind = \"{self.kind}\", got '{self.task}'{hint}")
-        if self.ln_placement not in ("pre", "post"):
-            raise ConfigError(f"model.ln_placement must be 'pre' or 'post', got '{self.ln_placement}'")
-        if self.compute_dtype not in ("auto", "float32", "bfloat16", "float16", "mixed"):
-            raise ConfigError(f"model.compute_dtype must be auto, float32, bfloat16, float16 or mixed, got '{self.compute_dtype}'")
-        if self.gelu not in ("exact", "tanh"):
-            raise ConfigError(f"model.gelu must be exact or tanh, got '{self.gelu}'")
+        _one_of(self, "model", ln_placement=("pre", "post"), gelu=("exact", "tanh"), attention=("auto", "megajax", "fused"),
+                compute_dtype=("auto", "float32", "bfloat16", "float16", "mixed"))
         for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size", "vocab_multiple", "ln_eps", "init_std"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -109,8 +110,6 @@ class ModelConfig:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.ffn_hidden < 0:
             raise ConfigError(f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}")
-        if self.attention not in ("auto", "megajax", "fused"):
-            raise ConfigError(f"model.attention must be auto, megajax or fused, got '{self.attention}'")
         if self.attention == "fused" and self.attention_dropout:
             raise ConfigError(f"model.attention = \"fused\" has no attention dropout: set model.attention_dropout=0 "
                               f"(it is {self.attention_dropout}) or model.attention = \"megajax\"")
@@ -158,6 +157,8 @@ class TrainConfig:
                      "loss_scale_hysteresis"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.loss_scale > MAX_LOSS_SCALE:
+            raise ConfigError(f"train.loss_scale must be at most 2^32 (where the dynamic scale stops growing), got {self.loss_scale:g}")
         for name in ("warmup_steps", "decay_steps", "seed", "min_lr", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be 0 or more, got {getattr(self, name)}")
@@ -167,8 +168,7 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.schedule not in ("cosine", "linear"):
-            raise ConfigError(f"train.schedule must be cosine or linear, got '{self.schedule}'")
+        _one_of(self, "train", schedule=("cosine", "linear"))
 
 
 @dataclasses.dataclass
@@ -182,14 +182,10 @@ class DataConfig:
     max_ngram: int = 3                # whole_word: spans of 1..max_ngram words, n drawn with probability ~ 1/n
 
     def validate(self):
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.bin_dtype not in ("uint16", "uint32"):
-            raise ConfigError(f"data.bin_dtype must be uint16 or uint32, got '{self.bin_dtype}'")
-        if not 0.0 < self.mask_prob < 1.0:
-            raise ConfigError(f"data.mask_prob must be in (0, 1), got {self.mask_prob}")
-        if self.masking not in ("whole_word", "token"):
-            raise ConfigError(f"data.masking must be whole_word or token, got '{self.masking}'")
+        for name in ("val_fraction", "mask_prob"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ConfigError(f"data.{name} must be in (0, 1), got {getattr(self, name)}")
+        _one_of(self, "data", bin_dtype=("uint16", "uint32"), masking=("whole_word", "token"))
         if self.max_ngram < 1:
             raise ConfigError(f"data.max_ngram must be at least 1, got {self.max_ngram}")
 
@@ -205,9 +201,7 @@ class Config:
         """Every value's range, before anything is written: a bad value is one clear line."""
         for section in (self.model, self.train, self.data):
             for f in dataclasses.fields(section):
-                value = getattr(section, f.name)
-                if isinstance(value, float) and not math.isfinite(value):
-                    raise ConfigError(f"{SECTION_NAMES[type(section)]}.{f.name} must be a finite number, got {value}")
+                _check_representable(f"{SECTION_NAMES[type(section)]}.{f.name}", getattr(section, f.name))
         self.model.validate()
         self.train.validate()
         self.data.validate()
@@ -226,6 +220,14 @@ class Config:
         write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
+def _check_representable(key: str, value):
+    """The run keeps its numbers in float32 and int32 arrays: a value neither can hold is refused."""
+    if isinstance(value, float) and not (value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX):
+        raise ConfigError(f"{key} must be a finite number in float32's range (0, or 1.2e-38 to 3.4e+38 in magnitude), got {value}")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**31:
+        raise ConfigError(f"{key} must be below 2^31 (the run counts in int32), got {value}")
+
+
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
 SECTION_NAMES = {cls: name for name, cls in SECTIONS.items()}
 
@@ -242,8 +244,6 @@ def _unknown(key: str) -> ConfigError:
 
 def _coerce(key: str, value, typ):
     """Convert `value` (a TOML value or a --set string) to the field type, or raise ConfigError."""
-    if isinstance(typ, str):
-        typ = {"int": int, "float": float, "bool": bool, "str": str}[typ]
     if isinstance(value, str) and typ is not str:
         text = value.strip()
         if typ is bool:

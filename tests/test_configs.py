@@ -7,7 +7,7 @@ from conftest import mesh_for
 from flax import nnx
 
 from megajax.config import CONFIG_DIR, ConfigError, available_configs, load_config
-from megajax.core.mesh import check_fits
+from megajax.core.mesh import check_fits, padded_batches
 from megajax.models.registry import abstract_model
 from megajax.shapes import MODEL_TASKS
 from megajax.tasks import TASKS, param_count, task_for
@@ -118,6 +118,12 @@ def test_indivisible_sizes(change, tp, message):
     ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
     ("data.bin_dtype=int8", "data.bin_dtype must be uint16 or uint32"),
     ("model.ln_eps=0", "model.ln_eps must be positive"),
+    ("model.ln_eps=1e-60", "model.ln_eps must be a finite number in float32's range"),   # 0 in float32
+    ("train.loss_scale=1e40", "train.loss_scale must be a finite number in float32's range"),   # inf in float32
+    ("train.loss_scale=8589934592", "train.loss_scale must be at most 2^32"),
+    ("train.steps=2147483648", "train.steps must be below 2^31 (the run counts in int32)"),
+    ("model.num_layers=1e11", "model.num_layers must be below 2^31"),
+    ("model.compute_dtype=float8", "model.compute_dtype must be auto, float32, bfloat16, float16 or mixed, got 'float8'"),
     ("model.num_layers=2.5e0", "model.num_layers expects int, got '2.5e0'"),
     ("model.hidden_dropout=1.0", "model.hidden_dropout must be in [0, 1)"),
     ("model.recompute_norm_gelu=sometimes", "model.recompute_norm_gelu expects true or false"),
@@ -145,6 +151,14 @@ def test_malformed_config_files(tmp_path, name, content, message):
     path.write_bytes(content)
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(str(path))
+
+
+def test_eval_batches_are_no_larger_than_the_rows_need():
+    """A huge --batch-size over a few rows is one batch of those rows (rounded up to the data
+    axis), not an allocation of the batch size."""
+    batches = list(padded_batches(5, 10**12, 2))
+    assert len(batches) == 1 and batches[0][0].tolist() == [0, 1, 2, 3, 4, 4] and batches[0][1].tolist() == [1] * 5 + [0]
+    assert [idx.tolist() for idx, _ in padded_batches(5, 3, 2)] == [[0, 1], [2, 3], [4, 4]]
 
 
 def test_batch_not_divisible_by_data_axis():

@@ -15,6 +15,7 @@ from conftest import mesh_for
 from flax import nnx
 from tolerances import F32
 
+from megajax.cli.common import failed
 from megajax.training.workdir import load_workdir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,8 +218,10 @@ def test_dry_run_costs_follow_the_memory_model():
     (["--set", "train.keep_checkpoints=0"], "train.keep_checkpoints must be positive, got 0"),
     (["--save-every", "0"], "train.save_every must be positive, got 0"),
     (["--set", "model.num_layers=2.5e0"], "model.num_layers expects int, got '2.5e0'"),
-    (["--set", "train.lr=nan"], "train.lr must be a finite number, got nan"),
+    (["--set", "train.lr=nan"], "train.lr must be a finite number in float32's range (0, or 1.2e-38 to 3.4e+38 in magnitude), got nan"),
     (["--set", "model.seq_len=100000"], "per device, more than the"),   # the compiled step's memory
+    (["--set", "train.seed=4294967296"], "train.seed must be below 2^31 (the run counts in int32)"),
+    (["--set", "train.batch_size=268435456"], "a batch of 268435456 x 33 tokens is more than the 2^31"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     base = [a for a in BASE]
@@ -227,6 +230,26 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert p.stderr.strip().count("\n") == 0 and "Traceback" not in p.stderr, p.stderr
     assert message in p.stderr
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("kind", ["host", "device"])
+def test_running_out_of_memory_is_one_line(capsys, kind):
+    """A real allocation that fails (a petabyte: on any machine), on the host (numpy's
+    MemoryError) or the device (XLA's RESOURCE_EXHAUSTED), is one line and exit status 2 at the
+    top of train.py and eval.py (cli.common.failed); any other exception stays a traceback."""
+    try:
+        if kind == "host":
+            np.empty(2**50, np.uint8)
+        else:
+            jax.block_until_ready(jax.numpy.zeros(2**50, jax.numpy.uint8))
+    except Exception as e:  # noqa: BLE001
+        status = failed(e, "lower the batch")
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: out of {kind} memory (") and err.endswith(": lower the batch\n"), err
+    assert err.count("\n") == 1
+    with pytest.raises(ValueError, match="a bug"):
+        failed(ValueError("a bug"), "lower the batch")
 
 
 def test_workdir_mistakes_are_one_line(reference, tmp_path):

@@ -38,6 +38,23 @@ def lost_peer(e: Exception):
         os._exit(1)
 
 
+def failed(e: Exception, memory_hint: str) -> int:
+    """A program's exit status for an exception nothing below handled. Running out of host memory
+    (MemoryError) or a device's (XLA's RESOURCE_EXHAUSTED), which the user fixes with
+    `memory_hint`, and a dead peer (lost_peer) are one line; anything else is a bug: raised."""
+    device = isinstance(e, RuntimeError) and str(e).startswith("RESOURCE_EXHAUSTED")
+    if not (device or isinstance(e, MemoryError)):
+        lost_peer(e)
+        raise e
+    status = fail(f"out of {'device' if device else 'host'} memory ({first_line(e, 200)}): {memory_hint}")
+    import jax   # as in lost_peer: the peers' shutdown barrier would wait for processes still stepping
+
+    if jax.process_count() > 1:
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
 def add_distributed_args(p):
     g = p.add_argument_group("multi-process (jax.distributed; on SLURM/Open MPI/... detected automatically)")
     g.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")

@@ -8,7 +8,7 @@ import math
 import os
 from pathlib import Path
 
-from megajax.cli.common import add_distributed_args, fail, lost_peer, set_host_devices, start_distributed
+from megajax.cli.common import add_distributed_args, fail, failed, set_host_devices, start_distributed
 from megajax.errors import UserError
 from megajax.files import write_atomic
 
@@ -74,8 +74,7 @@ def eval_main(argv=None) -> int:
     except UserError as e:
         return fail(str(e))
     except Exception as e:  # noqa: BLE001
-        lost_peer(e)
-        raise
+        return failed(e, "lower --batch-size, or use a larger model axis (--mesh)")
     if is_main:
         out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
         write_atomic(out, json.dumps(result, indent=2) + "\n")

@@ -5,7 +5,7 @@ import argparse
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (StartUp, Stopped, add_distributed_args, fail, lost_peer, set_host_devices,
+from megajax.cli.common import (StartUp, Stopped, add_distributed_args, fail, failed, set_host_devices,
                                 start_distributed, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
@@ -71,17 +71,18 @@ def train_main(argv=None) -> int:
 
 
 def _train_main(args) -> int:
-    # jax is imported only now, with --host-devices in XLA_FLAGS (megajax/cli/common.py).
-    from megajax.core.mesh import make_mesh
-    from megajax.tools.dry_run import dry_run_report
-    from megajax.training.loop import train
-    from megajax.training.workdir import with_pretrained_shape
-
     try:
-        start_distributed(args)
+        # Before jax is imported (a second or two): a mistake in the config is reported at once.
         overrides = list(args.set) + [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS
                                       if getattr(args, flag) is not None]
         cfg = load_config(args.config, overrides)
+        # jax is imported only now, with --host-devices in XLA_FLAGS (megajax/cli/common.py).
+        from megajax.core.mesh import make_mesh
+        from megajax.tools.dry_run import dry_run_report
+        from megajax.training.loop import train
+        from megajax.training.workdir import with_pretrained_shape
+
+        start_distributed(args)
         try:
             mesh = make_mesh(args.mesh)
         except ValueError as e:
@@ -99,8 +100,8 @@ def _train_main(args) -> int:
     except UserError as e:
         return fail(str(e))
     except Exception as e:  # noqa: BLE001
-        lost_peer(e)
-        raise
+        return failed(e, "lower train.batch_size or model.seq_len, raise train.microbatches, set model.remat, or use "
+                         "a larger model axis (checkpoints already saved are intact)")
     return 0
 
 

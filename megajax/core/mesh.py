@@ -104,6 +104,9 @@ def check_fits(cfg, mesh, *, batch: bool = True):
     if not batch:
         return
     t = cfg.train
+    if t.batch_size * (m.seq_len + 1) >= 2**31:    # never near: GPT-3 trained on 3.2M tokens a batch
+        raise ConfigError(f"a batch of {t.batch_size} x {m.seq_len + 1} tokens is more than the 2^31 the step counts "
+                          f"in int32: lower train.batch_size or model.seq_len")
     if t.batch_size % dp:
         raise ConfigError(f"global batch {t.batch_size} is not divisible by the data axis ({dp})")
     if (t.batch_size // t.microbatches) % dp:
@@ -120,8 +123,9 @@ def padded_rows(n: int, dp: int) -> np.ndarray:
 def padded_batches(n: int, batch_size: int, dp: int):
     """(row indices, 0/1 real-row weights) of equal batches covering n rows: the batch size
     rounded down to a multiple of the data axis (at least one row per shard), the last batch
-    padded with copies of the final row."""
-    batch_size = max(dp, batch_size - batch_size % dp)
+    padded with copies of the final row. No larger than the rows need: a batch size of a million
+    over a hundred rows is one batch of a hundred-odd rows, not a million-row allocation."""
+    batch_size = max(dp, min(batch_size - batch_size % dp, n + -n % dp))
     for start in range(0, n, batch_size):
         rows = np.arange(start, start + batch_size)
         yield np.minimum(rows, n - 1), (rows < n).astype(np.float32)

@@ -137,8 +137,9 @@ class EvalWindows(Batches):
         super().__init__(tokens, seq_len, batch_size, 0, sharding, "val")
         n_windows = (len(tokens) - 1) // seq_len
         self.num_batches = max(1, min(max_batches, n_windows // batch_size))
-        count = self.num_batches * batch_size   # may exceed n_windows for a tiny split: windows repeat
-        self.window_starts = np.arange(count) * n_windows // count * seq_len
+        self.n_windows = n_windows
 
     def starts(self, step: int) -> np.ndarray:
-        return self.window_starts[step * self.batch_size: (step + 1) * self.batch_size]
+        count = self.num_batches * self.batch_size   # may exceed n_windows for a tiny split: windows repeat
+        first = step * self.batch_size               # (made per batch: a batch's worth of memory, however many)
+        return np.arange(first, min(first + self.batch_size, count), dtype=np.int64) * self.n_windows // count * self.seq_len

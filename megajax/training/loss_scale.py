@@ -27,10 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from megajax.config import Config
+from megajax.config import MAX_LOSS_SCALE as MAX_SCALE, Config
 from megajax.core.precision import Precision
-
-MAX_SCALE = 2.0 ** 32
 
 
 class LossScaleState(NamedTuple):
