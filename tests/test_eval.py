@@ -261,6 +261,23 @@ def test_results_on_2x4_equal_1x1(workdir, wikitext_slice, tmp_path):
     assert la["mean_target_loss"] == pytest.approx(lb["mean_target_loss"], rel=F32)
 
 
+def test_greedy_past_the_context_slides_a_window(workdir):
+    """Past the learned positions (64 here) each new token is predicted from the last 64 tokens,
+    recomputed: the same tokens as a full forward pass over that window, step by step."""
+    loaded = load_workdir(workdir, mesh_for("1x1"))
+    model, ctx = loaded.model, loaded.model.cfg.seq_len
+    prompt = np.asarray(loaded.tokenizer.encode(SHAKESPEARE.read_text(encoding="utf-8")[:200])[: ctx - 4], np.int32)
+    got = generate(model, prompt[None], 20, temperature=0)[0]
+    fwd = jax.jit(lambda m, x, p: jnp.argmax(m(x)[:, p], -1).astype(jnp.int32))
+    seq = list(prompt)
+    for _ in range(20):
+        window = np.zeros((1, ctx), np.int32)
+        last = seq[-ctx:]
+        window[0, :len(last)] = last
+        seq.append(int(fwd(model, window, len(last) - 1)[0]))
+    np.testing.assert_array_equal(got, seq[len(prompt):])
+
+
 @pytest.mark.parametrize("spec", ["1x1", "2x4"])
 def test_kv_cache_greedy_equals_recomputation(workdir, spec):
     loaded = load_workdir(workdir, mesh_for(spec))
@@ -283,6 +300,7 @@ def test_eval_cli_sample_and_errors(workdir, tmp_path):
     assert r["mesh"] == {"data": 2, "model": 4} and len(r["tokens"]) == 20 and p.stdout.startswith("ROMEO:")
     for args, msg in ((["--task", "wikitext", "--data", "/nope.txt"], "WikiText file not found"),
                       (["--task", "lambada"], "needs --data"), (["--task", "ppl", "--data", "x", "--mesh", "3x3"], "needs 9"),
-                      (["--task", "sample", "--step", "7"], "no checkpoint for step 7")):
+                      (["--task", "sample", "--step", "7"], "no checkpoint for step 7"),
+                      (["--task", "sample", "--seed", str(10**20)], "--seed must be in 0..2^31-1")):
         p = run(*args)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)

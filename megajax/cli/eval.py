@@ -54,6 +54,8 @@ def check_eval_args(args):
             raise UserError(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
         if args.top_k < 0:
             raise UserError(f"--top-k must be 0 (no limit) or positive, got {args.top_k}")
+        if not 0 <= args.seed < 2**31:
+            raise UserError(f"--seed must be in 0..2^31-1, got {args.seed}")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     out = Path(args.out) if args.out else None

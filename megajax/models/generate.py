@@ -82,5 +82,5 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
             tok = np.where(done, eos_id, tok)
             done |= tok == eos_id
         out.append(tok)
-        seq = np.concatenate([seq, tok[:, None]], axis=1)
+        seq = np.concatenate([seq[:, 1 - ctx:], tok[:, None]], axis=1)   # the window is all it reads
     return np.stack(out, axis=1)[:rows]
