@@ -251,7 +251,7 @@ def test_command_line_json_and_errors(tmp_path, capsys):
     assert pick_hardware(str(toml)).gpus_per_node == 4
     toml.write_text("[bad]\npeak_flops = -1\n")
     for args in (["--hardware", "tpu-v9"], ["--hardware", str(toml)], ["--devices", "0"], ["--config", "nope"],
-                 ["--schemes", "zero3"]):
+                 ["--schemes", "zero3"], ["--top", "0"], ["--devices", str(10**14)]):   # (the last: at once)
         assert plan_main(["--config", "tiny", "--devices", "8"] + args) == 2, args
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error:"), (args, err)

@@ -19,7 +19,7 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="default", help="a name from configs/ or a path to a .toml/.json")
     p.add_argument("--devices", type=int, required=True, help="how many GPUs")
     p.add_argument("--hardware", default="h100-80g",
-                   help="v100-dgx2h | a100-80g | h100-80g | h200, or FILE.toml[:NAME] (default: h100-80g)")
+                   help="v100-dgx2h | a100-80g | h100-80g | h200 | t4, or FILE.toml[:NAME] (default: h100-80g)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--baseline", help="the config whose one-device run scaling efficiency is measured against "
                                       "(default: this config)")
@@ -38,6 +38,8 @@ def plan_main(argv=None) -> int:
     from megajax.plan.report import render
 
     try:
+        if args.top < 1:
+            raise UserError(f"--top must be at least 1, got {args.top}")
         hw = pick_hardware(args.hardware)
         cfg = load_config(args.config, args.set)
         found = plan(cfg, args.devices, hw, baseline=args.baseline,

@@ -63,7 +63,7 @@ class Plan:
 
 def model_sizes(cfg: Config, devices: int) -> list[int]:
     m = cfg.model
-    return [t for t in range(1, devices + 1) if devices % t == 0
+    return [t for t in range(1, min(devices, m.num_heads) + 1) if devices % t == 0   # t divides the heads: O(heads)
             and all(x % t == 0 for x in (m.num_heads, m.hidden, m.ffn, m.padded_vocab))]
 
 
