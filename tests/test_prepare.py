@@ -181,9 +181,12 @@ def test_user_errors_are_one_line(corpus, tmp_path, capsys):
     latin.write_bytes("caf\xe9".encode("latin-1"))
     cases = [([str(tmp_path / "nothing*.txt")], "no file matches"), ([str(bad)], "is not a JSON object"),
              ([str(latin)], "is not UTF-8 text"), ([str(corpus / "docs.jsonl"), "--text-field", "nope"], "'nope' field"),
-             ([str(latin), "--tokenizer", "chars"], "needs the training text")]
+             ([str(latin), "--tokenizer", "chars"], "needs the training text"),
+             ([str(corpus / "docs.jsonl"), "--pairs", "--seq-len", "0"], "--seq-len must be at least 8"),
+             ([str(corpus / "docs.jsonl"), "--seed", "-1"], "--seed must be in 0..2^31-1"),
+             ([str(corpus / "docs.jsonl"), "--workers", "0"], "--workers must be at least 1")]
     for argv, message in cases:
-        assert prepare_main([*argv, "--out", str(tmp_path / "o"), "--workers", "1"]) == 2
+        assert prepare_main([*argv, "--out", str(tmp_path / "o")] + (["--workers", "1"] if "--workers" not in argv else [])) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and err.startswith("error: "), err
         assert not (tmp_path / "o").exists()                # nothing left behind

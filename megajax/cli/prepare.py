@@ -33,6 +33,16 @@ def prepare_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_prepare_args(args):
+    """The numbers on the command line, before anything is read or written."""
+    if args.pairs and not 8 <= args.seq_len < 2**31:
+        raise UserError(f"--seq-len must be at least 8 (and below 2^31) for sentence pairs, got {args.seq_len}")
+    if not 0 <= args.seed < 2**31:
+        raise UserError(f"--seed must be in 0..2^31-1, got {args.seed}")
+    if args.workers is not None and args.workers < 1:
+        raise UserError(f"--workers must be at least 1, got {args.workers}")
+
+
 def prepare_main(argv=None) -> int:
     args = prepare_parser().parse_args(argv)
     from megajax.prepare import Settings, prepare
@@ -40,6 +50,7 @@ def prepare_main(argv=None) -> int:
     settings = Settings(args.tokenizer, args.val_fraction, args.text_field, args.seq_len if args.pairs else 0, args.seed)
     stop_with_a_line(f"the finished units are kept in {args.out}/.partial: the same command continues")
     try:
+        check_prepare_args(args)
         meta = prepare(args.inputs, args.out, settings, args.workers)
     except UserError as e:
         return fail(str(e))
