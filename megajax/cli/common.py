@@ -13,7 +13,13 @@ from megajax.errors import first_line
 from megajax.hostenv import restart_with_malloc_tuning
 
 
+MAX_HOST_DEVICES = 4096   # each simulated device holds host memory and threads: 100,000 exhausted 24 GiB
+
+
 def set_host_devices(n: int | None):
+    """--host-devices N: XLA's CPU backend simulates N devices (before jax is imported)."""
+    if n is not None and not 1 <= n <= MAX_HOST_DEVICES:
+        sys.exit(fail(f"--host-devices must be in 1..{MAX_HOST_DEVICES}, got {n}"))
     if n:
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]

@@ -72,6 +72,8 @@ def train_main(argv=None) -> int:
 
 def _train_main(args) -> int:
     try:
+        if args.sample_tokens < 0:
+            raise UserError(f"--sample-tokens must be 0 (none) or more, got {args.sample_tokens}")
         # Before jax is imported (a second or two): a mistake in the config is reported at once.
         overrides = list(args.set) + [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS
                                       if getattr(args, flag) is not None]
