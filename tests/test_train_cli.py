@@ -144,6 +144,29 @@ def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
     assert (wd / "checkpoints" / str(step)).is_dir()
 
 
+def test_a_signal_during_the_final_sample_stops_it(tmp_path):
+    """Once the run is saved, SIGTERM stops the sample written after training (it was noted and
+    ignored: a long --sample-tokens could only be killed): exit 0, the checkpoint kept."""
+    wd, log = tmp_path / "w", tmp_path / "out.txt"
+    args = [*RUN_ARGS, "--host-devices", "1", "--mesh", "1x1", "--steps", "3", "--sample-tokens", str(10**9),
+            "--workdir", str(wd)]
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
+                                stdout=out, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 180
+        while time.time() < deadline and "done: 3 steps" not in log.read_text() and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(1)             # into the sample
+        proc.send_signal(signal.SIGTERM)
+        try:
+            err = proc.communicate(timeout=60)[1]
+        finally:
+            proc.kill()           # (a no-op once it has exited; otherwise it would sample on)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert "SIGTERM: stopped the sample; the run is complete, its last checkpoint at step 3" in log.read_text()
+    assert (wd / "checkpoints" / "3").is_dir()
+
+
 def test_sigterm_during_start_up_is_one_line(tmp_path):
     """bert_tiny trains its WordPiece vocabulary at start-up: a SIGTERM then stops at once."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", "bert_tiny", "--host-devices", "8",

@@ -31,7 +31,7 @@ from megajax.training.checkpoint import Checkpoints
 from megajax.training.distributed import Watchdog, agreed_stop, check_same_run, describe
 from megajax.training.memory import check_step_fits
 from megajax.training.metrics import MetricsLog, device_peak_tflops, flops_per_token, plot_workdir
-from megajax.training.signals import StopRequested
+from megajax.training.signals import SampleStopped, StopRequested
 from megajax.training.step import Trainer, make_trainer
 from megajax.training.workdir import (check_same_tokenizer, init_from_pretrained, is_main, run_tokenizer,
                                       run_vocab_size, with_pretrained_shape, write_run_files)
@@ -82,7 +82,7 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
             step, params, stopped_by = _steps(run, logger, ckpts, stop, step_fn, params, opt_state, start or 0)
         logger.close()
         ckpts.close()
-        return finish(run, logger, step, params, stopped_by, sample_tokens, out)
+        return finish(run, logger, step, params, stopped_by, sample_tokens, out, stop)
 
 
 def validate(cfg: Config, mesh, workdir: Path) -> Run:
@@ -296,7 +296,7 @@ class StepLogger:
 
 
 def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | None, sample_tokens: int,
-           out) -> RunResult:
+           out, stop: StopRequested) -> RunResult:
     result = RunResult(run.workdir, step, logger.losses, logger.val_loss, stopped_by)
     main = is_main()
     if stopped_by:
@@ -310,7 +310,16 @@ def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | No
         out(f"done: {step} steps{final}"
             + (f", val loss {logger.val_loss:.4f}" if logger.val_loss is not None else "") + f"; loss curve {png}")
     if sample_tokens and run.task.sample_after_training:   # every process takes part: the model is sharded over all
-        result.sample = sample_text(run.trainer, params, run.data, sample_tokens)
+        # One process may stop its sample on a signal: the run is saved. (Several may not: the
+        # others would wait for it in the sample's collectives.)
+        stop.sampling = jax.process_count() == 1
+        try:
+            result.sample = sample_text(run.trainer, params, run.data, sample_tokens)
+        except SampleStopped as e:
+            out(f"{e}: stopped the sample; the run is complete, its last checkpoint at step {step}")
+            return result
+        finally:
+            stop.sampling = False
         if main:
             out("sample:\n" + result.sample)
     return result
