@@ -167,6 +167,29 @@ def test_a_signal_during_the_final_sample_stops_it(tmp_path):
     assert (wd / "checkpoints" / "3").is_dir()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")   # the swallowing, as intended
+def test_a_start_up_signal_whose_exception_was_swallowed_still_stops_the_run():
+    """Python runs a signal handler wherever the main thread is, a weakref callback included,
+    which swallows what the handler raises (it happened to the sample's stop in CI): the signal
+    is recorded, and the run stops where training would begin."""
+    import weakref
+
+    from megajax.errors import UserError
+    from megajax.training.signals import StopRequested
+
+    class Thing:
+        pass
+
+    with StopRequested() as stop:
+        thing = Thing()
+        weakref.finalize(thing, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        del thing                 # the handler runs in the finaliser; its exception is "ignored"
+        time.sleep(0.1)
+        with pytest.raises(UserError, match="SIGTERM during start-up: stopped before training any step"):
+            stop.start_training()
+        assert not stop.training
+
+
 def test_sigterm_during_start_up_is_one_line(tmp_path):
     """bert_tiny trains its WordPiece vocabulary at start-up: a SIGTERM then stops at once."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", "bert_tiny", "--host-devices", "8",

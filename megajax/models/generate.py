@@ -47,12 +47,13 @@ def _window_step(model, window, last, key, temperature, top_k):
 
 
 def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, rng=None, eos_id: int | None = None) -> np.ndarray:
+             top_k: int | None = None, rng=None, eos_id: int | None = None, stopped=None) -> np.ndarray:
     """Continue each row of `prompt_tokens` (b, t), equal-length prompts, by `max_new_tokens`.
 
     The prompt fills the cache in one pass, then each new token costs one position's worth of
     compute. Past the model's context (learned positions end there) it slides a window and
-    recomputes. Rows that emitted `eos_id` keep emitting it; all rows done ends early.
+    recomputes. Rows that emitted `eos_id` keep emitting it; all rows done ends early, and so
+    does `stopped()` turning true (a signal: what was generated so far is returned).
     Returns the new tokens, (b, n).
     """
     prompt = np.atleast_2d(np.asarray(prompt_tokens, dtype=np.int32))
@@ -69,7 +70,7 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
     done = out[0] == eos_id if eos_id is not None else np.zeros(b, bool)
     seq = np.concatenate([prompt, out[0][:, None]], axis=1)
     for i in range(1, max_new_tokens):
-        if done.all():
+        if done.all() or (stopped is not None and stopped()):
             break
         key = jax.random.fold_in(rng, i)
         pos = t + i - 1  # position of the token being fed

@@ -31,7 +31,7 @@ from megajax.training.checkpoint import Checkpoints
 from megajax.training.distributed import Watchdog, agreed_stop, check_same_run, describe
 from megajax.training.memory import check_step_fits
 from megajax.training.metrics import MetricsLog, device_peak_tflops, flops_per_token, plot_workdir
-from megajax.training.signals import SampleStopped, StopRequested
+from megajax.training.signals import StopRequested
 from megajax.training.step import Trainer, make_trainer
 from megajax.training.workdir import (check_same_tokenizer, init_from_pretrained, is_main, run_tokenizer,
                                       run_vocab_size, with_pretrained_shape, write_run_files)
@@ -77,7 +77,7 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
         write_run_files(run.cfg, workdir, run.data.tokenizer)   # only now, with every check passed
         logger = StepLogger(run, ckpts, start, out)
         logger.announce(compile_s)
-        stop.training = True
+        stop.start_training()
         with logger.watchdog:     # a frozen peer: one line, not the runtime's abort
             step, params, stopped_by = _steps(run, logger, ckpts, stop, step_fn, params, opt_state, start or 0)
         logger.close()
@@ -313,21 +313,19 @@ def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | No
         # One process may stop its sample on a signal: the run is saved. (Several may not: the
         # others would wait for it in the sample's collectives.)
         stop.sampling = jax.process_count() == 1
-        try:
-            result.sample = sample_text(run.trainer, params, run.data, sample_tokens)
-        except SampleStopped as e:
-            out(f"{e}: stopped the sample; the run is complete, its last checkpoint at step {step}")
-            return result
-        finally:
-            stop.sampling = False
+        result.sample = sample_text(run.trainer, params, run.data, sample_tokens,
+                                    stopped=lambda: stop.sampling and stop.requested is not None)
+        if stop.sampling and stop.requested is not None:
+            out(f"{stop.requested}: stopped the sample; the run is complete, its last checkpoint at step {step}")
         if main:
             out("sample:\n" + result.sample)
     return result
 
 
-def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: float = 0.8, top_k: int = 40) -> str:
+def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: float = 0.8, top_k: int = 40,
+                stopped=None) -> str:
     model = ModelDef(abstract_model(for_inference(trainer.cfg.model), Layout(trainer.mesh))).bind(params)
     prompt = np.asarray(data.val[:16] if len(data.val) >= 16 else data.train[:16], dtype=np.int32)
     new = generate(model, prompt[None], n_tokens, temperature, top_k, jax.random.key(trainer.cfg.train.seed),
-                   eos_id=data.tokenizer.eos_id)
+                   eos_id=data.tokenizer.eos_id, stopped=stopped)
     return data.tokenizer.decode(prompt) + data.tokenizer.decode(new[0])

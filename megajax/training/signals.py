@@ -7,16 +7,17 @@ import sys
 from megajax.errors import UserError
 
 
-class SampleStopped(Exception):
-    """A signal while the finished run writes its sample: nothing is at stake any more."""
-
-
 class StopRequested:
     """SIGTERM or Ctrl-C. During start-up (reading data, compiling) nothing is at stake: stop at
     once with one line. Once training (`training = True`): finish the current step, save, and
     exit cleanly; further signals while that happens are noted, not obeyed, since interrupting
     the save would lose the very checkpoint they ask for (SIGKILL still ends it at once). Once
-    the run is saved and writes its sample (`sampling = True`, one process): stop the sample."""
+    the run is saved and writes its sample (`sampling = True`, one process): stop the sample,
+    which reads `requested` between tokens.
+
+    Python may run a handler inside a weakref callback or a finaliser, which swallows what it
+    raises ("Exception ignored in ..."): so the handler always records the signal, and
+    `start_training` stops a start-up whose exception was swallowed."""
 
     def __init__(self):
         self.requested = None
@@ -33,15 +34,22 @@ class StopRequested:
         return self
 
     def _handle(self, signum, frame):
-        if self.sampling:
-            raise SampleStopped(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
         if not self.training:
-            raise UserError(f"{signal.Signals(signum).name} during start-up: stopped before training any step")
-        if self.requested is not None:
-            print(f"{signal.Signals(signum).name}: already stopping; the checkpoint is being written",
-                  file=sys.stderr, flush=True)
+            self.requested = self.requested or name
+            raise self._startup_stopped()
+        if self.requested is not None and not self.sampling:
+            print(f"{name}: already stopping; the checkpoint is being written", file=sys.stderr, flush=True)
             return
-        self.requested = signal.Signals(signum).name
+        self.requested = self.requested or name
+
+    def _startup_stopped(self) -> UserError:
+        return UserError(f"{self.requested} during start-up: stopped before training any step")
+
+    def start_training(self):
+        if self.requested is not None:     # its exception was swallowed (see above)
+            raise self._startup_stopped()
+        self.training = True
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
