@@ -313,9 +313,8 @@ def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | No
         # One process may stop its sample on a signal: the run is saved. (Several may not: the
         # others would wait for it in the sample's collectives.)
         stop.sampling = jax.process_count() == 1
-        result.sample = sample_text(run.trainer, params, run.data, sample_tokens,
-                                    stopped=lambda: stop.sampling and stop.requested is not None)
-        if stop.sampling and stop.requested is not None:
+        result.sample = sample_text(run.trainer, params, run.data, sample_tokens, stopped=stop.sample_stopped)
+        if stop.sample_stopped():
             out(f"{stop.requested}: stopped the sample; the run is complete, its last checkpoint at step {step}")
         if main:
             out("sample:\n" + result.sample)

@@ -43,6 +43,9 @@ class StopRequested:
             return
         self.requested = self.requested or name
 
+    def sample_stopped(self) -> bool:
+        return self.sampling and self.requested is not None
+
     def _startup_stopped(self) -> UserError:
         return UserError(f"{self.requested} during start-up: stopped before training any step")
 
