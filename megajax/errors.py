@@ -1,4 +1,5 @@
 """Errors a user can cause and fix. The CLIs print them as one line and exit with code 2."""
+import re
 
 
 class UserError(Exception):
@@ -10,3 +11,17 @@ def first_line(e: BaseException, limit: int = 200) -> str:
     exception says nothing (the libraries megajax wraps raise multi-line and empty ones)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return (lines[0] if lines else type(e).__name__)[:limit]
+
+
+# tensorstore ("... [os_error_code='28']") and safetensors ("... (os error 28)") raise their own
+# exception types for a failed read or write, naming the operating system's reason in the text.
+_OS_ERROR_CODE = re.compile(r"os[ _]error(?:_code=)?\s*'?(\d+)")
+
+
+def os_error_code(e: BaseException) -> int | None:
+    """The operating system's error number behind `e`: an OSError's own, or the one a library
+    names in its message; None if there is none."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno
+    found = _OS_ERROR_CODE.search(str(e))
+    return int(found.group(1)) if found else None

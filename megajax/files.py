@@ -31,9 +31,11 @@ def write_atomic(path: Path, data: str | bytes) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:   # a failed write names no file: say which
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
 
 

@@ -64,3 +64,13 @@ def mesh_for(spec: str):
 def devices():
     assert len(jax.devices()) == 8, "conftest must set XLA_FLAGS before jax is imported"
     return jax.devices()
+
+
+def file_size_limited(*args: str, kib: int = 64) -> list[str]:
+    """A Python command line (`python ARGS...`) in which no file may grow past `kib` KiB: a
+    write fails as a full disk or a quota makes it fail (EFBIG), without needing either. The
+    child sets the limit itself: forking a process that runs JAX's threads is unsafe."""
+    code = ("import os, resource, sys; "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({kib * 1024}, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
+            "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+    return [sys.executable, "-c", code, *args]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, file_size_limited
 
 import megajax.prepare as prep
 from megajax.cli.prepare import prepare_main
@@ -290,3 +290,23 @@ def test_the_tool_does_not_import_jax():
     code = "import sys, megajax.prepare; print('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           check=True).stdout.strip() == "False"
+
+
+def test_a_file_system_that_refuses_a_write_is_one_line_and_the_same_command_continues(corpus, tmp_path):
+    """A unit's tokens that no file may hold (64 KiB at most here: what a full disk or a quota
+    does): one line naming the file, exit 2, no partial unit; once the limit is gone the same
+    command finishes. Before: numpy's OSError without an errno ("N requested and M written"),
+    a traceback, and the half-written unit left taking the space."""
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "doc.txt").write_text("".join(f.read_text() for f in sorted((corpus / "text").glob("*.txt"))) * 2)
+    args = ["-m", "megajax.prepare", str(big / "doc.txt"), "--tokenizer", "bytes", "--out", str(tmp_path / "o"),
+            "--workers", "1"]
+    p = subprocess.run(file_size_limited(*args), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: File too large: ") and p.stderr.count("\n") == 1, p.stderr
+    assert ".partial/units/" in p.stderr and not list((tmp_path / "o" / ".partial" / "units").glob("*.npy*"))
+    again = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    prep.prepare([str(big / "doc.txt")], tmp_path / "clean", prep.Settings("bytes", 0.01, "text"), workers=1,
+                 say=lambda *a: None)
+    np.testing.assert_array_equal(outputs(tmp_path / "o")[0], outputs(tmp_path / "clean")[0])

@@ -5,11 +5,12 @@ are read, because --host-devices must be in XLA_FLAGS before JAX starts its CPU 
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 
-from megajax.errors import first_line
+from megajax.errors import first_line, os_error_code
 from megajax.hostenv import restart_with_malloc_tuning
 
 
@@ -35,27 +36,38 @@ def lost_peer(e: Exception):
     """In a multi-process run, a failed collective or barrier almost always means another
     process died: say so in one line and leave at once, without JAX's shutdown barrier
     (which would wait for the dead peer). Checkpoints already finalised stay valid."""
-    import jax   # loaded by now (this runs after a failed step); imported here to keep the module light
-
-    if jax.process_count() > 1:
+    jax = sys.modules.get("jax")   # a program that never started JAX has no peers
+    if jax is not None and jax.process_count() > 1:
         print(f"error: process {jax.process_index()} of {jax.process_count()}: {type(e).__name__}: {first_line(e, 300)} "
               f"(another process has probably died; completed checkpoints are intact)", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
 
 
+# What the machine's file systems, not megajax, make an OS call fail with: a full disk or quota,
+# a read-only, lost or unreadable file system, a path someone changed while the program ran.
+FILE_SYSTEM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES,
+                                errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
+                                errno.ESTALE})
+
+
 def failed(e: Exception, memory_hint: str) -> int:
     """A program's exit status for an exception nothing below handled. Running out of host memory
     (MemoryError) or a device's (XLA's RESOURCE_EXHAUSTED), which the user fixes with
-    `memory_hint`, and a dead peer (lost_peer) are one line; anything else is a bug: raised."""
+    `memory_hint`, a file system failing (FILE_SYSTEM_ERRNOS) and a dead peer (lost_peer) are
+    one line; anything else is a bug: raised."""
     device = isinstance(e, RuntimeError) and str(e).startswith("RESOURCE_EXHAUSTED")
-    if not (device or isinstance(e, MemoryError)):
+    if device or isinstance(e, MemoryError):
+        status = fail(f"out of {'device' if device else 'host'} memory ({first_line(e, 200)}): {memory_hint}")
+    elif (code := os_error_code(e)) in FILE_SYSTEM_ERRNOS:
+        where = (f": {e.filename}" if getattr(e, "filename", None) else
+                 "" if isinstance(e, OSError) else f" ({type(e).__name__}: {first_line(e, 160)})")
+        status = fail(f"{os.strerror(code)}{where} (what was saved before is intact)")
+    else:
         lost_peer(e)
         raise e
-    status = fail(f"out of {'device' if device else 'host'} memory ({first_line(e, 200)}): {memory_hint}")
-    import jax   # as in lost_peer: the peers' shutdown barrier would wait for processes still stepping
-
-    if jax.process_count() > 1:
+    jax = sys.modules.get("jax")   # as in lost_peer: the peers' shutdown barrier would wait for processes still stepping
+    if jax is not None and jax.process_count() > 1:
         sys.stderr.flush()
         os._exit(status)
     return status

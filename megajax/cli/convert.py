@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megajax.cli.common import Stopped, fail, stop_with_a_line, stopped
+from megajax.cli.common import Stopped, fail, failed, stop_with_a_line, stopped
 from megajax.errors import UserError
 
 
@@ -49,5 +49,7 @@ def convert_main(argv=None) -> int:
         return fail(str(e))
     except Stopped as e:
         return stopped(e)
+    except Exception as e:  # noqa: BLE001  (a full disk: one line; a bug: raised)
+        return failed(e, "convert on a machine with more memory")
     sys.stdout.flush()
     return 0

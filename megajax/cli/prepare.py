@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from megajax.cli.common import Stopped, fail, stop_with_a_line, stopped
+from megajax.cli.common import Stopped, fail, failed, stop_with_a_line, stopped
 from megajax.errors import UserError
 
 
@@ -56,6 +56,8 @@ def prepare_main(argv=None) -> int:
         return fail(str(e))
     except Stopped as e:
         return stopped(e)
+    except Exception as e:  # noqa: BLE001  (a full disk: one line; a bug: raised)
+        return failed(e, "use fewer --workers")
     if args.pairs:
         print(f"{args.out}: {meta['pairs']:,} sentence pairs ({meta['tokens']:,} tokens) for seq_len {meta['seq_len']}, "
               f"the last {meta['val_pairs']:,} for validation, {meta['tokenizer']['kind']} tokenizer; "

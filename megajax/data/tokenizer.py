@@ -249,18 +249,37 @@ def load_tokenizer(workdir: Path) -> Tokenizer:
     if not path.is_file():
         raise UserError(f"no {FILE} in {workdir}: is it a megajax workdir?")
     try:
-        spec = json.loads(path.read_text(encoding="utf-8"))
-        kind = spec["kind"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return _from_spec(json.loads(path.read_text(encoding="utf-8")), Path(workdir))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError):
         raise UserError(f"{path} is damaged (not a megajax tokenizer description)") from None
+
+
+def _from_spec(spec: dict, workdir: Path) -> Tokenizer:
+    """The tokenizer a saved description names; a description of the wrong form raises one of
+    the errors load_tokenizer reports as damage."""
+    kind = spec["kind"]
     if kind == "bytes":
         return ByteTokenizer()
     if kind == "chars":
-        return CharTokenizer(spec["chars"])
+        chars = spec["chars"]
+        if not (isinstance(chars, list) and all(isinstance(c, str) and len(c) == 1 for c in chars)
+                and len(set(chars)) == len(chars) and chars):
+            raise ValueError("chars: not a list of distinct characters")
+        return CharTokenizer(chars)
     if kind == "hf":
-        return HFTokenizer(Path(workdir) / spec["file"])
+        return HFTokenizer(workdir / _file_name(spec))
     if kind == "tiktoken":
+        if not isinstance(spec["name"], str):
+            raise TypeError("name: not a string")
         return TiktokenTokenizer(spec["name"])
     if kind == "wordpiece":
-        return WordPieceTokenizer.from_file(Path(workdir) / spec["file"], spec.get("lowercase", True))
-    raise UserError(f"{path}: unknown tokenizer kind '{kind}'")
+        return WordPieceTokenizer.from_file(workdir / _file_name(spec), bool(spec.get("lowercase", True)))
+    raise UserError(f"{workdir / FILE}: unknown tokenizer kind {kind!r}")
+
+
+def _file_name(spec: dict) -> str:
+    """A companion file is one in the workdir itself, by name."""
+    name = spec["file"]
+    if not isinstance(name, str) or Path(name).name != name:
+        raise ValueError("file: not a file name")
+    return name

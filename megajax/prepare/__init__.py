@@ -9,6 +9,7 @@ not redone. The splits are assembled from the units in order, and meta.json is w
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import multiprocessing
 import os
@@ -102,19 +103,24 @@ def _run_unit(job: tuple[int, dict, str]) -> tuple[int, int, int]:
     i, unit, units_dir = job
     ids, docs = tokenize_unit(Unit(**unit), _WORKER["tok"], _WORKER["separator"], _WORKER["text_field"],
                               np.dtype(_WORKER["dtype"]))
-    tmp = Path(units_dir) / f".{i}.tmp.npy"
-    np.save(tmp, ids)
     write_atomic(Path(units_dir) / f"{i}.docs", str(docs))
-    os.replace(tmp, Path(units_dir) / f"{i}.npy")
+    write_atomic(Path(units_dir) / f"{i}.npy", _npy_bytes(np.save, ids))   # the unit counts as done once this exists
     return i, len(ids), docs
+
+
+def _npy_bytes(save, *args, **arrays) -> memoryview:
+    """What np.save / np.savez would write, for write_atomic: numpy writing to a file itself
+    reports a full disk as an OSError without its errno ("N requested and M written"), and
+    leaves the partial file behind."""
+    buffer = io.BytesIO()
+    save(buffer, *args, **arrays)
+    return buffer.getbuffer()
 
 
 def _run_pairs_unit(job: tuple[int, list, str]) -> int:
     k, docs, units_dir = job
     arrays = pairs.tokenize_documents(docs, _WORKER["tok"], np.dtype(_WORKER["dtype"]))
-    tmp = Path(units_dir) / f".{k}.tmp.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, Path(units_dir) / f"{k}.npz")
+    write_atomic(Path(units_dir) / f"{k}.npz", _npy_bytes(np.savez, **arrays))
     return int(arrays["lengths"].size)
 
 

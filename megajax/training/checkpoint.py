@@ -7,21 +7,25 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
-from megajax.errors import UserError, first_line
+from megajax.errors import UserError, first_line, os_error_code
 
 
 class _ReportedSaveFailures(logging.Filter):
-    """orbax logs a failed background save with its traceback, twice; megajax reports it
-    itself, in one line (Checkpoints.failed_save), so those records are dropped."""
-    MARKS = ("in background save thread", "Save Finalize thread")
+    """orbax logs a failed background save with its traceback, from each of its threads, and a
+    damaged checkpoint's metadata as it reads it; megajax reports both itself, in one line
+    (Checkpoints.failed_save, Checkpoints.restore_newest_intact), so those records are dropped."""
+    MARKS = ("in background save thread", "Save Finalize thread", "_SignalingThread.run() raised an exception",
+             "Failed to read Metadata file")
 
     def filter(self, record) -> bool:
         return not any(mark in record.getMessage() for mark in self.MARKS)
@@ -36,22 +40,28 @@ def _quiet_orbax():
         absl_log.addFilter(_ReportedSaveFailures())
 
 
-def _quiet_abandoned_reads(workdir: Path):
-    """A failed orbax restore leaves tensorstore reads of the damaged files in flight. Their
-    failures surface later, outside any caller: as "Task exception was never retrieved" from
-    asyncio's logger, or, once the loop is closed, as "Event loop is closed" tracebacks through
-    sys.unraisablehook. They say nothing the one-line warning has not said: drop exactly those
-    (the asyncio ones only when they name a file of this workdir), and pass everything else on."""
+def _quiet_abandoned_io(workdir: Path):
+    """A failed orbax restore or save leaves tensorstore reads or writes of this workdir in
+    flight, each failing in turn after the first failure, which megajax reports in one line.
+    Theirs surface later, outside any caller: as "... exception was never retrieved" from
+    asyncio's logger, and, as their coroutines are collected or the loop closed, through
+    sys.unraisablehook ("Event loop is closed", or the read's own error) and as "coroutine ...
+    was never awaited" warnings. They say nothing the one line has not said: drop exactly those
+    (the asyncio ones only when they name a file of this workdir; megajax itself has no
+    coroutines), and pass everything else on."""
     asyncio_log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _AbandonedReads) and f.root == str(workdir) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_AbandonedReads(str(workdir)))
+    if not any(isinstance(f, _AbandonedIO) and f.root == str(workdir) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_AbandonedIO(str(workdir)))
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
     previous = sys.unraisablehook
     if getattr(previous, "_megajax", False):
         return
 
     def hook(unraisable):
-        exc = unraisable.exc_value
+        exc, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
         if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
             return
         previous(unraisable)
 
@@ -59,18 +69,23 @@ def _quiet_abandoned_reads(workdir: Path):
     sys.unraisablehook = hook
 
 
-class _AbandonedReads(logging.Filter):
+class _AbandonedIO(logging.Filter):
     def __init__(self, root: str):
         super().__init__()
         self.root = root
 
     def filter(self, record) -> bool:
         message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved") and self.root in message)
+        return not (" exception was never retrieved" in message.split("\n", 1)[0] and self.root in message)
 
 
 def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {first_line(e)}"
+    """One line for a failed read or write. tensorstore names the operating system's reason
+    (a full disk, a lost file system) only at the end of a long message: it goes first."""
+    code = None if isinstance(e, OSError) else os_error_code(e)    # an OSError's own message says it
+    reason = f"{os.strerror(code)}; " if code else ""
+    line = first_line(e, 1000).split(" See full TensorStore details")[0]   # which prints a method's repr
+    return f"{reason}{type(e).__name__}: {line[:160 if code else 200]}"
 
 
 def _leaf_paths(tree) -> set[str]:
@@ -83,14 +98,17 @@ def _leaf_paths(tree) -> set[str]:
 
 
 class Checkpoints:
-    def __init__(self, directory: Path, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: Path, keep: int = 3, async_save: bool = True, writer: bool = True):
+        """`writer`: the run that holds the workdir's lock (it also removes what a killed save
+        left half-written); an evaluation reading the workdir passes False and changes nothing."""
         _quiet_orbax()
         self.directory = Path(directory).absolute() / "checkpoints"
+        _quiet_abandoned_io(self.directory.parent)   # before any read or write: failures can outrun the except
         self.in_flight = None      # the step being written in the background
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 create=True),
+                                                 create=writer, cleanup_tmp_directories=writer),
             # Named handlers let a fresh manager read what an earlier process wrote.
             # Weights and optimizer state are separate items, so evaluation reads only the weights.
             item_handlers={"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
@@ -106,6 +124,7 @@ class Checkpoints:
         """Start writing `step` in the background; (step, why) if it could not start. Collect
         the save before with `failed_save(block=True)` first: orbax finishes it before this one."""
         try:
+            self._check_directory()
             self.manager.save(step, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
                 meta=ocp.args.JsonSave(meta)), force=True)
@@ -114,17 +133,44 @@ class Checkpoints:
             return step, _first_line(e)
         return None
 
+    def _check_directory(self):
+        """orbax creates each step's directory in one background thread while the others wait
+        for it: if that fails (the checkpoints directory removed, replaced by a file, made
+        read-only while the run went on), they wait out a five-minute timeout. So the
+        directory is checked, and made again if it is gone, before a save starts."""
+        if jax.process_index() == 0 and not self.directory.exists():
+            self.directory.mkdir(parents=True)
+        if not self.directory.is_dir() or not os.access(self.directory, os.W_OK | os.X_OK):
+            raise OSError(f"{self.directory} is not a writable directory")
+
     def failed_save(self, block: bool = False) -> tuple[int, str] | None:
         """(step, why) if the background save has finished and failed (a full disk, a lost
-        file system), else None. Without `block` it never waits: None while the save runs."""
+        file system), else None. Without `block` it never waits: None while the save runs.
+        What a failed save wrote is removed: it is incomplete, and on a full disk it holds
+        the space the next save needs."""
         if self.in_flight is None or (not block and self.manager.is_saving_in_progress()):
             return None
         step, self.in_flight = self.in_flight, None
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
+            self.settle()
+            self._remove_partial(step)
             return step, _first_line(e)
         return None
+
+    def _remove_partial(self, step: int, patience: float = 10.0):
+        """tensorstore may still finish writes it had begun when the save failed, making the
+        directory again: it is removed until it stays away (what still remains after
+        `patience` seconds, the next run's start removes: cleanup_tmp_directories)."""
+        deadline = time.monotonic() + patience
+        while jax.process_index() == 0:
+            partials = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+            for partial in partials:
+                shutil.rmtree(partial, ignore_errors=True)
+            if not partials or time.monotonic() > deadline:
+                return
+            time.sleep(0.25)
 
     def wait(self):
         self.manager.wait_until_finished()
@@ -136,7 +182,8 @@ class Checkpoints:
         deadline = time.monotonic() + timeout
         for thread in threading.enumerate():
             if type(thread).__name__ == "_SignalingThread" and thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+                # threading's own join: orbax's raises the thread's exception, already reported
+                threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
 
     def check_shapes(self, step: int, abstract_params):
         """Raise UserError naming every parameter whose saved shape differs from the model's."""
@@ -180,7 +227,6 @@ class Checkpoints:
         is no checkpoint; raises UserError if none reads back. A checkpoint of another model
         shape is the user's mistake, not damage: that error is raised as it is."""
         steps = sorted(self.all_steps(), reverse=True)
-        _quiet_abandoned_reads(self.directory.parent)   # before any read: failures can outrun the except
         for step in steps:
             try:
                 return step, restore(step)

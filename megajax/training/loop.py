@@ -33,7 +33,7 @@ from megajax.training.memory import check_step_fits
 from megajax.training.metrics import MetricsLog, device_peak_tflops, flops_per_token, plot_workdir
 from megajax.training.signals import StopRequested
 from megajax.training.step import Trainer, make_trainer
-from megajax.training.workdir import (check_same_tokenizer, init_from_pretrained, is_main, run_tokenizer,
+from megajax.training.workdir import (check_layout, check_same_tokenizer, init_from_pretrained, is_main, run_tokenizer,
                                       run_vocab_size, with_pretrained_shape, write_run_files)
 
 
@@ -89,6 +89,7 @@ def validate(cfg: Config, mesh, workdir: Path) -> Run:
     """Every check of a run before anything is written: the config against the workdir and
     the other processes, the data, the sizes against the mesh. Returns the Run, whose final
     config has its vocabulary size set here, and only here, from the data."""
+    check_layout(workdir)
     cfg, pretrained = with_pretrained_shape(cfg, workdir)
     task = task_for(cfg)
     check_same_run({"config": cfg.to_dict(), "workdir": str(workdir)})
@@ -305,10 +306,13 @@ def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | No
                 f"run the same command again to resume")
         return result
     if main:
-        png = plot_workdir(run.workdir)
+        try:
+            curve = f"; loss curve {plot_workdir(run.workdir)}"
+        except OSError as e:    # a full disk: the run is saved, only its picture is missing
+            curve = f"; no loss curve ({e.strerror})"
         final = f", final train loss {logger.losses[step]:.4f}" if step in logger.losses else ""
         out(f"done: {step} steps{final}"
-            + (f", val loss {logger.val_loss:.4f}" if logger.val_loss is not None else "") + f"; loss curve {png}")
+            + (f", val loss {logger.val_loss:.4f}" if logger.val_loss is not None else "") + curve)
     if sample_tokens and run.task.sample_after_training:   # every process takes part: the model is sharded over all
         # One process may stop its sample on a signal: the run is saved. (Several may not: the
         # others would wait for it in the sample's collectives.)

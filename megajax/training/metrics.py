@@ -104,9 +104,12 @@ def plot_workdir(workdir: Path, out: Path | None = None) -> Path:
     fig.tight_layout()
     out = Path(out) if out else Path(workdir) / "loss.png"
     tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp)
-    os.replace(tmp, out)     # never a half-written picture
-    plt.close(fig)
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, out)     # never a half-written picture
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
 
 

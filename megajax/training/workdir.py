@@ -14,6 +14,7 @@ Hugging Face model imported by megajax-convert).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -30,11 +31,29 @@ from megajax.training.checkpoint import Checkpoints
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
+FILES = (CONFIG_FILE, TOKENIZER_FILE, "metrics.jsonl", "loss.png")
+DIRECTORIES = (CHECKPOINTS, "damaged")
 
 
 def is_main() -> bool:
     """Process 0 writes the workdir's files and prints; every process reads and computes."""
     return jax.process_index() == 0
+
+
+def check_layout(workdir: Path, writing: bool = True):
+    """What the workdir holds is of the kind megajax makes (a file where it keeps a file, a
+    directory where it keeps one) and, for a run that will write there, writable: refused in
+    one line before anything is read or written, not met halfway through a save."""
+    for name in FILES + DIRECTORIES if writing else (CONFIG_FILE, TOKENIZER_FILE, CHECKPOINTS):
+        path = Path(workdir) / name
+        if not path.exists():
+            continue
+        directory = name in DIRECTORIES
+        if path.is_dir() != directory:
+            raise UserError(f"{path} is a {'file' if directory else 'directory'}, where megajax keeps its "
+                            f"{'directory' if directory else 'file'} of that name: move it away, or use another --workdir")
+        if writing and not os.access(path, os.W_OK | (os.X_OK if directory else 0)):
+            raise UserError(f"{path} is not writable: make it writable, or use another --workdir")
 
 
 def write_run_files(cfg: Config, workdir: Path, tokenizer: Tokenizer):
@@ -49,9 +68,21 @@ def write_run_files(cfg: Config, workdir: Path, tokenizer: Tokenizer):
 
 def run_tokenizer(workdir: Path, pretrained: Path | None) -> Tokenizer | None:
     """The tokenizer a run must use: the workdir's own when resuming, else the pretrained
-    workdir's when fine-tuning; None when the run makes its own from data.tokenizer."""
-    source = workdir if (workdir / TOKENIZER_FILE).exists() else pretrained
-    return load_tokenizer(source) if source is not None else None
+    workdir's when fine-tuning; None when the run makes its own from data.tokenizer. A workdir
+    with checkpoints but no tokenizer file is refused: a vocabulary made again from the data
+    need not give its tokens the ids the checkpoints were trained on."""
+    workdir = Path(workdir)
+    if (workdir / TOKENIZER_FILE).exists():
+        return load_tokenizer(workdir)
+    if has_checkpoints(workdir):
+        raise UserError(f"{workdir} has checkpoints but no {TOKENIZER_FILE}, which holds the token ids they were "
+                        f"trained on: put the file back, or use another --workdir")
+    return load_tokenizer(pretrained) if pretrained is not None else None
+
+
+def has_checkpoints(workdir: Path) -> bool:
+    directory = Path(workdir) / CHECKPOINTS
+    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 
 def check_same_tokenizer(cfg: Config, workdir: Path):
@@ -101,12 +132,13 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
     (whatever mesh trained it), as a model for inference (registry.for_inference). Reads only:
     nothing in the workdir is created or moved."""
     workdir = Path(workdir)
+    check_layout(workdir, writing=False)
     if not (workdir / CONFIG_FILE).is_file():
         raise UserError(f"{workdir} is not a megajax workdir (no {CONFIG_FILE})")
     cfg = load_config(str(workdir / CONFIG_FILE))
     check_fits(cfg, mesh, batch=False)
     tokenizer = load_tokenizer(workdir)
-    ckpts = Checkpoints(workdir) if (workdir / CHECKPOINTS).is_dir() else None
+    ckpts = Checkpoints(workdir, writer=False) if (workdir / CHECKPOINTS).is_dir() else None
     steps = ckpts.all_steps() if ckpts else []
     if not steps:
         raise UserError(f"no checkpoint in {workdir / CHECKPOINTS}")

@@ -1,0 +1,127 @@
+"""A workdir that is damaged, or a file system that fails under a run: one line, exit 2, and
+nothing the user had is lost (found by an adversarial sweep of damaged workdirs and a full disk)."""
+import errno
+import json
+import shutil
+import subprocess
+
+import jax.numpy as jnp
+import pytest
+from conftest import file_size_limited, mesh_for, tiny_config
+
+from megajax.cli.common import failed
+from megajax.data.tokenizer import CharTokenizer, load_tokenizer
+from megajax.errors import UserError
+from megajax.training.checkpoint import Checkpoints
+from megajax.training.loop import train
+from megajax.training.workdir import load_workdir
+
+from test_train_cli import BASE, ROOT, env
+
+
+def _snapshot(root):
+    return {p: (p.is_dir(), p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+@pytest.fixture
+def saved_workdir(tmp_path):
+    """A workdir as train.py leaves it, with one checkpoint (written here, without training)."""
+    wd = tmp_path / "run"
+    wd.mkdir()
+    tiny_config().save(wd / "config.json")
+    CharTokenizer(list("abc")).save(wd)
+    (wd / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    ckpts = Checkpoints(wd, async_save=False)
+    assert ckpts.save(1, {"w": jnp.ones(4)}, {"m": jnp.zeros(4)}, {"step": 1}) is None
+    ckpts.close()
+    return wd
+
+
+def _replace_with_file(path):
+    if path.is_dir():
+        shutil.rmtree(path)
+    path.write_text("x")
+
+
+def _replace_with_directory(path):
+    path.unlink()
+    path.mkdir()
+
+
+@pytest.mark.parametrize("damage,message,also_eval", [
+    (lambda wd: _replace_with_file(wd / "checkpoints"), "checkpoints is a file, where megajax keeps its directory",
+     True),
+    (lambda wd: _replace_with_file(wd / "damaged"), "damaged is a file", False),
+    (lambda wd: _replace_with_directory(wd / "metrics.jsonl"), "metrics.jsonl is a directory", False),
+    (lambda wd: _replace_with_directory(wd / "config.json"), "config.json is a directory", True),
+    (lambda wd: (wd / "tokenizer.json").write_text('{"kind": "chars", "chars": 5}'),
+     "tokenizer.json is damaged", True),
+    (lambda wd: (wd / "tokenizer.json").unlink(), "has checkpoints but no tokenizer.json", False),
+])
+def test_a_damaged_workdir_is_refused_before_anything_is_written(saved_workdir, damage, message, also_eval):
+    """Before: a checkpoints path that was a file made every save wait out orbax's five-minute
+    timeout and end in a traceback; a directory in a file's place, or a tokenizer description
+    of the wrong form, was a traceback; a missing tokenizer was made again from the data."""
+    damage(saved_workdir)
+    before = _snapshot(saved_workdir)
+    with pytest.raises(UserError, match=message):
+        train(tiny_config(), mesh_for("1x1"), saved_workdir, sample_tokens=0, out=lambda _: None)
+    if also_eval:
+        with pytest.raises(UserError, match=message):
+            load_workdir(saved_workdir, mesh_for("1x1"))
+    assert _snapshot(saved_workdir) == before
+
+
+@pytest.mark.parametrize("spec", [{"kind": "chars", "chars": ["ab", "c"]}, {"kind": "chars", "chars": []},
+                                  {"kind": "hf", "file": "../elsewhere.json"}, {"kind": "tiktoken", "name": 3},
+                                  ["chars"], {"kind": "wordpiece"}])
+def test_a_tokenizer_description_of_the_wrong_form_is_damage(tmp_path, spec):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(UserError, match="tokenizer.json is damaged"):
+        load_tokenizer(tmp_path)
+
+
+def test_a_checkpoints_directory_removed_or_replaced_mid_run(tmp_path):
+    """Removed: the next save makes it again. Replaced by a file: the save fails at once, in
+    one line, instead of orbax's threads waiting five minutes for a directory never made."""
+    ckpts = Checkpoints(tmp_path)
+    state = ({"w": jnp.ones(4)}, {"m": jnp.zeros(4)}, {})
+    assert ckpts.save(1, *state) is None and ckpts.failed_save(block=True) is None
+    shutil.rmtree(ckpts.directory)
+    assert ckpts.save(2, *state) is None and ckpts.failed_save(block=True) is None
+    assert (ckpts.directory / "2").is_dir()
+    shutil.rmtree(ckpts.directory)
+    ckpts.directory.write_text("x")
+    step, why = ckpts.save(3, *state)
+    assert step == 3 and "is not a writable directory" in why
+    assert ckpts.directory.read_text() == "x"
+
+
+def test_a_save_the_file_system_refuses_is_one_line_and_leaves_nothing_half_written(tmp_path):
+    """A real failure of orbax's background writers: no file may grow past 64 KiB (what a full
+    disk or a quota does to a checkpoint, without needing one). Before: orbax's threads logged
+    a traceback each, and waiting for them raised one more, exit status 1."""
+    wd = tmp_path / "w"
+    no_cache = {k: v for k, v in env().items() if k != "JAX_COMPILATION_CACHE_DIR"}   # its files are larger too
+    p = subprocess.run(file_size_limited(str(ROOT / "train.py"), *BASE, "--mesh", "2x4", "--workdir", str(wd),
+                                         "--steps", "2", "--save-every", "2", "--eval-every", "2"),
+                       capture_output=True, text=True, env=no_cache, cwd=ROOT, timeout=240)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert p.stderr.startswith("error: saving step 2 failed (File too large; ") and p.stderr.count("\n") == 1, p.stderr
+    assert "no checkpoint of this run is intact" in p.stderr
+    assert list((wd / "checkpoints").iterdir()) == []    # the half-written step is gone, not left taking space
+    assert (wd / "metrics.jsonl").is_file() and (wd / "config.json").is_file()
+
+
+@pytest.mark.parametrize("error,line", [
+    (OSError(errno.ENOSPC, "No space left on device", "/data/run/metrics.jsonl"),
+     "error: No space left on device: /data/run/metrics.jsonl (what was saved before is intact)"),
+    (RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),   # safetensors
+     "error: No space left on device (RuntimeError: Error while serializing: I/O error"),
+    (ValueError("RESOURCE_EXHAUSTED: Error writing \"w/0\" in OCDBT database [os_error_code='122']"),   # tensorstore
+     "error: Disk quota exceeded (ValueError: RESOURCE_EXHAUSTED: Error writing"),
+])
+def test_a_file_system_failure_is_one_line_whichever_library_raises_it(capsys, error, line):
+    assert failed(error, "lower the batch") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1, err
