@@ -144,6 +144,39 @@ def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
     assert (wd / "checkpoints" / str(step)).is_dir()
 
 
+def test_a_reader_that_goes_away_stops_the_run_as_sigterm_does(tmp_path):
+    """`train.py | head -3`: the pipe under stdout closes and the next line fails to be written
+    (BrokenPipeError). Before: a traceback, exit 1, the steps since the last save lost. Now the
+    run stops as on SIGTERM, saves, and says so on stderr; the same command resumes."""
+    wd = tmp_path / "pipe"
+    args = [*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "100000", "--save-every", "100000"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    head = [proc.stdout.readline() for _ in range(3)]   # the banner and two steps, as head -3 reads them
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, err
+    assert head[2].startswith("step      2  loss") and "Traceback" not in err, err
+    step = int(err.split("SIGPIPE: saved a checkpoint at step ")[1].split()[0])
+    assert step >= 3 and (wd / "checkpoints" / str(step)).is_dir() and max(losses(wd)) == step
+
+
+def test_every_program_outlives_a_closed_pipe_under_its_output():
+    """eval.py, megajax-plan, -prepare, -convert (`| head`): what they would still print goes to
+    /dev/null, with no BrokenPipeError now or at exit, and they finish their work."""
+    from megajax.cli.common import _PipeGuard
+
+    read, write = os.pipe()
+    os.close(read)
+    closed = []
+    with open(write, "w", buffering=1) as stream:
+        guard = _PipeGuard(stream, lambda: closed.append(True), to_stderr=False)
+        for i in range(3):
+            print(f"line {i}", file=guard)
+        guard.flush()
+        assert closed == [True] and os.path.samestat(os.fstat(write), os.stat(os.devnull))
+
+
 def test_a_signal_during_the_final_sample_stops_it(tmp_path):
     """Once the run is saved, SIGTERM stops the sample written after training (it was noted and
     ignored: a long --sample-tokens could only be killed): exit 0, the checkpoint kept."""

@@ -119,6 +119,54 @@ def stop_during_startup(signum, frame):
     print(f"{name}: the run is already ending", file=sys.stderr, flush=True)
 
 
+def guard_stdout(on_close=None, to_stderr: bool = False):
+    """A reader that goes away (`train.py | head`, `megajax-plan | less` quit early) closes the
+    pipe under stdout (or stderr: `2>&1 | head`), and the next write anywhere raises
+    BrokenPipeError. From then on stdout goes to stderr (`to_stderr`: a run's last lines, where
+    it says it stopped and saved) or, as stderr does, to /dev/null (Python's own recipe: then
+    not even the flush at exit fails), and `on_close` is called once (train.py: stop as on
+    SIGTERM, saving a checkpoint)."""
+    if not isinstance(sys.stderr, _PipeGuard):
+        sys.stderr = _PipeGuard(sys.stderr, None, to_stderr=False)
+    if not isinstance(sys.stdout, _PipeGuard):
+        sys.stdout = _PipeGuard(sys.stdout, on_close, to_stderr)
+
+
+class _PipeGuard:
+    def __init__(self, stream, on_close, to_stderr: bool):
+        self._stream, self._on_close = stream, on_close
+        self._targets = ["stderr", "devnull"] if to_stderr else ["devnull"]
+        self._closed = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+            return self.write(text)    # to the new target (once on /dev/null, a write cannot fail)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._reader_gone()
+            self.flush()
+
+    def _reader_gone(self):
+        target = self._targets.pop(0)
+        fd = sys.stderr.fileno() if target == "stderr" else os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, self._stream.fileno())
+        if target == "devnull":
+            os.close(fd)
+        if not self._closed:
+            self._closed = True
+            if self._on_close is not None:
+                self._on_close()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def command(main):
     """A program's entry point: first restart with the host settings of megajax/hostenv.py."""
     def run() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megajax.cli.common import Stopped, fail, failed, stop_with_a_line, stopped
+from megajax.cli.common import Stopped, fail, failed, guard_stdout, stop_with_a_line, stopped
 from megajax.errors import UserError
 
 
@@ -30,6 +30,7 @@ def convert_parser() -> argparse.ArgumentParser:
 
 
 def convert_main(argv=None) -> int:
+    guard_stdout()
     args = convert_parser().parse_args(argv)
     # jax is imported only now, as every command line does.
     from megajax.convert import export_hf, import_hf

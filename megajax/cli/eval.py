@@ -8,7 +8,7 @@ import math
 import os
 from pathlib import Path
 
-from megajax.cli.common import add_distributed_args, fail, failed, set_host_devices, start_distributed
+from megajax.cli.common import add_distributed_args, fail, failed, guard_stdout, set_host_devices, start_distributed
 from megajax.errors import UserError
 from megajax.files import write_atomic
 
@@ -64,6 +64,7 @@ def check_eval_args(args):
 
 
 def eval_main(argv=None) -> int:
+    guard_stdout()
     args = eval_parser().parse_args(argv)
     set_host_devices(args.host_devices)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from megajax.cli.common import fail
+from megajax.cli.common import fail, guard_stdout
 from megajax.errors import UserError
 
 
@@ -31,6 +31,7 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def plan_main(argv=None) -> int:
+    guard_stdout()
     args = plan_parser().parse_args(argv)
     # jax (for the model's shapes) is imported only now, as every command line does.
     from megajax.config import load_config

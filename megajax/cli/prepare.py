@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from megajax.cli.common import Stopped, fail, failed, stop_with_a_line, stopped
+from megajax.cli.common import Stopped, fail, failed, guard_stdout, stop_with_a_line, stopped
 from megajax.errors import UserError
 
 
@@ -44,6 +44,7 @@ def check_prepare_args(args):
 
 
 def prepare_main(argv=None) -> int:
+    guard_stdout()
     args = prepare_parser().parse_args(argv)
     from megajax.prepare import Settings, prepare
 

@@ -5,10 +5,11 @@ import argparse
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (StartUp, Stopped, add_distributed_args, fail, failed, set_host_devices,
-                                start_distributed, stop_during_startup)
+from megajax.cli.common import (StartUp, Stopped, add_distributed_args, fail, failed, guard_stdout,
+                                set_host_devices, start_distributed, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
+from megajax.training.signals import stdout_closed
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -51,6 +52,7 @@ FLAG_KEYS = (("steps", "train.steps"), ("log_every", "train.log_every"), ("eval_
 
 
 def train_main(argv=None) -> int:
+    guard_stdout(on_close=stdout_closed, to_stderr=True)   # `train.py | head`: stop and save
     args = train_parser().parse_args(argv)
     set_host_devices(args.host_devices)
     # Until train() takes over the signals (megajax/training/signals.py), one stops the run with a line.
@@ -108,6 +110,7 @@ def _train_main(args) -> int:
 
 
 def plot_main(argv=None) -> int:
+    guard_stdout()
     p = argparse.ArgumentParser(prog="megajax-plot", description="Draw WORKDIR/loss.png from metrics.jsonl")
     p.add_argument("workdir")
     p.add_argument("--out")

@@ -26,6 +26,7 @@ class StopRequested:
         self._old = {}
 
     def __enter__(self):
+        _ACTIVE.append(self)
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -34,7 +35,9 @@ class StopRequested:
         return self
 
     def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
+        self.request(signal.Signals(signum).name)
+
+    def request(self, name: str):
         if not self.training:
             self.requested = self.requested or name
             raise self._startup_stopped()
@@ -55,5 +58,21 @@ class StopRequested:
         self.training = True
 
     def __exit__(self, *exc):
+        _ACTIVE.remove(self)
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+_ACTIVE: list[StopRequested] = []
+
+# A closed stdout (`train.py | head`: cli.common.guard_stdout) stops a run as SIGTERM does. It
+# goes by the name of the signal a writer to a closed pipe gets (Python ignores that signal:
+# the write raises instead), since handling the signal itself would also stop a run for a
+# pipe of some library's that closed.
+STDOUT_CLOSED = "SIGPIPE"
+
+
+def stdout_closed():
+    """Stop the training run under way, if any, as SIGTERM would."""
+    if _ACTIVE:
+        _ACTIVE[-1].request(STDOUT_CLOSED)
