@@ -64,8 +64,8 @@ class WorkdirLock:
     stale). The operating system releases it when the process ends, however it ends, so a
     crashed or killed run never leaves the workdir locked."""
 
-    def __init__(self, workdir: Path, busy: str | None = None):
-        self.workdir = Path(workdir)
+    def __init__(self, workdir: Path, busy: str | None = None, what: str = "the workdir"):
+        self.workdir, self.what = Path(workdir), what
         self.fd = None
         self.created = False
         self.busy = busy or (f"another run is training in {self.workdir}; wait for it to finish "
@@ -76,9 +76,9 @@ class WorkdirLock:
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise UserError(f"cannot use {self.workdir} as the workdir: {e.strerror}") from None
+            raise UserError(f"cannot use {self.workdir} as {self.what}: {e.strerror}") from None
         if not os.access(self.workdir, os.W_OK | os.X_OK):
-            raise UserError(f"cannot use {self.workdir} as the workdir: not writable")
+            raise UserError(f"cannot use {self.workdir} as {self.what}: not writable")
         if fcntl is None:
             return self
         self.fd = os.open(self.workdir, os.O_RDONLY)

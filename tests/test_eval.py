@@ -202,10 +202,12 @@ def test_malformed_lambada_lines_name_the_line(tmp_path, line, message):
     (["--task", "sample", "--temperature", "nan"], "--temperature must be 0 (greedy) or positive"),
     (["--task", "sample", "--top-k", "-3"], "--top-k must be 0 (no limit) or positive"),
     (["--task", "ppl", "--out", "/nonexistent/dir/r.json"], "the directory /nonexistent/dir does not exist"),
+    (["--task", "ppl", "--out", "TMP"], "is a directory: give the JSON file's path"),   # before: found after the eval
 ])
 def test_eval_arguments_are_checked_before_loading(tmp_path, capsys, args, message):
     from megajax.cli import eval_main
 
+    args = [str(tmp_path) if a == "TMP" else a for a in args]
     assert eval_main(["--workdir", str(tmp_path / "absent"), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err

@@ -39,3 +39,15 @@ def test_metrics_with_a_cut_short_last_line_resume_and_plot(tmp_path):
     assert log.path.stat().st_mtime_ns == before
     log.write({"step": 3, "loss": 1.5})
     assert [r["step"] for r in read_jsonl(log.path)] == [1, 2, 3]
+
+
+def test_megajax_plot_refuses_an_output_it_cannot_write_in_one_line(tmp_path, capsys):
+    from megajax.cli import plot_main
+
+    MetricsLog(tmp_path).write({"step": 1, "loss": 3.0})
+    for out in (tmp_path, tmp_path / "absent" / "x.png"):      # before: a traceback after drawing
+        assert plot_main([str(tmp_path), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {out}: give the picture's file name") and err.count("\n") == 1
+    assert plot_main([str(tmp_path), "--out", str(tmp_path / "curve.png")]) == 0
+    assert (tmp_path / "curve.png").stat().st_size > 0

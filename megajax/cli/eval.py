@@ -61,6 +61,8 @@ def check_eval_args(args):
     out = Path(args.out) if args.out else None
     if out is not None and not (out.parent.is_dir() and os.access(out.parent, os.W_OK)):
         raise UserError(f"--out {out}: the directory {out.parent} does not exist or is not writable")
+    if out is not None and out.is_dir():
+        raise UserError(f"--out {out} is a directory: give the JSON file's path")
 
 
 def eval_main(argv=None) -> int:
@@ -74,12 +76,12 @@ def eval_main(argv=None) -> int:
         from megajax.cli.eval_tasks import run_task
 
         result, is_main = run_task(args)
+        if is_main:
+            out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
+            write_atomic(out, json.dumps(result, indent=2) + "\n")
+            print(f"wrote {out}")
     except UserError as e:
         return fail(str(e))
     except Exception as e:  # noqa: BLE001
         return failed(e, "lower --batch-size, or use a larger model axis (--mesh)")
-    if is_main:
-        out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
-        write_atomic(out, json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from megajax.cli.common import fail, guard_stdout
+from megajax.cli.common import fail, failed, guard_stdout
 from megajax.errors import UserError
 
 
@@ -47,6 +47,8 @@ def plan_main(argv=None) -> int:
                      schemes=tuple(s.strip() for s in args.schemes.split(",") if s.strip()))
     except UserError as e:
         return fail(str(e))
+    except Exception as e:  # noqa: BLE001  (out of memory: one line; a bug: raised)
+        return failed(e, "plan fewer --devices or --schemes")
     if args.json:
         print(json.dumps({"config": cfg.name, "devices": args.devices, "hardware": hw.name,
                           "plans": [p.to_json() for p in found]}, indent=1))

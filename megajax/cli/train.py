@@ -121,4 +121,6 @@ def plot_main(argv=None) -> int:
         print(plot_workdir(Path(args.workdir), args.out and Path(args.out)))
     except UserError as e:
         return fail(str(e))
+    except Exception as e:  # noqa: BLE001  (a full disk: one line; a bug: raised)
+        return failed(e, "close other programs")
     return 0

@@ -219,7 +219,8 @@ def prepare(inputs: list[str], out, settings: Settings, workers: int | None = No
         if settings.pairs_seq_len < 8:
             raise UserError(f"--seq-len must be at least 8 for sentence pairs, got {settings.pairs_seq_len}")
         Specials.of(tok)             # [CLS], [SEP], [MASK], [PAD]: refused now, not after tokenizing
-    with WorkdirLock(out, busy=f"another megajax-prepare is writing {out}; wait for it to finish"):
+    with WorkdirLock(out, busy=f"another megajax-prepare is writing {out}; wait for it to finish",
+                     what="the corpus directory"):
         return _prepare_locked(out, sources, tok, settings, workers, say)
 
 

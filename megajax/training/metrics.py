@@ -88,6 +88,8 @@ def plot_workdir(workdir: Path, out: Path | None = None) -> Path:
     path = Path(workdir) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"no metrics.jsonl in {workdir}")
+    if out is not None and (Path(out).is_dir() or not Path(out).parent.is_dir()):
+        raise UserError(f"{out}: give the picture's file name, in a directory that exists")
     records = read_jsonl(path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
