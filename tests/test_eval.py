@@ -3,8 +3,10 @@ KV cache; results on a 2x4 mesh equal those on one device."""
 import json
 import math
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -306,3 +308,26 @@ def test_eval_cli_sample_and_errors(workdir, tmp_path):
                       (["--task", "sample", "--seed", str(10**20)], "--seed must be in 0..2^31-1")):
         p = run(*args)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+
+
+def _handles(pid: int, sig: int) -> bool:
+    """Whether process `pid` has installed its own handler for `sig` (Linux: /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_sigterm_stops_an_evaluation_in_one_line_and_writes_nothing(workdir, tmp_path):
+    """Before: killed by the signal (status 143, not a word). Like megajax-prepare and -convert,
+    eval.py now says so in one line; its result file appears whole at the end or not at all."""
+    out = tmp_path / "never.json"
+    p = subprocess.Popen([sys.executable, str(ROOT / "eval.py"), "--workdir", str(workdir), "--task", "sample",
+                          "--max-new-tokens", "1000000", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    while p.poll() is None and not _handles(p.pid, signal.SIGTERM):   # once eval.py handles it, whenever
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM and err == "stopped by SIGTERM: no result was written\n", err
+    assert not out.exists()

@@ -8,7 +8,8 @@ import math
 import os
 from pathlib import Path
 
-from megajax.cli.common import add_distributed_args, fail, failed, guard_stdout, set_host_devices, start_distributed
+from megajax.cli.common import (Stopped, add_distributed_args, fail, failed, guard_stdout, set_host_devices,
+                                start_distributed, stop_with_a_line, stopped)
 from megajax.errors import UserError
 from megajax.files import write_atomic
 
@@ -69,6 +70,7 @@ def eval_main(argv=None) -> int:
     guard_stdout()
     args = eval_parser().parse_args(argv)
     set_host_devices(args.host_devices)
+    stop_with_a_line("no result was written")   # the result file appears whole at the end, or not at all
     try:
         check_eval_args(args)
         start_distributed(args)
@@ -82,6 +84,8 @@ def eval_main(argv=None) -> int:
             print(f"wrote {out}")
     except UserError as e:
         return fail(str(e))
+    except Stopped as e:
+        return stopped(e)
     except Exception as e:  # noqa: BLE001
         return failed(e, "lower --batch-size, or use a larger model axis (--mesh)")
     return 0
