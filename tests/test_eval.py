@@ -318,15 +318,18 @@ def _handles(pid: int, sig: int) -> bool:
     return False
 
 
-def test_sigterm_stops_an_evaluation_in_one_line_and_writes_nothing(workdir, tmp_path):
-    """Before: killed by the signal (status 143, not a word). Like megajax-prepare and -convert,
-    eval.py now says so in one line; its result file appears whole at the end or not at all."""
+@pytest.mark.parametrize("after", [0.0, 1.0])   # while JAX starts, and while the model loads or compiles
+def test_sigterm_stops_an_evaluation_in_one_line_and_writes_nothing(workdir, tmp_path, after):
+    """Before: killed by the signal (status 143, not a word). Then, raising from the handler:
+    swallowed while JAX started (the evaluation ran on) or a crash at exit (SIGSEGV). eval.py
+    now says so in one line and leaves at once; its result file appears whole or not at all."""
     out = tmp_path / "never.json"
     p = subprocess.Popen([sys.executable, str(ROOT / "eval.py"), "--workdir", str(workdir), "--task", "sample",
                           "--max-new-tokens", "1000000", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    while p.poll() is None and not _handles(p.pid, signal.SIGTERM):   # once eval.py handles it, whenever
-        time.sleep(0.02)
+    while p.poll() is None and not _handles(p.pid, signal.SIGTERM):   # once eval.py handles it
+        time.sleep(0.01)
+    time.sleep(after)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 128 + signal.SIGTERM and err == "stopped by SIGTERM: no result was written\n", err

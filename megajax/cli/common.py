@@ -5,6 +5,7 @@ are read, because --host-devices must be in XLA_FLAGS before JAX starts its CPU 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -101,6 +102,23 @@ def stop_with_a_line(message: str):
         signal.signal(sig, handler)
 
 
+def exit_on_signal(message: str, status=lambda signum: 128 + signum):
+    """For a program with nothing to save when stopped (eval.py, whose result appears whole at
+    the end or not at all; train.py before training starts): SIGTERM and SIGINT print one line
+    and end the process at once (os._exit), without unwinding. An exception raised from the
+    handler, as stop_with_a_line does, is unreliable while JAX starts: Python may run the
+    handler inside a weakref callback or a finaliser, which swallows the exception (the program
+    ran on, seen for eval.py), and unwinding while the runtime's threads start crashed the
+    interpreter at exit (SIGSEGV, seen in CI)."""
+    def handler(signum, frame):
+        print(message.format(signal=signal.Signals(signum).name), file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(status(signum))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
 def stopped(e: "Stopped") -> int:
     print(f"stopped by {e.args[0]}", file=sys.stderr, flush=True)
     return 128 + (e.args[1] if len(e.args) > 1 else signal.SIGINT)
@@ -114,8 +132,9 @@ class StartUp:
 
 def stop_during_startup(signum, frame):
     name = signal.Signals(signum).name
-    if StartUp.active:
-        raise Stopped(f"{name} during start-up: stopped before training any step")
+    if StartUp.active:   # nothing is written before training starts: leave at once (see exit_on_signal)
+        print(f"error: {name} during start-up: stopped before training any step", file=sys.stderr, flush=True)
+        os._exit(2)
     print(f"{name}: the run is already ending", file=sys.stderr, flush=True)
 
 

@@ -6,10 +6,11 @@ import argparse
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
-from megajax.cli.common import (Stopped, add_distributed_args, fail, failed, guard_stdout, set_host_devices,
-                                start_distributed, stop_with_a_line, stopped)
+from megajax.cli.common import (add_distributed_args, exit_on_signal, fail, failed, guard_stdout,
+                                set_host_devices, start_distributed)
 from megajax.errors import UserError
 from megajax.files import write_atomic
 
@@ -70,7 +71,7 @@ def eval_main(argv=None) -> int:
     guard_stdout()
     args = eval_parser().parse_args(argv)
     set_host_devices(args.host_devices)
-    stop_with_a_line("no result was written")   # the result file appears whole at the end, or not at all
+    exit_on_signal("stopped by {signal}: no result was written")   # it appears whole at the end, or not at all
     try:
         check_eval_args(args)
         start_distributed(args)
@@ -81,11 +82,11 @@ def eval_main(argv=None) -> int:
         if is_main:
             out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
             write_atomic(out, json.dumps(result, indent=2) + "\n")
+            for sig in (signal.SIGTERM, signal.SIGINT):   # written: a signal now ends it as usual
+                signal.signal(sig, signal.SIG_DFL)
             print(f"wrote {out}")
     except UserError as e:
         return fail(str(e))
-    except Stopped as e:
-        return stopped(e)
     except Exception as e:  # noqa: BLE001
         return failed(e, "lower --batch-size, or use a larger model axis (--mesh)")
     return 0

@@ -5,7 +5,7 @@ import argparse
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (StartUp, Stopped, add_distributed_args, fail, failed, guard_stdout,
+from megajax.cli.common import (StartUp, add_distributed_args, fail, failed, guard_stdout,
                                 set_host_devices, start_distributed, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
@@ -60,8 +60,6 @@ def train_main(argv=None) -> int:
         signal.signal(sig, stop_during_startup)
     try:
         return _train_main(args)
-    except Stopped as e:
-        return fail(str(e))
     finally:
         if not StartUp.active:
             # The run has saved and decided its exit status. Python resets its own handlers to the
