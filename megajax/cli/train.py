@@ -9,7 +9,7 @@ from megajax.cli.common import (StartUp, add_distributed_args, fail, failed, gua
                                 set_host_devices, start_distributed, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
-from megajax.training.signals import stdout_closed
+from megajax.training.signals import StopRequested, stdout_closed
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -58,6 +58,7 @@ def train_main(argv=None) -> int:
     # Until train() takes over the signals (megajax/training/signals.py), one stops the run with a line.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_during_startup)
+    StopRequested.leave_in_start_up = True
     try:
         return _train_main(args)
     finally:
