@@ -1,5 +1,8 @@
 """Errors a user can cause and fix. The CLIs print them as one line and exit with code 2."""
+import contextlib
+import os
 import re
+import sys
 
 
 class UserError(Exception):
@@ -25,3 +28,15 @@ def os_error_code(e: BaseException) -> int | None:
         return e.errno
     found = _OS_ERROR_CODE.search(str(e))
     return int(found.group(1)) if found else None
+
+
+def exit_now(line: str, status: int):
+    """Print `line` on stderr and end the process at once (os._exit), unwinding nothing: for a
+    signal handler, where an exception is unreliable (Python may run the handler inside a
+    weakref callback or finaliser, which swallows it; unwinding while JAX's runtime threads start
+    crashed the interpreter at exit, SIGSEGV in CI), and for a peer's death in a multi-process
+    run, where the normal exit's shutdown barrier would wait for the dead process."""
+    print(line, file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):   # stdout may be a closed pipe
+        sys.stdout.flush()
+    os._exit(status)

@@ -5,13 +5,12 @@ are read, because --host-devices must be in XLA_FLAGS before JAX starts its CPU 
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import signal
 import sys
 
-from megajax.errors import first_line, os_error_code
+from megajax.errors import exit_now, first_line, os_error_code
 from megajax.hostenv import restart_with_malloc_tuning
 
 
@@ -39,10 +38,8 @@ def lost_peer(e: Exception):
     (which would wait for the dead peer). Checkpoints already finalised stay valid."""
     jax = sys.modules.get("jax")   # a program that never started JAX has no peers
     if jax is not None and jax.process_count() > 1:
-        print(f"error: process {jax.process_index()} of {jax.process_count()}: {type(e).__name__}: {first_line(e, 300)} "
-              f"(another process has probably died; completed checkpoints are intact)", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
+        exit_now(f"error: process {jax.process_index()} of {jax.process_count()}: {type(e).__name__}: "
+                 f"{first_line(e, 300)} (another process has probably died; completed checkpoints are intact)", 1)
 
 
 # What the machine's file systems, not megajax, make an OS call fail with: a full disk or quota,
@@ -102,19 +99,15 @@ def stop_with_a_line(message: str):
         signal.signal(sig, handler)
 
 
-def exit_on_signal(message: str, status=lambda signum: 128 + signum):
+def exit_on_signal(message, status=lambda signum: 128 + signum):
     """For a program with nothing to save when stopped (eval.py, whose result appears whole at
-    the end or not at all; train.py before training starts): SIGTERM and SIGINT print one line
-    and end the process at once (os._exit), without unwinding. An exception raised from the
-    handler, as stop_with_a_line does, is unreliable while JAX starts: Python may run the
-    handler inside a weakref callback or a finaliser, which swallows the exception (the program
-    ran on, seen for eval.py), and unwinding while the runtime's threads start crashed the
-    interpreter at exit (SIGSEGV, seen in CI)."""
+    the end or not at all; megajax-convert, whose output appears in one rename; train.py before
+    training starts): SIGTERM and SIGINT print one line and end the process at once
+    (errors.exit_now says why not by raising). `message` is a str.format template of {signal},
+    or a function of the signal's name that returns the line (and may clean up first)."""
     def handler(signum, frame):
-        print(message.format(signal=signal.Signals(signum).name), file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-        os._exit(status(signum))
+        name = signal.Signals(signum).name
+        exit_now(message(name) if callable(message) else message.format(signal=name), status(signum))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
 
@@ -133,8 +126,7 @@ class StartUp:
 def stop_during_startup(signum, frame):
     name = signal.Signals(signum).name
     if StartUp.active:   # nothing is written before training starts: leave at once (see exit_on_signal)
-        print(f"error: {name} during start-up: stopped before training any step", file=sys.stderr, flush=True)
-        os._exit(2)
+        exit_now(f"error: {name} during start-up: stopped before training any step", 2)
     print(f"{name}: the run is already ending", file=sys.stderr, flush=True)
 
 

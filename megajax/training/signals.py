@@ -1,11 +1,10 @@
 """SIGTERM and Ctrl-C during a training run."""
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
-from megajax.errors import UserError
+from megajax.errors import UserError, exit_now
 
 
 class StopRequested:
@@ -39,17 +38,16 @@ class StopRequested:
         self.request(signal.Signals(signum).name)
 
     # Set by train.py: a command line has nothing at stake before training starts, so a signal
-    # then ends the process at once with its line, unwinding nothing (cli.common.exit_on_signal
-    # says why: an exception raised here can be swallowed, with "Exception ignored" on stderr,
-    # seen in CI). train() called in a notebook raises instead.
+    # then ends the process at once with its line, unwinding nothing (errors.exit_now says why:
+    # an exception raised here was swallowed, with "Exception ignored" on stderr, in CI).
+    # train() called in a notebook raises instead.
     leave_in_start_up = False
 
     def request(self, name: str):
         if not self.training:
             self.requested = self.requested or name
             if self.leave_in_start_up:
-                print(f"error: {self._startup_stopped()}", file=sys.stderr, flush=True)
-                os._exit(2)
+                exit_now(f"error: {self._startup_stopped()}", 2)
             raise self._startup_stopped()
         if self.requested is not None and not self.sampling:
             print(f"{name}: already stopping; the checkpoint is being written", file=sys.stderr, flush=True)
