@@ -4,10 +4,14 @@ one training run at a time per workdir."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
+import secrets
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 from megajax.errors import UserError
@@ -108,13 +112,24 @@ def check_new_directory(path: Path, what: str = "output") -> Path:
     return path
 
 
+# The staged directories of blocks still running (tmp -> [final path, tmp's inode once made]),
+# and the outputs this process has put in place: what a signal's line may say was written.
+_STAGED: dict[Path, list] = {}
+_WRITTEN: list[Path] = []
+
+
 @contextlib.contextmanager
 def staged_directory(path: Path, what: str = "output"):
     """Yield a temporary directory beside `path`; when the block succeeds it becomes `path` in
-    one rename, so a reader (or a kill) never sees half of it. On failure it is removed."""
+    one rename, so a reader (or a kill) never sees half of it. On failure it is removed; a
+    program that ends without unwinding (a signal: errors.exit_now) calls abandon_staged first."""
     path = check_new_directory(path, what)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial"))
+    _remove_abandoned(path)
+    tmp = path.parent / f".{path.name}.{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.partial"
+    _STAGED[tmp] = [path, None]   # before it exists: a signal between the two still finds it
+    tmp.mkdir()
+    _STAGED[tmp][1] = tmp.stat().st_ino
     try:
         yield tmp
         check_new_directory(path, what)          # someone may have made it meanwhile
@@ -125,6 +140,61 @@ def staged_directory(path: Path, what: str = "output"):
         except OSError:                          # ... even between that check and the rename
             raise UserError(f"{path} was created by another process meanwhile: nothing of this run "
                             f"was written there") from None
+        _WRITTEN.append(path)
     finally:
+        _STAGED.pop(tmp, None)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def abandon_staged() -> list[Path]:
+    """Remove the staged directories still being written (see staged_directory); return the
+    outputs already in place, including one renamed an instant ago (its inode is the staged
+    directory's), so that the line a signal prints never denies an output that exists."""
+    written = list(_WRITTEN)
+    for tmp, (path, inode) in list(_STAGED.items()):
+        if tmp.exists():
+            remove_until_gone(tmp)
+        elif inode is not None and path not in written and _inode(path) == inode:
+            written.append(path)
+    return written
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
+
+
+def remove_until_gone(path: Path, patience: float = 10.0, settle: float = 0.25):
+    """Remove a directory that background writers (tensorstore's threads) may still be writing
+    into, and so make again: until it stays away for `settle` seconds, or `patience` runs out."""
+    deadline = time.monotonic() + patience
+    while path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        if time.monotonic() > deadline:
+            return
+        time.sleep(settle)
+
+
+_HOST = socket.gethostname().replace("-", "_").replace(".", "_")
+
+
+def _remove_abandoned(path: Path):
+    """Staged copies of `path` left by processes of this host that died (SIGKILL, or a writer
+    thread that outran abandon_staged): their names say which process made them."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.{_HOST}-*-*.partial"):
+        pid = tmp.name[len(path.name) + len(_HOST) + 3:].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:      # it exists, but belongs to someone else
+        return True
+    return True

@@ -74,3 +74,12 @@ def file_size_limited(*args: str, kib: int = 64) -> list[str]:
             f"resource.setrlimit(resource.RLIMIT_FSIZE, ({kib * 1024}, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
             "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
     return [sys.executable, "-c", code, *args]
+
+
+def handles_signal(pid: int, sig: int) -> bool:
+    """Whether process `pid` has installed its own handler for `sig` (Linux: /proc/PID/status),
+    so that a test can signal a program once it is listening, without guessing a delay."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False

@@ -8,14 +8,16 @@ and imported again.
 """
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, mesh_for
+from conftest import ROOT, handles_signal, mesh_for
 from safetensors.numpy import load_file
 from tolerances import F32, assert_close
 
@@ -277,3 +279,47 @@ def test_bert_fine_tuning_starts_from_an_imported_bert(imported):
     got = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     assert {k.split("'")[1] for k in got if k not in pre} == {"classifier"}
     assert all(np.array_equal(got[k], pre[k]) for k in got if k in pre)
+
+
+STOPPED = "stopped by SIGTERM: nothing was written (the output appears in one rename, or not at all)\n"
+
+
+def test_sigterm_while_jax_starts_stops_the_import_in_one_line(tmp_path):
+    """megajax-convert imports JAX before it handles signals: a handler that raised there could
+    be swallowed or crash the interpreter (as seen for eval.py); it prints one line and leaves."""
+    p = subprocess.Popen([sys.executable, "-m", "megajax.convert", "import", "--hf", str(FIXTURES / "gpt2"),
+                          "--workdir", str(tmp_path / "w")], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    while p.poll() is None and not handles_signal(p.pid, signal.SIGTERM):
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM and err == STOPPED, err
+    assert list(tmp_path.iterdir()) == []
+
+
+# A signal in the middle of writing the output: the real handler, with the import's work
+# replaced by a staged directory that is half written when SIGTERM arrives.
+HALF_WRITTEN = """
+import os, signal, sys, time
+from pathlib import Path
+import megajax.convert
+from megajax.cli.convert import convert_main
+from megajax.files import staged_directory
+
+def half_import(hf, workdir, overrides):
+    with staged_directory(Path(workdir), "--workdir") as tmp:
+        (tmp / "config.json").write_text("{}")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+
+megajax.convert.import_hf = half_import
+sys.exit(convert_main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_writing_removes_the_staged_output(tmp_path):
+    p = subprocess.run([sys.executable, "-c", HALF_WRITTEN, "import", "--hf", "unused", "--workdir",
+                        str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM and p.stderr == STOPPED, p.stderr
+    assert list(tmp_path.iterdir()) == []     # neither the workdir nor its staged .w.*.partial

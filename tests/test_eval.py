@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, mesh_for
+from conftest import ROOT, handles_signal, mesh_for
 from tolerances import F32
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -310,14 +310,6 @@ def test_eval_cli_sample_and_errors(workdir, tmp_path):
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
 
 
-def _handles(pid: int, sig: int) -> bool:
-    """Whether process `pid` has installed its own handler for `sig` (Linux: /proc/PID/status)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigCgt:"):
-            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    return False
-
-
 @pytest.mark.parametrize("after", [0.0, 1.0])   # while JAX starts, and while the model loads or compiles
 def test_sigterm_stops_an_evaluation_in_one_line_and_writes_nothing(workdir, tmp_path, after):
     """Before: killed by the signal (status 143, not a word). Then, raising from the handler:
@@ -327,7 +319,7 @@ def test_sigterm_stops_an_evaluation_in_one_line_and_writes_nothing(workdir, tmp
     p = subprocess.Popen([sys.executable, str(ROOT / "eval.py"), "--workdir", str(workdir), "--task", "sample",
                           "--max-new-tokens", "1000000", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    while p.poll() is None and not _handles(p.pid, signal.SIGTERM):   # once eval.py handles it
+    while p.poll() is None and not handles_signal(p.pid, signal.SIGTERM):   # once eval.py handles it
         time.sleep(0.01)
     time.sleep(after)
     p.send_signal(signal.SIGTERM)

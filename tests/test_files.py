@@ -1,10 +1,12 @@
 """Files survive a kill at any moment: atomic replacement, and logs with a cut-short last line."""
 import json
 import os
+import subprocess
 
 import pytest
 
-from megajax.files import read_jsonl, write_atomic
+from megajax import files
+from megajax.files import abandon_staged, read_jsonl, staged_directory, write_atomic
 from megajax.training.metrics import MetricsLog, plot_workdir
 
 
@@ -51,3 +53,42 @@ def test_megajax_plot_refuses_an_output_it_cannot_write_in_one_line(tmp_path, ca
         assert err.startswith(f"error: {out}: give the picture's file name") and err.count("\n") == 1
     assert plot_main([str(tmp_path), "--out", str(tmp_path / "curve.png")]) == 0
     assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_a_signal_removes_a_half_staged_directory_and_never_denies_a_written_one(tmp_path, monkeypatch):
+    """abandon_staged is what megajax-convert's signal handler calls before it ends the process
+    without unwinding: at every moment, what it says was written is what exists."""
+    monkeypatch.setattr(files, "_STAGED", {})
+    monkeypatch.setattr(files, "_WRITTEN", [])
+    half = staged_directory(tmp_path / "half")
+    tmp = half.__enter__()                      # the signal arrives while the block writes
+    (tmp / "config.json").write_text("{}")
+    assert abandon_staged() == [] and list(tmp_path.iterdir()) == []
+    renamed = staged_directory(tmp_path / "renamed")
+    tmp = renamed.__enter__()
+    (tmp / "config.json").write_text("{}")
+    os.replace(tmp, tmp_path / "renamed")       # ... an instant after the rename, before the block ends
+    assert abandon_staged() == [tmp_path / "renamed"]
+    with staged_directory(tmp_path / "done") as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert sorted(abandon_staged()) == [tmp_path / "done", tmp_path / "renamed"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done", "renamed"]
+
+
+def test_staged_copies_of_dead_processes_are_removed(tmp_path):
+    """A SIGKILL leaves a staged copy behind; the next staging of the same output removes those
+    of processes of this host that are gone, and no other."""
+    dead = _a_finished_pid()
+    left = {name: tmp_path / f".out.{name}.partial" for name in
+            (f"{files._HOST}-{dead}-0a0b", f"{files._HOST}-{os.getpid()}-0c0d", f"otherhost-{dead}-0e0f")}
+    for d in left.values():
+        (d / "units").mkdir(parents=True)
+    with staged_directory(tmp_path / "out") as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([left[n].name for n in list(left)[1:]] + ["out"])
+
+
+def _a_finished_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid

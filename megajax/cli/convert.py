@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megajax.cli.common import Stopped, fail, failed, guard_stdout, stop_with_a_line, stopped
+from megajax.cli.common import exit_on_signal, fail, failed, guard_stdout
 from megajax.errors import UserError
+from megajax.files import abandon_staged
 
 
 def convert_parser() -> argparse.ArgumentParser:
@@ -35,7 +36,7 @@ def convert_main(argv=None) -> int:
     # jax is imported only now, as every command line does.
     from megajax.convert import export_hf, import_hf
 
-    stop_with_a_line("nothing was written (the output appears in one rename, or not at all)")
+    exit_on_signal(_stopped_line)
     try:
         if args.direction == "import":
             cfg = import_hf(args.hf, args.workdir, args.set)
@@ -48,9 +49,15 @@ def convert_main(argv=None) -> int:
                 print(line)
     except UserError as e:
         return fail(str(e))
-    except Stopped as e:
-        return stopped(e)
     except Exception as e:  # noqa: BLE001  (a full disk: one line; a bug: raised)
         return failed(e, "convert on a machine with more memory")
     sys.stdout.flush()
     return 0
+
+
+def _stopped_line(signal_name: str) -> str:
+    """What a signal leaves: the output in place whole, or nothing (its staged copy removed)."""
+    written = abandon_staged()
+    if written:
+        return f"stopped by {signal_name} after {written[0]} was written whole"
+    return f"stopped by {signal_name}: nothing was written (the output appears in one rename, or not at all)"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from megajax.errors import UserError, first_line, os_error_code
+from megajax.files import remove_until_gone
 
 
 class _ReportedSaveFailures(logging.Filter):
@@ -159,18 +159,13 @@ class Checkpoints:
             return step, _first_line(e)
         return None
 
-    def _remove_partial(self, step: int, patience: float = 10.0):
+    def _remove_partial(self, step: int):
         """tensorstore may still finish writes it had begun when the save failed, making the
-        directory again: it is removed until it stays away (what still remains after
-        `patience` seconds, the next run's start removes: cleanup_tmp_directories)."""
-        deadline = time.monotonic() + patience
-        while jax.process_index() == 0:
-            partials = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
-            for partial in partials:
-                shutil.rmtree(partial, ignore_errors=True)
-            if not partials or time.monotonic() > deadline:
-                return
-            time.sleep(0.25)
+        directory again (what still remains after that, the next run's start removes:
+        cleanup_tmp_directories)."""
+        if jax.process_index() == 0:
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                remove_until_gone(partial)
 
     def wait(self):
         self.manager.wait_until_finished()
