@@ -1,5 +1,6 @@
 """eval.py: WikiText detokenization and overlapping windows, LAMBADA scoring, sampling with a
 KV cache; results on a 2x4 mesh equal those on one device."""
+import argparse
 import json
 import math
 import re
@@ -19,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from megajax.cli import eval_tasks
 from megajax.config import load_config
 from megajax.data.tokens import EvalWindows, load_tokens
 from megajax.evaluation.lambada import evaluate_lambada
@@ -26,6 +28,7 @@ from megajax.evaluation.scoring import perplexity_of_tokens, stride_windows
 from megajax.evaluation.wikitext import evaluate_wikitext, original_token_count, wikitext_detokenize
 from megajax.core.mesh import padded_rows
 from megajax.models.generate import generate
+from megajax.prepare import Settings, prepare
 from megajax.training.loop import train
 from megajax.training.workdir import load_workdir
 
@@ -326,3 +329,19 @@ def test_sigterm_stops_an_evaluation_in_one_line_and_writes_nothing(workdir, tmp
     _, err = p.communicate(timeout=120)
     assert p.returncode == 128 + signal.SIGTERM and err == "stopped by SIGTERM: no result was written\n", err
     assert not out.exists()
+
+
+def test_ppl_of_a_prepared_corpus_scores_its_held_out_split(workdir, tmp_path):
+    """`--task ppl --data bin:DIR` of a megajax-prepare corpus scored its train split before
+    (what the model was trained on, not what train.py's val_loss reads); now its val split."""
+    text = tmp_path / "play.txt"
+    text.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    out = tmp_path / "corpus"
+    prepare([str(text)], out, Settings(str(workdir), 0.25), workers=1, say=lambda *a: None)
+    loaded = load_workdir(workdir, mesh_for("1x1"))
+    r, lines = eval_tasks.ppl(argparse.Namespace(data=f"bin:{out}", stride=32, batch_size=8), loaded, None)
+    meta = json.loads((out / "meta.json").read_text())
+    val = np.fromfile(out / "val.bin", meta["dtype"])
+    assert r["split"] == "val" and r["tokens"] == len(val) - 1 == meta["splits"]["val"]["tokens"] - 1
+    ref = perplexity_of_tokens(loaded.model, val, stride=32, batch_size=8)
+    assert r["loss"] == ref["loss"] and lines[0] == ("split", "val (held out by megajax-prepare)")

@@ -2,6 +2,8 @@
 one process against a pool, an interrupted run resumed, and train.py reading the result."""
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, file_size_limited
+from conftest import ROOT, file_size_limited, mesh_for
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import megajax.prepare as prep
 from megajax.cli.prepare import prepare_main
@@ -115,6 +119,27 @@ def test_an_interrupted_run_resumes_and_a_finished_one_is_kept(corpus, tmp_path,
         prep.prepare(inputs, tmp_path / "o", prep.Settings(TOKENIZER, 0.2), workers=1, say=said.append)
 
 
+def test_damaged_units_of_an_unfinished_run_are_tokenized_again(corpus, tmp_path, monkeypatch):
+    """Units are written atomically, so one that does not read back was damaged since: before,
+    a ValueError traceback at assembly; now it is tokenized again, like a missing one."""
+    settings, inputs, said = prep.Settings(TOKENIZER, 0.1), [str(corpus / "text" / "*.txt")], []
+    prep.prepare(inputs, tmp_path / "clean", settings, workers=1, say=lambda *a: None)
+    interrupted_at(6, "_run_unit", monkeypatch, lambda: prep.prepare(inputs, tmp_path / "o", settings, workers=1,
+                                                                     say=said.append))
+    units = tmp_path / "o" / ".partial" / "units"
+    (units / "0.npy").write_bytes((units / "0.npy").read_bytes()[:100])   # cut short
+    (units / "1.npy").write_bytes(b"garbage")
+    (units / "2.docs").write_text("x")
+    prep.prepare(inputs, tmp_path / "o", settings, workers=1, say=said.append)
+    assert said == ["resuming: 2 of 24 units already tokenized"]
+    np.testing.assert_array_equal(outputs(tmp_path / "o")[0], outputs(tmp_path / "clean")[0])
+    interrupted_at(2, "_run_unit", monkeypatch, lambda: prep.prepare(inputs, tmp_path / "p", settings, workers=1,
+                                                                     say=said.append))
+    (tmp_path / "p" / ".partial" / "plan.json").write_bytes(b"\xff\xfe")       # not even UTF-8
+    with pytest.raises(UserError, match="or a damaged plan.json"):
+        prep.prepare(inputs, tmp_path / "p", settings, workers=1, say=said.append)
+
+
 def test_killed_mid_run_and_started_again(corpus, tmp_path):
     cmd = [sys.executable, "-m", "megajax.prepare", str(corpus / "text" / "*.txt"), str(corpus / "docs.jsonl"),
            "--tokenizer", TOKENIZER, "--text-field", "body", "--out", str(tmp_path / "o"), "--workers", "2"]
@@ -174,6 +199,54 @@ def test_train_reads_and_checks_a_prepared_corpus(corpus, tmp_path):
         task_for(cfg).load_data(cfg)
 
 
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared") / "o"
+    prep.prepare([str(corpus / "text" / "*.txt")], out, prep.Settings(TOKENIZER, 0.1), workers=1, say=lambda *a: None)
+    return out
+
+
+DAMAGED_META = {"splits": lambda m: m.pop("splits"), "splits.val": lambda m: m["splits"].pop("val"),
+                "dtype": lambda m: m.update(dtype="float99"),
+                "splits.train": lambda m: m["splits"]["train"].update(file="../elsewhere/train.bin"),
+                "tokenizer": lambda m: m["tokenizer"].update(fingerprint="x")}
+
+
+@pytest.mark.parametrize("field", DAMAGED_META)
+def test_a_damaged_meta_json_is_one_line(prepared, tmp_path, field):
+    """Before: KeyError or TypeError tracebacks, or a file outside the corpus read."""
+    out = tmp_path / "o"
+    shutil.copytree(prepared, out)
+    meta = json.loads((out / "meta.json").read_text())
+    DAMAGED_META[field](meta)
+    (out / "meta.json").write_text(json.dumps(meta))
+    cfg = load_config("tiny", [f"data.source=bin:{out}"])
+    expected = "splits.train" if field == "splits" else field
+    with pytest.raises(UserError, match=re.escape(f"meta.json is damaged (its '{expected}' is missing or invalid)")):
+        task_for(cfg).load_data(cfg)
+
+
+def test_token_ids_outside_the_vocabulary_stop_the_run_in_one_line(prepared, tmp_path):
+    """A train.bin of the right size with ids beyond its tokenizer's (a damaged disk, a file
+    swapped for another tokenizer's): before, the model embedded them as zeros and trained on
+    garbage without a word. Each window is checked as it is read from the memory map."""
+    out = tmp_path / "o"
+    shutil.copytree(prepared, out)
+    cfg = load_config("tiny", [f"data.source=bin:{out}", "train.batch_size=8"])
+    sharding = NamedSharding(mesh_for("1x1"), P("data", None))
+    batches = task_for(cfg).load_data(cfg).batches("train", cfg, sharding)
+    first = batches.starts(0)[3] + 5                    # a token the first batch reads
+    rows = batches.rows(0, slice(None))
+    ids = np.memmap(out / "train.bin", dtype=np.uint16, mode="r+")
+    ids[first] = 220                                    # the tokenizer has ids 0..219
+    ids.flush()
+    with pytest.raises(UserError, match=f"{re.escape(str(out))}: the train split holds token id 220 at token {first:,}"):
+        batches(0)
+    ids[first] = rows[3, 5]
+    ids.flush()
+    np.testing.assert_array_equal(np.asarray(batches(0)), rows)
+
+
 def test_user_errors_are_one_line(corpus, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\nnot json\n')
@@ -228,6 +301,14 @@ def test_pairs_on_disk_give_the_in_memory_batches(corpus, tmp_path, monkeypatch)
     gpt = load_config("tiny", [f"data.source=bin:{tmp_path / 'p'}"])
     with pytest.raises(UserError, match="it holds BERT sentence pairs"):
         task_for(gpt).load_data(gpt)
+    index = np.memmap(tmp_path / "p" / "pairs_index.bin", dtype=np.int64, mode="r+").reshape(-1, 3)
+    index[1, 0] = meta["tokens"]                        # pair 1 starts past the end of pairs.bin
+    tokens = np.memmap(tmp_path / "p" / "pairs.bin", dtype=meta["dtype"], mode="r+")
+    tokens[index[2, 0] + 1] = a.tokenizer.vocab_size    # pair 2 holds an id beyond the vocabulary
+    with pytest.raises(UserError, match="pairs_index.bin is damaged: pair 1 lies outside pairs.bin"):
+        a.train_pairs[1]
+    with pytest.raises(UserError, match=f"pairs.bin holds token id {a.tokenizer.vocab_size} at token {index[2, 0] + 1:,}"):
+        a.train_pairs[2]
 
 
 RSS_PROBE = """

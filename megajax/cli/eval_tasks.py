@@ -27,11 +27,19 @@ from megajax.training.workdir import Loaded, is_main, load_workdir
 def ppl(args, loaded: Loaded, progress):
     source = args.data if ":" in args.data else f"text:{args.data}"
     data = load_tokens(source, "bytes", 0.0, loaded.cfg.data.bin_dtype, tokenizer=loaded.tokenizer)
-    if int(np.max(data.train)) >= loaded.cfg.model.vocab_size:
-        raise UserError(f"{source} has token id {int(np.max(data.train))}, beyond the model's vocabulary "
+    # A corpus prepared by megajax-prepare: its held-out split, the one train.py's val_loss reads.
+    tokens, split = (data.val, "val") if data.prepared else (data.train, None)
+    if len(tokens) < 2:
+        raise UserError(f"{source} has {'no held-out split (prepared with --val-fraction 0)' if split else 'under 2 tokens'}"
+                        f": nothing to score")
+    if len(tokens) and int(np.max(tokens)) >= loaded.cfg.model.vocab_size:
+        raise UserError(f"{source} has token id {int(np.max(tokens))}, beyond the model's vocabulary "
                         f"of {loaded.cfg.model.vocab_size:,} (another tokenizer, or data.bin_dtype?)")
-    r = perplexity_of_tokens(loaded.model, data.train, args.stride, args.batch_size, progress)
-    return r, [("tokens scored", r["tokens"]), ("loss", r["loss"]), ("perplexity", r["ppl"])]
+    r = perplexity_of_tokens(loaded.model, tokens, args.stride, args.batch_size, progress)
+    if split is not None:
+        r["split"] = split
+    return r, [*([("split", f"{split} (held out by megajax-prepare)")] if split else []),
+               ("tokens scored", r["tokens"]), ("loss", r["loss"]), ("perplexity", r["ppl"])]
 
 
 def wikitext(args, loaded: Loaded, progress):

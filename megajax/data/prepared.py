@@ -57,7 +57,40 @@ def read_meta(directory: Path, fmt: str = FORMAT) -> dict:
         hint = {FORMAT: f" (it holds token files: --data bin:{directory})",
                 PAIRS_FORMAT: f" (it holds BERT sentence pairs: --data pairs:{directory})"}.get(other, "")
         raise UserError(f"{path} is not a megajax-prepare {fmt} v{VERSION} description{hint}")
+    _check_fields(meta, path, fmt)
     return meta
+
+
+def _check_fields(meta: dict, path: Path, fmt: str):
+    """Every field a reader of the corpus uses, of the type it must have: a meta.json damaged or
+    edited by hand is one line, not a KeyError or TypeError from deep inside."""
+    def need(ok: bool, field: str):
+        if not ok:
+            raise UserError(f"{path} is damaged (its {field!r} is missing or invalid): prepare the corpus again")
+    need(meta.get("dtype") in ("uint16", "uint32"), "dtype")
+    tok = meta.get("tokenizer")
+    fingerprint = tok.get("fingerprint") if isinstance(tok, dict) else None
+    need(isinstance(tok, dict) and isinstance(tok.get("kind"), str) and isinstance(fingerprint, dict)
+         and _count(fingerprint.get("vocab_size")) and isinstance(fingerprint.get("probe_ids"), list), "tokenizer")
+    if fmt == FORMAT:
+        splits = meta.get("splits")
+        for split in SPLIT_FILES:
+            entry = splits.get(split) if isinstance(splits, dict) else None
+            need(isinstance(entry, dict) and _count(entry.get("tokens")) and _bare_name(entry.get("file")),
+                 f"splits.{split}")
+        return
+    for field in ("seq_len", "pairs", "val_pairs", "tokens"):
+        need(_count(meta.get(field)), field)
+    need(meta["val_pairs"] < meta["pairs"], "val_pairs")
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _bare_name(x) -> bool:
+    """A file name in the corpus directory itself (meta.json names its files; never a path)."""
+    return isinstance(x, str) and x not in ("", ".", "..") and Path(x).name == x
 
 
 def _check_tokenizer(directory: Path, meta: dict, tokenizer: Tokenizer | None) -> Tokenizer:
@@ -65,7 +98,7 @@ def _check_tokenizer(directory: Path, meta: dict, tokenizer: Tokenizer | None) -
         raise UserError(f"{directory} was tokenized with another tokenizer ({meta['tokenizer']['kind']}, "
                         f"{meta['tokenizer']['fingerprint']['vocab_size']:,} ids) than this run's "
                         f"({tokenizer.kind}, {tokenizer.vocab_size:,} ids)")
-    return tokenizer or load_tokenizer(directory)
+    return tokenizer or load_tokenizer(directory, "a whole corpus prepared by megajax-prepare")
 
 
 def _mapped(path: Path, dtype, count: int) -> np.ndarray:
@@ -90,10 +123,13 @@ def load_prepared(directory: Path, tokenizer: Tokenizer | None = None) -> tuple[
 
 
 class DiskPairs:
-    """Pairs lo..hi of a prepared pairs directory, as the (A, B) lists PretrainBatches reads."""
+    """Pairs lo..hi of a prepared pairs directory, as the (A, B) lists PretrainBatches reads.
+    Each pair read is checked against its files' bounds and the tokenizer's ids: cheap per pair,
+    where reading the whole corpus up front would not be, and a damaged file is one line."""
 
-    def __init__(self, tokens: np.ndarray, index: np.ndarray, lo: int, hi: int):
+    def __init__(self, tokens: np.ndarray, index: np.ndarray, lo: int, hi: int, directory: Path, vocab_size: int):
         self.tokens_file, self.index, self.lo, self.hi = tokens, index, lo, hi
+        self.directory, self.vocab_size = directory, vocab_size
 
     def __len__(self) -> int:
         return self.hi - self.lo
@@ -102,7 +138,12 @@ class DiskPairs:
         if not 0 <= i < len(self):
             raise IndexError(i)
         start, len_a, len_b = (int(x) for x in self.index[self.lo + i])
-        pair = self.tokens_file[start:start + len_a + len_b].tolist()
+        if min(start, len_a, len_b) < 0 or start + len_a + len_b > len(self.tokens_file):
+            raise UserError(f"{self.directory / 'pairs_index.bin'} is damaged: pair {self.lo + i:,} lies outside "
+                            f"pairs.bin; prepare the corpus again")
+        pair = self.tokens_file[start:start + len_a + len_b]
+        check_ids(pair, self.vocab_size, f"{self.directory / 'pairs.bin'}", start)
+        pair = pair.tolist()
         return pair[:len_a], pair[len_a:]
 
     @property
@@ -124,4 +165,15 @@ def load_pairs(directory: Path, tokenizer: Tokenizer | None, seq_len: int) -> tu
     n, n_val = meta["pairs"], meta["val_pairs"]
     tokens = _mapped(directory / "pairs.bin", meta["dtype"], meta["tokens"])
     index = _mapped(directory / "pairs_index.bin", np.int64, 3 * n).reshape(n, 3)
-    return DiskPairs(tokens, index, 0, n - n_val), DiskPairs(tokens, index, n - n_val, n), tokenizer
+    split = lambda lo, hi: DiskPairs(tokens, index, lo, hi, directory, tokenizer.vocab_size)  # noqa: E731
+    return split(0, n - n_val), split(n - n_val, n), tokenizer
+
+
+def check_ids(ids: np.ndarray, vocab_size: int, where: str, offset: int = 0):
+    """Token ids read from a file must be ids of the run's vocabulary: one out of range is a
+    damaged file (the model would embed it as zeros and train on garbage without a word)."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        first = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+        raise UserError(f"{where} holds token id {int(ids[first])} at token {offset + first:,}, outside "
+                        f"the vocabulary's {vocab_size:,} ids: the file is damaged, or was made with another "
+                        f"tokenizer; prepare it again")

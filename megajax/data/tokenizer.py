@@ -244,10 +244,10 @@ def make_tokenizer(spec: str, corpus_text: str | None = None) -> Tokenizer:
                     f"wordpiece:PATH/vocab.txt or wordpiece[:SIZE])")
 
 
-def load_tokenizer(workdir: Path) -> Tokenizer:
+def load_tokenizer(workdir: Path, what: str = "a megajax workdir") -> Tokenizer:
     path = Path(workdir) / FILE
     if not path.is_file():
-        raise UserError(f"no {FILE} in {workdir}: is it a megajax workdir?")
+        raise UserError(f"no {FILE} in {workdir}: is it {what}?")
     try:
         return _from_spec(json.loads(path.read_text(encoding="utf-8")), Path(workdir))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError):

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from megajax.data.prepared import is_prepared, load_prepared
+from megajax.data.prepared import check_ids, is_prepared, load_prepared
 from megajax.data.sources import builtin_text, read_text, tfds_texts
 from megajax.data.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
 from megajax.errors import UserError
@@ -28,7 +28,8 @@ class TokenData:
     val: np.ndarray
     tokenizer: Tokenizer
     vocab_size: int = 0          # ids the model must embed: the tokenizer's, or more (see megajax/tasks/lm.py)
-    prepared: bool = False       # from a megajax-prepare directory: split, tokenizer and ids already checked
+    prepared: bool = False       # from a megajax-prepare directory: split and tokenizer already checked
+    source: str = ""             # where the ids were read from, for a message about a damaged file
 
     def __post_init__(self):
         self.vocab_size = self.vocab_size or self.tokenizer.vocab_size
@@ -40,8 +41,10 @@ class TokenData:
         """GPT batches of a split (None for a validation split too short for one sequence)."""
         t, s = cfg.train, cfg.model.seq_len
         if split == "train":
-            return Batches(self.train, s, t.batch_size, t.seed, sharding)
-        return EvalWindows(self.val, s, t.batch_size, t.eval_batches, sharding) if len(self.val) >= s + 2 else None
+            return Batches(self.train, s, t.batch_size, t.seed, sharding, vocab_size=self.vocab_size, source=self.source)
+        if len(self.val) < s + 2:
+            return None
+        return EvalWindows(self.val, s, t.batch_size, t.eval_batches, sharding, self.vocab_size, self.source)
 
 
 def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
@@ -50,7 +53,7 @@ def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
     kind, _, arg = source.partition(":")
     if kind == "bin" and is_prepared(Path(arg)):      # a megajax-prepare directory: its own splits and tokenizer
         train, val, tok = load_prepared(Path(arg), tokenizer)
-        return TokenData(train, val, tok, prepared=True)
+        return TokenData(train, val, tok, prepared=True, source=arg)
     if kind == "bin":
         path = Path(arg)
         if not path.is_file():
@@ -63,7 +66,7 @@ def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
                             f"tokens (is data.bin_dtype right?)")
         tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
         tok = tokenizer or (make_tokenizer(tokenizer_spec) if tokenizer_spec != "chars" else ByteTokenizer())
-        return _split(tokens, val_fraction, tok)
+        return dataclasses.replace(_split(tokens, val_fraction, tok), source=arg)
     if kind == "tfds":
         train_texts = tfds_texts(arg, "train")
         tok = tokenizer or make_tokenizer(tokenizer_spec, "\n".join(train_texts))
@@ -100,12 +103,14 @@ def _split(tokens: np.ndarray, val_fraction: float, tok: Tokenizer) -> TokenData
 class Batches:
     """Random windows of seq_len + 1 tokens; row r of batch `step` depends only on (seed, step, r)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, sharding, name="train"):
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, sharding, name="train",
+                 vocab_size: int | None = None, source: str = ""):
         if len(tokens) < seq_len + 2:
             raise UserError(f"the {name} split has {len(tokens)} tokens, fewer than one sequence "
                             f"of {seq_len + 1}; use more data or a smaller model.seq_len")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
-        self.seed, self.sharding = seed, sharding
+        self.seed, self.sharding, self.vocab_size = seed, sharding, vocab_size
+        self.where = f"{source + ': ' if source else ''}the {name} split"
         self.stream = 0 if name == "train" else 1
 
     def starts(self, step: int) -> np.ndarray:
@@ -114,7 +119,11 @@ class Batches:
 
     def rows(self, step: int, row_slice: slice) -> np.ndarray:
         starts = self.starts(step)[row_slice]
-        return np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1], dtype=np.int32) for s in starts])
+        rows = [np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts]
+        if self.vocab_size is not None:    # a memory-mapped file is only read here: checked as it is read
+            for s, row in zip(starts, rows):
+                check_ids(row, self.vocab_size, self.where, int(s))
+        return np.stack(rows).astype(np.int32)
 
     def __call__(self, step: int) -> jax.Array:
         """The global (batch, seq_len + 1) array for `step`, each process filling only its rows."""
@@ -133,8 +142,9 @@ class EvalWindows(Batches):
     batch_size windows that would not fill a batch), and the mean is the split's own loss.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int, sharding):
-        super().__init__(tokens, seq_len, batch_size, 0, sharding, "val")
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int, sharding,
+                 vocab_size: int | None = None, source: str = ""):
+        super().__init__(tokens, seq_len, batch_size, 0, sharding, "val", vocab_size, source)
         n_windows = (len(tokens) - 1) // seq_len
         self.num_batches = max(1, min(max_batches, n_windows // batch_size))
         self.n_windows = n_windows

@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -76,11 +77,11 @@ def _start_or_resume(out: Path, record: dict) -> Path:
     if plan_file.is_file():
         try:
             same = json.loads(plan_file.read_text()) == record
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError):          # unreadable, not UTF-8, not JSON: not this plan
             same = False
         if not same:
-            raise UserError(f"{out} holds an unfinished preparation of other sources or settings: finish it with "
-                            f"its own command, or remove {partial}")
+            raise UserError(f"{out} holds an unfinished preparation of other sources or settings (or a damaged "
+                            f"{plan_file.name}): finish it with its own command, or remove {partial}")
         return partial
     if out.exists() and any(p.name != PARTIAL for p in out.iterdir()):
         raise UserError(f"{out} already exists and is not empty: choose a new --out (megajax does not overwrite it)")
@@ -108,6 +109,20 @@ def _run_unit(job: tuple[int, dict, str]) -> tuple[int, int, int]:
     return i, len(ids), docs
 
 
+def _readable(unit: Path, docs: Path | None = None) -> bool:
+    """Whether a finished unit reads back: its files are written atomically, so one that does
+    not was damaged since, and is simply tokenized again."""
+    try:
+        loaded = np.load(unit, mmap_mode="r")       # .npy: mapped; .npz: its zip directory read
+        if isinstance(loaded, np.lib.npyio.NpzFile):
+            loaded.close()
+        elif loaded.ndim != 1:
+            return False
+        return docs is None or docs.read_text().strip().isdigit()
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        return False
+
+
 def _npy_bytes(save, *args, **arrays) -> memoryview:
     """What np.save / np.savez would write, for write_atomic: numpy writing to a file itself
     reports a full disk as an OSError without its errno ("N requested and M written"), and
@@ -128,7 +143,7 @@ def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings
                           say) -> list[Path]:
     """Tokenize the sentence units, a few per worker at a time (the corpus is never held whole)."""
     units_dir = partial / "units"
-    done = {int(f.stem) for f in units_dir.glob("*.npz")}
+    done = {int(f.stem) for f in units_dir.glob("*.npz") if f.stem.isdigit() and _readable(f)}
     if done:
         say(f"resuming: {len(done)} units already tokenized")
     init = (str(partial), [], settings.text_field, dtype)
@@ -158,7 +173,7 @@ def _tokenize_all(partial: Path, units: list[Unit], separator, settings: Setting
                   say) -> None:
     units_dir = partial / "units"
     todo = [(i, dataclasses.asdict(u), str(units_dir)) for i, u in enumerate(units)
-            if not (units_dir / f"{i}.npy").is_file()]
+            if not _readable(units_dir / f"{i}.npy", units_dir / f"{i}.docs")]
     if len(todo) < len(units):
         say(f"resuming: {len(units) - len(todo)} of {len(units)} units already tokenized")
     sizes = {i: u.stop - u.start for i, u in enumerate(units)}
