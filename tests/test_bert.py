@@ -2,6 +2,7 @@
 statistics, pretraining through train.py, and RACE / MNLI / QQP fine-tuning from it."""
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ from megajax.data.finetune import Example, encode, load_task_data, read_task
 from megajax.models.registry import ModelDef
 from megajax.data.tokenizer import WordPieceTokenizer, load_tokenizer, make_tokenizer
 from megajax.training.step import make_trainer
+from megajax.errors import UserError
 from megajax.training.loop import train
 from megajax.training.workdir import init_from_pretrained
 from megajax.data.wordpiece import train_vocab
@@ -387,6 +389,32 @@ def test_task_files_and_encoding(files, tmp_path):
     (bad / "dev.tsv").write_text("id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
                                  "1\t1\t2\twhat?\twhy?\t1\n2\t3\t4\tbroken row\n3\t5\t6\ta\tb\t0\n")
     assert [e.label for e in read_task("qqp", bad, "dev")] == [1, 0]
+
+
+RACE_DAMAGE = {
+    "not a RACE file": {"article": "a", "questions": ["q"], "options": [["a", "b", "c", "d"]]},       # no answers
+    "equally long lists": {"article": "a", "questions": ["q", "r"], "options": [["a", "b", "c", "d"]], "answers": ["A"]},
+    "needs 4 options": {"article": "a", "questions": ["q"], "options": ["abcd"], "answers": ["A"]},
+    "an answer A-D, got 'E'": {"article": "a", "questions": ["q"], "options": [["a", "b", "c", "d"]], "answers": ["E"]},
+    "an answer A-D, got 1": {"article": "a", "questions": ["q"], "options": [["a", "b", "c", "d"]], "answers": [1]},
+    "is not UTF-8 text": b'{"article": "caf\xe9"}',
+}
+
+
+@pytest.mark.parametrize("message", RACE_DAMAGE)
+def test_task_files_of_another_layout_are_one_line(tmp_path, message):
+    """Before: KeyError, ValueError, TypeError or UnicodeDecodeError tracebacks, or questions
+    silently dropped (zip stopped at the shortest list)."""
+    split = tmp_path / "RACE" / "dev" / "high"
+    split.mkdir(parents=True)
+    doc = RACE_DAMAGE[message]
+    (split / "1.txt").write_bytes(doc if isinstance(doc, bytes) else json.dumps(doc).encode())
+    with pytest.raises(UserError, match=re.escape(message)):
+        read_task("race", tmp_path / "RACE", "dev")
+    (tmp_path / "QQP").mkdir()
+    (tmp_path / "QQP" / "dev.tsv").write_bytes(b"question1\tquestion2\tis_duplicate\ncaf\xe9\tb\t1\n")
+    with pytest.raises(UserError, match="dev.tsv is not UTF-8 text"):
+        read_task("qqp", tmp_path / "QQP", "dev")
 
 
 # --- train.py / eval.py end to end ------------------------------------------------------

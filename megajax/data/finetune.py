@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 
 from megajax.data.sentences import Specials, truncate_pair
+from megajax.data.sources import read_utf8
 from megajax.data.tokenizer import Tokenizer
 from megajax.errors import UserError
 
@@ -44,20 +46,32 @@ def read_race(directory: Path, split: str) -> list[Example]:
     examples = []
     for level in ("middle", "high"):
         for path in sorted((root / level).glob("*")):
-            if path.suffix not in (".txt", ".json"):
-                continue
-            try:
-                doc = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}: not a RACE JSON file ({e.msg})") from None
-            for question, options, answer in zip(doc["questions"], doc["options"], doc["answers"]):
-                if len(options) != 4:
-                    raise UserError(f"{path}: a RACE question needs 4 options, got {len(options)}")
-                seconds = [question.replace("_", o) if "_" in question else f"{question} {o}" for o in options]
-                examples.append(Example([doc["article"]] * 4, seconds, "ABCD".index(answer.strip()), level))
+            if path.suffix in (".txt", ".json"):
+                examples += [Example([article] * 4, seconds, label, level) for article, seconds, label in _race_file(path)]
     if not examples:
         raise UserError(f"no RACE questions under {root}/middle or {root}/high")
     return examples
+
+
+def _race_file(path: Path):
+    """(article, the question with each option, the answer's index) per question of one file;
+    anything else than RACE's layout is one line naming the file."""
+    try:
+        doc = json.loads(read_utf8(path))
+        article, questions = doc["article"], list(zip(doc["questions"], doc["options"], doc["answers"], strict=True))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not a RACE JSON file ({e.msg})") from None
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{path}: not a RACE file (an object with \"article\" and equally long lists "
+                        f"\"questions\", \"options\" and \"answers\")") from None
+    for question, options, answer in questions:
+        if not isinstance(options, list) or len(options) != 4:
+            raise UserError(f"{path}: a RACE question needs 4 options, got {options!r:.60}")
+        if not (isinstance(article, str) and isinstance(question, str) and all(isinstance(o, str) for o in options)
+                and isinstance(answer, str) and answer.strip() in ("A", "B", "C", "D")):
+            raise UserError(f"{path}: a RACE question needs text, 4 text options and an answer A-D, got {answer!r:.20}")
+        seconds = [question.replace("_", o) if "_" in question else f"{question} {o}" for o in options]
+        yield article, seconds, "ABCD".index(answer.strip())
 
 
 def read_glue(directory: Path, task: str, split: str) -> list[Example]:
@@ -69,9 +83,8 @@ def read_glue(directory: Path, task: str, split: str) -> list[Example]:
         raise UserError(f"{task.upper()} file not found: {path}")
     csv.field_size_limit(sys.maxsize)
     examples = []
-    with path.open(encoding="utf-8", newline="") as f:
-        rows = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        for row in rows:
+    with io.StringIO(read_utf8(path), newline="") as f:
+        for row in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE):
             if task == "mnli":
                 a, b, label = row.get("sentence1"), row.get("sentence2"), MNLI_LABELS.get(row.get("gold_label", ""))
             else:
