@@ -1,5 +1,7 @@
 """Data sources, tokenizers and deterministic, data-sharded batches."""
 
+import re
+
 import numpy as np
 import pytest
 from conftest import mesh_for
@@ -134,6 +136,18 @@ def test_garbage_tokenizer_file_is_one_line(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(UserError, match="is not a Hugging Face tokenizer.json"):
         make_tokenizer(f"hf:{tmp_path / 'tokenizer.json'}")
+    (tmp_path / "vocab.txt").write_bytes(b"[PAD]\ncaf\xe9\n")    # before: a UnicodeDecodeError traceback
+    with pytest.raises(UserError, match=r"vocab.txt is not UTF-8 text \(byte 9"):
+        make_tokenizer(f"wordpiece:{tmp_path / 'vocab.txt'}")
+
+
+@pytest.mark.parametrize("spec, message", [("bytes:3", "the bytes tokenizer takes no argument"),
+                                           ("chars:x", "the chars tokenizer takes no argument"),
+                                           ("wordpiece:0", "wordpiece:SIZE must be at least 5")])
+def test_tokenizer_arguments_that_would_be_ignored_are_refused(spec, message):
+    """Before, each was accepted: the argument ignored, or a vocabulary of the alphabet alone."""
+    with pytest.raises(UserError, match=re.escape(message)):
+        make_tokenizer(spec, "some training text")
 
 
 def test_missing_and_empty_sources(tmp_path):

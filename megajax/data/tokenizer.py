@@ -12,6 +12,7 @@ import tiktoken
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
+from megajax.data.sources import read_utf8
 from megajax.data.wordpiece import train_vocab
 from megajax.errors import UserError, first_line
 from megajax.files import write_atomic
@@ -175,7 +176,7 @@ class WordPieceTokenizer(HFTokenizer):
         path = Path(path)
         if not path.is_file():
             raise UserError(f"vocabulary file not found: {path}")
-        vocab = path.read_text(encoding="utf-8").splitlines()
+        vocab = read_utf8(path).splitlines()
         if not vocab:
             raise UserError(f"vocabulary file is empty: {path}")
         return cls(vocab, lowercase)
@@ -224,6 +225,8 @@ class TiktokenTokenizer(Tokenizer):
 def make_tokenizer(spec: str, corpus_text: str | None = None) -> Tokenizer:
     """From a config string: bytes | chars | hf:PATH | tiktoken:NAME."""
     kind, _, arg = spec.partition(":")
+    if kind in ("bytes", "chars") and arg:
+        raise UserError(f"the {kind} tokenizer takes no argument (got '{spec}')")
     if kind == "bytes":
         return ByteTokenizer()
     if kind == "chars":
@@ -237,6 +240,8 @@ def make_tokenizer(spec: str, corpus_text: str | None = None) -> Tokenizer:
     if kind == "wordpiece":
         if arg and not arg.isdigit():
             return WordPieceTokenizer.from_file(Path(arg))
+        if int(arg or 8000) < len(BERT_SPECIALS):
+            raise UserError(f"wordpiece:SIZE must be at least {len(BERT_SPECIALS)}, its special tokens (got {arg})")
         if corpus_text is None:
             raise UserError("training a WordPiece vocabulary needs the training text")
         return WordPieceTokenizer.train(corpus_text, int(arg or 8000))
