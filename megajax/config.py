@@ -298,16 +298,16 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
 
 
 def find_config(name_or_path: str) -> Path:
-    p = Path(name_or_path)
-    if p.suffix in (".toml", ".json") and p.exists():
-        return p
-    for candidate in (CONFIG_DIR / f"{name_or_path}.toml", Path("configs") / f"{name_or_path}.toml"):
-        if candidate.exists():
-            return candidate
-    known = available_configs()
-    close = difflib.get_close_matches(name_or_path, known, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; available: {', '.join(known)}"
-    raise ConfigError(f"no config named '{name_or_path}'{hint}")
+    p, suffixed = Path(name_or_path), Path(name_or_path).suffix in (".toml", ".json")
+    named = [CONFIG_DIR / f"{name_or_path}.toml", Path("configs") / f"{name_or_path}.toml"]
+    if found := [c for c in [p] * suffixed + named if c.is_file()]:
+        return found[0]
+    if suffixed or len(p.parts) > 1:     # meant as a file, not a name
+        what = "not found" if not p.exists() else "is not a .toml or .json file" if p.is_file() else "is not a file"
+        raise ConfigError(f"config {name_or_path} {what} (give a name in configs/, or a .toml or .json file)")
+    close = difflib.get_close_matches(name_or_path, known := available_configs(), n=1)
+    raise ConfigError(f"no config named '{name_or_path}'" + (f"; did you mean '{close[0]}'?" if close else
+                                                             f"; available: {', '.join(known)}"))
 
 
 def _read(path: Path) -> dict:

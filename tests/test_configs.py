@@ -6,6 +6,10 @@ import pytest
 from conftest import mesh_for
 from flax import nnx
 
+from megajax.cli.convert import convert_parser
+from megajax.cli.eval import eval_parser
+from megajax.cli.prepare import prepare_parser
+from megajax.cli.train import train_parser
 from megajax.config import CONFIG_DIR, ConfigError, available_configs, load_config
 from megajax.core.mesh import check_fits, padded_batches
 from megajax.models.registry import abstract_model
@@ -86,6 +90,28 @@ def test_overrides_are_typed_and_suggest_keys():
         load_config("tiny", ["model.remat=maybe"])
     with pytest.raises(ConfigError, match="no config named 'tinyy'; did you mean 'tiny'"):
         load_config("tinyy")
+
+
+def test_a_config_path_that_is_not_a_config_file_says_so(tmp_path):
+    """Before: "no config named '/etc/passwd'; available: ..." for a path, and a directory
+    named x.toml was read as a file."""
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "dir.toml").mkdir()
+    for path, what in ((tmp_path / "notes.txt", "is not a .toml or .json file"), (tmp_path / "dir.toml", "is not a file"),
+                       (tmp_path / "gone.toml", "not found"), (tmp_path / "sub" / "tiny", "not found")):
+        with pytest.raises(ConfigError, match=re.escape(f"config {path} {what} (give a name in configs/")):
+            load_config(str(path))
+
+
+@pytest.mark.parametrize("parser, argv", [
+    (train_parser, ["--workdir", ""]), (train_parser, ["--config", " "]), (eval_parser, ["--workdir", ""]),
+    (prepare_parser, ["", "--out", "x"]), (convert_parser, ["export", "--workdir", "w", "--out", ""])])
+def test_an_empty_path_argument_is_refused(capsys, parser, argv):
+    """An unset shell variable (`--workdir "$RUN"`): before, the default workdir, or the current
+    directory, was used."""
+    with pytest.raises(SystemExit) as exit_:
+        parser().parse_args(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().endswith(": must not be empty")
 
 
 @pytest.mark.parametrize("change,tp,message", [

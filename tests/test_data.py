@@ -153,6 +153,10 @@ def test_tokenizer_arguments_that_would_be_ignored_are_refused(spec, message):
 def test_missing_and_empty_sources(tmp_path):
     with pytest.raises(UserError, match="data file not found"):
         load_tokens(f"bin:{tmp_path / 'none.bin'}", "bytes")
+    with pytest.raises(UserError, match=re.escape(f"data file {tmp_path} is a directory: give its files (a glob such as {tmp_path}/*.txt)")):
+        load_tokens(f"text:{tmp_path}", "bytes")
+    with pytest.raises(UserError, match="data file /dev/null is not a regular file"):
+        load_tokens("text:/dev/null", "bytes")
     (tmp_path / "e.bin").write_bytes(b"")
     with pytest.raises(UserError, match="empty"):
         load_tokens(f"bin:{tmp_path / 'e.bin'}", "bytes")

@@ -5,6 +5,7 @@ are read, because --host-devices must be in XLA_FLAGS before JAX starts its CPU 
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import signal
@@ -25,6 +26,14 @@ def set_host_devices(n: int | None):
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+
+
+def given(text: str) -> str:
+    """An argparse type for a path or spec: an empty one (a shell variable that was not set)
+    is refused, rather than read as the current directory or the default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def fail(message: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megajax.cli.common import exit_on_signal, fail, failed, guard_stdout
+from megajax.cli.common import exit_on_signal, fail, failed, given, guard_stdout
 from megajax.errors import UserError
 from megajax.files import abandon_staged
 
@@ -19,13 +19,13 @@ def convert_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="direction", required=True)
     imp = sub.add_parser("import", help="an HF directory (config.json, model.safetensors, tokenizer) -> a workdir")
-    imp.add_argument("--hf", required=True, metavar="DIR", help="a local Hugging Face model directory")
-    imp.add_argument("--workdir", required=True, help="the new megajax workdir (must not exist, or be empty)")
+    imp.add_argument("--hf", type=given, required=True, metavar="DIR", help="a local Hugging Face model directory")
+    imp.add_argument("--workdir", type=given, required=True, help="the new megajax workdir (must not exist, or be empty)")
     imp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="a field HF does not decide, e.g. model.vocab_multiple=128 or model.scan_layers=false")
     exp = sub.add_parser("export", help="a workdir's checkpoint -> an HF directory that from_pretrained loads")
-    exp.add_argument("--workdir", required=True)
-    exp.add_argument("--out", required=True, metavar="DIR", help="the new HF directory (must not exist, or be empty)")
+    exp.add_argument("--workdir", type=given, required=True)
+    exp.add_argument("--out", type=given, required=True, metavar="DIR", help="the new HF directory (must not exist, or be empty)")
     exp.add_argument("--step", type=int, help="the checkpoint to export (default: the newest that reads back)")
     return p
 

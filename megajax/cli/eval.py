@@ -9,7 +9,7 @@ import os
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (add_distributed_args, exit_on_signal, fail, failed, guard_stdout,
+from megajax.cli.common import (add_distributed_args, exit_on_signal, fail, failed, given, guard_stdout,
                                 set_host_devices, start_distributed)
 from megajax.errors import UserError
 from megajax.files import write_atomic
@@ -27,15 +27,15 @@ def eval_parser() -> argparse.ArgumentParser:
                "  python eval.py --workdir runs/default --task sample --prompt 'def main(' --host-devices 8 --mesh 2x4\n"
                "  python eval.py --workdir runs/bert_race --task race --data RACE",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", required=True)
+    p.add_argument("--workdir", type=given, required=True)
     p.add_argument("--task", required=True, choices=TASK_CHOICES)
-    p.add_argument("--data", help="ppl: text:PATH | bin:PATH | PATH; wikitext: the .txt file; lambada: the .jsonl file; "
+    p.add_argument("--data", type=given, help="ppl: text:PATH | bin:PATH | PATH; wikitext: the .txt file; lambada: the .jsonl file; "
                                    "mlm: text:PATH | PATH | builtin; race/mnli/qqp: the task's directory")
     p.add_argument("--split", help="race: dev | test (default test); mnli: dev_matched | dev_mismatched; qqp: dev")
     p.add_argument("--mesh", default="auto")
     p.add_argument("--host-devices", type=int)
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    p.add_argument("--out", help="JSON result file (default: WORKDIR/eval_TASK.json)")
+    p.add_argument("--out", type=given, help="JSON result file (default: WORKDIR/eval_TASK.json)")
     p.add_argument("--stride", type=int, default=32, help="overlapping-window stride (the paper: 32)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--prompt", default="", help="sample: the text to continue")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from megajax.cli.common import fail, failed, guard_stdout
+from megajax.cli.common import fail, failed, given, guard_stdout
 from megajax.errors import UserError
 
 
@@ -16,7 +16,7 @@ def plan_parser() -> argparse.ArgumentParser:
                "  megajax-plan --config gpt2_1.2b --devices 8 --hardware h200 --json\n"
                "  megajax-plan --config gpt2_8.3b --devices 64 --hardware my_gpus.toml:my-gpu --baseline gpt2_1.2b",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="default", help="a name from configs/ or a path to a .toml/.json")
+    p.add_argument("--config", type=given, default="default", help="a name from configs/ or a path to a .toml/.json")
     p.add_argument("--devices", type=int, required=True, help="how many GPUs")
     p.add_argument("--hardware", default="h100-80g",
                    help="v100-dgx2h | a100-80g | h100-80g | h200 | t4, or FILE.toml[:NAME] (default: h100-80g)")

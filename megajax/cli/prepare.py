@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from megajax.cli.common import Stopped, fail, failed, guard_stdout, stop_with_a_line, stopped
+from megajax.cli.common import Stopped, fail, failed, given, guard_stdout, stop_with_a_line, stopped
 from megajax.errors import UserError
 
 
@@ -18,10 +18,10 @@ def prepare_parser() -> argparse.ArgumentParser:
                "  megajax-prepare 'books/*.txt' --pairs --seq-len 512 --tokenizer wordpiece:vocab.txt --out data/pairs\n"
                "  python train.py --config bert_336m --data pairs:data/pairs",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", help="text files or globs (one document per file), .jsonl files (one "
+    p.add_argument("inputs", type=given, nargs="+", help="text files or globs (one document per file), .jsonl files (one "
                                              "document per line), or tfds:NAME[:SPLIT]")
-    p.add_argument("--out", required=True, help="the corpus directory (new, or this same preparation's to resume)")
-    p.add_argument("--tokenizer", default="bytes", help="bytes | hf:PATH/tokenizer.json | tiktoken:NAME | "
+    p.add_argument("--out", type=given, required=True, help="the corpus directory (new, or this same preparation's to resume)")
+    p.add_argument("--tokenizer", type=given, default="bytes", help="bytes | hf:PATH/tokenizer.json | tiktoken:NAME | "
                                                         "wordpiece:PATH/vocab.txt | a workdir (its tokenizer)")
     p.add_argument("--val-fraction", type=float, default=0.01, help="held-out share of the tokens (default 0.01)")
     p.add_argument("--text-field", default="text", help="jsonl: the field holding the text (default text)")

@@ -5,7 +5,7 @@ import argparse
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (StartUp, add_distributed_args, fail, failed, guard_stdout,
+from megajax.cli.common import (StartUp, add_distributed_args, fail, failed, given, guard_stdout,
                                 set_host_devices, start_distributed, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
@@ -21,14 +21,14 @@ def train_parser() -> argparse.ArgumentParser:
                "  python train.py --config bert_small --workdir runs/bert\n"
                "  python train.py --config finetune_race --init-from runs/bert --data RACE --workdir runs/bert_race",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="default", help="a name from configs/ or a path to a .toml/.json (default: default)")
+    p.add_argument("--config", type=given, default="default", help="a name from configs/ or a path to a .toml/.json (default: default)")
     p.add_argument("--mesh", default="auto", help="data=2,model=4 | 2x4 | model=8 | auto (all devices on data)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set model.num_layers=4 --set train.lr=3e-4")
-    p.add_argument("--data", help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | tfds:NAME[/CONFIG]")
-    p.add_argument("--tokenizer", help="bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME")
-    p.add_argument("--workdir", help="where checkpoints, metrics and the config go (default: runs/CONFIG)")
-    p.add_argument("--init-from", metavar="DIR", help="start from this workdir's weights (BERT fine-tuning: its encoder; "
+    p.add_argument("--data", type=given, help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | tfds:NAME[/CONFIG]")
+    p.add_argument("--tokenizer", type=given, help="bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME")
+    p.add_argument("--workdir", type=given, help="where checkpoints, metrics and the config go (default: runs/CONFIG)")
+    p.add_argument("--init-from", type=given, metavar="DIR", help="start from this workdir's weights (BERT fine-tuning: its encoder; "
                                                           "a GPT: all of them; e.g. one made by megajax-convert import)")
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     p.add_argument("--host-devices", type=int, help="simulate N devices on the CPU")
@@ -111,8 +111,8 @@ def _train_main(args) -> int:
 def plot_main(argv=None) -> int:
     guard_stdout()
     p = argparse.ArgumentParser(prog="megajax-plot", description="Draw WORKDIR/loss.png from metrics.jsonl")
-    p.add_argument("workdir")
-    p.add_argument("--out")
+    p.add_argument("workdir", type=given)
+    p.add_argument("--out", type=given)
     args = p.parse_args(argv)
     from megajax.training.metrics import plot_workdir   # imports jax: after the arguments, as everywhere
 

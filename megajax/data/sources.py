@@ -45,7 +45,10 @@ def text_files(spec: str) -> list[Path]:
         for m in matches:
             p = Path(m)
             if not p.is_file():
-                raise UserError(f"data file not found: {p}")
+                if not p.exists():
+                    raise UserError(f"data file not found: {p}")
+                raise UserError(f"data file {p} is a directory: give its files (a glob such as {p}/*.txt)"
+                                if p.is_dir() else f"data file {p} is not a regular file")
             files.append(p)
     return files
 
