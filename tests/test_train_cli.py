@@ -235,6 +235,32 @@ def test_sigterm_during_start_up_is_one_line(tmp_path):
     assert "step " not in out
 
 
+# train.py's signal handlers as its train_main sets them, through a run that has trained and
+# returned: a signal after train() (a preemption reaching this process after its peer) must not
+# be taken for one during start-up.
+AFTER_TRAIN = """
+import os, signal, sys
+from megajax.cli.common import stop_during_startup
+from megajax.training.signals import StopRequested
+for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, stop_during_startup)
+StopRequested.command_line = True
+with StopRequested() as stop:
+    stop.start_training()
+os.kill(os.getpid(), signal.SIGTERM)
+print("the run's own exit status")
+"""
+
+
+def test_a_signal_after_train_returns_is_not_a_start_up_stop():
+    """Before: from the moment train() restored the start-up handler to the one that set the run
+    as ended, a signal said "stopped before training any step" and left with status 2, skipping
+    a multi-process run's shutdown (its peer then waited: a hang in CI)."""
+    p = subprocess.run([sys.executable, "-c", AFTER_TRAIN], capture_output=True, text=True, env=env(), cwd=ROOT,
+                       timeout=60)
+    assert (p.returncode, p.stdout, p.stderr) == (0, "the run's own exit status\n", "SIGTERM: the run is already ending\n")
+
+
 @pytest.mark.parametrize("lr,save_every", [("1e38", "2"), ("1e6", "1"), ("1e38", "1000")])
 def test_non_finite_step_is_never_saved_and_the_named_checkpoint_exists(tmp_path, lr, save_every):
     """lr 1e38: the loss itself overflows. lr 1e6: the loss of the fatal step is still finite

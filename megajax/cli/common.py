@@ -126,17 +126,10 @@ def stopped(e: "Stopped") -> int:
     return 128 + (e.args[1] if len(e.args) > 1 else signal.SIGINT)
 
 
-class StartUp:
-    """Whether the program is still starting up. Once train() runs, it handles the signals
-    itself (megajax/training/signals.py); when it has returned, the run is ending anyway."""
-    active = True
-
-
 def stop_during_startup(signum, frame):
-    name = signal.Signals(signum).name
-    if StartUp.active:   # nothing is written before training starts: leave at once (see exit_on_signal)
-        exit_now(f"error: {name} during start-up: stopped before training any step", 2)
-    print(f"{name}: the run is already ending", file=sys.stderr, flush=True)
+    """train.py's handler until train() takes the signals over (megajax/training/signals.py):
+    nothing is written before training starts, so leave at once (see exit_on_signal)."""
+    exit_now(f"error: {signal.Signals(signum).name} during start-up: stopped before training any step", 2)
 
 
 def guard_stdout(on_close=None, to_stderr: bool = False):

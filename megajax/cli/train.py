@@ -5,7 +5,7 @@ import argparse
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (StartUp, add_distributed_args, fail, failed, given, guard_stdout,
+from megajax.cli.common import (add_distributed_args, fail, failed, given, guard_stdout,
                                 set_host_devices, start_distributed, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
@@ -58,17 +58,16 @@ def train_main(argv=None) -> int:
     # Until train() takes over the signals (megajax/training/signals.py), one stops the run with a line.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_during_startup)
-    StopRequested.leave_in_start_up = True
+    StopRequested.command_line = True
     try:
         return _train_main(args)
     finally:
-        if not StartUp.active:
-            # The run has saved and decided its exit status. Python resets its own handlers to the
-            # default (die) while the interpreter shuts down, and the multi-process runtime's
-            # shutdown at exit waits for the peers: a signal then (a preemption reaching this node
-            # after the other) would end the process by signal instead of with its status.
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, signal.SIG_IGN)
+        # The exit status is decided. Python resets its own handlers to the default (die) while
+        # the interpreter shuts down, and the multi-process runtime's shutdown at exit waits for
+        # the peers: a signal then (a preemption reaching this node after the other) would end
+        # the process by signal instead of with its status.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _train_main(args) -> int:
@@ -96,10 +95,7 @@ def _train_main(args) -> int:
         elif args.costs:
             raise UserError("--costs goes with --dry-run")
         else:
-            try:
-                train(cfg, mesh, workdir, sample_tokens=args.sample_tokens)   # handles the signals itself
-            finally:
-                StartUp.active = False   # a signal from now on is late: the run is ending anyway
+            train(cfg, mesh, workdir, sample_tokens=args.sample_tokens)   # handles the signals itself
     except UserError as e:
         return fail(str(e))
     except Exception as e:  # noqa: BLE001

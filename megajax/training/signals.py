@@ -37,16 +37,17 @@ class StopRequested:
     def _handle(self, signum, frame):
         self.request(signal.Signals(signum).name)
 
-    # Set by train.py: a command line has nothing at stake before training starts, so a signal
+    # Set by train.py. A command line has nothing at stake before training starts, so a signal
     # then ends the process at once with its line, unwinding nothing (errors.exit_now says why:
-    # an exception raised here was swallowed, with "Exception ignored" on stderr, in CI).
-    # train() called in a notebook raises instead.
-    leave_in_start_up = False
+    # an exception raised here was swallowed, with "Exception ignored" on stderr, in CI); after
+    # train() returns, one only says that the run is ending. train() in a notebook raises
+    # instead, and leaves the handlers as it found them.
+    command_line = False
 
     def request(self, name: str):
         if not self.training:
             self.requested = self.requested or name
-            if self.leave_in_start_up:
+            if self.command_line:
                 exit_now(f"error: {self._startup_stopped()}", 2)
             raise self._startup_stopped()
         if self.requested is not None and not self.sampling:
@@ -68,7 +69,13 @@ class StopRequested:
     def __exit__(self, *exc):
         _ACTIVE.remove(self)
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            # The command line's handler before train() was its start-up one, which ends the
+            # process as "stopped before training any step": after train() the run is ending.
+            signal.signal(sig, _already_ending if self.command_line else old)
+
+
+def _already_ending(signum, frame):
+    print(f"{signal.Signals(signum).name}: the run is already ending", file=sys.stderr, flush=True)
 
 
 _ACTIVE: list[StopRequested] = []
