@@ -125,3 +125,35 @@ def test_a_file_system_failure_is_one_line_whichever_library_raises_it(capsys, e
     assert failed(error, "lower the batch") == 2
     err = capsys.readouterr().err
     assert err.startswith(line) and err.count("\n") == 1, err
+
+
+def test_a_step_removed_while_it_is_read_is_no_damage(tmp_path):
+    """A reader (eval.py, megajax-convert export) while a run trains with keep_checkpoints: the
+    run removes the step being read. Before, that counted as damage, each older step (removed
+    too) was tried, and the reader failed: "none of the checkpoints can be read". Now the steps
+    are listed again and the newest one read, without a warning; real damage still warns."""
+    writer = Checkpoints(tmp_path, async_save=False)
+    for step in (1, 2):
+        assert writer.save(step, {"w": jnp.full(4, step)}, {"m": jnp.zeros(4)}, {"step": step}) is None
+    reader, warnings, reads = Checkpoints(tmp_path, writer=False), [], []
+
+    def restore(step):
+        reads.append(step)
+        if reads == [2]:      # the writer saves step 3 and removes steps 1 and 2 as step 2 is read
+            assert writer.save(3, {"w": jnp.full(4, 3)}, {"m": jnp.zeros(4)}, {"step": 3}) is None
+            shutil.rmtree(tmp_path / "checkpoints" / "2")
+            shutil.rmtree(tmp_path / "checkpoints" / "1")
+            raise FileNotFoundError(tmp_path / "checkpoints" / "2")
+        return reader.restore_params(step, {"w": jnp.zeros(4)})
+
+    step, (params, _) = reader.restore_newest_intact(restore, warnings.append, set_aside=False)
+    assert step == 3 and float(params["w"][0]) == 3.0 and reads == [2, 3] and warnings == []
+
+    def damaged(step):
+        raise ValueError("a truncated array file")
+
+    with pytest.raises(UserError, match=r"none of the checkpoints .* can be read \(steps 3\)"):
+        reader.restore_newest_intact(damaged, warnings.append, set_aside=False)
+    assert len(warnings) == 1 and "step 3 cannot be read (ValueError: a truncated array file); left in place" in warnings[0]
+    writer.close()
+    reader.close()

@@ -79,6 +79,9 @@ class _AbandonedIO(logging.Filter):
         return not (" exception was never retrieved" in message.split("\n", 1)[0] and self.root in message)
 
 
+MAX_RELISTS = 20     # a reader re-lists the steps when the trainer removes the one it reads
+
+
 def _first_line(e: Exception) -> str:
     """One line for a failed read or write. tensorstore names the operating system's reason
     (a full disk, a lost file system) only at the end of a long message: it goes first."""
@@ -218,23 +221,37 @@ class Checkpoints:
         truncated array file, a missing manifest: a disk or a kill that orbax's commit did not
         cover) is skipped with one warning line and the one before is tried; a training run
         (`set_aside`) also moves it to WORKDIR/damaged/STEP, kept for the user and out of the
-        way of the next save of that step. Returns (step, restore's result) or None if there
-        is no checkpoint; raises UserError if none reads back. A checkpoint of another model
-        shape is the user's mistake, not damage: that error is raised as it is."""
-        steps = sorted(self.all_steps(), reverse=True)
-        for step in steps:
-            try:
-                return step, restore(step)
-            except UserError:
-                raise
-            except Exception as e:  # noqa: BLE001  (orbax, tensorstore and OS errors alike)
-                where = f"moved to {self.set_aside(step)}" if set_aside else "left in place"
-                warn(f"warning: checkpoint step {step} cannot be read ({_first_line(e)}); "
-                     f"{where}; trying the one before")
-        if steps:
+        way of the next save of that step. A step that vanished while it was read is no damage:
+        the run training in this workdir removed it (train.keep_checkpoints) as a reader
+        (eval.py, megajax-convert export) read it, and the steps are listed again. Returns
+        (step, restore's result) or None if there is no checkpoint; raises UserError if none
+        reads back. A checkpoint of another model shape is the user's mistake, not damage: that
+        error is raised as it is."""
+        damaged: list[int] = []
+        for _ in range(MAX_RELISTS):
+            steps = [s for s in sorted(self.all_steps(), reverse=True) if s not in damaged]
+            for step in steps:
+                try:
+                    return step, restore(step)
+                except UserError:
+                    raise
+                except Exception as e:  # noqa: BLE001  (orbax, tensorstore and OS errors alike)
+                    if self._vanished(step):
+                        break
+                    damaged.append(step)
+                    where = f"moved to {self.set_aside(step)}" if set_aside else "left in place"
+                    warn(f"warning: checkpoint step {step} cannot be read ({_first_line(e)}); "
+                         f"{where}; trying the one before")
+            else:
+                break
+        if damaged or steps:
             raise UserError(f"none of the checkpoints in {self.directory} can be read (steps "
-                            f"{', '.join(map(str, steps))})")
+                            f"{', '.join(map(str, sorted(set(damaged + steps), reverse=True)))})")
         return None
+
+    def _vanished(self, step: int) -> bool:
+        self.manager.reload()
+        return not (self.directory / str(step)).is_dir()
 
     def set_aside(self, step: int) -> Path:
         """Move a damaged step out of orbax's way (so a later save of that step can happen)."""

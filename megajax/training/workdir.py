@@ -149,9 +149,11 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
     if step is not None:
         params, _ = ckpts.restore_params(step, target)
     else:   # the newest one that reads back, as train.py resumes
-        step, (params, _) = ckpts.restore_newest_intact(lambda s: ckpts.restore_params(s, target),
-                                                        warn=lambda line: print(line, file=sys.stderr),
-                                                        set_aside=False)
+        found = ckpts.restore_newest_intact(lambda s: ckpts.restore_params(s, target),
+                                            warn=lambda line: print(line, file=sys.stderr), set_aside=False)
+        if found is None:    # all removed meanwhile (by a run that has since restarted from scratch?)
+            raise UserError(f"no checkpoint in {workdir / CHECKPOINTS}")
+        step, (params, _) = found
     ckpts.close()
     return Loaded(cfg, modeldef.bind(params), tokenizer, step)
 
