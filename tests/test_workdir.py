@@ -141,9 +141,9 @@ def test_a_step_removed_while_it_is_read_is_no_damage(tmp_path):
         reads.append(step)
         if reads == [2]:      # the writer saves step 3 and removes steps 1 and 2 as step 2 is read
             assert writer.save(3, {"w": jnp.full(4, 3)}, {"m": jnp.zeros(4)}, {"step": 3}) is None
-            shutil.rmtree(tmp_path / "checkpoints" / "2")
             shutil.rmtree(tmp_path / "checkpoints" / "1")
-            raise FileNotFoundError(tmp_path / "checkpoints" / "2")
+            shutil.rmtree(tmp_path / "checkpoints" / "2" / "params")    # half removed: the directory lingers
+            raise KeyError("Unknown key: params")
         return reader.restore_params(step, {"w": jnp.zeros(4)})
 
     step, (params, _) = reader.restore_newest_intact(restore, warnings.append, set_aside=False)
@@ -152,8 +152,9 @@ def test_a_step_removed_while_it_is_read_is_no_damage(tmp_path):
     def damaged(step):
         raise ValueError("a truncated array file")
 
-    with pytest.raises(UserError, match=r"none of the checkpoints .* can be read \(steps 3\)"):
+    with pytest.raises(UserError, match=r"none of the checkpoints .* can be read \(steps 3, 2\)"):
         reader.restore_newest_intact(damaged, warnings.append, set_aside=False)
-    assert len(warnings) == 1 and "step 3 cannot be read (ValueError: a truncated array file); left in place" in warnings[0]
+    assert [w.split(" cannot")[0] for w in warnings] == ["warning: checkpoint step 3", "warning: checkpoint step 2"]
+    assert "(ValueError: a truncated array file); left in place; trying the one before" in warnings[0]
     writer.close()
     reader.close()

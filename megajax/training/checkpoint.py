@@ -221,22 +221,24 @@ class Checkpoints:
         truncated array file, a missing manifest: a disk or a kill that orbax's commit did not
         cover) is skipped with one warning line and the one before is tried; a training run
         (`set_aside`) also moves it to WORKDIR/damaged/STEP, kept for the user and out of the
-        way of the next save of that step. A step that vanished while it was read is no damage:
-        the run training in this workdir removed it (train.keep_checkpoints) as a reader
-        (eval.py, megajax-convert export) read it, and the steps are listed again. Returns
+        way of the next save of that step. A step that vanished while it was read, or has a
+        newer one since, is no damage: the run training in this workdir removed it
+        (train.keep_checkpoints) as a reader (eval.py, megajax-convert export) read it, and the
+        steps are listed again. Returns
         (step, restore's result) or None if there is no checkpoint; raises UserError if none
         reads back. A checkpoint of another model shape is the user's mistake, not damage: that
         error is raised as it is."""
         damaged: list[int] = []
         for _ in range(MAX_RELISTS):
-            steps = [s for s in sorted(self.all_steps(), reverse=True) if s not in damaged]
+            listed = self.all_steps()
+            steps = [s for s in sorted(listed, reverse=True) if s not in damaged]
             for step in steps:
                 try:
                     return step, restore(step)
                 except UserError:
                     raise
                 except Exception as e:  # noqa: BLE001  (orbax, tensorstore and OS errors alike)
-                    if self._vanished(step):
+                    if self._superseded(step, listed):
                         break
                     damaged.append(step)
                     where = f"moved to {self.set_aside(step)}" if set_aside else "left in place"
@@ -249,9 +251,12 @@ class Checkpoints:
                             f"{', '.join(map(str, sorted(set(damaged + steps), reverse=True)))})")
         return None
 
-    def _vanished(self, step: int) -> bool:
+    def _superseded(self, step: int, listed: list[int]) -> bool:
+        """Whether `step` is gone or going since the steps were `listed`: orbax removes an old
+        step (its directory lingers, half empty, while it goes) once a newer one is complete."""
         self.manager.reload()
-        return not (self.directory / str(step)).is_dir()
+        now = self.all_steps()
+        return not (self.directory / str(step)).is_dir() or step not in now or max(now) > max(listed)
 
     def set_aside(self, step: int) -> Path:
         """Move a damaged step out of orbax's way (so a later save of that step can happen)."""
