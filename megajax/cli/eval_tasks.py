@@ -32,7 +32,7 @@ def ppl(args, loaded: Loaded, progress):
     if len(tokens) < 2:
         raise UserError(f"{source} has {'no held-out split (prepared with --val-fraction 0)' if split else 'under 2 tokens'}"
                         f": nothing to score")
-    if len(tokens) and int(np.max(tokens)) >= loaded.cfg.model.vocab_size:
+    if int(np.max(tokens)) >= loaded.cfg.model.vocab_size:
         raise UserError(f"{source} has token id {int(np.max(tokens))}, beyond the model's vocabulary "
                         f"of {loaded.cfg.model.vocab_size:,} (another tokenizer, or data.bin_dtype?)")
     r = perplexity_of_tokens(loaded.model, tokens, args.stride, args.batch_size, progress)
