@@ -80,6 +80,13 @@ def failed(e: Exception, memory_hint: str) -> int:
     return status
 
 
+def bound_shutdown(status: int) -> int:
+    """A multi-process run's exit, bounded (training/distributed.py: bound_shutdown); `status`."""
+    if (distributed := sys.modules.get("megajax.training.distributed")) is not None:
+        distributed.bound_shutdown(status)
+    return status
+
+
 def add_distributed_args(p):
     g = p.add_argument_group("multi-process (jax.distributed; on SLURM/Open MPI/... detected automatically)")
     g.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")

@@ -9,7 +9,7 @@ import os
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (add_distributed_args, exit_on_signal, fail, failed, given, guard_stdout,
+from megajax.cli.common import (add_distributed_args, bound_shutdown, exit_on_signal, fail, failed, given, guard_stdout,
                                 set_host_devices, start_distributed)
 from megajax.errors import UserError
 from megajax.files import write_atomic
@@ -72,6 +72,10 @@ def eval_main(argv=None) -> int:
     args = eval_parser().parse_args(argv)
     set_host_devices(args.host_devices)
     exit_on_signal("stopped by {signal}: no result was written")   # it appears whole at the end, or not at all
+    return bound_shutdown(_evaluate(args))
+
+
+def _evaluate(args) -> int:
     try:
         check_eval_args(args)
         start_distributed(args)

@@ -5,7 +5,7 @@ import argparse
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (add_distributed_args, fail, failed, given, guard_stdout,
+from megajax.cli.common import (add_distributed_args, bound_shutdown, fail, failed, given, guard_stdout,
                                 set_host_devices, start_distributed, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
@@ -59,15 +59,18 @@ def train_main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_during_startup)
     StopRequested.command_line = True
+    status = 1
     try:
-        return _train_main(args)
+        status = _train_main(args)
+        return status
     finally:
         # The exit status is decided. Python resets its own handlers to the default (die) while
         # the interpreter shuts down, and the multi-process runtime's shutdown at exit waits for
         # the peers: a signal then (a preemption reaching this node after the other) would end
-        # the process by signal instead of with its status.
+        # the process by signal instead of with its status; a peer that never comes, by abort.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
+        bound_shutdown(status)
 
 
 def _train_main(args) -> int:

@@ -79,6 +79,26 @@ def _give_up_waiting(timeout: int, num_processes):
 _HEARTBEAT_S: int | None = None   # the runtime's heartbeat timeout, once initialize() started it
 
 
+def bound_shutdown(status: int):
+    """At exit the runtime waits at a barrier for every process. A peer that ended without it
+    (killed after the run ended, say) holds this one there until the runtime's heartbeat check
+    aborts it from C++ (exit 134, a stack dump, three heartbeat timeouts after the peer's end)
+    though its run finished and saved. A while before that, leave with the run's own status."""
+    if _HEARTBEAT_S and jax.process_count() > 1:
+        # Said now: once the shutdown has begun, JAX no longer answers questions about processes.
+        line = (f"warning: process {jax.process_index()} of {jax.process_count()}: the other processes did not "
+                f"reach the shutdown within {2 * _HEARTBEAT_S} s (one probably ended without it); leaving with "
+                f"the run's status {status}")
+        timer = threading.Timer(2 * _HEARTBEAT_S, _stuck_at_shutdown, (line, status))
+        timer.daemon = True
+        timer.start()
+
+
+def _stuck_at_shutdown(line: str, status: int):
+    print(line, file=sys.stderr, flush=True)
+    os._exit(status)
+
+
 class Watchdog:
     """A frozen peer (stopped, swapped out, a hung host) leaves this process waiting in a
     collective, and the runtime's heartbeat check then aborts it from C++ (exit 134, a stack
