@@ -303,6 +303,10 @@ def test_hardware_files_name_their_stack(tmp_path, capsys):
     assert plan_main(["--config", "tiny", "--devices", "8", "--hardware", str(toml)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "stack must be one of megajax, megatron-2019" in err
+    toml.write_bytes(b"[ours]\nname = \"caf\xe9\"\n")     # not UTF-8: a UnicodeDecodeError traceback before
+    assert plan_main(["--config", "tiny", "--devices", "8", "--hardware", str(toml)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"hardware file {toml} is not valid TOML" in err
 
 
 def test_builtin_hardware_cites_its_sources():

@@ -79,10 +79,10 @@ def load_hardware(name_or_path: str) -> dict[str, Hardware]:
     if path.suffix != ".toml":
         raise UserError(f"unknown hardware '{name_or_path}': one of {', '.join(BUILTIN)}, or a .toml file of your own")
     try:
-        tables = tomllib.loads(path.read_text())
+        tables = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise UserError(f"cannot read hardware file {path}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"hardware file {path} is not valid TOML: {e}") from None
     return {name: _hardware(name, table, path) for name, table in tables.items()}
 
