@@ -116,7 +116,8 @@ def test_resume_on_another_mesh(reference, tmp_path, mesh, first, second):
 
 
 def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
-    """A second run on the same workdir is refused; SIGTERM then Ctrl-C saves once and exits 0."""
+    """A second run on the same workdir is refused; SIGTERM then SIGHUP (the terminal or SSH
+    session closed: before, it killed the run without saving) saves once and exits 0."""
     wd = tmp_path / "term"
     args = [*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "100000", "--save-every", "100000"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
@@ -129,12 +130,12 @@ def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
     assert second.returncode == 2 and "another run is training in" in second.stderr
     assert second.stderr.strip().count("\n") == 0 and proc.poll() is None
     proc.send_signal(signal.SIGTERM)
-    proc.send_signal(signal.SIGINT)        # an impatient second Ctrl-C must not lose the checkpoint
+    proc.send_signal(signal.SIGHUP)        # a second signal must not lose the checkpoint
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     # Python runs the handlers of signals that arrive together in signal-number order: the
     # first one handled stops and saves, the other is only noted.
-    first, second = ("SIGINT", "SIGTERM") if "SIGINT: saved" in out else ("SIGTERM", "SIGINT")
+    first, second = ("SIGHUP", "SIGTERM") if "SIGHUP: saved" in out else ("SIGTERM", "SIGHUP")
     assert f"{first}: saved a checkpoint at step" in out, out
     assert "Traceback" not in err and f"{second}: already stopping" in err, err
     records = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
@@ -142,6 +143,15 @@ def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
     assert steps == sorted(set(steps))      # one writer: no step twice, none out of order
     step = max(losses(wd))
     assert (wd / "checkpoints" / str(step)).is_dir()
+
+
+def test_nohup_keeps_the_hang_up_ignored():
+    """Started under nohup (SIGHUP ignored), a closed terminal must not stop the run."""
+    code = "from megajax.training.signals import STOP_SIGNALS; print(sorted(s.name for s in STOP_SIGNALS))"
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT)
+    nohup = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT,
+                           preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert (plain.stdout, nohup.stdout) == ("['SIGHUP', 'SIGINT', 'SIGTERM']\n", "['SIGINT', 'SIGTERM']\n")
 
 
 def test_a_reader_that_goes_away_stops_the_run_as_sigterm_does(tmp_path):
@@ -166,15 +176,16 @@ def test_every_program_outlives_a_closed_pipe_under_its_output():
     /dev/null, with no BrokenPipeError now or at exit, and they finish their work."""
     from megajax.cli.common import _PipeGuard
 
-    read, write = os.pipe()
-    os.close(read)
-    closed = []
-    with open(write, "w", buffering=1) as stream:
-        guard = _PipeGuard(stream, lambda: closed.append(True), to_stderr=False)
-        for i in range(3):
-            print(f"line {i}", file=guard)
-        guard.flush()
-        assert closed == [True] and os.path.samestat(os.fstat(write), os.stat(os.devnull))
+    pipe, terminal = os.pipe(), os.openpty()   # a terminal whose other end closed: EIO (SSH gone)
+    for reader, writer in (pipe, terminal):
+        os.close(reader)
+        closed = []
+        with open(writer, "w", buffering=1) as stream:
+            guard = _PipeGuard(stream, lambda: closed.append(True), to_stderr=False)
+            for i in range(3):
+                print(f"line {i}", file=guard)
+            guard.flush()
+            assert closed == [True] and os.path.samestat(os.fstat(writer), os.stat(os.devnull))
 
 
 def test_a_signal_during_the_final_sample_stops_it(tmp_path):

@@ -13,6 +13,7 @@ import sys
 
 from megajax.errors import exit_now, first_line, os_error_code
 from megajax.hostenv import restart_with_malloc_tuning
+from megajax.training.signals import STOP_SIGNALS
 
 
 MAX_HOST_DEVICES = 4096   # each simulated device holds host memory and threads: 100,000 exhausted 24 GiB
@@ -107,24 +108,25 @@ class Stopped(BaseException):   # not an Exception: nothing on the way may swall
 
 
 def stop_with_a_line(message: str):
-    """A tool's SIGTERM and SIGINT raise Stopped("SIGNAL: message"), which its main prints as
-    one line (`stopped`) instead of a traceback; what it writes is atomic, so nothing is half done."""
+    """A tool's stop signals (SIGTERM, SIGINT, SIGHUP: training/signals.py) raise
+    Stopped("SIGNAL: message"), which its main prints as one line (`stopped`) instead of a
+    traceback; what it writes is atomic, so nothing is half done."""
     def handler(signum, frame):
         raise Stopped(f"{signal.Signals(signum).name}: {message}", signum)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
 
 
 def exit_on_signal(message, status=lambda signum: 128 + signum):
     """For a program with nothing to save when stopped (eval.py, whose result appears whole at
     the end or not at all; megajax-convert, whose output appears in one rename; train.py before
-    training starts): SIGTERM and SIGINT print one line and end the process at once
+    training starts): the stop signals print one line and end the process at once
     (errors.exit_now says why not by raising). `message` is a str.format template of {signal},
     or a function of the signal's name that returns the line (and may clean up first)."""
     def handler(signum, frame):
         name = signal.Signals(signum).name
         exit_now(message(name) if callable(message) else message.format(signal=name), status(signum))
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
 
 
@@ -142,7 +144,7 @@ def stop_during_startup(signum, frame):
 def guard_stdout(on_close=None, to_stderr: bool = False):
     """A reader that goes away (`train.py | head`, `megajax-plan | less` quit early) closes the
     pipe under stdout (or stderr: `2>&1 | head`), and the next write anywhere raises
-    BrokenPipeError. From then on stdout goes to stderr (`to_stderr`: a run's last lines, where
+    BrokenPipeError; a closed terminal (SSH gone) makes it raise EIO. From then on stdout goes to stderr (`to_stderr`: a run's last lines, where
     it says it stopped and saved) or, as stderr does, to /dev/null (Python's own recipe: then
     not even the flush at exit fails), and `on_close` is called once (train.py: stop as on
     SIGTERM, saving a checkpoint)."""
@@ -161,18 +163,20 @@ class _PipeGuard:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
-            self._reader_gone()
+        except OSError as e:
+            self._reader_gone(e)
             return self.write(text)    # to the new target (once on /dev/null, a write cannot fail)
 
     def flush(self):
         try:
             self._stream.flush()
-        except BrokenPipeError:
-            self._reader_gone()
+        except OSError as e:
+            self._reader_gone(e)
             self.flush()
 
-    def _reader_gone(self):
+    def _reader_gone(self, e: OSError):
+        if e.errno not in (errno.EPIPE, errno.EIO):   # a closed pipe; a closed terminal (EIO)
+            raise e
         target = self._targets.pop(0)
         fd = sys.stderr.fileno() if target == "stderr" else os.open(os.devnull, os.O_WRONLY)
         os.dup2(fd, self._stream.fileno())

@@ -13,6 +13,7 @@ from megajax.cli.common import (add_distributed_args, bound_shutdown, exit_on_si
                                 set_host_devices, start_distributed)
 from megajax.errors import UserError
 from megajax.files import write_atomic
+from megajax.training.signals import STOP_SIGNALS
 
 TASK_CHOICES = ["ppl", "wikitext", "lambada", "sample", "mlm", "race", "mnli", "qqp"]
 
@@ -86,7 +87,7 @@ def _evaluate(args) -> int:
         if is_main:
             out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
             write_atomic(out, json.dumps(result, indent=2) + "\n")
-            for sig in (signal.SIGTERM, signal.SIGINT):   # written: a signal now ends it as usual
+            for sig in STOP_SIGNALS:   # written: a signal now ends it as usual
                 signal.signal(sig, signal.SIG_DFL)
             print(f"wrote {out}")
     except UserError as e:

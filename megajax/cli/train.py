@@ -9,7 +9,7 @@ from megajax.cli.common import (add_distributed_args, bound_shutdown, fail, fail
                                 set_host_devices, start_distributed, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
-from megajax.training.signals import StopRequested, stdout_closed
+from megajax.training.signals import STOP_SIGNALS, StopRequested, stdout_closed
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -56,7 +56,7 @@ def train_main(argv=None) -> int:
     args = train_parser().parse_args(argv)
     set_host_devices(args.host_devices)
     # Until train() takes over the signals (megajax/training/signals.py), one stops the run with a line.
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, stop_during_startup)
     StopRequested.command_line = True
     status = 1
@@ -68,7 +68,7 @@ def train_main(argv=None) -> int:
         # the interpreter shuts down, and the multi-process runtime's shutdown at exit waits for
         # the peers: a signal then (a preemption reaching this node after the other) would end
         # the process by signal instead of with its status; a peer that never comes, by abort.
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         bound_shutdown(status)
 

@@ -30,6 +30,7 @@ from megajax.errors import UserError
 from megajax.files import WorkdirLock, write_atomic
 from megajax.prepare import pairs
 from megajax.prepare.units import Unit, describe_source, expand_inputs, plan_units, tokenize_unit
+from megajax.training.signals import STOP_SIGNALS
 
 PARTIAL = ".partial"
 
@@ -45,8 +46,8 @@ def _init_pool_worker(*init):
     """Ctrl-C reaches the whole process group: the main process alone answers it (and ends the
     pool, with SIGTERM); a worker just stops, without the main process's handlers (a fork
     inherits them) or a traceback that would only repeat the main process's one line."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for sig in STOP_SIGNALS:        # a closed terminal's SIGHUP, too, reaches the whole group
+        signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.SIG_IGN)
     _init_worker(*init)
 
 

@@ -7,6 +7,17 @@ import sys
 from megajax.errors import UserError, exit_now
 
 
+def _stop_signals() -> tuple:
+    """A scheduler's SIGTERM, Ctrl-C, and (POSIX) the hang-up of a closed terminal or SSH
+    session, unless the program was started to ignore it (nohup): that choice is kept."""
+    hangup = getattr(signal, "SIGHUP", None)
+    keep = hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN
+    return (signal.SIGTERM, signal.SIGINT) + ((hangup,) if keep else ())
+
+
+STOP_SIGNALS = _stop_signals()   # what every megajax program answers with a stop
+
+
 class StopRequested:
     """SIGTERM or Ctrl-C. During start-up (reading data, compiling) nothing is at stake: stop at
     once with one line. Once training (`training = True`): finish the current step, save, and
@@ -27,7 +38,7 @@ class StopRequested:
 
     def __enter__(self):
         _ACTIVE.append(self)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (e.g. some notebooks)
