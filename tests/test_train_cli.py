@@ -149,8 +149,9 @@ def test_nohup_keeps_the_hang_up_ignored():
     """Started under nohup (SIGHUP ignored), a closed terminal must not stop the run."""
     code = "from megajax.training.signals import STOP_SIGNALS; print(sorted(s.name for s in STOP_SIGNALS))"
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT)
-    nohup = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT,
-                           preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    ignoring = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "   # what nohup does
+                "os.execv(sys.executable, [sys.executable, '-c', sys.argv[1]])")
+    nohup = subprocess.run([sys.executable, "-c", ignoring, code], capture_output=True, text=True, env=env(), cwd=ROOT)
     assert (plain.stdout, nohup.stdout) == ("['SIGHUP', 'SIGINT', 'SIGTERM']\n", "['SIGINT', 'SIGTERM']\n")
 
 
