@@ -116,9 +116,16 @@ def main() -> int:
     start = time.perf_counter()
     import jax
 
+    from megajax.cli.common import start_jax
     from megajax.core.mesh import make_mesh
+    from megajax.errors import UserError
     from megajax.training.metrics import device_peak_tflops
 
+    try:
+        start_jax()   # JAX_PLATFORMS=cuda with a jax built without CUDA: one line
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     devices = jax.devices()
     print(f"jax {jax.__version__} on {platform.node()}: {len(devices)} x {devices[0].device_kind} "
           f"({jax.default_backend()})", flush=True)

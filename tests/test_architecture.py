@@ -18,7 +18,7 @@ DEFERRED = {
     "cli.train": {"megajax.core.mesh", "megajax.tools.dry_run", "megajax.training.loop",
                   "megajax.training.workdir", "megajax.training.metrics"},
     "cli.eval": {"megajax.cli.eval_tasks"},
-    "cli.plan": {"megajax.config", "megajax.plan", "megajax.plan.report"},
+    "cli.plan": {"jax", "megajax.config", "megajax.plan", "megajax.plan.report"},
     "cli.convert": {"megajax.convert"},
     "cli.prepare": {"megajax.prepare"},
     "data.sources": {"tensorflow_datasets"},

@@ -15,7 +15,8 @@ from conftest import mesh_for
 from flax import nnx
 from tolerances import F32
 
-from megajax.cli.common import failed
+from megajax.cli.common import failed, start_jax
+from megajax.errors import UserError
 from megajax.training.workdir import load_workdir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,7 +183,7 @@ def test_every_program_outlives_a_closed_pipe_under_its_output():
         os.close(reader)
         closed = []
         with open(writer, "w", buffering=1) as stream:
-            guard = _PipeGuard(stream, lambda: closed.append(True), to_stderr=False)
+            guard = _PipeGuard(stream, lambda: closed.append(True), to_stderr=False, name="standard output")
             for i in range(3):
                 print(f"line {i}", file=guard)
             guard.flush()
@@ -349,6 +350,42 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert p.stderr.strip().count("\n") == 0 and "Traceback" not in p.stderr, p.stderr
     assert message in p.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_a_backend_jax_cannot_start_is_one_line(reference, tmp_path, monkeypatch):
+    """JAX_PLATFORMS naming a backend this jax lacks (a GPU node's setting with a CPU-only jax:
+    jax raises a bare AssertionError for `cuda`, a RuntimeError for others) is one line and exit
+    2 from train.py, eval.py and megajax-convert, nothing written; megajax-plan, which needs
+    only shapes, plans on the CPU. A full disk under stdout names it; an ASCII one escapes."""
+    e = {**env(), "JAX_PLATFORMS": "abacus"}
+    for argv in ([ROOT / "train.py", *BASE, "--workdir", tmp_path / "w"],
+                 [ROOT / "eval.py", "--workdir", reference[0], "--task", "sample", "--out", tmp_path / "s.json"],
+                 ["-m", "megajax.convert", "export", "--workdir", reference[0], "--out", tmp_path / "hf"]):
+        p = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, env=e, cwd=ROOT,
+                           timeout=120)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, (argv, p.stderr)
+        assert p.stderr.startswith("error: jax could not start its backend (JAX_PLATFORMS=abacus): "), p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == []
+    p = subprocess.run([sys.executable, "-m", "megajax.plan", "--config", "tiny", "--devices", "8"],
+                       capture_output=True, text=True, env=e, cwd=ROOT, timeout=120)
+    assert p.returncode == 0 and "plans," in p.stdout, p.stderr
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, str(ROOT / "train.py"), *BASE, "--workdir", str(tmp_path / "w"),
+                            "--steps", "2"], stdout=full, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
+                           timeout=240)
+    assert p.returncode == 2 and p.stderr.endswith(
+        "error: No space left on device: standard output (what was saved before is intact)\n"), p.stderr
+    # A terminal that cannot encode a character of the output (an ASCII locale) gets it escaped:
+    # every program's stdout is set up by guard_stdout (a byte tokenizer's sample holds U+FFFD).
+    p = subprocess.run([sys.executable, "-c", "from megajax.cli.common import guard_stdout; guard_stdout(); "
+                        "print('caf\\xe9 \\ufffd')"], capture_output=True, text=True,
+                       env={**env(), "PYTHONIOENCODING": "ascii"}, cwd=ROOT, timeout=60)
+    assert p.returncode == 0 and p.stdout == "caf\\xe9 \\ufffd\n", p.stderr
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    monkeypatch.setattr(jax, "devices", lambda: (_ for _ in ()).throw(AssertionError()))
+    with pytest.raises(UserError, match=r"^jax could not start its backend \(JAX_PLATFORMS=cuda\): this jax has no "
+                                        r"cuda backend\. Install"):
+        start_jax()
 
 
 @pytest.mark.parametrize("kind", ["host", "device"])

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from megajax.errors import exit_now, first_line, os_error_code
+from megajax.errors import UserError, exit_now, first_line, os_error_code
 from megajax.hostenv import restart_with_malloc_tuning
 from megajax.training.signals import STOP_SIGNALS
 
@@ -46,10 +46,19 @@ def lost_peer(e: Exception):
     """In a multi-process run, a failed collective or barrier almost always means another
     process died: say so in one line and leave at once, without JAX's shutdown barrier
     (which would wait for the dead peer). Checkpoints already finalised stay valid."""
-    jax = sys.modules.get("jax")   # a program that never started JAX has no peers
-    if jax is not None and jax.process_count() > 1:
-        exit_now(f"error: process {jax.process_index()} of {jax.process_count()}: {type(e).__name__}: "
+    if (count := process_count()) > 1:
+        jax = sys.modules["jax"]
+        exit_now(f"error: process {jax.process_index()} of {count}: {type(e).__name__}: "
                  f"{first_line(e, 300)} (another process has probably died; completed checkpoints are intact)", 1)
+
+
+def process_count() -> int:
+    """How many processes run this program: 1 unless JAX was started, and with a backend."""
+    jax = sys.modules.get("jax")   # a program that never started JAX has no peers
+    try:
+        return 1 if jax is None else jax.process_count()
+    except (RuntimeError, AssertionError):   # no backend (start_jax's case)
+        return 1
 
 
 # What the machine's file systems, not megajax, make an OS call fail with: a full disk or quota,
@@ -74,8 +83,7 @@ def failed(e: Exception, memory_hint: str) -> int:
     else:
         lost_peer(e)
         raise e
-    jax = sys.modules.get("jax")   # as in lost_peer: the peers' shutdown barrier would wait for processes still stepping
-    if jax is not None and jax.process_count() > 1:
+    if process_count() > 1:   # as in lost_peer: the peers' shutdown barrier would wait for processes still stepping
         sys.stderr.flush()
         os._exit(status)
     return status
@@ -97,10 +105,24 @@ def add_distributed_args(p):
                    help="seconds after which a silent peer counts as dead (default 60)")
 
 
-def start_distributed(args):
-    from megajax.training.distributed import initialize   # imports jax: after set_host_devices
+def start_jax(args=None):
+    """JAX's multi-process runtime where `args` ask for it (or a cluster launcher is detected),
+    then its backend. A backend that does not start is the machine's setup, not a bug: one
+    line. (JAX_PLATFORMS=cuda with a jax built without CUDA raises a bare AssertionError.)"""
+    if args is not None:
+        from megajax.training.distributed import initialize   # imports jax: after set_host_devices
 
-    initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
+        initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
+    import jax
+
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError) as e:
+        asked = os.environ.get("JAX_PLATFORMS", "").strip()
+        why = first_line(e, 300) if str(e).strip() else f"this jax has no {asked or 'such'} backend"
+        raise UserError(f"jax could not start its backend{f' (JAX_PLATFORMS={asked})' if asked else ''}: {why}. "
+                        "Install the jax built for this machine (NVIDIA GPUs: the jax[cuda] extra), "
+                        "or unset JAX_PLATFORMS to use what it has") from None
 
 
 class Stopped(BaseException):   # not an Exception: nothing on the way may swallow it
@@ -148,15 +170,20 @@ def guard_stdout(on_close=None, to_stderr: bool = False):
     it says it stopped and saved) or, as stderr does, to /dev/null (Python's own recipe: then
     not even the flush at exit fails), and `on_close` is called once (train.py: stop as on
     SIGTERM, saving a checkpoint)."""
+    for stream in (sys.stdout, sys.stderr):
+        # A terminal or PYTHONIOENCODING that cannot encode a character (a sample's U+FFFD, a
+        # path's accent, under an ASCII or Latin-1 locale) prints it escaped instead of failing.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     if not isinstance(sys.stderr, _PipeGuard):
-        sys.stderr = _PipeGuard(sys.stderr, None, to_stderr=False)
+        sys.stderr = _PipeGuard(sys.stderr, None, to_stderr=False, name="standard error")
     if not isinstance(sys.stdout, _PipeGuard):
-        sys.stdout = _PipeGuard(sys.stdout, on_close, to_stderr)
+        sys.stdout = _PipeGuard(sys.stdout, on_close, to_stderr, name="standard output")
 
 
 class _PipeGuard:
-    def __init__(self, stream, on_close, to_stderr: bool):
-        self._stream, self._on_close = stream, on_close
+    def __init__(self, stream, on_close, to_stderr: bool, name: str):
+        self._stream, self._on_close, self._name = stream, on_close, name
         self._targets = ["stderr", "devnull"] if to_stderr else ["devnull"]
         self._closed = False
 
@@ -176,7 +203,7 @@ class _PipeGuard:
 
     def _reader_gone(self, e: OSError):
         if e.errno not in (errno.EPIPE, errno.EIO):   # a closed pipe; a closed terminal (EIO)
-            raise e
+            raise OSError(e.errno, e.strerror, self._name) from e   # a full disk: failed() names what it could not write
         target = self._targets.pop(0)
         fd = sys.stderr.fileno() if target == "stderr" else os.open(os.devnull, os.O_WRONLY)
         os.dup2(fd, self._stream.fileno())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megajax.cli.common import exit_on_signal, fail, failed, given, guard_stdout
+from megajax.cli.common import exit_on_signal, fail, failed, given, guard_stdout, start_jax
 from megajax.errors import UserError
 from megajax.files import abandon_staged
 
@@ -38,6 +38,7 @@ def convert_main(argv=None) -> int:
 
     exit_on_signal(_stopped_line)
     try:
+        start_jax()
         if args.direction == "import":
             cfg = import_hf(args.hf, args.workdir, args.set)
             m = cfg.model

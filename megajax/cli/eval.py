@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 from megajax.cli.common import (add_distributed_args, bound_shutdown, exit_on_signal, fail, failed, given, guard_stdout,
-                                set_host_devices, start_distributed)
+                                set_host_devices, start_jax)
 from megajax.errors import UserError
 from megajax.files import write_atomic
 from megajax.training.signals import STOP_SIGNALS
@@ -79,7 +79,7 @@ def eval_main(argv=None) -> int:
 def _evaluate(args) -> int:
     try:
         check_eval_args(args)
-        start_distributed(args)
+        start_jax(args)
         # jax is imported only now, with --host-devices in XLA_FLAGS (megajax/cli/common.py).
         from megajax.cli.eval_tasks import run_task
 

@@ -58,5 +58,10 @@ def plan_main(argv=None) -> int:
 
 
 def plan_command() -> int:
-    """megajax-plan: nothing runs on a device, so no restart for the host's allocator settings."""
+    """megajax-plan: nothing runs on a device, so no restart for the host's allocator settings,
+    and the shapes it reads need no accelerator: JAX's CPU backend, whatever JAX_PLATFORMS names
+    (a GPU node's setting, or a jax installed without that backend), so that it plans anywhere."""
+    import jax   # (python -m megajax.plan has imported it already; no backend has started)
+
+    jax.config.update("jax_platforms", "cpu")
     return plan_main()

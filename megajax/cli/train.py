@@ -6,7 +6,7 @@ import signal
 from pathlib import Path
 
 from megajax.cli.common import (add_distributed_args, bound_shutdown, fail, failed, given, guard_stdout,
-                                set_host_devices, start_distributed, stop_during_startup)
+                                set_host_devices, start_jax, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
 from megajax.training.signals import STOP_SIGNALS, StopRequested, stdout_closed
@@ -87,7 +87,7 @@ def _train_main(args) -> int:
         from megajax.training.loop import train
         from megajax.training.workdir import with_pretrained_shape
 
-        start_distributed(args)
+        start_jax(args)
         try:
             mesh = make_mesh(args.mesh)
         except ValueError as e:

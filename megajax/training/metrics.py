@@ -63,7 +63,7 @@ class MetricsLog:
 
     def write(self, record: dict):
         if self.enabled:
-            with self.path.open("a") as f:
+            with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
 
     def truncate_after(self, step: int):
