@@ -8,7 +8,7 @@ from conftest import mesh_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from megajax.data.sources import builtin_text
+from megajax.data.sources import builtin_text, text_files
 from megajax.data.tokens import Batches, EvalWindows, load_tokens
 from megajax.errors import UserError
 from megajax.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer, make_tokenizer
@@ -148,6 +148,20 @@ def test_tokenizer_arguments_that_would_be_ignored_are_refused(spec, message):
     """Before, each was accepted: the argument ignored, or a vocabulary of the alphabet alone."""
     with pytest.raises(UserError, match=re.escape(message)):
         make_tokenizer(spec, "some training text")
+
+
+def test_paths_that_exist_are_not_split_or_globbed(tmp_path):
+    """A file named `a,b.txt` or `run[1].txt` is that file (before: split at the comma, not
+    found; or read as a pattern, which matched `run1.txt`); lists and globs work as before."""
+    for name in ("a,b.txt", "run[1].txt", "run1.txt", "x.txt"):
+        (tmp_path / name).write_text(name, encoding="utf-8")
+    assert text_files(str(tmp_path / "a,b.txt")) == [tmp_path / "a,b.txt"]
+    assert text_files(str(tmp_path / "run[1].txt")) == [tmp_path / "run[1].txt"]
+    assert text_files(f"{tmp_path / 'x.txt'},{tmp_path / 'run1.txt'}") == [tmp_path / "x.txt", tmp_path / "run1.txt"]
+    assert text_files(str(tmp_path / "run?.txt")) == [tmp_path / "run1.txt"]
+    assert len(text_files(str(tmp_path / "*.txt"))) == 4
+    with pytest.raises(UserError, match="data file not found"):
+        text_files(f"{tmp_path / 'x.txt'},{tmp_path / 'a'}")
 
 
 def test_missing_and_empty_sources(tmp_path):

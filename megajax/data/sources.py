@@ -36,10 +36,13 @@ def builtin_text(max_bytes: int = BUILTIN_MAX_BYTES) -> str:
 
 
 def text_files(spec: str) -> list[Path]:
-    """The files a comma-separated list of paths and globs names (`**` spans directories)."""
+    """The files a comma-separated list of paths and globs names (`**` spans directories). A
+    path that exists is taken as it is: a file named `a,b.txt` or `run[1].txt` is not split at
+    its comma or read as a pattern."""
     files = []
-    for item in filter(None, spec.split(",")):
-        matches = sorted(glob.glob(item, recursive=True)) if any(c in item for c in "*?[") else [item]
+    for item in [spec] if Path(spec).exists() else filter(None, spec.split(",")):
+        pattern = any(c in item for c in "*?[") and not Path(item).exists()
+        matches = sorted(glob.glob(item, recursive=True)) if pattern else [item]
         if not matches:
             raise UserError(f"no file matches '{item}'")
         for m in matches:
