@@ -168,6 +168,8 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.min_lr > self.lr:   # Megatron-LM refuses it too: the "decay" would raise the rate
+            raise ConfigError(f"train.min_lr ({self.min_lr:g}) must not exceed train.lr ({self.lr:g})")
         _one_of(self, "train", schedule=("cosine", "linear"))
 
 
@@ -232,12 +234,9 @@ SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
 SECTION_NAMES = {cls: name for name, cls in SECTIONS.items()}
 
 
-def all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
-
-
 def _unknown(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    keys = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return ConfigError(f"unknown config key '{key}'{hint}")
 

@@ -137,6 +137,7 @@ def test_indivisible_sizes(change, tp, message):
     ("train.lr=inf", "train.lr must be a finite number"),
     ("train.lr=nan", "train.lr must be a finite number"),
     ("train.lr=0", "train.lr must be positive"),
+    ("train.min_lr=1", "train.min_lr (1) must not exceed train.lr (0.003)"),
     ("train.grad_clip=-1", "train.grad_clip must be positive"),
     ("train.beta2=1.0", "train.beta2 must be in [0, 1)"),
     ("train.weight_decay=-0.1", "train.weight_decay must be 0 or more"),

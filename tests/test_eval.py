@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, handles_signal, mesh_for
+from conftest import ROOT, handles_signal, mesh_for, tiny_config
 from tolerances import F32
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -28,6 +28,7 @@ from megajax.evaluation.scoring import perplexity_of_tokens, stride_windows
 from megajax.evaluation.wikitext import evaluate_wikitext, original_token_count, wikitext_detokenize
 from megajax.core.mesh import padded_rows
 from megajax.models.generate import generate
+from megajax.models.registry import init_model
 from megajax.prepare import Settings, prepare
 from megajax.training.loop import train
 from megajax.training.workdir import load_workdir
@@ -283,6 +284,19 @@ def test_greedy_past_the_context_slides_a_window(workdir):
         window[0, :len(last)] = last
         seq.append(int(fwd(model, window, len(last) - 1)[0]))
     np.testing.assert_array_equal(got, seq[len(prompt):])
+
+
+def test_a_context_of_one_token_generates_from_the_last_token():
+    """seq_len 1 (a bigram model): the prompt is cut to its last token (before, a slice [-0:]
+    kept all of it and the cache write failed), each next token predicted from the one before."""
+    model = init_model(tiny_config(seq_len=1, hidden_dropout=0.0, attention_dropout=0.0).model, mesh_for("1x1"), seed=3)
+    got = generate(model, np.asarray([[5, 17, 42]], np.int32), 6, temperature=0)[0]
+    step = jax.jit(lambda m, t: jnp.argmax(m(jnp.full((1, 1), t, jnp.int32))[0, 0]))
+    want = [42]
+    for _ in range(6):
+        want.append(int(step(model, want[-1])))
+    np.testing.assert_array_equal(got, want[1:])
+    assert eval_tasks.data_source("builtin") == "builtin" and eval_tasks.data_source("a.txt") == "text:a.txt"
 
 
 @pytest.mark.parametrize("spec", ["1x1", "2x4"])

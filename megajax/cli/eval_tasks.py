@@ -24,8 +24,13 @@ from megajax.tasks import task_for
 from megajax.training.workdir import Loaded, is_main, load_workdir
 
 
+def data_source(arg: str) -> str:
+    """--data as train.py reads it (builtin, text:, bin:, tfds:), or a bare path: a text file."""
+    return arg if ":" in arg or arg == "builtin" else f"text:{arg}"
+
+
 def ppl(args, loaded: Loaded, progress):
-    source = args.data if ":" in args.data else f"text:{args.data}"
+    source = data_source(args.data)
     data = load_tokens(source, "bytes", 0.0, loaded.cfg.data.bin_dtype, tokenizer=loaded.tokenizer)
     # A corpus prepared by megajax-prepare: its held-out split, the one train.py's val_loss reads.
     tokens, split = (data.val, "val") if data.prepared else (data.train, None)
@@ -66,7 +71,7 @@ def sample(args, loaded: Loaded, progress):
 
 
 def mlm(args, loaded: Loaded, progress):
-    source = args.data if ":" in args.data or args.data == "builtin" else f"text:{args.data}"
+    source = data_source(args.data)
     cfg = dataclasses.replace(loaded.cfg, data=dataclasses.replace(loaded.cfg.data, val_fraction=0.0))
     data = load_pretraining(source_text(source), loaded.tokenizer, cfg)
     r = evaluate_pretraining(loaded.model, data.train_pairs, cfg, data.specials, loaded.tokenizer, args.batch_size)

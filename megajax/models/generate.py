@@ -59,8 +59,9 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
     prompt = np.atleast_2d(np.asarray(prompt_tokens, dtype=np.int32))
     rows, t = prompt.shape
     ctx = model.cfg.seq_len
-    if t >= ctx:
-        prompt, t = prompt[:, -(ctx - 1):], ctx - 1
+    if t >= ctx:   # room in the cache for the first new token; a context of 1 keeps one prompt token
+        keep = max(ctx - 1, 1)
+        prompt, t = prompt[:, t - keep:], keep
     prompt = prompt[padded_rows(rows, model.layout.dp)]
     b = prompt.shape[0]
     rng = jax.random.key(0) if rng is None else rng
