@@ -216,11 +216,17 @@ def test_sentence_pairs_are_consecutive_text(files):
     assert docs == [["One two three.", "Four five six!", "Seven eight?"], ["Nine ten.", "Eleven."], ["Lonely."]]
     tok = files["tok"]
     ids = [[tok.encode(s) for s in d] for d in split_documents(files["corpus"].read_text())]
-    for seq_len in (16, 32):
+    for seq_len in (5, 16, 32):   # 5: one token of A and one of B
         pairs = make_pairs(ids, seq_len, seed=0)
         assert len(pairs) > 200
         for a, b in pairs:
             assert a and b and len(a) + len(b) <= seq_len - 3
+    # Shorter had numpy's "low >= high" traceback (pretraining) or an IndexError (fine-tuning).
+    for seq_len in (2, 4):
+        with pytest.raises(UserError, match=f"need model.seq_len of at least 5, got {seq_len}"):
+            make_pairs(ids, seq_len, seed=0)
+        with pytest.raises(UserError, match=f"need model.seq_len of at least 5, got {seq_len}"):
+            encode([Example(["One two three."], ["Four five six!"], 0)], tok, seq_len)
     pairs = make_pairs(ids, 64, seed=0)   # no truncation at 64: A + B is a run of whole sentences
     docs_flat = [[t for s in d for t in s] for d in ids]
     assert all(any(a + b == d for d in docs_flat) for a, b in pairs[:50])

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from megajax.data.sentences import Specials, truncate_pair
+from megajax.data.sentences import Specials, pair_room, truncate_pair
 from megajax.data.sources import read_utf8
 from megajax.data.tokenizer import Tokenizer
 from megajax.errors import UserError
@@ -118,7 +118,7 @@ def encode(examples: list[Example], tok: Tokenizer, seq_len: int) -> dict:
     k = 0
     for i, e in enumerate(examples):
         for j, first in enumerate(e.first):
-            a, b = truncate_pair(cache[first], seconds[k], seq_len - 3)
+            a, b = truncate_pair(cache[first], seconds[k], pair_room(seq_len))
             k += 1
             n = len(a) + len(b) + 3
             out["tokens"][i, j, :n] = [specials.cls, *a, specials.sep, *b, specials.sep]

@@ -45,6 +45,15 @@ class Specials:
         return cls(ids["[CLS]"], ids["[SEP]"], ids["[MASK]"], ids["[PAD]"])
 
 
+def pair_room(seq_len: int) -> int:
+    """Tokens of A and B that fit [CLS] A [SEP] B [SEP] in seq_len; at least one each, or a
+    UserError naming the smallest seq_len that works."""
+    if seq_len < 5:
+        raise UserError(f"BERT's sentence pairs ([CLS] A [SEP] B [SEP]) need model.seq_len of at least 5, "
+                          f"got {seq_len}")
+    return seq_len - 3
+
+
 def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng=None) -> tuple[list[int], list[int]]:
     """BERT's truncate_seq_pair: drop tokens from the longer segment, at a random end when
     pretraining (`rng`), from its end when fine-tuning."""
@@ -64,7 +73,7 @@ def iter_pairs(docs, seq_len: int, seed: int):
     """make_pairs over any iterable of documents, one pair at a time (megajax-prepare streams a
     corpus through it): the same draws, so the same pairs."""
     rng = np.random.default_rng([seed, 7])
-    max_tokens = seq_len - 3
+    max_tokens = pair_room(seq_len)
 
     def target():
         return max_tokens if rng.random() >= SHORT_SEQ_PROB else int(rng.integers(2, max_tokens + 1))
