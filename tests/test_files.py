@@ -2,8 +2,10 @@
 import json
 import os
 import subprocess
+import sys
 
 import pytest
+from conftest import ROOT
 
 from megajax import files
 from megajax.files import abandon_staged, read_jsonl, staged_directory, write_atomic
@@ -53,6 +55,11 @@ def test_megajax_plot_refuses_an_output_it_cannot_write_in_one_line(tmp_path, ca
         assert err.startswith(f"error: {out}: give the picture's file name") and err.count("\n") == 1
     assert plot_main([str(tmp_path), "--out", str(tmp_path / "curve.png")]) == 0
     assert (tmp_path / "curve.png").stat().st_size > 0
+    # From a checkout (no console script): a workdir without metrics is one line (before, with
+    # python -m megajax.training.metrics: a traceback).
+    p = subprocess.run([sys.executable, "-m", "megajax.cli.plot", str(tmp_path / "absent")], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and p.stderr == f"error: no metrics.jsonl in {tmp_path / 'absent'}\n", p.stderr
 
 
 def test_a_signal_removes_a_half_staged_directory_and_never_denies_a_written_one(tmp_path, monkeypatch):

@@ -6,7 +6,8 @@ from megajax.cli.convert import convert_main
 from megajax.cli.eval import eval_main
 from megajax.cli.plan import plan_command, plan_main
 from megajax.cli.prepare import prepare_main
-from megajax.cli.train import plot_main, train_main
+from megajax.cli.plot import plot_main
+from megajax.cli.train import train_main
 
 train_command = command(train_main)   # python train.py, megajax-train
 eval_command = command(eval_main)     # python eval.py, megajax-eval

@@ -1,4 +1,4 @@
-"""train.py / megajax-train, and megajax-plot."""
+"""train.py / megajax-train."""
 from __future__ import annotations
 
 import argparse
@@ -104,21 +104,4 @@ def _train_main(args) -> int:
     except Exception as e:  # noqa: BLE001
         return failed(e, "lower train.batch_size or model.seq_len, raise train.microbatches, set model.remat, or use "
                          "a larger model axis (checkpoints already saved are intact)")
-    return 0
-
-
-def plot_main(argv=None) -> int:
-    guard_stdout()
-    p = argparse.ArgumentParser(prog="megajax-plot", description="Draw WORKDIR/loss.png from metrics.jsonl")
-    p.add_argument("workdir", type=given)
-    p.add_argument("--out", type=given)
-    args = p.parse_args(argv)
-    from megajax.training.metrics import plot_workdir   # imports jax: after the arguments, as everywhere
-
-    try:
-        print(plot_workdir(Path(args.workdir), args.out and Path(args.out)))
-    except UserError as e:
-        return fail(str(e))
-    except Exception as e:  # noqa: BLE001  (a full disk: one line; a bug: raised)
-        return failed(e, "close other programs")
     return 0

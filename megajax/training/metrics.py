@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -113,7 +112,3 @@ def plot_workdir(workdir: Path, out: Path | None = None) -> Path:
         plt.close(fig)
         tmp.unlink(missing_ok=True)
     return out
-
-
-if __name__ == "__main__":  # python -m megajax.metrics WORKDIR [OUT.png]
-    print(plot_workdir(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None))

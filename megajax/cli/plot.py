@@ -1,0 +1,30 @@
+"""megajax-plot / python -m megajax.cli.plot WORKDIR: redraw a run's loss curve from its metrics.jsonl."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megajax.cli.common import fail, failed, given, guard_stdout
+from megajax.errors import UserError
+
+
+def plot_main(argv=None) -> int:
+    guard_stdout()
+    p = argparse.ArgumentParser(prog="megajax-plot", description="Draw WORKDIR/loss.png from metrics.jsonl")
+    p.add_argument("workdir", type=given)
+    p.add_argument("--out", type=given)
+    args = p.parse_args(argv)
+    from megajax.training.metrics import plot_workdir   # imports jax: after the arguments, as everywhere
+
+    try:
+        print(plot_workdir(Path(args.workdir), args.out and Path(args.out)))
+    except UserError as e:
+        return fail(str(e))
+    except Exception as e:  # noqa: BLE001  (a full disk: one line; a bug: raised)
+        return failed(e, "close other programs")
+    return 0
+
+
+if __name__ == "__main__":   # from a checkout, without pip install
+    sys.exit(plot_main())
