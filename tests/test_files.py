@@ -46,7 +46,7 @@ def test_metrics_with_a_cut_short_last_line_resume_and_plot(tmp_path):
 
 
 def test_megajax_plot_refuses_an_output_it_cannot_write_in_one_line(tmp_path, capsys):
-    from megajax.cli import plot_main
+    from megajax.cli.plot import plot_main
 
     MetricsLog(tmp_path).write({"step": 1, "loss": 3.0})
     for out in (tmp_path, tmp_path / "absent" / "x.png"):      # before: a traceback after drawing

@@ -1,15 +1,15 @@
 """The command-line programs: train.py / megajax-train, eval.py / megajax-eval, megajax-plot, megajax-plan,
 megajax-convert, megajax-prepare.
-Importing this package does not import jax (see megajax/cli/common.py)."""
+Importing this package does not import jax (see megajax/cli/common.py). megajax-plot is
+megajax.cli.plot, not imported here, so that `python -m megajax.cli.plot` runs it cleanly."""
 from megajax.cli.common import command
 from megajax.cli.convert import convert_main
 from megajax.cli.eval import eval_main
 from megajax.cli.plan import plan_command, plan_main
 from megajax.cli.prepare import prepare_main
-from megajax.cli.plot import plot_main
 from megajax.cli.train import train_main
 
 train_command = command(train_main)   # python train.py, megajax-train
 eval_command = command(eval_main)     # python eval.py, megajax-eval
 
-__all__ = ["convert_main", "eval_command", "eval_main", "plan_command", "plan_main", "plot_main", "prepare_main", "train_command", "train_main"]
+__all__ = ["convert_main", "eval_command", "eval_main", "plan_command", "plan_main", "prepare_main", "train_command", "train_main"]
