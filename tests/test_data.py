@@ -67,9 +67,17 @@ def test_tiktoken_wrapper_and_offline_error(monkeypatch, tmp_path):
                             special_tokens={"<|endoftext|>": 256})
     tok = TiktokenTokenizer("bytes", enc)
     assert tok.encode("hi") == [104, 105] and tok.eos_id == 256 and tok.vocab_size == 257
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty cache, no network
-    with pytest.raises(UserError, match="not available offline"):
-        TiktokenTokenizer("definitely_not_an_encoding")
+    with pytest.raises(UserError, match=r"unknown tiktoken encoding 'definitely_not_one' \(tiktoken has gpt2, "):
+        TiktokenTokenizer("definitely_not_one")   # before: "not available offline"
+
+    def offline(name):   # what tiktoken raises with an empty cache and no network
+        raise ConnectionError("Max retries exceeded")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(UserError, match="tiktoken encoding 'gpt2' is not available offline .*: ConnectionError"):
+        TiktokenTokenizer("gpt2")
+    (tmp_path / "tokenizer.json").write_text("{not json")    # hf:DIR reads DIR/tokenizer.json (a model directory)
+    with pytest.raises(UserError, match=f"{tmp_path / 'tokenizer.json'} is not a Hugging Face tokenizer.json"):
+        make_tokenizer(f"hf:{tmp_path}")
 
 
 def test_tfds_source_with_mock_data():

@@ -200,9 +200,11 @@ class TiktokenTokenizer(Tokenizer):
     def __init__(self, name: str, encoding=None):
         self.name = name
         if encoding is None:
+            if name not in (known := tiktoken.list_encoding_names()):
+                raise UserError(f"unknown tiktoken encoding '{name}' (tiktoken has {', '.join(known)})")
             try:
                 encoding = tiktoken.get_encoding(name)
-            except Exception as e:  # network errors, unknown names
+            except Exception as e:  # noqa: BLE001  (no network: requests' errors, or tiktoken's own)
                 raise UserError(f"tiktoken encoding '{name}' is not available offline "
                                 f"(put its files in TIKTOKEN_CACHE_DIR): {type(e).__name__}") from None
         self.enc = encoding
@@ -233,8 +235,8 @@ def make_tokenizer(spec: str, corpus_text: str | None = None) -> Tokenizer:
         if corpus_text is None:
             raise UserError("the chars tokenizer needs the training text to build its vocabulary")
         return CharTokenizer.from_text(corpus_text)
-    if kind == "hf":
-        return HFTokenizer(Path(arg))
+    if kind == "hf":   # a tokenizer.json, or a Hugging Face model directory holding one
+        return HFTokenizer(Path(arg) / "tokenizer.json" if Path(arg).is_dir() else Path(arg))
     if kind == "tiktoken":
         return TiktokenTokenizer(arg or "gpt2")
     if kind == "wordpiece":
