@@ -14,7 +14,8 @@ from megajax.data.tokenizer import CharTokenizer, load_tokenizer
 from megajax.errors import UserError
 from megajax.training.checkpoint import Checkpoints
 from megajax.training.loop import train
-from megajax.training.workdir import load_workdir
+from megajax.config import load_config
+from megajax.training.workdir import load_workdir, refuse_overridden_shape, with_pretrained_shape
 
 from test_train_cli import BASE, ROOT, env
 
@@ -158,3 +159,22 @@ def test_a_step_removed_while_it_is_read_is_no_damage(tmp_path):
     assert "(ValueError: a truncated array file); left in place; trying the one before" in warnings[0]
     writer.close()
     reader.close()
+
+
+def test_init_from_decides_shape_and_tokenizer_and_refuses_overrides_of_them(tmp_path):
+    """--init-from takes the pretrained workdir's shape and tokenizer. A command-line override of
+    one of them was silently ignored (and config.json named the asked tokenizer while the run
+    used the pretrained one); now it is refused in one line, and config.json names the one used."""
+    pre = load_config("tiny", ["model.num_layers=3", "data.tokenizer=chars"])
+    pre.save(tmp_path / "config.json")
+    overrides = [f"train.init_from={tmp_path}", "model.num_layers=5", "data.tokenizer=bytes", "train.lr=1e-3"]
+    cfg = load_config("tiny", overrides)
+    with pytest.raises(UserError, match=rf"^--init-from {tmp_path} decides model.num_layers \(3\): drop the override "
+                                        r"model.num_layers=5$"):
+        refuse_overridden_shape(cfg, overrides)
+    with pytest.raises(UserError, match=r"decides data.tokenizer \('chars'\): drop the override data.tokenizer='bytes'"):
+        refuse_overridden_shape(cfg, [overrides[0], overrides[2]])
+    same = [f"train.init_from={tmp_path}", "model.num_layers=3", "train.lr=1e-3"]   # agreeing, or not decided
+    refuse_overridden_shape(load_config("tiny", same), same)
+    shaped, _ = with_pretrained_shape(cfg)
+    assert shaped.model.num_layers == 3 and shaped.data.tokenizer == "chars" and shaped.train.lr == 1e-3

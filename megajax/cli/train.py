@@ -85,8 +85,9 @@ def _train_main(args) -> int:
         from megajax.core.mesh import make_mesh
         from megajax.tools.dry_run import dry_run_report
         from megajax.training.loop import train
-        from megajax.training.workdir import with_pretrained_shape
+        from megajax.training.workdir import refuse_overridden_shape, with_pretrained_shape
 
+        refuse_overridden_shape(cfg, overrides)
         start_jax(args)
         try:
             mesh = make_mesh(args.mesh)

@@ -112,11 +112,30 @@ def with_pretrained_shape(cfg: Config, workdir: Path | None = None) -> tuple[Con
     resuming = own is not None and own.is_file() and (own.parent / CHECKPOINTS).is_dir()
     if not resuming and not (src / CONFIG_FILE).is_file():
         raise UserError(f"--init-from {src}: not a megajax workdir (no {CONFIG_FILE})")
-    pre = load_config(str(own if resuming else src / CONFIG_FILE)).model
-    if pre.kind != cfg.model.kind:
-        raise UserError(f"--init-from {src} holds a {pre.kind} model; this run trains a {cfg.model.kind}")
-    shape = {name: getattr(pre, name) for name in PRETRAINED_SHAPE}
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape)), src
+    pre = load_config(str(own if resuming else src / CONFIG_FILE))
+    if pre.model.kind != cfg.model.kind:
+        raise UserError(f"--init-from {src} holds a {pre.model.kind} model; this run trains a {cfg.model.kind}")
+    shape = {name: getattr(pre.model, name) for name in PRETRAINED_SHAPE}
+    # The tokenizer is the pretrained one too (run_tokenizer): config.json says so.
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape),
+                               data=dataclasses.replace(cfg.data, tokenizer=pre.data.tokenizer)), src
+
+
+def refuse_overridden_shape(cfg: Config, overrides: list[str]):
+    """With train.init_from the pretrained workdir decides the model's shape and the tokenizer
+    (with_pretrained_shape): a command-line override asking for another value of one of them
+    is refused, not silently ignored."""
+    src = Path(cfg.train.init_from or ".") / CONFIG_FILE
+    if not cfg.train.init_from or not src.is_file():   # (with_pretrained_shape names a missing one)
+        return
+    pre = load_config(str(src))
+    for key in dict.fromkeys(item.partition("=")[0].strip() for item in overrides):
+        section, _, name = key.partition(".")
+        if (section == "model" and name in PRETRAINED_SHAPE) or key == "data.tokenizer":
+            asked, decided = getattr(getattr(cfg, section), name), getattr(getattr(pre, section), name)
+            if asked != decided:
+                raise UserError(f"--init-from {src.parent} decides {key} ({decided!r}): drop the override "
+                                f"{key}={asked!r}")
 
 
 @dataclasses.dataclass
