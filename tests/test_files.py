@@ -1,11 +1,13 @@
 """Files survive a kill at any moment: atomic replacement, and logs with a cut-short last line."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, handles_signal
 
 from megajax import files
 from megajax.files import abandon_staged, read_jsonl, staged_directory, write_atomic
@@ -60,6 +62,14 @@ def test_megajax_plot_refuses_an_output_it_cannot_write_in_one_line(tmp_path, ca
     p = subprocess.run([sys.executable, "-m", "megajax.cli.plot", str(tmp_path / "absent")], capture_output=True,
                        text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 2 and p.stderr == f"error: no metrics.jsonl in {tmp_path / 'absent'}\n", p.stderr
+    p = subprocess.Popen([sys.executable, "-m", "megajax.cli.plot", str(tmp_path), "--out", str(tmp_path / "s.png")],
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    while p.poll() is None and not handles_signal(p.pid, signal.SIGTERM):
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)   # one line, and the picture whole or not at all
+    assert p.wait(timeout=120) == 128 + signal.SIGTERM and p.stderr.read().startswith("stopped by SIGTERM: the picture")
+    assert {x.name for x in tmp_path.iterdir()} <= {"metrics.jsonl", "curve.png", "s.png"}   # no temporary left
+    assert not (tmp_path / "s.png").exists() or (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_signal_removes_a_half_staged_directory_and_never_denies_a_written_one(tmp_path, monkeypatch):

@@ -3,11 +3,13 @@ audit's collective volumes, the paper's formulas and scaling study; and its comm
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
-from conftest import ROOT, TEST_XLA_FLAGS, mesh_for, tiny_config
+from conftest import ROOT, TEST_XLA_FLAGS, handles_signal, mesh_for, tiny_config
 
 from megajax.cli.plan import plan_main
 from megajax.config import ConfigError, load_config, with_values
@@ -255,6 +257,19 @@ def test_command_line_json_and_errors(tmp_path, capsys):
         assert plan_main(["--config", "tiny", "--devices", "8"] + args) == 2, args
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error:"), (args, err)
+
+
+def test_ctrl_c_stops_the_planner_in_one_line():
+    """Ctrl-C while megajax-plan searches (512 devices: a few seconds): one line and 128 + SIGINT,
+    not a KeyboardInterrupt traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "megajax.plan", "--config", "gpt2_8.3b", "--devices", "512",
+                          "--hardware", "h100-80g"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    while p.poll() is None and not handles_signal(p.pid, signal.SIGTERM):   # (Python handles SIGINT from its start)
+        time.sleep(0.01)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGINT and err == "stopped by SIGINT: nothing was planned\n", err
 
 
 def test_microbatches_cost_their_weight_traffic():

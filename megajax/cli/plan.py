@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from megajax.cli.common import fail, failed, given, guard_stdout
+from megajax.cli.common import exit_on_signal, fail, failed, given, guard_stdout
 from megajax.errors import UserError
 
 
@@ -64,4 +64,5 @@ def plan_command() -> int:
     import jax   # (python -m megajax.plan has imported it already; no backend has started)
 
     jax.config.update("jax_platforms", "cpu")
+    exit_on_signal("stopped by {signal}: nothing was planned")   # Ctrl-C: one line, not a traceback
     return plan_main()

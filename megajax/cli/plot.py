@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megajax.cli.common import fail, failed, given, guard_stdout
+from megajax.cli.common import exit_on_signal, fail, failed, given, guard_stdout
 from megajax.errors import UserError
 
 
@@ -26,5 +26,11 @@ def plot_main(argv=None) -> int:
     return 0
 
 
+def plot_command() -> int:
+    """megajax-plot: a signal ends it in one line; the picture appears whole (os.replace) or not at all."""
+    exit_on_signal("stopped by {signal}: the picture is written whole or not at all")
+    return plot_main()
+
+
 if __name__ == "__main__":   # from a checkout, without pip install
-    sys.exit(plot_main())
+    sys.exit(plot_command())

@@ -1,8 +1,8 @@
 """Throughput accounting (model FLOPs, device peak), metrics.jsonl and the loss-curve picture."""
 from __future__ import annotations
 
+import io
 import json
-import os
 import time
 from pathlib import Path
 
@@ -104,11 +104,10 @@ def plot_workdir(workdir: Path, out: Path | None = None) -> Path:
     ax.legend()
     fig.tight_layout()
     out = Path(out) if out else Path(workdir) / "loss.png"
-    tmp = out.with_name(f".{out.name}.tmp.png")
+    picture = io.BytesIO()   # drawn in memory: a signal while drawing leaves no file behind
     try:
-        fig.savefig(tmp)
-        os.replace(tmp, out)     # never a half-written picture
+        fig.savefig(picture, format="png")
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
+    write_atomic(out, picture.getvalue())     # never a half-written picture
     return out
