@@ -254,7 +254,8 @@ def test_user_errors_are_one_line(corpus, tmp_path, capsys):
     latin.write_bytes("caf\xe9".encode("latin-1"))
     cases = [([str(tmp_path / "nothing*.txt")], "no file matches"), ([str(bad)], "is not a JSON object"),
              ([str(latin)], "is not UTF-8 text"), ([str(corpus / "docs.jsonl"), "--text-field", "nope"], "'nope' field"),
-             ([str(latin), "--tokenizer", "chars"], "needs the training text"),
+             ([str(latin), "--tokenizer", "chars"], "--tokenizer chars is made from the corpus"),
+             ([str(latin), "--tokenizer", "wordpiece:300"], "--tokenizer wordpiece:300 is made from the corpus"),
              ([str(corpus / "docs.jsonl"), "--pairs", "--seq-len", "0"], "--seq-len must be at least 8"),
              ([str(corpus / "docs.jsonl"), "--seed", "-1"], "--seed must be in 0..2^31-1"),
              ([str(corpus / "docs.jsonl"), "--workers", "0"], "--workers must be at least 1")]

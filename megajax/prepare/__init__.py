@@ -224,13 +224,26 @@ def _assemble(partial: Path, n_units: int, val_fraction: float) -> dict:
     return {name: {"file": P.SPLIT_FILES[name], "tokens": c[0], "documents": c[1]} for name, c in counts.items()}
 
 
+def _fixed_tokenizer(spec: str) -> Tokenizer:
+    """--tokenizer: a spec, or a workdir (its tokenizer). One made from the corpus (chars,
+    wordpiece[:SIZE]) is refused: the corpus is read in parts, by several processes."""
+    if Path(spec).is_dir():
+        return load_tokenizer(Path(spec))
+    kind, _, arg = spec.partition(":")
+    if kind == "chars" or (kind == "wordpiece" and (not arg or arg.isdigit())):
+        raise UserError(f"--tokenizer {spec} is made from the corpus, which megajax-prepare reads in parts: give a "
+                        f"fixed one (bytes, hf:PATH, tiktoken:NAME, wordpiece:PATH/vocab.txt) or a workdir whose "
+                        f"tokenizer to use")
+    return make_tokenizer(spec)
+
+
 def prepare(inputs: list[str], out, settings: Settings, workers: int | None = None, say=print) -> dict:
     """Prepare (or finish preparing) `inputs` into the directory `out`; returns its meta.json."""
     out = Path(out)
     if not 0.0 <= settings.val_fraction < 1.0:
         raise UserError(f"--val-fraction must be in [0, 1), got {settings.val_fraction}")
     sources = [describe_source(s, kind) for s, kind in expand_inputs(inputs)]
-    tok = make_tokenizer(settings.tokenizer) if not Path(settings.tokenizer).is_dir() else load_tokenizer(Path(settings.tokenizer))
+    tok = _fixed_tokenizer(settings.tokenizer)
     if settings.pairs_seq_len:
         if settings.pairs_seq_len < 8:
             raise UserError(f"--seq-len must be at least 8 for sentence pairs, got {settings.pairs_seq_len}")
