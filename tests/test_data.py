@@ -179,6 +179,8 @@ def test_missing_and_empty_sources(tmp_path):
         load_tokens(f"text:{tmp_path}", "bytes")
     with pytest.raises(UserError, match="data file /dev/null is not a regular file"):
         load_tokens("text:/dev/null", "bytes")
+    with pytest.raises(UserError, match=f"{tmp_path} is a directory without meta.json, not a corpus prepared"):
+        load_tokens(f"bin:{tmp_path}", "bytes")    # before: "data file not found"
     (tmp_path / "e.bin").write_bytes(b"")
     with pytest.raises(UserError, match="empty"):
         load_tokens(f"bin:{tmp_path / 'e.bin'}", "bytes")

@@ -56,6 +56,9 @@ def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
         return TokenData(train, val, tok, prepared=True, source=arg)
     if kind == "bin":
         path = Path(arg)
+        if path.is_dir():
+            raise UserError(f"{path} is a directory without meta.json, not a corpus prepared by megajax-prepare "
+                            f"(bin: takes one of those, or a file of tokens)")
         if not path.is_file():
             raise UserError(f"data file not found: {path}")
         if path.stat().st_size == 0:
