@@ -8,7 +8,7 @@ from conftest import mesh_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from megajax.data.sources import builtin_text, text_files
+from megajax.data.sources import builtin_text, source_text, text_files
 from megajax.data.tokens import Batches, EvalWindows, load_tokens
 from megajax.errors import UserError
 from megajax.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer, make_tokenizer
@@ -186,5 +186,9 @@ def test_missing_and_empty_sources(tmp_path):
         load_tokens(f"bin:{tmp_path / 'e.bin'}", "bytes")
     with pytest.raises(UserError, match="unknown data source"):
         load_tokens("ftp:x", "bytes")
+    with pytest.raises(UserError, match="pairs: holds BERT sentence pairs, for model.kind = bert"):
+        load_tokens("pairs:x", "bytes")     # GPT given a BERT corpus, and BERT given token files:
+    with pytest.raises(UserError, match="token files keep no sentence boundaries: BERT reads pairs:DIR"):
+        source_text("bin:x")
     with pytest.raises(UserError, match="fewer than one sequence"):
         Batches(np.arange(10), 16, 2, 0, None)

@@ -111,4 +111,6 @@ def source_text(source: str) -> str:
         return read_text(arg)
     if kind == "tfds":
         return "\n\n".join(tfds_texts(arg, "train"))
-    raise UserError(f"data source '{source}' has no text (use builtin, text:PATH or tfds:NAME)")
+    hint = "; token files keep no sentence boundaries: BERT reads pairs:DIR, made by megajax-prepare --pairs" \
+        if kind == "bin" else ""
+    raise UserError(f"data source '{source}' has no text (use builtin, text:PATH or tfds:NAME{hint})")

@@ -86,7 +86,8 @@ def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
     elif kind == "text":
         text = read_text(arg)
     else:
-        raise UserError(f"unknown data source '{source}' (use builtin, text:PATH, bin:PATH or tfds:NAME)")
+        raise UserError(f"unknown data source '{source}' (use builtin, text:PATH, bin:PATH or tfds:NAME"
+                        f"{'; pairs: holds BERT sentence pairs, for model.kind = bert' if kind == 'pairs' else ''})")
     tok = tokenizer or make_tokenizer(tokenizer_spec, text)
     return _split(_encode(tok, text), val_fraction, tok)
 
