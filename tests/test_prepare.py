@@ -1,5 +1,7 @@
 """megajax-prepare (megajax/prepare/): the tokens it writes against the tokenizer run by hand,
 one process against a pool, an interrupted run resumed, and train.py reading the result."""
+import argparse
+import dataclasses
 import json
 import os
 import re
@@ -18,13 +20,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import megajax.prepare as prep
+from megajax.cli import eval_tasks
 from megajax.cli.prepare import prepare_main
 from megajax.config import load_config
 from megajax.data.prepared import tokenizer_fingerprint
 from megajax.data.tokenizer import load_tokenizer, make_tokenizer
 from megajax.errors import UserError
+from megajax.evaluation.bert import evaluate_pretraining
+from megajax.models.registry import init_model
 from megajax.prepare import units as U
 from megajax.tasks import task_for
+from megajax.training.workdir import Loaded
 
 TOKENIZER = f"hf:{ROOT / 'tests/fixtures/hf/megatron_bert/tokenizer.json'}"   # a real WordPiece, 220 ids
 
@@ -302,6 +308,13 @@ def test_pairs_on_disk_give_the_in_memory_batches(corpus, tmp_path, monkeypatch)
     gpt = load_config("tiny", [f"data.source=bin:{tmp_path / 'p'}"])
     with pytest.raises(UserError, match="it holds BERT sentence pairs"):
         task_for(gpt).load_data(gpt)
+    # eval.py --task mlm --data pairs:DIR scores the held-out pairs, the text's own last pairs.
+    cfg = dataclasses.replace(disk, model=dataclasses.replace(disk.model, vocab_size=a.tokenizer.vocab_size))
+    model = init_model(cfg.model, mesh_for("1x1"), seed=0)
+    args = argparse.Namespace(data=f"pairs:{tmp_path / 'p'}", batch_size=8)
+    got = eval_tasks.mlm(args, Loaded(cfg, model, a.tokenizer, 0), None)[0]
+    want = evaluate_pretraining(model, b.val_pairs, cfg, b.specials, b.tokenizer, 8)
+    assert got.pop("split") == "val" and got == want and want["pairs"] == meta["val_pairs"]
     index = np.memmap(tmp_path / "p" / "pairs_index.bin", dtype=np.int64, mode="r+").reshape(-1, 3)
     index[1, 0] = meta["tokens"]                        # pair 1 starts past the end of pairs.bin
     tokens = np.memmap(tmp_path / "p" / "pairs.bin", dtype=meta["dtype"], mode="r+")

@@ -11,6 +11,8 @@ import numpy as np
 from megajax.core.mesh import make_mesh
 from megajax.core.sharding import DATA, MODEL
 from megajax.data.bert_pretrain import load_pretraining
+from megajax.data.prepared import load_pairs
+from megajax.data.sentences import Specials
 from megajax.data.sources import source_text
 from megajax.data.tokens import load_tokens
 from megajax.errors import UserError
@@ -73,9 +75,19 @@ def sample(args, loaded: Loaded, progress):
 def mlm(args, loaded: Loaded, progress):
     source = data_source(args.data)
     cfg = dataclasses.replace(loaded.cfg, data=dataclasses.replace(loaded.cfg.data, val_fraction=0.0))
-    data = load_pretraining(source_text(source), loaded.tokenizer, cfg)
-    r = evaluate_pretraining(loaded.model, data.train_pairs, cfg, data.specials, loaded.tokenizer, args.batch_size)
-    return r, [("sentence pairs", r["pairs"]), ("masked tokens", r["masked_tokens"]),
+    kind, _, arg = source.partition(":")
+    if kind == "pairs":   # a megajax-prepare --pairs corpus: its held-out pairs, the ones train.py's val_* read
+        pairs, split = load_pairs(Path(arg), loaded.tokenizer, cfg.model.seq_len)[1], "val"
+        if not len(pairs):
+            raise UserError(f"{arg} has no held-out pairs (prepared with --val-fraction 0): nothing to score")
+    else:
+        pairs, split = load_pretraining(source_text(source), loaded.tokenizer, cfg).train_pairs, None
+    r = evaluate_pretraining(loaded.model, pairs, cfg, Specials.of(loaded.tokenizer), loaded.tokenizer,
+                             args.batch_size)
+    if split is not None:
+        r["split"] = split
+    return r, [*([("split", f"{split} (held out by megajax-prepare)")] if split else []),
+               ("sentence pairs", r["pairs"]), ("masked tokens", r["masked_tokens"]),
                ("MLM loss", r["mlm_loss"]), ("MLM accuracy", r["mlm_accuracy"]),
                ("SOP loss", r["sop_loss"]), ("SOP accuracy", r["sop_accuracy"])]
 
