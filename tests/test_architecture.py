@@ -17,7 +17,7 @@ DEFERRED = {
     "cli.common": {"jax", "megajax.training.distributed"},
     "cli.train": {"megajax.core.mesh", "megajax.tools.dry_run", "megajax.training.loop",
                   "megajax.training.workdir"},
-    "cli.plot": {"megajax.training.metrics"},
+    "cli.plot": {"megajax.training.metrics", "megajax.training.workdir"},
     "cli.eval": {"megajax.cli.eval_tasks"},
     "cli.plan": {"jax", "megajax.config", "megajax.plan", "megajax.plan.report"},
     "cli.convert": {"megajax.convert"},

@@ -15,7 +15,7 @@ from megajax.errors import UserError
 from megajax.training.checkpoint import Checkpoints
 from megajax.training.loop import train
 from megajax.config import load_config
-from megajax.training.workdir import load_workdir, refuse_overridden_shape, with_pretrained_shape
+from megajax.training.workdir import load_workdir, refuse_overridden_shape, refuse_run_file, with_pretrained_shape
 
 from test_train_cli import BASE, ROOT, env
 
@@ -178,3 +178,25 @@ def test_init_from_decides_shape_and_tokenizer_and_refuses_overrides_of_them(tmp
     refuse_overridden_shape(load_config("tiny", same), same)
     shaped, _ = with_pretrained_shape(cfg)
     assert shaped.model.num_layers == 3 and shaped.data.tokenizer == "chars" and shaped.train.lr == 1e-3
+
+
+def test_an_output_never_replaces_what_a_workdir_keeps(tmp_path, capsys):
+    """eval.py --out W/config.json replaced the workdir's config with a result, and the workdir
+    could neither resume nor be evaluated again; megajax-plot --out W/config.json wrote a PNG
+    there. Both are refused, as is anything inside W/checkpoints; their own outputs are not."""
+    from megajax.cli.plot import plot_main
+
+    wd = tmp_path / "w"
+    (wd / "checkpoints" / "3").mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "metrics.jsonl"):
+        (wd / name).write_text("{}\n")
+    for name in ("config.json", "tokenizer.json", "metrics.jsonl", "loss.png"):
+        with pytest.raises(UserError, match=f"^--out {wd / name} is the {name} of the workdir {wd}: give another file$"):
+            refuse_run_file(wd / name)
+    with pytest.raises(UserError, match=f"is inside the checkpoints directory of the workdir {wd}"):
+        refuse_run_file(wd / "checkpoints" / "3" / "x.json")
+    for fine in (wd / "eval_ppl.json", tmp_path / "config.json", wd / "sub" / "config.json"):
+        refuse_run_file(fine)
+    refuse_run_file(wd / "loss.png", may_write=("loss.png",))
+    assert plot_main([str(wd), "--out", str(wd / "config.json")]) == 2
+    assert "is the config.json of the workdir" in capsys.readouterr().err and (wd / "config.json").read_text() == "{}\n"

@@ -23,7 +23,7 @@ from megajax.evaluation.wikitext import evaluate_wikitext
 from megajax.models.generate import generate
 from megajax.progress import Progress
 from megajax.tasks import task_for
-from megajax.training.workdir import Loaded, is_main, load_workdir
+from megajax.training.workdir import Loaded, is_main, load_workdir, refuse_run_file
 
 
 def data_source(arg: str) -> str:
@@ -117,6 +117,8 @@ def run_task(args) -> tuple[dict, bool]:
         mesh = make_mesh(args.mesh)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.out:
+        refuse_run_file(Path(args.out))
     loaded = load_workdir(Path(args.workdir), mesh, args.step)
     needs, what, run = EVAL_TASKS[args.task]
     m = loaded.cfg.model

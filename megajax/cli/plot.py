@@ -16,8 +16,11 @@ def plot_main(argv=None) -> int:
     p.add_argument("--out", type=given)
     args = p.parse_args(argv)
     from megajax.training.metrics import plot_workdir   # imports jax: after the arguments, as everywhere
+    from megajax.training.workdir import refuse_run_file
 
     try:
+        if args.out:
+            refuse_run_file(Path(args.out), may_write=("loss.png",))
         print(plot_workdir(Path(args.workdir), args.out and Path(args.out)))
     except UserError as e:
         return fail(str(e))

@@ -56,6 +56,21 @@ def check_layout(workdir: Path, writing: bool = True):
             raise UserError(f"{path} is not writable: make it writable, or use another --workdir")
 
 
+def refuse_run_file(out: Path, may_write: tuple[str, ...] = ()):
+    """An output path (eval.py's or megajax-plot's --out) that would replace what a workdir keeps
+    (its config, tokenizer, metrics, loss curve, anything in its checkpoints) is refused: a
+    workdir without one of them cannot resume or be evaluated. `may_write`: the caller's own."""
+    out = Path(os.path.abspath(out))
+    for below, parent in zip((out, *out.parents), out.parents):
+        if not ((parent / CONFIG_FILE).is_file() and (parent / TOKENIZER_FILE).is_file()):
+            continue    # not a workdir
+        if below == out and out.name in FILES and out.name not in may_write:
+            raise UserError(f"--out {out} is the {out.name} of the workdir {parent}: give another file")
+        if below != out and below.name in DIRECTORIES:
+            raise UserError(f"--out {out} is inside the {below.name} directory of the workdir {parent}: "
+                            f"give another file")
+
+
 def write_run_files(cfg: Config, workdir: Path, tokenizer: Tokenizer):
     """config.json (rewritten: a resumed run may change steps or intervals) and the tokenizer
     (written once: its ids are in the checkpoints)."""
