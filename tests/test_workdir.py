@@ -15,7 +15,8 @@ from megajax.errors import UserError
 from megajax.training.checkpoint import Checkpoints
 from megajax.training.loop import train
 from megajax.config import load_config
-from megajax.training.workdir import load_workdir, refuse_overridden_shape, refuse_run_file, with_pretrained_shape
+from megajax.training.workdir import (check_layout, load_workdir, refuse_overridden_shape, refuse_run_file,
+                                      with_pretrained_shape)
 
 from test_train_cli import BASE, ROOT, env
 
@@ -200,3 +201,27 @@ def test_an_output_never_replaces_what_a_workdir_keeps(tmp_path, capsys):
     refuse_run_file(wd / "loss.png", may_write=("loss.png",))
     assert plot_main([str(wd), "--out", str(wd / "config.json")]) == 2
     assert "is the config.json of the workdir" in capsys.readouterr().err and (wd / "config.json").read_text() == "{}\n"
+
+
+def test_another_programs_directory_is_not_taken_for_a_workdir(tmp_path):
+    """train.py --workdir HF_MODEL_DIR replaced the model's config.json with megajax's; a
+    prepared corpus as --workdir made its tokenizer.json the run's. Both are refused before
+    anything is written, and so is reading an HF directory as a workdir; a new or empty
+    directory, or one holding unrelated files only, is still a workdir."""
+    hf = tmp_path / "hf"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "hf" / "gpt2", hf)
+    before = (hf / "config.json").read_bytes()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "tokenizer.json").write_text('{"kind": "bytes"}')
+    for wd, names in ((hf, "config.json"), (corpus, "tokenizer.json")):
+        with pytest.raises(UserError, match=f"^{wd} is not a megajax workdir: it holds another program's files "
+                                            rf"\({names}\); give a new or empty --workdir"):
+            check_layout(wd)
+    with pytest.raises(UserError, match="it holds another program's files .*a Hugging Face model directory\\?"):
+        load_workdir(hf, mesh_for("1x1"))
+    assert (hf / "config.json").read_bytes() == before
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("mine")
+    for fine in (tmp_path / "new", tmp_path / "notes"):
+        check_layout(fine)

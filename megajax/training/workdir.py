@@ -14,6 +14,7 @@ Hugging Face model imported by megajax-convert).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -54,6 +55,23 @@ def check_layout(workdir: Path, writing: bool = True):
                             f"{'directory' if directory else 'file'} of that name: move it away, or use another --workdir")
         if writing and not os.access(path, os.W_OK | (os.X_OK if directory else 0)):
             raise UserError(f"{path} is not writable: make it writable, or use another --workdir")
+    # Another program's directory (a Hugging Face model's, a prepared corpus): a run there would
+    # replace its config.json, or take its tokenizer.json for the run's own.
+    config, names = Path(workdir) / CONFIG_FILE, [n for n in FILES + DIRECTORIES if (Path(workdir) / n).exists()]
+    if not _megajax_config(config) if config.is_file() else writing and names:
+        raise UserError(f"{workdir} is not a megajax workdir: it holds another program's files ({', '.join(names)}); "
+                        + ("give a new or empty --workdir" if writing else "a Hugging Face model directory?")
+                        + " (megajax-convert import makes a workdir of a Hugging Face model)")
+
+
+def _megajax_config(path: Path) -> bool:
+    """Whether config.json is a megajax run's ({"model": {...}, "train": {...}, ...}), not another
+    program's of the same name (Hugging Face's)."""
+    try:
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return True     # unreadable: load_config says why in its own line
+    return isinstance(config, dict) and isinstance(config.get("model"), dict) and isinstance(config.get("train"), dict)
 
 
 def refuse_run_file(out: Path, may_write: tuple[str, ...] = ()):
