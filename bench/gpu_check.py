@@ -116,7 +116,7 @@ def main() -> int:
     start = time.perf_counter()
     import jax
 
-    from megajax.cli.common import start_jax
+    from megajax.cli.common import fail, start_jax
     from megajax.core.mesh import make_mesh
     from megajax.errors import UserError
     from megajax.training.metrics import device_peak_tflops
@@ -124,8 +124,7 @@ def main() -> int:
     try:
         start_jax()   # JAX_PLATFORMS=cuda with a jax built without CUDA: one line
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     devices = jax.devices()
     print(f"jax {jax.__version__} on {platform.node()}: {len(devices)} x {devices[0].device_kind} "
           f"({jax.default_backend()})", flush=True)

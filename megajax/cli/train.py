@@ -87,13 +87,13 @@ def _train_main(args) -> int:
         from megajax.training.loop import train
         from megajax.training.workdir import refuse_overridden_shape, with_pretrained_shape
 
-        refuse_overridden_shape(cfg, overrides)
+        workdir = Path(args.workdir or Path("runs") / cfg.name)
+        refuse_overridden_shape(cfg, overrides, workdir)
         start_jax(args)
         try:
             mesh = make_mesh(args.mesh)
         except ValueError as e:
             raise UserError(str(e)) from None
-        workdir = Path(args.workdir or Path("runs") / cfg.name)
         if args.dry_run:
             dry_run_report(with_pretrained_shape(cfg, workdir)[0], mesh, costs=args.costs)
         elif args.costs:

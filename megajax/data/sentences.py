@@ -50,7 +50,7 @@ def pair_room(seq_len: int) -> int:
     UserError naming the smallest seq_len that works."""
     if seq_len < 5:
         raise UserError(f"BERT's sentence pairs ([CLS] A [SEP] B [SEP]) need model.seq_len of at least 5, "
-                          f"got {seq_len}")
+                        f"got {seq_len}")
     return seq_len - 3
 
 

@@ -154,21 +154,19 @@ def with_pretrained_shape(cfg: Config, workdir: Path | None = None) -> tuple[Con
                                data=dataclasses.replace(cfg.data, tokenizer=pre.data.tokenizer)), src
 
 
-def refuse_overridden_shape(cfg: Config, overrides: list[str]):
+def refuse_overridden_shape(cfg: Config, overrides: list[str], workdir: Path | None = None):
     """With train.init_from the pretrained workdir decides the model's shape and the tokenizer
-    (with_pretrained_shape): a command-line override asking for another value of one of them
-    is refused, not silently ignored."""
-    src = Path(cfg.train.init_from or ".") / CONFIG_FILE
-    if not cfg.train.init_from or not src.is_file():   # (with_pretrained_shape names a missing one)
+    (with_pretrained_shape): a command-line override that decision would change is refused,
+    not silently ignored."""
+    if not cfg.train.init_from:
         return
-    pre = load_config(str(src))
+    decided, _ = with_pretrained_shape(cfg, workdir)
     for key in dict.fromkeys(item.partition("=")[0].strip() for item in overrides):
         section, _, name = key.partition(".")
-        if (section == "model" and name in PRETRAINED_SHAPE) or key == "data.tokenizer":
-            asked, decided = getattr(getattr(cfg, section), name), getattr(getattr(pre, section), name)
-            if asked != decided:
-                raise UserError(f"--init-from {src.parent} decides {key} ({decided!r}): drop the override "
-                                f"{key}={asked!r}")
+        asked, kept = (getattr(getattr(c, section, None), name, None) for c in (cfg, decided))
+        if asked != kept:
+            raise UserError(f"--init-from {cfg.train.init_from} decides {key} ({kept!r}): drop the override "
+                            f"{key}={asked!r}")
 
 
 @dataclasses.dataclass
