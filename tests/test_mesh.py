@@ -1,6 +1,15 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from conftest import tiny_config
+from jax.sharding import AxisType, Mesh
 
-from megajax.core.mesh import make_mesh, parse_mesh_spec
+from megajax.config import ConfigError, load_config
+from megajax.core.mesh import as_mesh, make_mesh, parse_mesh_spec
+from megajax.core.sharding import AXES
+from megajax.models.registry import init_model
+from megajax.training.step import make_trainer
 
 
 @pytest.mark.parametrize("spec,expected", [
@@ -28,3 +37,57 @@ def test_bad_specs_name_the_devices(devices, spec, message):
         make_mesh(spec)
     assert message in str(e.value)
     assert "8 cpu devices available" in str(e.value)
+
+
+def test_a_users_mesh_is_laid_out_as_megajax_lays_out_its_own(devices):
+    """jax.make_mesh gives Explicit axes by default; a mesh may name only one axis or put
+    "model" first. as_mesh keeps the devices where the user put them, as (data, model) with
+    Auto axes, and returns megajax's own mesh unchanged."""
+    ours = make_mesh("2x4")
+    assert as_mesh(ours) is ours
+    assert as_mesh("2x4").devices.tolist() == ours.devices.tolist()
+    explicit = jax.make_mesh((2, 4), AXES)
+    grid = np.asarray(devices)[::-1].reshape(4, 2)
+    cases = [(explicit, explicit.devices), (Mesh(grid, ("model", "data")), grid.T),
+             (Mesh(np.asarray(devices), ("model",)), np.asarray(devices)[None]),
+             (Mesh(np.asarray(devices), ("data",)), np.asarray(devices)[:, None])]
+    for given, expected in cases:
+        mesh = as_mesh(given)
+        assert mesh.axis_names == AXES and mesh.axis_types == (AxisType.Auto,) * 2
+        assert mesh.devices.tolist() == expected.tolist()
+    with pytest.raises(ConfigError, match=r"mesh axes are 'data' and 'model', this mesh has \('dp', 'tp'\)"):
+        as_mesh(Mesh(grid, ("dp", "tp")))
+    with pytest.raises(TypeError, match="expected a jax.sharding.Mesh"):
+        as_mesh(devices)
+
+
+def test_the_python_api_takes_a_users_mesh_and_refuses_what_would_fail_deep_inside(devices):
+    """Bitwise the same loss on jax.make_mesh's Explicit mesh and a model-only mesh as on
+    megajax's meshes of the same devices; inputs and contexts jax would fail on deep inside
+    (or, for a sequence longer than the position table, silently clamp) are one ValueError."""
+    cfg = tiny_config(seq_len=8, hidden_dropout=0.0, attention_dropout=0.0)
+    tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, cfg.model.vocab_size)
+
+    def loss(mesh):
+        return float(init_model(cfg.model, mesh, seed=1).loss(tokens[:, :-1], tokens[:, 1:]))
+
+    assert loss(jax.make_mesh((2, 4), AXES)) == loss(make_mesh("2x4"))
+    assert loss(Mesh(np.asarray(devices), ("model",))) == loss(make_mesh("1x8"))
+    model = init_model(cfg.model, make_mesh("2x4"), seed=1)
+    for ids, message in [(tokens[:, :9].astype(jnp.float32), "integer array, got float32"),
+                         (tokens[0], r"\(batch, seq\) integer array, got int32 \(9,\)"),
+                         (tokens[:3, :8], "batch of 3 rows does not split over the data axis \\(2\\)"),
+                         (tokens, "9 tokens is longer than the model's 8 positions")]:
+        with pytest.raises(ValueError, match=message):
+            model(ids)
+    bert = init_model(load_config("bert_tiny", ["model.seq_len=8"]).model, make_mesh("2x4"))
+    with pytest.raises(ValueError, match="9 tokens is longer than the model's 8 positions"):
+        bert.hidden_states(tokens, jnp.zeros_like(tokens), jnp.ones_like(tokens))
+    with pytest.raises(ConfigError, match=r"num_heads=2 is not divisible by the model axis \(8\)"):
+        init_model(tiny_config(num_heads=2).model, make_mesh("1x8"))
+    with jax.set_mesh(jax.make_mesh((2, 4), AXES)):
+        for call in (lambda: model(tokens[:, :8]), lambda: make_trainer(cfg, make_mesh("2x4"))):
+            with pytest.raises(ValueError, match="cannot run inside jax.set_mesh\\(mesh\\) of a mesh with Explicit axes"):
+                call()
+    with jax.set_mesh(make_mesh("2x4")):    # an Auto context mesh is fine
+        assert float(model.loss(tokens[:, :-1], tokens[:, 1:])) == loss(make_mesh("2x4"))

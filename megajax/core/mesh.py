@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from megajax.config import ConfigError
-from megajax.core.sharding import AXES, DATA, MODEL
+from megajax.core.sharding import AXES, DATA, MODEL, check_context_mesh
 
 
 def _describe_devices(devices) -> str:
@@ -84,6 +84,29 @@ def make_mesh(spec: str = "auto", devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(data, model), AXES, axis_types=auto)
 
 
+def as_mesh(mesh) -> Mesh:
+    """The mesh every megajax entry point runs on, from a user's: `mesh` itself when megajax
+    built it; the same devices laid out (data, model) with Auto axes when it names the axes in
+    another order, only one of them, or as Explicit axes (what `jax.make_mesh` makes by
+    default: megajax's partition specs are sharding constraints that XLA propagates, which
+    Explicit axes forbid); a spec string such as "2x4" is built by `make_mesh`."""
+    check_context_mesh()
+    if isinstance(mesh, str):
+        return make_mesh(mesh)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"expected a jax.sharding.Mesh with axes {AXES} or a spec such as '2x4', "
+                        f"got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names)
+    if not names or set(names) - set(AXES) or len(set(names)) != len(names):
+        raise ConfigError(f"megajax's mesh axes are 'data' and 'model', this mesh has {names}: name them so "
+                          f"(or build the mesh with megajax.make_mesh('2x4'))")
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    if names == AXES and tuple(mesh.axis_types) == auto:
+        return mesh
+    devices = mesh.devices.transpose([names.index(a) for a in AXES if a in names])
+    return Mesh(devices.reshape([mesh.shape.get(a, 1) for a in AXES]), AXES, axis_types=auto)
+
+
 def single_device_mesh() -> Mesh:
     """A 1x1 mesh on the first device: the reference that multi-device runs must reproduce."""
     return make_mesh("1x1", devices=jax.devices()[:1])
@@ -93,17 +116,10 @@ def check_fits(cfg, mesh, *, batch: bool = True):
     """Every divisibility rule of a run on `mesh`, in one place; ConfigError names the first
     broken one. Megatron's: hidden, heads, ffn and the padded vocabulary split over "model".
     With `batch` (training), the global batch and each microbatch split over "data"."""
-    m, tp, dp = cfg.model, mesh.shape[MODEL], mesh.shape[DATA]
-    for what, size in (("hidden", m.hidden), ("num_heads", m.num_heads),
-                       ("ffn_hidden", m.ffn), ("padded vocab", m.padded_vocab)):
-        if size % tp:
-            raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
-    if m.sequence_parallel and m.seq_len % tp:
-        raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by the model axis ({tp}), which "
-                          f"sequence parallelism splits the sequence over")
+    check_model_fits(cfg.model, mesh)
     if not batch:
         return
-    t = cfg.train
+    m, t, dp = cfg.model, cfg.train, mesh.shape[DATA]
     if t.batch_size * (m.seq_len + 1) >= 2**31:    # never near: GPT-3 trained on 3.2M tokens a batch
         raise ConfigError(f"a batch of {t.batch_size} x {m.seq_len + 1} tokens is more than the 2^31 the step counts "
                           f"in int32: lower train.batch_size or model.seq_len")
@@ -112,6 +128,19 @@ def check_fits(cfg, mesh, *, batch: bool = True):
     if (t.batch_size // t.microbatches) % dp:
         raise ConfigError(f"microbatch of {t.batch_size // t.microbatches} rows (batch {t.batch_size} / "
                           f"{t.microbatches} microbatches) is not divisible by the data axis ({dp})")
+
+
+def check_model_fits(m, mesh):
+    """Megatron's rules for a model (a ModelConfig) on `mesh`: hidden, heads, ffn and the
+    padded vocabulary split over "model" (and the sequence, with sequence parallelism)."""
+    tp = mesh.shape[MODEL]
+    for what, size in (("hidden", m.hidden), ("num_heads", m.num_heads),
+                       ("ffn_hidden", m.ffn), ("padded vocab", m.padded_vocab)):
+        if size % tp:
+            raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
+    if m.sequence_parallel and m.seq_len % tp:
+        raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by the model axis ({tp}), which "
+                          f"sequence parallelism splits the sequence over")
 
 
 def padded_rows(n: int, dp: int) -> np.ndarray:

@@ -60,6 +60,16 @@ BATCH = P(DATA)                            # any batch array: rows over "data", 
 KV_CACHE = P(DATA, MODEL, None, None)      # (batch, heads/tp, max_len, head_dim): split like the heads
 
 
+def check_context_mesh():
+    """megajax's arrays carry shardings on Auto mesh axes, and jax refuses them inside a
+    `jax.set_mesh(m)` whose m has Explicit axes (jax.make_mesh's default): say so in one line
+    instead of the first jax operation's error. An Auto context mesh is fine."""
+    types = jax.sharding.get_abstract_mesh().axis_types
+    if any(t == jax.sharding.AxisType.Explicit for t in types):
+        raise ValueError("megajax cannot run inside jax.set_mesh(mesh) of a mesh with Explicit axes (jax.make_mesh's "
+                         "default): call it outside that block, or make the mesh with megajax.make_mesh")
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The mesh a model runs on. Hashable, so Flax NNX keeps it as static module metadata."""
@@ -71,6 +81,12 @@ class Layout:
     # FSDP: (path inside a layer, (dimension split over "data", the weight's model-axis spec))
     # of every layer weight that is.
     fsdp_layer_dims: tuple = ()
+
+    def __post_init__(self):
+        if self.mesh is not None and (tuple(self.mesh.axis_names) != AXES or any(
+                t != jax.sharding.AxisType.Auto for t in self.mesh.axis_types)):
+            raise ValueError(f"a Layout needs a mesh with Auto axes {AXES}, got {self.mesh.axis_names} "
+                             f"({self.mesh.axis_types}): pass it through megajax.core.mesh.as_mesh")
 
     @property
     def between_blocks(self) -> P:
@@ -84,6 +100,24 @@ class Layout:
     @property
     def dp(self) -> int:
         return 1 if self.mesh is None else self.mesh.shape[DATA]
+
+    def check_tokens(self, ids, positions: int | None = None):
+        """What a model's input needs, as a ValueError a caller can read, not shard_map's or a
+        silently clamped position: a (batch, seq) integer array whose rows split over "data" (and
+        whose sequence over "model" with sequence parallelism), no longer than the model's
+        `positions` (learned position embeddings have seq_len rows)."""
+        check_context_mesh()
+        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"token ids must be a (batch, seq) integer array, got {ids.dtype} {tuple(ids.shape)}")
+        if not self.data_manual and ids.shape[0] % self.dp:
+            raise ValueError(f"a batch of {ids.shape[0]} rows does not split over the data axis ({self.dp}): "
+                             f"give a multiple of {self.dp} rows (megajax.core.mesh.padded_rows pads one)")
+        if self.sequence_parallel and ids.shape[1] % self.tp:
+            raise ValueError(f"a sequence of {ids.shape[1]} tokens does not split over the model axis "
+                             f"({self.tp}), which sequence parallelism splits it over")
+        if positions is not None and ids.shape[1] > positions:
+            raise ValueError(f"a sequence of {ids.shape[1]} tokens is longer than the model's {positions} "
+                             f"positions (model.seq_len)")
 
     def sharding(self, spec) -> NamedSharding:
         return NamedSharding(self.mesh, spec if isinstance(spec, P) else P(*spec))

@@ -65,6 +65,7 @@ class BERT(nnx.Module):
     def hidden_states(self, tokens, types, mask, *, key=None):
         """(b, s) ids, segment ids and a 0/1 padding mask -> (b, s, h), replicated over "model"
         (with sequence parallelism: split over it along the sequence)."""
+        self.layout.check_tokens(tokens, self.cfg.seq_len)
         positions = jnp.arange(tokens.shape[1])
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
         # A gather, as in GPT, not a slice: with sequence parallelism a slice's gradient is sharded

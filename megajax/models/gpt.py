@@ -36,7 +36,8 @@ class GPT(nnx.Module):
 
         With a KV `cache` (see `init_cache`) the tokens sit at positions pos..pos+s-1 and the
         new cache is returned too."""
-        b, s = tokens.shape
+        self.layout.check_tokens(tokens, self.cfg.seq_len if pos is None else None)
+        s = tokens.shape[1]
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
         positions = jnp.arange(s) if pos is None else pos + jnp.arange(s)
         x = self.embed(tokens) + jnp.take(self.pos[...], positions, axis=0).astype(self.dtype)

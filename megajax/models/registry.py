@@ -12,6 +12,7 @@ from flax import nnx
 
 from megajax.config import ConfigError, ModelConfig
 from megajax.core import sharding as S
+from megajax.core.mesh import as_mesh, check_model_fits
 from megajax.models.bert import BERT
 from megajax.models.gpt import GPT
 
@@ -44,6 +45,8 @@ def param_specs(model_or_state):
 def init_model(cfg: ModelConfig, mesh, seed: int = 0, param_shardings: dict | None = None):
     """Build the model with every weight created directly in its sharding on `mesh` (the
     weights' own specs, or `param_shardings`: a params dict of shardings, e.g. FSDP's)."""
+    mesh = as_mesh(mesh)
+    check_model_fits(cfg, mesh)
     layout = S.Layout(mesh)
     abstract = abstract_model(cfg, layout)
     graphdef, abs_state = nnx.split(abstract)

@@ -278,7 +278,8 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
     """Compile `cfg`'s train step on `mesh` (abstractly: no weights allocated) and audit it."""
     trainer = make_trainer(cfg, mesh)
     hlo = trainer.lower_step().compile().as_text()
-    return audit_hlo(hlo, cfg, (mesh.shape[DATA], mesh.shape[MODEL]), verbose=verbose, trainer=trainer)
+    shape = (trainer.mesh.shape[DATA], trainer.mesh.shape[MODEL])
+    return audit_hlo(hlo, cfg, shape, verbose=verbose, trainer=trainer)
 
 
 def data_axis_minimum(trainer) -> tuple[str, dict]:

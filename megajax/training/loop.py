@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from megajax.config import Config
+from megajax.core.mesh import as_mesh
 from megajax.core.sharding import DATA, MODEL, Layout
 from megajax.errors import UserError
 from megajax.files import WorkdirLock
@@ -62,7 +63,7 @@ class Run:
 
 def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=print) -> RunResult:
     """Train `cfg` on `mesh` in `workdir`, resuming from its newest intact checkpoint."""
-    workdir = Path(workdir)
+    workdir, mesh = Path(workdir), as_mesh(mesh)
     with contextlib.ExitStack() as held:     # signal handlers and the workdir lock, released however train() ends
         stop = held.enter_context(StopRequested())
         run = validate(cfg, mesh, workdir)

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.config import Config
 from megajax.core import sharding as S
-from megajax.core.mesh import check_fits
+from megajax.core.mesh import as_mesh, check_fits
 from megajax.models.registry import ModelDef, abstract_model, init_model, path_keys
 from megajax.tasks import Task, task_for
 from megajax.training.data_parallel import DataParallel
@@ -205,6 +205,7 @@ class Trainer:
 def make_trainer(cfg: Config, mesh) -> Trainer:
     """Check the config against the mesh and build the optimizer and shardings (nothing allocated)."""
     task = task_for(cfg)
+    mesh = as_mesh(mesh)
     check_fits(cfg, mesh)
     modeldef = ModelDef(abstract_model(cfg.model, S.Layout(mesh)))
     tx = make_optimizer(cfg)

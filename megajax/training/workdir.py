@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 
 from megajax.config import Config, load_config
-from megajax.core.mesh import check_fits
+from megajax.core.mesh import as_mesh, check_fits
 from megajax.core.sharding import Layout, param_shardings
 from megajax.data.tokenizer import FILE as TOKENIZER_FILE
 from megajax.data.tokenizer import Tokenizer, load_tokenizer
@@ -185,7 +185,7 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
     check_layout(workdir, writing=False)
     if not (workdir / CONFIG_FILE).is_file():
         raise UserError(f"{workdir} is not a megajax workdir (no {CONFIG_FILE})")
-    cfg = load_config(str(workdir / CONFIG_FILE))
+    cfg, mesh = load_config(str(workdir / CONFIG_FILE)), as_mesh(mesh)
     check_fits(cfg, mesh, batch=False)
     tokenizer = load_tokenizer(workdir)
     ckpts = Checkpoints(workdir, writer=False) if (workdir / CHECKPOINTS).is_dir() else None
