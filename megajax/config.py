@@ -288,7 +288,7 @@ def with_values(cfg: Config, values: dict) -> Config:
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    for item in overrides or []:
+    for item in [overrides] if isinstance(overrides, str) else overrides or []:   # one "key=value" too
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got '{item}'")
         key, value = item.split("=", 1)

@@ -28,6 +28,7 @@ def test_config_parses_and_builds_abstractly(name):
     model = abstract_model(cfg.model)  # shapes only: nothing allocated, even for 8.3B
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n == param_count(cfg)
+    assert param_count(cfg.model) == n   # the ModelConfig alone too (what init_model takes)
     if name in PAPER:
         # Within 1% of the paper's name, except 1.2B: its exact count for the stated shape
         # (40 x 1536, vocab 51,200) is 1,213.5M, 1.1% above the two-digit label it rounds to.
@@ -80,6 +81,7 @@ def test_vocab_padding_is_a_property_of_the_config():
 def test_overrides_are_typed_and_suggest_keys():
     cfg = load_config("tiny", ["model.num_layers=3", "train.lr=3e-4", "model.remat=true"])
     assert (cfg.model.num_layers, cfg.train.lr, cfg.model.remat) == (3, 3e-4, "full")   # true: the old boolean
+    assert load_config("tiny", "model.num_layers=3").model.num_layers == 3   # one override as a string
     with pytest.raises(ConfigError, match="did you mean 'model.num_layers'"):
         load_config("tiny", ["model.num_layer=3"])
     with pytest.raises(ConfigError, match="expects int"):

@@ -299,6 +299,30 @@ def test_a_context_of_one_token_generates_from_the_last_token():
     assert eval_tasks.data_source("builtin") == "builtin" and eval_tasks.data_source("a.txt") == "text:a.txt"
 
 
+def test_generate_takes_what_it_can_use_and_names_what_it_cannot():
+    """Zero new tokens is an empty (b, 0) (it was one token), a top_k past the vocabulary is the
+    whole vocabulary (as eval.py's --top-k); a prompt jax would fail on or silently embed as
+    zeros (an id past the vocabulary), a NaN temperature and a BERT are each one ValueError."""
+    model = init_model(tiny_config(seq_len=8).model, mesh_for("1x1"), seed=3)
+    assert generate(model, [5, 6], 0).shape == (1, 0)
+    np.testing.assert_array_equal(generate(model, [5, 6], 3, temperature=1.0, top_k=10**6, rng=jax.random.key(1)),
+                                  generate(model, [5, 6], 3, temperature=1.0, top_k=None, rng=jax.random.key(1)))
+    for args, kwargs, message in [
+            (([], 3), {}, r"integers with t >= 1, got float64 \(1, 0\)"),
+            (([[1.5, 2.0]], 3), {}, "integers with t >= 1, got float64"),
+            (([5, 100], 3), {}, r"ids must lie in \[0, 100\), the model's vocabulary; got 5..100"),
+            (([5, -1], 3), {}, "ids must lie in"),
+            (([5], -1), {}, "max_new_tokens must be an integer >= 0, got -1"),
+            (([5], 2.5), {}, "max_new_tokens must be an integer"),
+            (([5], 3), {"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+            (([5], 3), {"top_k": -2}, "top_k must be >= 0")]:
+        with pytest.raises(ValueError, match=message):
+            generate(model, *args, **kwargs)
+    bert = init_model(load_config("bert_tiny", ["model.num_layers=1"]).model, mesh_for("1x1"))
+    with pytest.raises(ValueError, match="generate continues text with a GPT; this is a BERT"):
+        generate(bert, [5], 3)
+
+
 @pytest.mark.parametrize("spec", ["1x1", "2x4"])
 def test_kv_cache_greedy_equals_recomputation(workdir, spec):
     loaded = load_workdir(workdir, mesh_for(spec))

@@ -66,7 +66,7 @@ def lambada(args, loaded: Loaded, progress):
 def sample(args, loaded: Loaded, progress):
     prompt = loaded.tokenizer.encode(args.prompt) or [0]
     new = generate(loaded.model, np.asarray([prompt]), args.max_new_tokens, args.temperature,
-                   min(args.top_k, loaded.cfg.model.vocab_size) or None, jax.random.key(args.seed),
+                   args.top_k, jax.random.key(args.seed),
                    eos_id=loaded.tokenizer.eos_id)
     text = loaded.tokenizer.decode(new[0])
     return {"prompt": args.prompt, "completion": text, "tokens": new[0].tolist()}, None

@@ -46,6 +46,28 @@ def _window_step(model, window, last, key, temperature, top_k):
     return _sample_replicated(model, jnp.take(logits, last, axis=1), key, temperature, top_k)
 
 
+def _checked(model, prompt_tokens, max_new_tokens, temperature, top_k):
+    """The prompt as (b, t) int32 and top_k clamped to the vocabulary, or a ValueError that says
+    which argument is wrong (jax would fail on them deep inside, or sample from garbage: an id
+    outside the vocabulary embeds as zeros, a NaN temperature samples from NaN logits)."""
+    if getattr(model.cfg, "kind", None) != "gpt":
+        raise ValueError(f"generate continues text with a GPT; this is a {type(model).__name__}")
+    prompt = np.atleast_2d(np.asarray(prompt_tokens))
+    if prompt.ndim != 2 or prompt.dtype.kind not in "iu" or prompt.shape[1] == 0:
+        raise ValueError(f"the prompt must be token ids, (t,) or (b, t) integers with t >= 1, got {prompt.dtype} "
+                         f"{prompt.shape}")
+    if prompt.min() < 0 or prompt.max() >= model.cfg.vocab_size:
+        raise ValueError(f"prompt ids must lie in [0, {model.cfg.vocab_size}), the model's vocabulary; "
+                         f"got {prompt.min()}..{prompt.max()}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 or None: no top-k), got {top_k}")
+    return prompt.astype(np.int32), min(top_k, model.cfg.vocab_size) if top_k else None
+
+
 def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, rng=None, eos_id: int | None = None, stopped=None) -> np.ndarray:
     """Continue each row of `prompt_tokens` (b, t), equal-length prompts, by `max_new_tokens`.
@@ -56,8 +78,10 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
     does `stopped()` turning true (a signal: what was generated so far is returned).
     Returns the new tokens, (b, n).
     """
-    prompt = np.atleast_2d(np.asarray(prompt_tokens, dtype=np.int32))
+    prompt, top_k = _checked(model, prompt_tokens, max_new_tokens, temperature, top_k)
     rows, t = prompt.shape
+    if max_new_tokens == 0:
+        return np.zeros((rows, 0), np.int32)
     ctx = model.cfg.seq_len
     if t >= ctx:   # room in the cache for the first new token; a context of 1 keeps one prompt token
         keep = max(ctx - 1, 1)

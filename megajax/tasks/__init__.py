@@ -3,7 +3,7 @@ from (model.kind, model.task). Each task is in its own module (lm.py, bert.py); 
 interface is tasks/base.py."""
 from __future__ import annotations
 
-from megajax.config import ConfigError
+from megajax.config import Config, ConfigError, ModelConfig
 from megajax.tasks.base import Task
 from megajax.tasks.bert import BertPretraining, fine_tuning_tasks
 from megajax.tasks.lm import LanguageModelling
@@ -21,7 +21,9 @@ def task_for(cfg) -> Task:
 
 
 def param_count(cfg) -> int:
-    """Parameters of the model, from its shapes alone (tests: equal to the built model)."""
+    """Parameters of the model (a Config, or its ModelConfig), from its shapes alone (tests:
+    equal to the built model)."""
+    cfg = Config(model=cfg) if isinstance(cfg, ModelConfig) else cfg
     m = cfg.model
     shared = m.num_layers * m.layer_params + m.padded_vocab * m.hidden + m.seq_len * m.hidden + 2 * m.hidden
     return shared + task_for(cfg).head_params(cfg)
