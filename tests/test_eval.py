@@ -305,6 +305,9 @@ def test_generate_takes_what_it_can_use_and_names_what_it_cannot():
     zeros (an id past the vocabulary), a NaN temperature and a BERT are each one ValueError."""
     model = init_model(tiny_config(seq_len=8).model, mesh_for("1x1"), seed=3)
     assert generate(model, [5, 6], 0).shape == (1, 0)
+    greedy = generate(model, [5, 6], 4, temperature=0)
+    with jax.enable_x64(True):   # a notebook's setting: the cache's update indices were int64 and int32
+        np.testing.assert_array_equal(generate(model, [5, 6], 4, temperature=0), greedy)
     np.testing.assert_array_equal(generate(model, [5, 6], 3, temperature=1.0, top_k=10**6, rng=jax.random.key(1)),
                                   generate(model, [5, 6], 3, temperature=1.0, top_k=None, rng=jax.random.key(1)))
     for args, kwargs, message in [

@@ -356,7 +356,9 @@ def test_a_backend_jax_cannot_start_is_one_line(reference, tmp_path, monkeypatch
     """JAX_PLATFORMS naming a backend this jax lacks (a GPU node's setting with a CPU-only jax:
     jax raises a bare AssertionError for `cuda`, a RuntimeError for others) is one line and exit
     2 from train.py, eval.py and megajax-convert, nothing written; megajax-plan, which needs
-    only shapes, plans on the CPU. A full disk under stdout names it; an ASCII one escapes."""
+    only shapes, plans on the CPU. A full disk under stdout names it; an ASCII one escapes.
+    JAX_DISABLE_JIT (which megajax's compiled steps cannot honour) is one line too; JAX_ENABLE_X64
+    is turned off (with it, the cache update of generation failed, and host-side means moved to float64)."""
     e = {**env(), "JAX_PLATFORMS": "abacus"}
     for argv in ([ROOT / "train.py", *BASE, "--workdir", tmp_path / "w"],
                  [ROOT / "eval.py", "--workdir", reference[0], "--task", "sample", "--out", tmp_path / "s.json"],
@@ -386,6 +388,18 @@ def test_a_backend_jax_cannot_start_is_one_line(reference, tmp_path, monkeypatch
     with pytest.raises(UserError, match=r"^jax could not start its backend \(JAX_PLATFORMS=cuda\): this jax has no "
                                         r"cuda backend\. Install"):
         start_jax()
+    monkeypatch.undo()
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *BASE, "--workdir", str(tmp_path / "nojit")],
+                       capture_output=True, text=True, env={**env(), "JAX_DISABLE_JIT": "1"}, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: JAX_DISABLE_JIT is set: megajax compiles its steps "
+                                                     "ahead of time"), p.stderr
+    assert not (tmp_path / "nojit").exists()
+    jax.config.update("jax_enable_x64", True)   # JAX_ENABLE_X64=1: the programs run in 32 bits all the same
+    try:
+        start_jax()
+        assert not jax.config.jax_enable_x64
+    finally:
+        jax.config.update("jax_enable_x64", False)
 
 
 @pytest.mark.parametrize("kind", ["host", "device"])

@@ -115,6 +115,13 @@ def start_jax(args=None):
         initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
     import jax
 
+    if jax.config.jax_disable_jit:
+        raise UserError("JAX_DISABLE_JIT is set: megajax compiles its steps ahead of time and cannot run them "
+                        "uncompiled; unset it (to step through a model eagerly, call it from Python under "
+                        "jax.disable_jit())")
+    # The programs compute in the dtypes their configs name; JAX_ENABLE_X64 (from a notebook's or
+    # a cluster's environment) would move some host-side means to float64 and change last digits.
+    jax.config.update("jax_enable_x64", False)
     try:
         jax.devices()
     except (RuntimeError, AssertionError) as e:

@@ -232,9 +232,9 @@ class ParallelSelfAttention(nnx.Module):
         # (b, heads, s, head_dim): batch dimensions leading, the layout XLA's dots prefer.
         q, k, v = (jnp.moveaxis(qkv[:, :, :, i], 2, 1) for i in range(3))
         q_pos = jnp.arange(s)
-        if cache is not None:
-            k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, 0, pos, 0))
-            v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, 0, pos, 0))
+        if cache is not None:   # the along-axis form: its indices share pos's integer type (also with x64 on)
+            k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=2)
+            v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=2)
             k, v = (self.layout.constrain(t, S.KV_CACHE) for t in (k, v))
             cache, q_pos = (k, v), pos + q_pos
         if cache is None and self.fused:
