@@ -53,9 +53,27 @@ def tuned_env(env: dict) -> dict | None:
     return {**env, "GLIBC_TUNABLES": ":".join(([current] if current else []) + missing)}
 
 
+def open_standard_streams():
+    """Put /dev/null on any of descriptors 0, 1, 2 that the program was started without
+    (`train.py >&-`, `2>&-`, some daemon launchers). Python then has None for sys.stdout and
+    crashed at its first print, and worse, the next file opened takes the free descriptor: a
+    checkpoint or metrics file would receive whatever the runtime writes to stdout or stderr."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, buffering=1 if mode == "w" else -1, closefd=False))
+
+
 def restart_with_malloc_tuning():
     """Re-execute this program (same PID, arguments and interpreter flags) with the malloc
     tunables, once. Only for a program's entry point: it replaces the running process."""
+    open_standard_streams()
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return
     env = tuned_env(dict(os.environ))

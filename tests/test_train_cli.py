@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -400,6 +401,24 @@ def test_a_backend_jax_cannot_start_is_one_line(reference, tmp_path, monkeypatch
         assert not jax.config.jax_enable_x64
     finally:
         jax.config.update("jax_enable_x64", False)
+
+
+def test_a_program_started_without_stdout_or_stderr_runs_and_its_files_stay_its_own(reference, tmp_path):
+    """`>&-` / `2>&-` (some launchers start daemons so): Python's sys.stdout was None and
+    train.py crashed at its first print; and the first file opened took descriptor 1 or 2, to
+    receive whatever was printed. /dev/null now stands in; every line of metrics.jsonl is
+    JSON and eval.py's result is whole."""
+    def closed(argv, redirect):
+        cmd = " ".join(map(shlex.quote, [sys.executable, *map(str, argv)]))
+        return subprocess.run(["bash", "-c", f"exec {cmd} {redirect}"], capture_output=True, text=True,
+                              env=env(), cwd=ROOT, timeout=240)
+    p = closed([ROOT / "train.py", *BASE, "--workdir", tmp_path / "w", "--steps", "2"], ">&-")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    p = closed([ROOT / "eval.py", "--workdir", reference[0], "--task", "sample", "--max-new-tokens", "5",
+                "--out", tmp_path / "s.json", "--host-devices", "8"], ">&- 2>&-")
+    assert p.returncode == 0 and len(json.loads((tmp_path / "s.json").read_text())["tokens"]) == 5
 
 
 @pytest.mark.parametrize("kind", ["host", "device"])

@@ -12,7 +12,7 @@ import signal
 import sys
 
 from megajax.errors import UserError, exit_now, first_line, os_error_code
-from megajax.hostenv import restart_with_malloc_tuning
+from megajax.hostenv import open_standard_streams, restart_with_malloc_tuning
 from megajax.training.signals import STOP_SIGNALS
 
 
@@ -177,6 +177,7 @@ def guard_stdout(on_close=None, to_stderr: bool = False):
     it says it stopped and saved) or, as stderr does, to /dev/null (Python's own recipe: then
     not even the flush at exit fails), and `on_close` is called once (train.py: stop as on
     SIGTERM, saving a checkpoint)."""
+    open_standard_streams()
     for stream in (sys.stdout, sys.stderr):
         # A terminal or PYTHONIOENCODING that cannot encode a character (a sample's U+FFFD, a
         # path's accent, under an ASCII or Latin-1 locale) prints it escaped instead of failing.
