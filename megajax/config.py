@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import tomllib
@@ -44,7 +45,7 @@ def _one_of(section_config, section: str, **choices):
             raise ConfigError(f"{section}.{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got '{getattr(section_config, name)}'")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)   # slots: a misspelt field set from Python is an error
 class ModelConfig:
     kind: str = "gpt"                 # gpt | bert
     task: str = "pretrain"            # pretrain (GPT: next token; BERT: MLM + SOP) | BERT: race | mnli | qqp (shapes.py)
@@ -84,8 +85,7 @@ class ModelConfig:
 
     @property
     def padded_vocab(self) -> int:
-        m = self.vocab_multiple
-        return int(math.ceil(self.vocab_size / m) * m)
+        return int(math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple)
 
     def validate(self):
         self.remat = REMAT_ALIASES.get(self.remat, self.remat)
@@ -121,7 +121,7 @@ class ModelConfig:
         return (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class TrainConfig:
     batch_size: int = 16              # global, over all data-parallel replicas
     microbatches: int = 1             # gradient accumulation steps per optimizer step
@@ -173,7 +173,7 @@ class TrainConfig:
         _one_of(self, "train", schedule=("cosine", "linear"))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class DataConfig:
     source: str = "builtin"           # builtin | text:PATH[,GLOB] | bin:PATH | tfds:NAME[/CONFIG] | bin:DIR, pairs:DIR (megajax-prepare's); fine-tuning: the task's dir
     tokenizer: str = "bytes"          # bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME | wordpiece:PATH/vocab.txt | wordpiece[:SIZE] (trained on the corpus)
@@ -192,7 +192,7 @@ class DataConfig:
             raise ConfigError(f"data.max_ngram must be at least 1, got {self.max_ngram}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -200,10 +200,11 @@ class Config:
     name: str = "custom"
 
     def validate(self) -> "Config":
-        """Every value's range, before anything is written: a bad value is one clear line."""
+        """Every value's type and range, before anything is written: a bad value is one clear line.
+        Values set from Python (cfg.train.lr = "3e-4") are typed as a file's or --set's would be."""
         for section in (self.model, self.train, self.data):
             for f in dataclasses.fields(section):
-                _check_representable(f"{SECTION_NAMES[type(section)]}.{f.name}", getattr(section, f.name))
+                set_value(self, f"{SECTION_NAMES[type(section)]}.{f.name}", getattr(section, f.name))
         self.model.validate()
         self.train.validate()
         self.data.validate()
@@ -223,22 +224,23 @@ class Config:
 
 
 def _check_representable(key: str, value):
-    """The run keeps its numbers in float32 and int32 arrays: a value neither can hold is refused."""
+    """`value`, which the run keeps in float32 and int32 arrays: a value neither can hold is refused."""
     if isinstance(value, float) and not (value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX):
         raise ConfigError(f"{key} must be a finite number in float32's range (0, or 1.2e-38 to 3.4e+38 in magnitude), got {value}")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**31:
         raise ConfigError(f"{key} must be below 2^31 (the run counts in int32), got {value}")
+    return value
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
 SECTION_NAMES = {cls: name for name, cls in SECTIONS.items()}
+_field_types = functools.cache(typing.get_type_hints)   # of a section's class: validate() asks for each value
 
 
 def _unknown(key: str) -> ConfigError:
     keys = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return ConfigError(f"unknown config key '{key}'{hint}")
+    return ConfigError(f"unknown config key '{key}'" + (f"; did you mean '{close[0]}'?" if close else ""))
 
 
 def _coerce(key: str, value, typ):
@@ -275,8 +277,7 @@ def set_value(cfg: Config, key: str, value) -> None:
         raise _unknown(key)
     if key == "model.remat" and isinstance(value, (bool, str)):
         value = REMAT_ALIASES.get(value.lower() if isinstance(value, str) else value, value)
-    types = typing.get_type_hints(cls)
-    setattr(getattr(cfg, section), field, _coerce(key, value, types[field]))
+    setattr(getattr(cfg, section), field, _check_representable(key, _coerce(key, value, _field_types(cls)[field])))
 
 
 def with_values(cfg: Config, values: dict) -> Config:

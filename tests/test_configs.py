@@ -12,9 +12,11 @@ from megajax.cli.prepare import prepare_parser
 from megajax.cli.train import train_parser
 from megajax.config import CONFIG_DIR, ConfigError, available_configs, load_config
 from megajax.core.mesh import check_fits, padded_batches
-from megajax.models.registry import abstract_model
+from megajax.models.registry import abstract_model, init_model
 from megajax.shapes import MODEL_TASKS
 from megajax.tasks import TASKS, param_count, task_for
+from megajax.training.loop import train
+from megajax.training.step import make_trainer
 
 PAPER = {"gpt2_355m": 355e6, "gpt2_1.2b": 1.2e9, "gpt2_2.5b": 2.5e9, "gpt2_4.2b": 4.2e9,
          "gpt2_8.3b": 8.3e9, "gpt2_8.3b_24h": 8.3e9}
@@ -92,6 +94,32 @@ def test_overrides_are_typed_and_suggest_keys():
         load_config("tiny", ["model.remat=maybe"])
     with pytest.raises(ConfigError, match="no config named 'tinyy'; did you mean 'tiny'"):
         load_config("tinyy")
+
+
+def test_a_config_changed_in_python_is_checked_as_a_file_is(tmp_path):
+    """A notebook sets fields directly (cfg.train.lr = ...): the entry points validate again,
+    so a value out of range or of the wrong type is the ConfigError a file's would be (it was
+    trained on, or failed deep inside: a dropout of 2.0 overflowed the mask's uint32), a string
+    is typed as --set types it, and a misspelt field is an AttributeError, not silently unused."""
+    cfg = load_config("tiny")
+    cfg.train.lr, cfg.model.remat = "3e-4", True
+    assert (cfg.validate().train.lr, cfg.model.remat) == (3e-4, "full")
+    with pytest.raises(AttributeError, match="'TrainConfig' object has no attribute 'learning_rate'"):
+        cfg.train.learning_rate = 1e-3
+    mesh = mesh_for("1x1")
+    for field, value, message in [("train.steps", 0, "train.steps must be positive, got 0"),
+                                  ("model.hidden_dropout", 2.0, r"model.hidden_dropout must be in \[0, 1\), got 2.0"),
+                                  ("model.num_heads", [4], r"model.num_heads expects int, got \[4\]"),
+                                  ("model.num_heads", 3, "model.hidden=64 is not divisible by model.num_heads=3")]:
+        bad = load_config("tiny")
+        section, name = field.split(".")
+        setattr(getattr(bad, section), name, value)
+        calls = [lambda: make_trainer(bad, mesh), lambda: train(bad, mesh, tmp_path / "w")]
+        calls += [lambda: init_model(bad.model, mesh)] if section == "model" else []
+        for call in calls:
+            with pytest.raises(ConfigError, match=message):
+                call()
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_config_path_that_is_not_a_config_file_says_so(tmp_path):

@@ -10,7 +10,7 @@ import dataclasses
 import jax
 from flax import nnx
 
-from megajax.config import ConfigError, ModelConfig
+from megajax.config import Config, ConfigError, ModelConfig
 from megajax.core import sharding as S
 from megajax.core.mesh import as_mesh, check_model_fits
 from megajax.models.bert import BERT
@@ -46,6 +46,7 @@ def init_model(cfg: ModelConfig, mesh, seed: int = 0, param_shardings: dict | No
     """Build the model with every weight created directly in its sharding on `mesh` (the
     weights' own specs, or `param_shardings`: a params dict of shardings, e.g. FSDP's)."""
     mesh = as_mesh(mesh)
+    Config(model=cfg).validate()   # its types and ranges, also of a config changed in Python since loading
     check_model_fits(cfg, mesh)
     layout = S.Layout(mesh)
     abstract = abstract_model(cfg, layout)

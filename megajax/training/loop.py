@@ -91,7 +91,7 @@ def validate(cfg: Config, mesh, workdir: Path) -> Run:
     the other processes, the data, the sizes against the mesh. Returns the Run, whose final
     config has its vocabulary size set here, and only here, from the data."""
     check_layout(workdir)
-    cfg, pretrained = with_pretrained_shape(cfg, workdir)
+    cfg, pretrained = with_pretrained_shape(cfg.validate(), workdir)   # validate: what Python changed since loading
     task = task_for(cfg)
     check_same_run({"config": cfg.to_dict(), "workdir": str(workdir)})
     check_same_tokenizer(cfg, workdir)

@@ -204,7 +204,7 @@ class Trainer:
 
 def make_trainer(cfg: Config, mesh) -> Trainer:
     """Check the config against the mesh and build the optimizer and shardings (nothing allocated)."""
-    task = task_for(cfg)
+    task = task_for(cfg.validate())   # a config changed in Python since it was loaded is checked again
     mesh = as_mesh(mesh)
     check_fits(cfg, mesh)
     modeldef = ModelDef(abstract_model(cfg.model, S.Layout(mesh)))
