@@ -197,6 +197,7 @@ def test_user_errors_are_one_line_and_write_nothing(capsys, tmp_path, imported):
         "relative positions": copy_fixture("bert", tmp_path / "f", config={"position_embedding_type": "relative_key"}),
         "values that are not numbers: num_layers = 'two'": copy_fixture("gpt2", tmp_path / "i", config={"n_layer": "two"}),
     }
+    cases["not a Hugging Face model's (it is a megajax workdir's)"] = imported["gpt2"][1]   # import of an import
     listed = copy_fixture("gpt2", tmp_path / "j")
     (listed / "config.json").write_text("[1, 2]")
     cases["config.json is not a JSON object"] = listed

@@ -257,6 +257,9 @@ def test_command_line_json_and_errors(tmp_path, capsys):
         assert plan_main(["--config", "tiny", "--devices", "8"] + args) == 2, args
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error:"), (args, err)
+    for devices in ("8", 8.0, True):    # from Python: a TypeError deep in the search before
+        with pytest.raises(UserError, match=f"--devices must be an integer of at least 1, got {devices!r}"):
+            plan("tiny", devices, "h100-80g")
 
 
 def test_ctrl_c_stops_the_planner_in_one_line():

@@ -30,6 +30,9 @@ def architecture(hf: dict) -> str:
     for name in names:
         if name in ARCHITECTURES:
             return name
+    if not names and "model_type" not in hf:
+        megajax = " (it is a megajax workdir's)" if isinstance(hf.get("model"), dict) else ""
+        raise UserError(f"config.json names no architectures or model_type: not a Hugging Face model's{megajax}")
     found = ", ".join(names) or f"model_type '{hf.get('model_type')}'"
     raise UserError(f"unsupported architecture {found}: megajax converts {', '.join(ARCHITECTURES)}")
 

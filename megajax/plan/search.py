@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 
 from megajax.config import Config, load_config, with_values
 from megajax.errors import UserError
@@ -103,8 +104,8 @@ def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = Non
           schemes=tuple(SCHEMES)) -> list[Plan]:
     """Every valid plan, the fastest that fits first, then those that do not fit, least over first.
     `schemes`: the data-parallel schemes to consider (plain, zero, fsdp)."""
-    if devices < 1:
-        raise UserError(f"--devices must be at least 1, got {devices}")
+    if isinstance(devices, bool) or not isinstance(devices, numbers.Integral) or devices < 1:
+        raise UserError(f"--devices must be an integer of at least 1, got {devices!r}")
     unknown = sorted(set(schemes) - set(SCHEMES))
     if unknown or not schemes:
         raise UserError(f"unknown data-parallel scheme(s) {', '.join(unknown) or '(none)'}: use {', '.join(SCHEMES)}")
@@ -137,7 +138,7 @@ def plan(config: str | Config, devices: int, hardware: Hardware | str, overrides
          baseline: str | Config | None = None, schemes=tuple(SCHEMES)) -> list[Plan]:
     """The Python API: the plans for a config name (or Config) on `devices` of `hardware` (a
     Hardware or a name / TOML path), best first."""
-    cfg = load_config(config, overrides) if isinstance(config, str) else config
+    cfg = load_config(config, overrides) if isinstance(config, str) else config.validate()
     base = load_config(baseline) if isinstance(baseline, str) else baseline
     hw = pick_hardware(hardware) if isinstance(hardware, str) else hardware
     return plans(cfg, devices, hw, base, schemes)

@@ -186,6 +186,7 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
     if not (workdir / CONFIG_FILE).is_file():
         raise UserError(f"{workdir} is not a megajax workdir (no {CONFIG_FILE})")
     cfg, mesh = load_config(str(workdir / CONFIG_FILE)), as_mesh(mesh)
+    step = None if step is None else int(step)    # "2" from a command line or a file name
     check_fits(cfg, mesh, batch=False)
     tokenizer = load_tokenizer(workdir)
     ckpts = Checkpoints(workdir, writer=False) if (workdir / CHECKPOINTS).is_dir() else None
