@@ -10,6 +10,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -24,9 +25,21 @@ except ImportError:        # not POSIX: no workdir lock
 
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`
-    (rename is atomic on POSIX and Windows file systems)."""
+    (rename is atomic on POSIX and Windows file systems). A `path` that is a device, FIFO or
+    terminal (`--out /dev/stdout`, `/dev/null`) is written in place: a rename would replace the
+    node itself (for root, /dev/null with a file). Through a symbolic link, its target is
+    replaced and the link kept."""
     path = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode) or stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        regular = True
+    if not regular:
+        with open(path, "wb") as f:
+            f.write(payload)
+        return
+    path = Path(os.path.realpath(path)) if path.is_symlink() else path
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

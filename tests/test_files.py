@@ -30,6 +30,24 @@ def test_write_atomic_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]   # no temporary file left behind
 
 
+def test_write_atomic_writes_into_a_fifo_or_device_and_through_a_link(tmp_path):
+    """`eval.py --out /dev/stdout` (or /dev/null): renaming over the path replaced the node
+    itself, for root even /dev/null with a regular file. A FIFO stands in for the device here
+    (the suite must not touch /dev). A symbolic link is kept and its target replaced."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen([sys.executable, "-c", f"print(open({str(fifo)!r}).read(), end='')"],
+                              stdout=subprocess.PIPE, text=True)
+    write_atomic(fifo, "through the pipe\n")
+    assert reader.communicate(timeout=30)[0] == "through the pipe\n"
+    assert fifo.is_fifo()
+    (tmp_path / "real.json").write_text("old")
+    (tmp_path / "link.json").symlink_to("real.json")
+    write_atomic(tmp_path / "link.json", "new")
+    assert (tmp_path / "link.json").is_symlink() and (tmp_path / "real.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.json", "real.json"]
+
+
 def test_metrics_with_a_cut_short_last_line_resume_and_plot(tmp_path):
     log = MetricsLog(tmp_path)
     for step in (1, 2, 3):
