@@ -138,10 +138,14 @@ def test_a_config_path_that_is_not_a_config_file_says_so(tmp_path):
     (prepare_parser, ["", "--out", "x"]), (convert_parser, ["export", "--workdir", "w", "--out", ""])])
 def test_an_empty_path_argument_is_refused(capsys, parser, argv):
     """An unset shell variable (`--workdir "$RUN"`): before, the default workdir, or the current
-    directory, was used."""
-    with pytest.raises(SystemExit) as exit_:
-        parser().parse_args(argv)
-    assert exit_.value.code == 2 and capsys.readouterr().err.strip().endswith(": must not be empty")
+    directory, was used. Like every argument mistake, one `error:` line (argparse's usage block
+    before it is gone: --help shows that)."""
+    for args in (argv, ["--no-such-flag"]):
+        with pytest.raises(SystemExit) as exit_:
+            parser().parse_args(args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and err.endswith(" --help)\n")
+        assert ("must not be empty (see " in err) == (args is argv), err
 
 
 @pytest.mark.parametrize("change,tp,message", [

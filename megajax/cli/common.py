@@ -29,6 +29,14 @@ def set_host_devices(n: int | None):
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a mistake as the one `error:` line every megajax program ends with (not
+    argparse's usage block before it); --help still shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def given(text: str) -> str:
     """An argparse type for a path or spec: an empty one (a shell variable that was not set)
     is refused, rather than read as the current directory or the default."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megajax.cli.common import exit_on_signal, fail, failed, given, guard_stdout, start_jax
+from megajax.cli.common import Parser, exit_on_signal, fail, failed, given, guard_stdout, start_jax
 from megajax.errors import UserError
 from megajax.files import abandon_staged
 
 
 def convert_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="megajax-convert", description="Convert between Hugging Face model directories (GPT2LMHeadModel, "
                                             "BertForPreTraining, MegatronBertForPreTraining) and megajax workdirs.",
         epilog="examples:\n  megajax-convert import --hf ~/models/gpt2 --workdir runs/gpt2\n"

@@ -9,8 +9,8 @@ import os
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (add_distributed_args, bound_shutdown, exit_on_signal, fail, failed, given, guard_stdout,
-                                set_host_devices, start_jax)
+from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, exit_on_signal, fail, failed, given,
+                                guard_stdout, set_host_devices, start_jax)
 from megajax.errors import UserError
 from megajax.files import write_atomic
 from megajax.training.signals import STOP_SIGNALS
@@ -19,7 +19,7 @@ TASK_CHOICES = ["ppl", "wikitext", "lambada", "sample", "mlm", "race", "mnli", "
 
 
 def eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="eval.py", description="Evaluate or sample a train.py workdir (GPT or BERT) on any mesh.",
         epilog="examples:\n"
                "  python eval.py --workdir runs/default --task ppl --data text:notes.txt\n"

@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from megajax.cli.common import exit_on_signal, fail, failed, given, guard_stdout
+from megajax.cli.common import Parser, exit_on_signal, fail, failed, given, guard_stdout
 from megajax.errors import UserError
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="megajax-plan", description="Predict memory, step time, MFU and scaling for every way to run a "
                                          "config on N devices, the fastest plan that fits first. Nothing is compiled.",
         epilog="examples:\n  megajax-plan --config gpt2_8.3b --devices 512 --hardware v100-dgx2h\n"

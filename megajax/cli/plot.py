@@ -1,17 +1,16 @@
 """megajax-plot / python -m megajax.cli.plot WORKDIR: redraw a run's loss curve from its metrics.jsonl."""
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from megajax.cli.common import exit_on_signal, fail, failed, given, guard_stdout
+from megajax.cli.common import Parser, exit_on_signal, fail, failed, given, guard_stdout
 from megajax.errors import UserError
 
 
 def plot_main(argv=None) -> int:
     guard_stdout()
-    p = argparse.ArgumentParser(prog="megajax-plot", description="Draw WORKDIR/loss.png from metrics.jsonl")
+    p = Parser(prog="megajax-plot", description="Draw WORKDIR/loss.png from metrics.jsonl")
     p.add_argument("workdir", type=given)
     p.add_argument("--out", type=given)
     args = p.parse_args(argv)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from megajax.cli.common import Stopped, fail, failed, given, guard_stdout, stop_with_a_line, stopped
+from megajax.cli.common import Parser, Stopped, fail, failed, given, guard_stdout, stop_with_a_line, stopped
 from megajax.errors import UserError
 
 
 def prepare_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="megajax-prepare", description="Tokenize text files, jsonl or a TFDS dataset into train / validation "
                                             "token files that train.py reads with --data bin:DIR. Parallel over "
                                             "processes; an interrupted run continues where it stopped.",

@@ -5,7 +5,7 @@ import argparse
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (add_distributed_args, bound_shutdown, fail, failed, given, guard_stdout,
+from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, fail, failed, given, guard_stdout,
                                 set_host_devices, start_jax, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
@@ -13,7 +13,7 @@ from megajax.training.signals import STOP_SIGNALS, StopRequested, stdout_closed
 
 
 def train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="train.py", description="Train a tensor-parallel GPT or BERT with megajax.",
         epilog="examples:\n  python train.py\n  python train.py --host-devices 8 --mesh 2x4\n"
                "  python train.py --config shakespeare_char --mesh model=2 --workdir runs/shakespeare\n"
