@@ -65,7 +65,7 @@ def test_a_users_mesh_is_laid_out_as_megajax_lays_out_its_own(devices):
 def test_the_python_api_takes_a_users_mesh_and_refuses_what_would_fail_deep_inside(devices):
     """Bitwise the same loss on jax.make_mesh's Explicit mesh and a model-only mesh as on
     megajax's meshes of the same devices; inputs and contexts jax would fail on deep inside
-    (or, for a sequence longer than the position table, silently clamp) are one ValueError."""
+    (or, for a sequence longer than the position table, fill with NaN) are one ValueError."""
     cfg = tiny_config(seq_len=8, hidden_dropout=0.0, attention_dropout=0.0)
     tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, cfg.model.vocab_size)
 

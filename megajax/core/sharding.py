@@ -102,8 +102,8 @@ class Layout:
         return 1 if self.mesh is None else self.mesh.shape[DATA]
 
     def check_tokens(self, ids, positions: int | None = None):
-        """What a model's input needs, as a ValueError a caller can read, not shard_map's or a
-        silently clamped position: a (batch, seq) integer array whose rows split over "data" (and
+        """What a model's input needs, as a ValueError a caller can read, not shard_map's or NaN
+        positions (jax's lookup past the table fills them): a (batch, seq) integer array whose rows split over "data" (and
         whose sequence over "model" with sequence parallelism), no longer than the model's
         `positions` (learned position embeddings have seq_len rows)."""
         check_context_mesh()
