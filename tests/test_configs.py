@@ -119,6 +119,8 @@ def test_a_config_changed_in_python_is_checked_as_a_file_is(tmp_path):
         for call in calls:
             with pytest.raises(ConfigError, match=message):
                 call()
+    with pytest.raises(ValueError, match="sample_tokens must be an integer >= 0"):   # not once trained
+        train(load_config("tiny"), mesh, tmp_path / "w", sample_tokens=-1)
     assert not (tmp_path / "w").exists()
 
 

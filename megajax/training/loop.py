@@ -64,6 +64,8 @@ class Run:
 def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=print) -> RunResult:
     """Train `cfg` on `mesh` in `workdir`, resuming from its newest intact checkpoint."""
     workdir, mesh = Path(workdir), as_mesh(mesh)
+    if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 0:   # not at the end
+        raise ValueError(f"sample_tokens must be an integer >= 0 (0: no sample), got {sample_tokens!r}")
     with contextlib.ExitStack() as held:     # signal handlers and the workdir lock, released however train() ends
         stop = held.enter_context(StopRequested())
         run = validate(cfg, mesh, workdir)
