@@ -62,8 +62,9 @@ class Run:
 
 
 def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=print) -> RunResult:
-    """Train `cfg` on `mesh` in `workdir`, resuming from its newest intact checkpoint."""
-    workdir, mesh = Path(workdir), as_mesh(mesh)
+    """Train `cfg` on `mesh` in `workdir`, resuming from its newest intact checkpoint. `out`
+    receives each line of the log (None: no log; metrics.jsonl is written either way)."""
+    workdir, mesh, out = Path(workdir), as_mesh(mesh), out or (lambda *lines, **kwargs: None)
     if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 0:   # not at the end
         raise ValueError(f"sample_tokens must be an integer >= 0 (0: no sample), got {sample_tokens!r}")
     with contextlib.ExitStack() as held:     # signal handlers and the workdir lock, released however train() ends
