@@ -32,10 +32,10 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     path = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
     try:
-        regular = stat.S_ISREG(os.stat(path).st_mode) or stat.S_ISDIR(os.stat(path).st_mode)
+        mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
-        regular = True
-    if not regular:
+        mode = None
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         with open(path, "wb") as f:
             f.write(payload)
         return

@@ -14,7 +14,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from megajax.config import ConfigError
-from megajax.core.sharding import AXES, DATA, MODEL, check_context_mesh
+from megajax.core.sharding import AXES, DATA, MODEL, check_context_mesh, is_megajax_mesh
+
+AUTO_AXES = (jax.sharding.AxisType.Auto,) * 2   # weights carry specs, XLA propagates them (GSPMD)
 
 
 def _describe_devices(devices) -> str:
@@ -77,11 +79,10 @@ def make_mesh(spec: str = "auto", devices=None) -> Mesh:
         data, model = parse_mesh_spec(spec, len(devices))
     except ValueError as e:
         raise ValueError(f"{e} ({_describe_devices(devices)})") from None
-    auto = (jax.sharding.AxisType.Auto,) * 2
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
         # jax.make_mesh orders devices so that the model axis gets the fastest links.
-        return jax.make_mesh((data, model), AXES, axis_types=auto)
-    return Mesh(np.asarray(devices).reshape(data, model), AXES, axis_types=auto)
+        return jax.make_mesh((data, model), AXES, axis_types=AUTO_AXES)
+    return Mesh(np.asarray(devices).reshape(data, model), AXES, axis_types=AUTO_AXES)
 
 
 def as_mesh(mesh) -> Mesh:
@@ -100,11 +101,10 @@ def as_mesh(mesh) -> Mesh:
     if not names or set(names) - set(AXES) or len(set(names)) != len(names):
         raise ConfigError(f"megajax's mesh axes are 'data' and 'model', this mesh has {names}: name them so "
                           f"(or build the mesh with megajax.make_mesh('2x4'))")
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    if names == AXES and tuple(mesh.axis_types) == auto:
+    if is_megajax_mesh(mesh):
         return mesh
     devices = mesh.devices.transpose([names.index(a) for a in AXES if a in names])
-    return Mesh(devices.reshape([mesh.shape.get(a, 1) for a in AXES]), AXES, axis_types=auto)
+    return Mesh(devices.reshape([mesh.shape.get(a, 1) for a in AXES]), AXES, axis_types=AUTO_AXES)
 
 
 def single_device_mesh() -> Mesh:

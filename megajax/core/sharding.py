@@ -60,6 +60,12 @@ BATCH = P(DATA)                            # any batch array: rows over "data", 
 KV_CACHE = P(DATA, MODEL, None, None)      # (batch, heads/tp, max_len, head_dim): split like the heads
 
 
+def is_megajax_mesh(mesh) -> bool:
+    """The axes ("data", "model"), both Auto: the only mesh a Layout takes (core.mesh.as_mesh
+    turns a user's into one)."""
+    return tuple(mesh.axis_names) == AXES and all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
 def check_context_mesh():
     """megajax's arrays carry shardings on Auto mesh axes, and jax refuses them inside a
     `jax.set_mesh(m)` whose m has Explicit axes (jax.make_mesh's default): say so in one line
@@ -83,8 +89,7 @@ class Layout:
     fsdp_layer_dims: tuple = ()
 
     def __post_init__(self):
-        if self.mesh is not None and (tuple(self.mesh.axis_names) != AXES or any(
-                t != jax.sharding.AxisType.Auto for t in self.mesh.axis_types)):
+        if self.mesh is not None and not is_megajax_mesh(self.mesh):
             raise ValueError(f"a Layout needs a mesh with Auto axes {AXES}, got {self.mesh.axis_names} "
                              f"({self.mesh.axis_types}): pass it through megajax.core.mesh.as_mesh")
 
@@ -103,9 +108,9 @@ class Layout:
 
     def check_tokens(self, ids, positions: int | None = None):
         """What a model's input needs, as a ValueError a caller can read, not shard_map's or NaN
-        positions (jax's lookup past the table fills them): a (batch, seq) integer array whose rows split over "data" (and
-        whose sequence over "model" with sequence parallelism), no longer than the model's
-        `positions` (learned position embeddings have seq_len rows)."""
+        positions (jax's lookup past the table fills them): a (batch, seq) integer array whose
+        rows split over "data" (and whose sequence over "model" with sequence parallelism), no
+        longer than the model's `positions` (learned position embeddings have seq_len rows)."""
         check_context_mesh()
         if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"token ids must be a (batch, seq) integer array, got {ids.dtype} {tuple(ids.shape)}")
