@@ -150,6 +150,18 @@ def test_an_empty_path_argument_is_refused(capsys, parser, argv):
         assert ("must not be empty (see " in err) == (args is argv), err
 
 
+def test_a_tilde_the_shell_left_alone_is_the_home_directory(monkeypatch, tmp_path):
+    """`--workdir=~/run` and quoted paths reach the program with the `~` in them: before, a
+    folder named `~` was made in the current directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = train_parser().parse_args(["--workdir=~/run", "--data", "text:~/a.txt,~/b.txt,c~.txt",
+                                      "--tokenizer", "tiktoken:gpt2", "--config", "runs/~x.toml"])
+    assert (args.workdir, args.data) == (f"{tmp_path}/run", f"text:{tmp_path}/a.txt,{tmp_path}/b.txt,c~.txt")
+    assert (args.tokenizer, args.config) == ("tiktoken:gpt2", "runs/~x.toml")
+    args = prepare_parser().parse_args(["~/docs/*.txt", "--out", "~", "--tokenizer", "hf:~/tok.json"])
+    assert (args.inputs, args.out, args.tokenizer) == ([f"{tmp_path}/docs/*.txt"], str(tmp_path), f"hf:{tmp_path}/tok.json")
+
+
 @pytest.mark.parametrize("change,tp,message", [
     ({"num_heads": 6, "hidden": 96}, 4, "num_heads=6 is not divisible by the model axis (4)"),
     ({"hidden": 66, "num_heads": 2}, 4, "hidden=66"),

@@ -39,10 +39,15 @@ class Parser(argparse.ArgumentParser):
 
 def given(text: str) -> str:
     """An argparse type for a path or spec: an empty one (a shell variable that was not set)
-    is refused, rather than read as the current directory or the default."""
+    is refused, rather than read as the current directory or the default. A `~` the shell
+    left alone (`--workdir=~/run`, a quoted "~/run", `text:~/a.txt,~/b.txt`) is the home
+    directory, as it is to the shell, not a folder named `~` in the current one."""
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
-    return text
+    kind, colon, paths = text.partition(":")
+    if not (colon and kind.isalpha()):
+        kind, colon, paths = "", "", text
+    return kind + colon + ",".join(os.path.expanduser(p) for p in paths.split(","))
 
 
 def fail(message: str) -> int:

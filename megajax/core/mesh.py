@@ -25,7 +25,8 @@ def _describe_devices(devices) -> str:
 
 
 def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, int]:
-    """Return (data, model) sizes for `spec` on `num_devices` devices, or raise ValueError."""
+    """Return (data, model) sizes for `spec` on `num_devices` devices, or raise ValueError (the
+    caller names the devices)."""
     s = (spec or "auto").strip().lower().replace(" ", "")
     if s == "auto":
         return num_devices, 1
@@ -59,12 +60,12 @@ def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, int]:
         if name not in sizes:
             if num_devices % sizes[other]:
                 raise ValueError(
-                    f"mesh '{spec}': {other}={sizes[other]} does not divide the {num_devices} devices available")
+                    f"mesh '{spec}': {other}={sizes[other]} does not divide the number of devices")
             sizes[name] = num_devices // sizes[other]
     if sizes[DATA] * sizes[MODEL] != num_devices:
         raise ValueError(
             f"mesh '{spec}' needs {sizes[DATA] * sizes[MODEL]} devices "
-            f"(data={sizes[DATA]} x model={sizes[MODEL]}), but {num_devices} are available")
+            f"(data={sizes[DATA]} x model={sizes[MODEL]})")
     return sizes[DATA], sizes[MODEL]
 
 
@@ -78,7 +79,7 @@ def make_mesh(spec: str = "auto", devices=None) -> Mesh:
     try:
         data, model = parse_mesh_spec(spec, len(devices))
     except ValueError as e:
-        raise ValueError(f"{e} ({_describe_devices(devices)})") from None
+        raise ValueError(f"{e}; {_describe_devices(devices)}") from None
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
         # jax.make_mesh orders devices so that the model axis gets the fastest links.
         return jax.make_mesh((data, model), AXES, axis_types=AUTO_AXES)

@@ -33,6 +33,7 @@ from megajax.core.stack import LayerStack
 from megajax.core.loss import vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
 from megajax.core.precision import Precision
+from megajax.models.inputs import check_ids
 from megajax.shapes import NUM_CLASSES, TYPE_VOCAB
 
 
@@ -66,6 +67,10 @@ class BERT(nnx.Module):
         """(b, s) ids, segment ids and a 0/1 padding mask -> (b, s, h), replicated over "model"
         (with sequence parallelism: split over it along the sequence)."""
         self.layout.check_tokens(tokens, self.cfg.seq_len)
+        check_ids("token ids", tokens, self.cfg.vocab_size)
+        check_ids("token types", types, TYPE_VOCAB, tokens.shape)
+        if tuple(mask.shape) != tuple(tokens.shape):
+            raise ValueError(f"the padding mask must have the token ids' shape {tuple(tokens.shape)}, got {tuple(mask.shape)}")
         positions = jnp.arange(tokens.shape[1])
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
         # A gather, as in GPT, not a slice: with sequence parallelism a slice's gradient is sharded

@@ -15,6 +15,7 @@ from megajax.core.stack import LayerStack
 from megajax.core.loss import mask_padded_vocab, vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
 from megajax.core.precision import Precision
+from megajax.models.inputs import check_ids
 
 
 class GPT(nnx.Module):
@@ -37,6 +38,7 @@ class GPT(nnx.Module):
         With a KV `cache` (see `init_cache`) the tokens sit at positions pos..pos+s-1 and the
         new cache is returned too."""
         self.layout.check_tokens(tokens, self.cfg.seq_len if pos is None else None)
+        check_ids("token ids", tokens, self.cfg.vocab_size)
         s = tokens.shape[1]
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
         positions = jnp.arange(s) if pos is None else pos + jnp.arange(s)
