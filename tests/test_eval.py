@@ -21,8 +21,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from megajax.cli import eval_tasks
+from megajax.cli.eval import check_eval_args, eval_parser
 from megajax.config import load_config
 from megajax.data.tokens import EvalWindows, load_tokens
+from megajax.errors import UserError
 from megajax.evaluation.lambada import evaluate_lambada
 from megajax.evaluation.scoring import perplexity_of_tokens, stride_windows
 from megajax.evaluation.wikitext import evaluate_wikitext, original_token_count, wikitext_detokenize
@@ -386,3 +388,27 @@ def test_ppl_of_a_prepared_corpus_scores_its_held_out_split(workdir, tmp_path):
     assert r["split"] == "val" and r["tokens"] == len(val) - 1 == meta["splits"]["val"]["tokens"] - 1
     ref = perplexity_of_tokens(loaded.model, val, stride=32, batch_size=8)
     assert r["loss"] == ref["loss"] and lines[0] == ("split", "val (held out by megajax-prepare)")
+
+
+def test_the_result_never_replaces_the_data_it_evaluates(tmp_path):
+    """`--out` (or the default WORKDIR/eval_TASK.json) naming the --data file, through any
+    spelling or link, or an existing file in a RACE/GLUE directory: before, eval.py read the
+    data, then replaced it with its JSON. A new file beside the data, or no --data, is fine."""
+    text, race = tmp_path / "wiki.txt", tmp_path / "RACE"
+    text.write_text("data")
+    (race / "test" / "high").mkdir(parents=True)
+    (race / "test" / "high" / "1.txt").write_text("{}")
+    (tmp_path / "link.txt").symlink_to(text)
+    argv = ["--workdir", str(tmp_path), "--task"]
+    for task, data, out in [("wikitext", str(text), str(tmp_path / "link.txt")), ("ppl", f"text:{text}", str(text)),
+                            ("ppl", f"bin:{tmp_path}/../{tmp_path.name}/wiki.txt", str(text)),
+                            ("race", str(race), str(race / "test" / "high" / "1.txt")),
+                            ("wikitext", str(tmp_path / "eval_wikitext.json"), None)]:
+        if out is None:
+            (tmp_path / "eval_wikitext.json").write_text("{}")
+        with pytest.raises(UserError, match="would replace the data it evaluates"):
+            check_eval_args(eval_parser().parse_args([*argv, task, "--data", data, *(["--out", out] if out else [])]))
+    for task, data, out in [("wikitext", str(text), str(tmp_path / "new.json")), ("race", str(race), str(race / "r.json")),
+                            ("sample", None, str(text)), ("ppl", "builtin", str(text))]:
+        check_eval_args(eval_parser().parse_args([*argv, task, *(["--data", data] if data else []), "--out", out]))
+    assert text.read_text() == "data"

@@ -66,6 +66,20 @@ def check_eval_args(args):
         raise UserError(f"--out {out}: the directory {out.parent} does not exist or is not writable")
     if out is not None and out.is_dir():
         raise UserError(f"--out {out} is a directory: give the JSON file's path")
+    _refuse_replacing_data(out or Path(args.workdir) / f"eval_{args.task}.json", args.data)
+
+
+def _refuse_replacing_data(out: Path, data: str | None):
+    """The result must not replace what --data reads: the file itself, or a file in its directory
+    (RACE, GLUE). It would be read whole, then replaced by the JSON."""
+    if not (data and out.exists()):
+        return
+    kind, colon, paths = data.partition(":")
+    for path in map(Path, filter(None, (paths if colon and kind.isalpha() else data).split(","))):
+        if not path.exists():
+            continue
+        if out.samefile(path) or (path.is_dir() and path.resolve() in out.resolve().parents):
+            raise UserError(f"--out {out} would replace the data it evaluates ({path}): give another file")
 
 
 def eval_main(argv=None) -> int:

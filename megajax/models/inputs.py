@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_ids(what: str, ids, high: int, shape: tuple | None = None):
@@ -16,6 +17,7 @@ def check_ids(what: str, ids, high: int, shape: tuple | None = None):
         raise ValueError(f"{what} must be integers, got {ids.dtype}")
     if isinstance(ids, jax.core.Tracer) or not getattr(ids, "is_fully_addressable", True) or not ids.size:
         return
-    low, top = int(ids.min()), int(ids.max())
+    host = np.asarray(ids)      # numpy's min and max: inside a trace (ids a constant in it) jnp's are traced
+    low, top = int(host.min()), int(host.max())
     if low < 0 or top >= high:
         raise ValueError(f"{what} must be in [0, {high}), got values from {low} to {top}")
