@@ -112,7 +112,8 @@ def _start_two(args, port):
 @pytest.mark.parametrize("who", ["one", "both"])
 def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, who):
     """one: Ctrl-C reaches only process 1 (the README's `... &` then foreground example). both:
-    SIGTERM reaches process 0, then process 1 0.4 s later, as a preemption reaching two nodes.
+    SIGUSR1 (SLURM's warning before a time limit) reaches process 0, then process 1 0.4 s later,
+    as it reaches two nodes.
     Either way the stop is agreed, both save the same step and exit 0; the checkpoint resumes
     in one process."""
     wd = tmp_path / "sig"
@@ -123,12 +124,12 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, who):
     if who == "one":
         procs[1].send_signal(signal.SIGINT)
     else:
-        procs[0].send_signal(signal.SIGTERM)
+        procs[0].send_signal(signal.SIGUSR1)
         time.sleep(0.4)
-        procs[1].send_signal(signal.SIGTERM)
+        procs[1].send_signal(signal.SIGUSR1)
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    name = "SIGINT" if who == "one" else "SIGTERM"
+    name = "SIGINT" if who == "one" else "SIGUSR1"
     assert f"{name}: saved a checkpoint at step" in outs[0][0]
     step = int(outs[0][0].split("saved a checkpoint at step ")[1].split()[0])
     assert (wd / "checkpoints" / str(step)).is_dir()

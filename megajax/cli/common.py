@@ -150,7 +150,7 @@ class Stopped(BaseException):   # not an Exception: nothing on the way may swall
 
 
 def stop_with_a_line(message: str):
-    """A tool's stop signals (SIGTERM, SIGINT, SIGHUP: training/signals.py) raise
+    """A tool's stop signals (SIGTERM, SIGINT, SIGHUP, a scheduler's warnings: training/signals.py) raise
     Stopped("SIGNAL: message"), which its main prints as one line (`stopped`) instead of a
     traceback; what it writes is atomic, so nothing is half done."""
     def handler(signum, frame):

@@ -139,7 +139,7 @@ class Watchdog:
 
 # -- agreement between processes (each call is a collective: every process makes it) -------
 
-_SIGNALS = (None, "SIGTERM", "SIGINT", "SIGPIPE", "SIGHUP")   # SIGPIPE: process 0's stdout closed (signals.py)
+_SIGNALS = (None, "SIGTERM", "SIGINT", "SIGPIPE", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU")   # SIGPIPE: process 0's stdout closed (signals.py)
 
 
 def agreed_stop(local: str | None) -> str | None:

@@ -8,11 +8,15 @@ from megajax.errors import UserError, exit_now
 
 
 def _stop_signals() -> tuple:
-    """A scheduler's SIGTERM, Ctrl-C, and (POSIX) the hang-up of a closed terminal or SSH
-    session, unless the program was started to ignore it (nohup): that choice is kept."""
-    hangup = getattr(signal, "SIGHUP", None)
-    keep = hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN
-    return (signal.SIGTERM, signal.SIGINT) + ((hangup,) if keep else ())
+    """A scheduler's SIGTERM and Ctrl-C; and (POSIX) the hang-up of a closed terminal or SSH
+    session and the warnings batch schedulers send before a limit ends a job: SLURM's
+    `--signal=USR1@120` (any signal it is told), Grid Engine's `-notify` (SIGUSR2), a CPU-time
+    limit's SIGXCPU (LSF's CPULIMIT). Their default action ends the run unsaved; each is taken
+    only while it has that default: one the program was started to ignore (nohup) or that
+    something else handles is left as it is."""
+    optional = (getattr(signal, name, None) for name in ("SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU"))
+    return (signal.SIGTERM, signal.SIGINT) + tuple(
+        sig for sig in optional if sig is not None and signal.getsignal(sig) is signal.SIG_DFL)
 
 
 STOP_SIGNALS = _stop_signals()   # what every megajax program answers with a stop
