@@ -326,6 +326,11 @@ def test_generate_takes_what_it_can_use_and_names_what_it_cannot():
     bert = init_model(load_config("bert_tiny", ["model.num_layers=1"]).model, mesh_for("1x1"))
     with pytest.raises(ValueError, match="generate continues text with a GPT; this is a BERT"):
         generate(bert, [5], 3)
+    # A sequence-parallel model decodes as the same weights without it (one token cannot be
+    # split over "model"); before, every call was "a sequence of 1 tokens does not split".
+    sp, plain = (init_model(tiny_config(seq_len=8, sequence_parallel=on).model, mesh_for("1x2"), seed=3) for on in (True, False))
+    np.testing.assert_array_equal(generate(sp, [[5, 6, 7], [1, 2, 3]], 9, temperature=0),
+                                  generate(plain, [[5, 6, 7], [1, 2, 3]], 9, temperature=0))
 
 
 @pytest.mark.parametrize("spec", ["1x1", "2x4"])

@@ -1,6 +1,7 @@
 """Autoregressive sampling with a KV cache split over the model axis like the heads."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from megajax.core.mesh import padded_rows
+from megajax.models.registry import ModelDef, abstract_model, for_inference
 
 
 def sample_logits(logits, key, temperature: float, top_k: int | None):
@@ -68,6 +70,15 @@ def _checked(model, prompt_tokens, max_new_tokens, temperature, top_k):
     return prompt.astype(np.int32), min(top_k, model.cfg.vocab_size) if top_k else None
 
 
+def _for_decoding(model):
+    """The same weights in a model without sequence parallelism: decoding feeds one token at a
+    time, which cannot be split over the model axis (eval.py and train.py's sample build it so)."""
+    if not model.cfg.sequence_parallel:
+        return model
+    layout = dataclasses.replace(model.layout, sequence_parallel=False)
+    return ModelDef(abstract_model(for_inference(model.cfg), layout)).bind(ModelDef(model).params(model))
+
+
 def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, rng=None, eos_id: int | None = None, stopped=None) -> np.ndarray:
     """Continue each row of `prompt_tokens` (b, t), equal-length prompts, by `max_new_tokens`.
@@ -79,6 +90,7 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
     Returns the new tokens, (b, n).
     """
     prompt, top_k = _checked(model, prompt_tokens, max_new_tokens, temperature, top_k)
+    model = _for_decoding(model)
     rows, t = prompt.shape
     if max_new_tokens == 0:
         return np.zeros((rows, 0), np.int32)
