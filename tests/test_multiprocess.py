@@ -11,6 +11,9 @@ from tolerances import F32
 
 from test_train_cli import ROOT, RUN_ARGS, env, losses, run
 
+from megajax.errors import UserError
+from megajax.training.distributed import initialize
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -201,3 +204,13 @@ def test_a_peer_that_skips_the_shutdown_leaves_one_line_not_an_abort():
     assert procs[0].returncode == 3, err[-3000:]
     assert err.endswith("warning: process 0 of 2: the other processes did not reach the shutdown within 8 s (one "
                         "probably ended without it); leaving with the run's status 3\n"), err[-3000:]
+
+
+@pytest.mark.parametrize("args,message", [
+    ((None, None, None, 0), "--heartbeat-timeout must be at least 1 second, got 0"),   # before: ignored in one
+    (("127.0.0.1:1234", 2, 0, -5), "--heartbeat-timeout must be at least 1 second"),   # process; a watchdog at -4 s
+    (("127.0.0.1:1234", 0, 0, 60), "--num-processes must be at least 1, got 0"),      # "must be in 0..-1"
+    (("127.0.0.1:1234", 2, 2, 60), "--process-id must be in 0..1, got 2")])
+def test_multi_process_arguments_are_checked_before_anything_starts(args, message):
+    with pytest.raises(UserError, match=message):
+        initialize(*args)

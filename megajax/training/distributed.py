@@ -39,6 +39,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     A process that loses a peer learns it from the coordination service's heartbeat within
     about `heartbeat_timeout_s` seconds, or at once from a failed collective, and exits.
     """
+    if heartbeat_timeout_s < 1:    # refused also where unused, as every other mistaken argument is
+        raise UserError(f"--heartbeat-timeout must be at least 1 second, got {heartbeat_timeout_s}")
     explicit = any(v is not None for v in (coordinator, num_processes, process_id))
     if not explicit and not on_cluster():
         return False
@@ -46,6 +48,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise UserError("--coordinator, --num-processes and --process-id go together")
     if explicit and not (coordinator.rpartition(":")[0] and coordinator.rpartition(":")[2].isdigit()):
         raise UserError(f"--coordinator must be HOST:PORT (e.g. 127.0.0.1:1234), got '{coordinator}'")
+    if explicit and num_processes < 1:
+        raise UserError(f"--num-processes must be at least 1, got {num_processes}")
     if explicit and not 0 <= process_id < num_processes:
         raise UserError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
