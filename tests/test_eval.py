@@ -395,7 +395,7 @@ def test_ppl_of_a_prepared_corpus_scores_its_held_out_split(workdir, tmp_path):
     assert r["loss"] == ref["loss"] and lines[0] == ("split", "val (held out by megajax-prepare)")
 
 
-def test_the_result_never_replaces_the_data_it_evaluates(tmp_path):
+def test_the_result_never_replaces_the_data_it_evaluates_and_no_argument_goes_unused(tmp_path):
     """`--out` (or the default WORKDIR/eval_TASK.json) naming the --data file, through any
     spelling or link, or an existing file in a RACE/GLUE directory: before, eval.py read the
     data, then replaced it with its JSON. A new file beside the data, or no --data, is fine."""
@@ -413,6 +413,10 @@ def test_the_result_never_replaces_the_data_it_evaluates(tmp_path):
             (tmp_path / "eval_wikitext.json").write_text("{}")
         with pytest.raises(UserError, match="would replace the data it evaluates"):
             check_eval_args(eval_parser().parse_args([*argv, task, "--data", data, *(["--out", out] if out else [])]))
+    for extra, message in [(["--split", "dev"], "--split chooses the split of race, mnli or qqp; --task wikitext has none"),
+                           (["--prompt", "x"], "--prompt is for --task sample; --task wikitext reads --data")]:
+        with pytest.raises(UserError, match=message):    # before: silently unused
+            check_eval_args(eval_parser().parse_args([*argv, "wikitext", "--data", str(text), *extra]))
     for task, data, out in [("wikitext", str(text), str(tmp_path / "new.json")), ("race", str(race), str(race / "r.json")),
                             ("sample", None, str(text)), ("ppl", "builtin", str(text))]:
         check_eval_args(eval_parser().parse_args([*argv, task, *(["--data", data] if data else []), "--out", out]))

@@ -59,6 +59,10 @@ def check_eval_args(args):
             raise UserError(f"--top-k must be 0 (no limit) or positive, got {args.top_k}")
         if not 0 <= args.seed < 2**31:
             raise UserError(f"--seed must be in 0..2^31-1, got {args.seed}")
+    if args.split is not None and args.task not in ("race", "mnli", "qqp"):   # before: silently unused
+        raise UserError(f"--split chooses the split of race, mnli or qqp; --task {args.task} has none")
+    if args.prompt and args.task != "sample":
+        raise UserError(f"--prompt is for --task sample; --task {args.task} reads --data")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     out = Path(args.out) if args.out else None
