@@ -263,7 +263,8 @@ def test_user_errors_are_one_line(corpus, tmp_path, capsys):
              ([str(latin), "--tokenizer", "chars"], "--tokenizer chars is made from the corpus"),
              ([str(latin), "--tokenizer", "wordpiece:300"], "--tokenizer wordpiece:300 is made from the corpus"),
              ([str(corpus / "docs.jsonl"), "--pairs", "--seq-len", "0"], "--seq-len must be at least 8"),
-             ([str(corpus / "docs.jsonl"), "--seed", "-1"], "--seed must be in 0..2^31-1"),
+             ([str(corpus / "docs.jsonl"), "--pairs", "--seed", "-1"], "--seed must be in 0..2^31-1"),
+             ([str(corpus / "docs.jsonl"), "--seq-len", "128"], "--seq-len and --seed shape BERT sentence pairs: add --pairs"),
              ([str(corpus / "docs.jsonl"), "--workers", "0"], "--workers must be at least 1")]
     for argv, message in cases:
         assert prepare_main([*argv, "--out", str(tmp_path / "o")] + (["--workers", "1"] if "--workers" not in argv else [])) == 2

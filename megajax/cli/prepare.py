@@ -27,14 +27,19 @@ def prepare_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help="jsonl: the field holding the text (default text)")
     p.add_argument("--workers", type=int, help="processes (default: every CPU)")
     p.add_argument("--pairs", action="store_true", help="BERT: sentence pairs for --seq-len, for --data pairs:DIR")
-    p.add_argument("--seq-len", type=int, default=512, help="--pairs: the model.seq_len they are for (default 512)")
-    p.add_argument("--seed", type=int, default=0, help="--pairs: the train.seed whose draws shape the pairs, as "
-                                                      "in memory (default 0)")
+    p.add_argument("--seq-len", type=int, help="--pairs: the model.seq_len they are for (default 512)")
+    p.add_argument("--seed", type=int, help="--pairs: the train.seed whose draws shape the pairs, as "
+                                            "in memory (default 0)")
     return p
 
 
 def check_prepare_args(args):
-    """The numbers on the command line, before anything is read or written."""
+    """The numbers on the command line, before anything is read or written; --seq-len and --seed
+    take their defaults here, since they mean something only with --pairs."""
+    if not args.pairs and (args.seq_len, args.seed) != (None, None):    # before: silently unused
+        raise UserError("--seq-len and --seed shape BERT sentence pairs: add --pairs (a GPT corpus has neither)")
+    args.seq_len = 512 if args.seq_len is None else args.seq_len
+    args.seed = 0 if args.seed is None else args.seed
     if args.pairs and not 8 <= args.seq_len < 2**31:
         raise UserError(f"--seq-len must be at least 8 (and below 2^31) for sentence pairs, got {args.seq_len}")
     if not 0 <= args.seed < 2**31:
@@ -48,10 +53,11 @@ def prepare_main(argv=None) -> int:
     args = prepare_parser().parse_args(argv)
     from megajax.prepare import Settings, prepare
 
-    settings = Settings(args.tokenizer, args.val_fraction, args.text_field, args.seq_len if args.pairs else 0, args.seed)
     stop_with_a_line(f"the finished units are kept in {args.out}/.partial: the same command continues")
     try:
         check_prepare_args(args)
+        settings = Settings(args.tokenizer, args.val_fraction, args.text_field, args.seq_len if args.pairs else 0,
+                            args.seed)
         meta = prepare(args.inputs, args.out, settings, args.workers)
     except UserError as e:
         return fail(str(e))
