@@ -44,10 +44,16 @@ def given(text: str) -> str:
     directory, as it is to the shell, not a folder named `~` in the current one."""
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
+    prefix, paths = spec_paths(text)
+    return prefix + ",".join(os.path.expanduser(p) for p in paths)
+
+
+def spec_paths(text: str) -> tuple[str, list[str]]:
+    """A path argument's KIND: prefix, if any (`text:`, `bin:`, `hf:`), and its comma-separated paths."""
     kind, colon, paths = text.partition(":")
     if not (colon and kind.isalpha()):
-        kind, colon, paths = "", "", text
-    return kind + colon + ",".join(os.path.expanduser(p) for p in paths.split(","))
+        return "", text.split(",")
+    return kind + colon, paths.split(",")
 
 
 def fail(message: str) -> int:

@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, exit_on_signal, fail, failed, given,
-                                guard_stdout, set_host_devices, start_jax)
+                                guard_stdout, set_host_devices, spec_paths, start_jax)
 from megajax.errors import UserError
 from megajax.files import write_atomic
 from megajax.training.signals import STOP_SIGNALS
@@ -78,8 +78,7 @@ def _refuse_replacing_data(out: Path, data: str | None):
     (RACE, GLUE). It would be read whole, then replaced by the JSON."""
     if not (data and out.exists()):
         return
-    kind, colon, paths = data.partition(":")
-    for path in map(Path, filter(None, (paths if colon and kind.isalpha() else data).split(","))):
+    for path in map(Path, filter(None, spec_paths(data)[1])):
         if not path.exists():
             continue
         if out.samefile(path) or (path.is_dir() and path.resolve() in out.resolve().parents):

@@ -70,7 +70,8 @@ class BERT(nnx.Module):
         check_ids("token ids", tokens, self.cfg.vocab_size)
         check_ids("token types", types, TYPE_VOCAB, tokens.shape)
         if tuple(mask.shape) != tuple(tokens.shape):
-            raise ValueError(f"the padding mask must have the token ids' shape {tuple(tokens.shape)}, got {tuple(mask.shape)}")
+            raise ValueError(f"the padding mask must have the token ids' shape {tuple(tokens.shape)}, "
+                             f"got {tuple(mask.shape)}")
         positions = jnp.arange(tokens.shape[1])
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
         # A gather, as in GPT, not a slice: with sequence parallelism a slice's gradient is sharded

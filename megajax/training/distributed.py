@@ -143,7 +143,8 @@ class Watchdog:
 
 # -- agreement between processes (each call is a collective: every process makes it) -------
 
-_SIGNALS = (None, "SIGTERM", "SIGINT", "SIGPIPE", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU")   # SIGPIPE: process 0's stdout closed (signals.py)
+# Stop reasons by number; SIGPIPE: process 0's stdout closed (signals.py). New ones go at the end.
+_SIGNALS = (None, "SIGTERM", "SIGINT", "SIGPIPE", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU")
 
 
 def agreed_stop(local: str | None) -> str | None:
