@@ -413,10 +413,17 @@ def test_the_result_never_replaces_the_data_it_evaluates_and_no_argument_goes_un
             (tmp_path / "eval_wikitext.json").write_text("{}")
         with pytest.raises(UserError, match="would replace the data it evaluates"):
             check_eval_args(eval_parser().parse_args([*argv, task, "--data", data, *(["--out", out] if out else [])]))
-    for extra, message in [(["--split", "dev"], "--split chooses the split of race, mnli or qqp; --task wikitext has none"),
-                           (["--prompt", "x"], "--prompt is for --task sample; --task wikitext reads --data")]:
+    for task, extra, message in [
+            ("wikitext", ["--split", "dev"], "--split is for --task race, mnli, qqp; --task wikitext does not use it"),
+            ("wikitext", ["--prompt", "x"], "--prompt is for --task sample; --task wikitext does not"),
+            ("lambada", ["--stride", "8"], "--stride is for --task ppl, wikitext; --task lambada does not"),
+            ("sample", ["--data", str(text)], "--data is for --task ppl, wikitext, lambada, mlm, race"),
+            ("ppl", ["--data", str(text), "--top-k", "0"], "--top-k is for --task sample; --task ppl does not")]:
         with pytest.raises(UserError, match=message):    # before: silently unused
-            check_eval_args(eval_parser().parse_args([*argv, "wikitext", "--data", str(text), *extra]))
+            check_eval_args(eval_parser().parse_args([*argv, task, *extra]))
+    args = eval_parser().parse_args([*argv, "sample", "--seed", "3"])
+    check_eval_args(args)    # the defaults, where a task reads them
+    assert (args.seed, args.top_k, args.temperature, args.max_new_tokens, args.prompt) == (3, 40, 0.8, 200, "")
     for task, data, out in [("wikitext", str(text), str(tmp_path / "new.json")), ("race", str(race), str(race / "r.json")),
                             ("sample", None, str(text)), ("ppl", "builtin", str(text))]:
         check_eval_args(eval_parser().parse_args([*argv, task, *(["--data", data] if data else []), "--out", out]))

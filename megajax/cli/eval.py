@@ -37,19 +37,34 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-devices", type=int)
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", type=given, help="JSON result file (default: WORKDIR/eval_TASK.json)")
-    p.add_argument("--stride", type=int, default=32, help="overlapping-window stride (the paper: 32)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--prompt", default="", help="sample: the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stride", type=int, help="ppl, wikitext: overlapping-window stride (default 32, the paper's)")
+    p.add_argument("--batch-size", type=int, help="rows a step (default 8)")
+    p.add_argument("--prompt", help="sample: the text to continue")
+    p.add_argument("--max-new-tokens", type=int, help="sample (default 200)")
+    p.add_argument("--temperature", type=float, help="sample (default 0.8; 0 is greedy)")
+    p.add_argument("--top-k", type=int, help="sample (default 40; 0 is no limit)")
+    p.add_argument("--seed", type=int, help="sample (default 0)")
     add_distributed_args(p)
     return p
 
 
+READS_DATA = ("ppl", "wikitext", "lambada", "mlm", "race", "mnli", "qqp")
+# An argument only some tasks read -> (those tasks, its default). Given to another task it is
+# refused (before: silently unused, e.g. --task wikitext --split dev scored the whole file).
+TASK_ARGS = {"data": (READS_DATA, None), "split": (("race", "mnli", "qqp"), None), "batch_size": (READS_DATA, 8),
+             "stride": (("ppl", "wikitext"), 32), "prompt": (("sample",), ""), "max_new_tokens": (("sample",), 200),
+             "temperature": (("sample",), 0.8), "top_k": (("sample",), 40), "seed": (("sample",), 0)}
+
+
 def check_eval_args(args):
-    """Everything about eval.py's arguments that can be checked before loading a model."""
+    """Everything about eval.py's arguments that can be checked before loading a model; the
+    arguments of TASK_ARGS take their defaults here."""
+    for name, (tasks, default) in TASK_ARGS.items():
+        if getattr(args, name) is not None and args.task not in tasks:
+            raise UserError(f"--{name.replace('_', '-')} is for --task {', '.join(tasks)}; "
+                            f"--task {args.task} does not use it")
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.task == "sample":
         if args.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -59,10 +74,6 @@ def check_eval_args(args):
             raise UserError(f"--top-k must be 0 (no limit) or positive, got {args.top_k}")
         if not 0 <= args.seed < 2**31:
             raise UserError(f"--seed must be in 0..2^31-1, got {args.seed}")
-    if args.split is not None and args.task not in ("race", "mnli", "qqp"):   # before: silently unused
-        raise UserError(f"--split chooses the split of race, mnli or qqp; --task {args.task} has none")
-    if args.prompt and args.task != "sample":
-        raise UserError(f"--prompt is for --task sample; --task {args.task} reads --data")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     out = Path(args.out) if args.out else None
