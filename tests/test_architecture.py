@@ -16,7 +16,7 @@ LAYERS = [("errors", "files", "hostenv", "shapes", "config", "progress", "memory
 DEFERRED = {
     "cli.common": {"jax", "megajax.training.distributed"},
     "cli.train": {"megajax.core.mesh", "megajax.tools.dry_run", "megajax.training.loop",
-                  "megajax.training.workdir"},
+                  "megajax.training.workdir", "megajax.tasks"},
     "cli.plot": {"megajax.training.metrics", "megajax.training.workdir"},
     "cli.eval": {"megajax.cli.eval_tasks"},
     "cli.plan": {"jax", "megajax.config", "megajax.plan", "megajax.plan.report"},

@@ -345,6 +345,8 @@ def test_dry_run_costs_follow_the_memory_model():
     (["--set", "train.batch_size=268435456"], "a batch of 268435456 x 33 tokens is more than the 2^31"),
     (["--host-devices", "100000"], "--host-devices must be in 1..4096, got 100000"),   # (it ran out of memory)
     (["--sample-tokens", "-1"], "--sample-tokens must be 0 (none) or more, got -1"),
+    (["--config", "bert_tiny", "--sample-tokens", "5"], "--sample-tokens is for a GPT run, which ends with a sample; "
+                                                       "this run trains a bert (pretrain), which writes none"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     base = [a for a in BASE]

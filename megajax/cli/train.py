@@ -35,7 +35,7 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int)
     p.add_argument("--eval-every", type=int)
     p.add_argument("--save-every", type=int)
-    p.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate at the end (0: none)")
+    p.add_argument("--sample-tokens", type=int, help="GPT: tokens to generate at the end (default 200; 0: none)")
     p.add_argument("--dry-run", action="store_true",
                    help="compile abstractly; print sizes, per-device memory and the collective audit")
     p.add_argument("--costs", action="store_true",
@@ -75,7 +75,7 @@ def train_main(argv=None) -> int:
 
 def _train_main(args) -> int:
     try:
-        if args.sample_tokens < 0:
+        if args.sample_tokens is not None and args.sample_tokens < 0:
             raise UserError(f"--sample-tokens must be 0 (none) or more, got {args.sample_tokens}")
         # Before jax is imported (a second or two): a mistake in the config is reported at once.
         overrides = list(args.set) + [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS
@@ -99,10 +99,21 @@ def _train_main(args) -> int:
         elif args.costs:
             raise UserError("--costs goes with --dry-run")
         else:
-            train(cfg, mesh, workdir, sample_tokens=args.sample_tokens)   # handles the signals itself
+            train(cfg, mesh, workdir, sample_tokens=_sample_tokens(args.sample_tokens, cfg))   # handles the signals itself
     except UserError as e:
         return fail(str(e))
     except Exception as e:  # noqa: BLE001
         return failed(e, "lower train.batch_size or model.seq_len, raise train.microbatches, set model.remat, or use "
                          "a larger model axis (checkpoints already saved are intact)")
     return 0
+
+
+def _sample_tokens(given: int | None, cfg) -> int:
+    """--sample-tokens, 200 by default; a number of tokens for a run that writes no sample (a
+    BERT) is refused, not silently unused."""
+    from megajax.tasks import task_for
+
+    if given and not task_for(cfg).sample_after_training:
+        raise UserError(f"--sample-tokens is for a GPT run, which ends with a sample; this run trains a "
+                        f"{cfg.model.kind} ({cfg.model.task}), which writes none")
+    return 200 if given is None else given
