@@ -48,7 +48,7 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
-READS_DATA = ("ppl", "wikitext", "lambada", "mlm", "race", "mnli", "qqp")
+READS_DATA = tuple(task for task in TASK_CHOICES if task != "sample")
 # An argument only some tasks read -> (those tasks, its default). Given to another task it is
 # refused (before: silently unused, e.g. --task wikitext --split dev scored the whole file).
 TASK_ARGS = {"data": (READS_DATA, None), "split": (("race", "mnli", "qqp"), None), "batch_size": (READS_DATA, 8),
@@ -82,6 +82,8 @@ def check_eval_args(args):
     if out is not None and out.is_dir():
         raise UserError(f"--out {out} is a directory: give the JSON file's path")
     _refuse_replacing_data(out or Path(args.workdir) / f"eval_{args.task}.json", args.data)
+    if args.task in READS_DATA and not args.data:
+        raise UserError(f"--task {args.task} needs --data")
 
 
 def _refuse_replacing_data(out: Path, data: str | None):

@@ -124,8 +124,6 @@ def run_task(args) -> tuple[dict, bool]:
     m = loaded.cfg.model
     if task_for(loaded.cfg).name != needs:
         raise UserError(f"--task {args.task} needs {what}; {args.workdir} holds {m.kind} ({m.task})")
-    if args.task != "sample" and not args.data:
-        raise UserError(f"--task {args.task} needs --data")
     main = is_main()
     result, rows = run(args, loaded, Progress(unit="row", enabled=main).advance)
     head = {"task": args.task, "workdir": str(args.workdir), "step": loaded.step,
