@@ -90,6 +90,27 @@ def test_megajax_plot_refuses_an_output_it_cannot_write_in_one_line(tmp_path, ca
     assert not (tmp_path / "s.png").exists() or (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_megajax_plot_writes_the_format_its_name_asks_for_and_refuses_a_log_without_losses(tmp_path, capsys):
+    from megajax.cli.plot import plot_main
+
+    log = MetricsLog(tmp_path)
+    log.path.write_text("")                       # a run that has logged nothing yet
+    assert plot_main([str(tmp_path)]) == 2        # before: an empty picture and matplotlib's warning
+    assert capsys.readouterr().err == f"error: {log.path} holds no loss yet: a run logs one every train.log_every steps\n"
+    log.path.write_bytes(bytes(range(256)) * 4 + b"\n")   # nothing that parses
+    assert plot_main([str(tmp_path)]) == 2 and "holds no loss yet" in capsys.readouterr().err
+    log.write({"step": 1, "val_loss": 3.0})       # a validation loss alone is a curve
+    magic = {"curve.pdf": b"%PDF", "curve.SVG": b"<?xml", "curve": b"\x89PNG", "curve.jpg": b"\xff\xd8"}
+    for name, start in magic.items():             # before: a PNG whatever the name said
+        assert plot_main([str(tmp_path), "--out", str(tmp_path / name)]) == 0
+        assert (tmp_path / name).read_bytes().startswith(start), name
+    capsys.readouterr()
+    assert plot_main([str(tmp_path), "--out", str(tmp_path / "curve.v2")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'curve.v2'}: matplotlib writes no '.v2' picture; end the name in ")
+    assert ".pdf" in err and err.count("\n") == 1 and not (tmp_path / "curve.v2").exists()
+
+
 def test_a_signal_removes_a_half_staged_directory_and_never_denies_a_written_one(tmp_path, monkeypatch):
     """abandon_staged is what megajax-convert's signal handler calls before it ends the process
     without unwinding: at every moment, what it says was written is what exists."""

@@ -12,7 +12,8 @@ def plot_main(argv=None) -> int:
     guard_stdout()
     p = Parser(prog="megajax-plot", description="Draw WORKDIR/loss.png from metrics.jsonl")
     p.add_argument("workdir", type=given)
-    p.add_argument("--out", type=given)
+    p.add_argument("--out", type=given, help="the picture (default WORKDIR/loss.png); its suffix picks the format: "
+                   ".png, .pdf, .svg, .jpg, ...")
     args = p.parse_args(argv)
     from megajax.training.metrics import plot_workdir   # imports jax: after the arguments, as everywhere
     from megajax.training.workdir import refuse_run_file

@@ -314,6 +314,8 @@ def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | No
             curve = f"; loss curve {plot_workdir(run.workdir)}"
         except OSError as e:    # a full disk: the run is saved, only its picture is missing
             curve = f"; no loss curve ({e.strerror})"
+        except UserError:       # no loss logged yet (a run resumed at its last step, metrics off)
+            curve = ""
         final = f", final train loss {logger.losses[step]:.4f}" if step in logger.losses else ""
         out(f"done: {step} steps{final}"
             + (f", val loss {logger.val_loss:.4f}" if logger.val_loss is not None else "") + curve)

@@ -77,8 +77,21 @@ class MetricsLog:
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
+def picture_format(out: Path) -> str:
+    """The format --out's suffix names (png, pdf, svg, jpg, ...); png without a suffix."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    kinds = FigureCanvasAgg.get_supported_filetypes()
+    kind = out.suffix.lower().removeprefix(".") or "png"
+    if kind not in kinds:
+        raise UserError(f"{out}: matplotlib writes no '{out.suffix}' picture; end the name in "
+                        + ", ".join(f".{k}" for k in sorted(kinds)))
+    return kind
+
+
 def plot_workdir(workdir: Path, out: Path | None = None) -> Path:
-    """Draw train (and validation) loss against step from WORKDIR/metrics.jsonl into a PNG."""
+    """Draw train (and validation) loss against step from WORKDIR/metrics.jsonl into a picture:
+    WORKDIR/loss.png, or `out` in the format its suffix names."""
     import matplotlib   # optional and slow to import: only for the picture
 
     matplotlib.use("Agg")
@@ -89,9 +102,13 @@ def plot_workdir(workdir: Path, out: Path | None = None) -> Path:
         raise UserError(f"no metrics.jsonl in {workdir}")
     if out is not None and (Path(out).is_dir() or not Path(out).parent.is_dir()):
         raise UserError(f"{out}: give the picture's file name, in a directory that exists")
+    out = Path(out) if out else Path(workdir) / "loss.png"
+    kind = picture_format(out)
     records = read_jsonl(path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if not train and not val:
+        raise UserError(f"{path} holds no loss yet: a run logs one every train.log_every steps")
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1.2)
@@ -103,10 +120,9 @@ def plot_workdir(workdir: Path, out: Path | None = None) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(out) if out else Path(workdir) / "loss.png"
     picture = io.BytesIO()   # drawn in memory: a signal while drawing leaves no file behind
     try:
-        fig.savefig(picture, format="png")
+        fig.savefig(picture, format=kind)
     finally:
         plt.close(fig)
     write_atomic(out, picture.getvalue())     # never a half-written picture
