@@ -170,6 +170,13 @@ def test_paths_that_exist_are_not_split_or_globbed(tmp_path):
     assert len(text_files(str(tmp_path / "*.txt"))) == 4
     with pytest.raises(UserError, match="data file not found"):
         text_files(f"{tmp_path / 'x.txt'},{tmp_path / 'a'}")
+    # A file named twice is read once (before: twice, the second copy in the held-out tail),
+    # however it is spelt: a glob that includes it, another path, a link.
+    (tmp_path / "link.txt").symlink_to("x.txt")
+    (tmp_path / "sub").mkdir()
+    x = tmp_path / "x.txt"
+    assert text_files(f"{x},{tmp_path / 'sub' / '..' / 'x.txt'},{tmp_path / 'link.txt'},{x}") == [x]
+    assert text_files(f"{tmp_path / 'run1.txt'},{tmp_path / 'run?.txt'}") == [tmp_path / "run1.txt"]
 
 
 def test_missing_and_empty_sources(tmp_path):

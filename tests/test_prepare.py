@@ -80,6 +80,34 @@ def test_jsonl_documents_by_field(corpus, tmp_path):
     assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 200
 
 
+def test_a_file_named_twice_is_one_document_and_an_empty_one_none(corpus, tmp_path, capsys):
+    """Before: a glob and a path to the same file tokenized it twice (the copy in the held-out
+    tail, a validation set equal to training text); an empty file or jsonl text was a lone
+    end-of-document token; inputs with no text at all made a corpus of end tokens."""
+    files = sorted((corpus / "text").glob("*.txt"))[:3]
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "link.txt").symlink_to(files[1])
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": "one"}\n')
+    inputs = [str(corpus / "text" / "0[0-2]_*.txt"), str(files[1]), str(tmp_path / "empty.txt"), str(tmp_path / "link.txt"),
+              str(tmp_path / "blank.jsonl")]
+    meta = prep.prepare(inputs, tmp_path / "o", prep.Settings(TOKENIZER, 0.1), workers=1, say=lambda *a: None)
+    got, _ = outputs(tmp_path / "o")
+    tok = make_tokenizer(TOKENIZER)
+    sep = tok.token_id("[SEP]")
+    want = [i for text in [f.read_text() for f in files] + ["one"] for i in [*tok.encode(text), sep]]
+    np.testing.assert_array_equal(got, want)
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 4
+    assert [Path(s["source"]).name for s in meta["plan"]] == [f.name for f in files] + ["empty.txt", "blank.jsonl"]
+    assert prepare_main([str(tmp_path / "empty.txt"), str(tmp_path / "blank.jsonl"), "--text-field", "text",
+                         "--out", str(tmp_path / "none"), "--workers", "1"]) == 0   # "one" is text
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
+    capsys.readouterr()
+    assert prepare_main([str(tmp_path / "empty.txt"), str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "none2"),
+                         "--workers", "1"]) == 2
+    assert capsys.readouterr().err == "error: the inputs hold no text (every document is empty): nothing to prepare\n"
+    assert not (tmp_path / "none2").exists()
+
+
 def test_a_pool_writes_what_one_process_writes(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(U, "UNIT_BYTES", 20_000)    # big files cut into many units, tokenized out of order
     settings = prep.Settings(TOKENIZER, 0.2, "body")

@@ -38,7 +38,8 @@ def builtin_text(max_bytes: int = BUILTIN_MAX_BYTES) -> str:
 def text_files(spec: str) -> list[Path]:
     """The files a comma-separated list of paths and globs names (`**` spans directories). A
     path that exists is taken as it is: a file named `a,b.txt` or `run[1].txt` is not split at
-    its comma or read as a pattern."""
+    its comma or read as a pattern. A file named twice (a glob and a path, or a link to it) is
+    read once: a second copy would be trained on twice and could land in the held-out tail."""
     files = []
     for item in [spec] if Path(spec).exists() else filter(None, spec.split(",")):
         pattern = any(c in item for c in "*?[") and not Path(item).exists()
@@ -53,7 +54,18 @@ def text_files(spec: str) -> list[Path]:
                 raise UserError(f"data file {p} is a directory: give its files (a glob such as {p}/*.txt)"
                                 if p.is_dir() else f"data file {p} is not a regular file")
             files.append(p)
-    return files
+    return distinct(files)
+
+
+def distinct(files: list[Path]) -> list[Path]:
+    """`files` in order, each file once however it is spelt (its resolved path decides)."""
+    seen, kept = set(), []
+    for f in files:
+        key = Path(f).resolve()
+        if key not in seen:
+            seen.add(key)
+            kept.append(f)
+    return kept
 
 
 def read_utf8(path: Path) -> str:

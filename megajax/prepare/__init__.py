@@ -201,6 +201,8 @@ def _assemble(partial: Path, n_units: int, val_fraction: float) -> dict:
     lengths = [int(load(i).shape[0]) for i in range(n_units)]
     docs = [int((units_dir / f"{i}.docs").read_text()) for i in range(n_units)]
     total = sum(lengths)
+    if total == 0:
+        raise UserError("the inputs hold no text (every document is empty): nothing to prepare")
     goal = total - int(total * val_fraction)       # tokens in train
     ends = np.cumsum(lengths)
     # Document ends that leave between half and twice val_fraction held out; the nearest wins.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megajax.data.sources import text_files, tfds_size, tfds_texts
+from megajax.data.sources import distinct, text_files, tfds_size, tfds_texts
 from megajax.errors import UserError
 
 UNIT_BYTES = 4 << 20
@@ -33,13 +33,16 @@ class Unit:
 
 
 def expand_inputs(inputs: list[str]) -> list[tuple[str, str]]:
-    """(source, kind) for each file a path or glob names (in sorted order), and tfds: names."""
+    """(source, kind) for each file a path or glob names (in sorted order), and tfds: names;
+    each once, however often the inputs name it."""
     found = []
     for item in inputs:
         if item.startswith("tfds:"):
             found.append((item, "tfds"))
         else:
             found += [(str(f), "jsonl" if f.suffix in (".jsonl", ".json") else "text") for f in text_files(item)]
+    files = set(map(str, distinct([Path(s) for s, kind in found if kind != "tfds"])))   # first spellings
+    found = [(s, kind) for s, kind in dict.fromkeys(found) if kind == "tfds" or s in files]
     if not found:
         raise UserError("no input given")
     return found
@@ -117,13 +120,16 @@ def _unit_texts(unit: Unit, text_field: str) -> list[str]:
 
 
 def tokenize_unit(unit: Unit, tokenizer, separator: list[int], text_field: str, dtype) -> tuple[np.ndarray, int]:
-    """(token ids, documents ended) of one unit: each document's ids, then the separator."""
+    """(token ids, documents ended) of one unit: each document's ids, then the separator. An
+    empty document (an empty file, a jsonl record's "") is no document: no lone separator."""
     texts = _unit_texts(unit, text_field)
     ends = unit.kind != "text" or unit.ends_document
-    parts = []
+    parts, documents = [], 0
     for ids in tokenizer.encode_batch(texts):
+        if len(ids) == 0 and (unit.kind != "text" or unit.start == 0):
+            continue
         parts.append(np.asarray(ids, dtype))
         if ends:
             parts.append(np.asarray(separator, dtype))
-    documents = len(texts) if ends else 0
+            documents += 1
     return (np.concatenate(parts) if parts else np.zeros(0, dtype)), documents
