@@ -23,7 +23,7 @@ DEFERRED = {
     "cli.convert": {"megajax.convert"},
     "cli.prepare": {"megajax.prepare"},
     "data.sources": {"tensorflow_datasets"},
-    "training.metrics": {"matplotlib", "matplotlib.pyplot"},
+    "training.metrics": {"matplotlib", "matplotlib.pyplot", "matplotlib.backends.backend_agg"},
 }
 
 
