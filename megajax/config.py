@@ -175,7 +175,7 @@ class TrainConfig:
 
 @dataclasses.dataclass(slots=True)
 class DataConfig:
-    source: str = "builtin"           # builtin | text:PATH[,GLOB] | bin:PATH | tfds:NAME[/CONFIG] | bin:DIR, pairs:DIR (megajax-prepare's); fine-tuning: the task's dir
+    source: str = "builtin"           # builtin | text:PATH[,GLOB] | bin:PATH | tfds:NAME[/CONFIG] | bin:DIR, pairs:DIR (megajax-prepare's) | megatron:PREFIX; fine-tuning: the task's dir
     tokenizer: str = "bytes"          # bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME | wordpiece:PATH/vocab.txt | wordpiece[:SIZE] (trained on the corpus)
     val_fraction: float = 0.1
     bin_dtype: str = "uint16"         # for bin: sources

@@ -404,11 +404,15 @@ def test_the_result_never_replaces_the_data_it_evaluates_and_no_argument_goes_un
     (race / "test" / "high").mkdir(parents=True)
     (race / "test" / "high" / "1.txt").write_text("{}")
     (tmp_path / "link.txt").symlink_to(text)
+    for end in (".bin", ".idx"):       # a Megatron-LM dataset: megatron:PREFIX names both
+        (tmp_path / f"corpus_text_document{end}").write_bytes(b"")
     argv = ["--workdir", str(tmp_path), "--task"]
     for task, data, out in [("wikitext", str(text), str(tmp_path / "link.txt")), ("ppl", f"text:{text}", str(text)),
                             ("ppl", f"bin:{tmp_path}/../{tmp_path.name}/wiki.txt", str(text)),
                             ("race", str(race), str(race / "test" / "high" / "1.txt")),
-                            ("wikitext", str(tmp_path / "eval_wikitext.json"), None)]:
+                            ("wikitext", str(tmp_path / "eval_wikitext.json"), None),
+                            ("ppl", f"megatron:{tmp_path / 'corpus_text_document'}", str(tmp_path / "corpus_text_document.idx")),
+                            ("mlm", f"megatron:{tmp_path / 'corpus_text_document.bin'}", str(tmp_path / "corpus_text_document.bin"))]:
         if out is None:
             (tmp_path / "eval_wikitext.json").write_text("{}")
         with pytest.raises(UserError, match="would replace the data it evaluates"):

@@ -333,6 +333,7 @@ def test_dry_run_costs_follow_the_memory_model():
     (["--set", "model.num_heads=3", "--set", "model.hidden=96"], "num_heads=3 is not divisible by the model axis"),
     (["--set", "train.batch_size=6"], "global batch 6 is not divisible by the data axis (4)"),
     (["--data", "text:/nonexistent/file.txt"], "data file not found: /nonexistent/file.txt"),
+    (["--data", "megatron:/nonexistent/corpus_text_document"], "/nonexistent/corpus_text_document.idx not found"),
     (["--set", "model.num_layer=3"], "did you mean 'model.num_layers'"),
     (["--set", "train.lr=fast"], "train.lr expects float, got 'fast'"),
     (["--config", "nope"], "no config named 'nope'"),

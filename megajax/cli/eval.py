@@ -30,8 +30,8 @@ def eval_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", type=given, required=True)
     p.add_argument("--task", required=True, choices=TASK_CHOICES)
-    p.add_argument("--data", type=given, help="ppl: text:PATH | bin:PATH | PATH; wikitext: the .txt file; lambada: the .jsonl file; "
-                                   "mlm: text:PATH | PATH | builtin; race/mnli/qqp: the task's directory")
+    p.add_argument("--data", type=given, help="ppl: text:PATH | bin:PATH | megatron:PREFIX | PATH; wikitext: the .txt file; lambada: the .jsonl file; "
+                                   "mlm: text:PATH | PATH | builtin | megatron:PREFIX; race/mnli/qqp: the task's directory")
     p.add_argument("--split", help="race: dev | test (default test); mnli: dev_matched | dev_mismatched; qqp: dev")
     p.add_argument("--mesh", default="auto")
     p.add_argument("--host-devices", type=int)
@@ -91,7 +91,10 @@ def _refuse_replacing_data(out: Path, data: str | None):
     (RACE, GLUE). It would be read whole, then replaced by the JSON."""
     if not (data and out.exists()):
         return
-    for path in map(Path, filter(None, spec_paths(data)[1])):
+    kind, paths = spec_paths(data)
+    if kind == "megatron:":      # PREFIX names PREFIX.bin and PREFIX.idx
+        paths = [f"{p.removesuffix('.bin').removesuffix('.idx')}{end}" for p in paths for end in (".bin", ".idx")]
+    for path in map(Path, filter(None, paths)):
         if not path.exists():
             continue
         if out.samefile(path) or (path.is_dir() and path.resolve() in out.resolve().parents):

@@ -10,7 +10,8 @@ import numpy as np
 
 from megajax.core.mesh import make_mesh
 from megajax.core.sharding import DATA, MODEL
-from megajax.data.bert_pretrain import load_pretraining
+from megajax.data.bert_pretrain import load_pretraining, pretraining_from_documents
+from megajax.data.megatron import sentence_documents
 from megajax.data.prepared import load_pairs
 from megajax.data.sentences import Specials
 from megajax.data.sources import source_text
@@ -27,7 +28,7 @@ from megajax.training.workdir import Loaded, is_main, load_workdir, refuse_run_f
 
 
 def data_source(arg: str) -> str:
-    """--data as train.py reads it (builtin, text:, bin:, tfds:), or a bare path: a text file."""
+    """--data as train.py reads it (builtin, text:, bin:, megatron:, tfds:), or a bare path: a text file."""
     return arg if ":" in arg or arg == "builtin" else f"text:{arg}"
 
 
@@ -80,6 +81,9 @@ def mlm(args, loaded: Loaded, progress):
         pairs, split = load_pairs(Path(arg), loaded.tokenizer, cfg.model.seq_len)[1], "val"
         if not len(pairs):
             raise UserError(f"{arg} has no held-out pairs (prepared with --val-fraction 0): nothing to score")
+    elif kind == "megatron":   # a Megatron-LM dataset with --split-sentences: all of it
+        docs = sentence_documents(arg, loaded.tokenizer, source)
+        pairs, split = pretraining_from_documents(docs, loaded.tokenizer, cfg).train_pairs, None
     else:
         pairs, split = load_pretraining(source_text(source), loaded.tokenizer, cfg).train_pairs, None
     r = evaluate_pretraining(loaded.model, pairs, cfg, Specials.of(loaded.tokenizer), loaded.tokenizer,

@@ -25,7 +25,7 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default="auto", help="data=2,model=4 | 2x4 | model=8 | auto (all devices on data)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set model.num_layers=4 --set train.lr=3e-4")
-    p.add_argument("--data", type=given, help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | tfds:NAME[/CONFIG]")
+    p.add_argument("--data", type=given, help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | bin:DIR | megatron:PREFIX | tfds:NAME[/CONFIG]")
     p.add_argument("--tokenizer", type=given, help="bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME")
     p.add_argument("--workdir", type=given, help="where checkpoints, metrics and the config go (default: runs/CONFIG)")
     p.add_argument("--init-from", type=given, metavar="DIR", help="start from this workdir's weights (BERT fine-tuning: its encoder; "

@@ -184,7 +184,12 @@ def load_pretraining(text: str, tokenizer: Tokenizer, cfg) -> PretrainData:
     flat = [s for d in docs for s in d]
     ids = tokenizer.encode_batch(flat)
     it = iter(ids)
-    doc_ids = [[next(it) for _ in d] for d in docs]
+    return pretraining_from_documents([[next(it) for _ in d] for d in docs], tokenizer, cfg, specials)
+
+
+def pretraining_from_documents(doc_ids, tokenizer: Tokenizer, cfg, specials: Specials | None = None) -> PretrainData:
+    """Documents already as sentences of token ids (a Megatron-LM dataset's) -> pairs, split."""
+    specials = specials or Specials.of(tokenizer)
     pairs = make_pairs(doc_ids, cfg.model.seq_len, cfg.train.seed)
     n_val = int(math.floor(len(pairs) * cfg.data.val_fraction))
     return PretrainData(pairs[: len(pairs) - n_val], pairs[len(pairs) - n_val:], tokenizer, specials)

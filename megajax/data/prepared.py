@@ -38,6 +38,17 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2 ** 16 else "uint32"
 
 
+def held_out_cut(document_ends: np.ndarray, total: int, val_fraction: float) -> int:
+    """Where train ends: about val_fraction of `total` tokens held out as whole trailing
+    documents (the document end nearest the goal among those that hold out between half and
+    twice it), or inside the tokens when none is near (a few large documents)."""
+    goal = total - int(total * val_fraction)
+    span = max(1, total - goal)
+    ends = np.asarray(document_ends, np.int64)
+    ends = ends[(ends < total) & (total - ends >= 0.5 * span) & (total - ends <= 2 * span)]
+    return int(ends[np.argmin(np.abs(ends - goal))]) if len(ends) and val_fraction else goal
+
+
 def tokenizer_fingerprint(tok: Tokenizer) -> dict:
     return {"kind": tok.kind, "vocab_size": tok.vocab_size, "probe_ids": [int(i) for i in tok.encode(PROBE)]}
 

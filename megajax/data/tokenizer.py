@@ -224,6 +224,12 @@ class TiktokenTokenizer(Tokenizer):
         return {"kind": self.kind, "name": self.name}
 
 
+def built_from_corpus(spec: str) -> bool:
+    """chars and wordpiece[:SIZE] build their vocabulary from the training text itself."""
+    kind, _, arg = spec.partition(":")
+    return kind == "chars" or (kind == "wordpiece" and (not arg or arg.isdigit()))
+
+
 def make_tokenizer(spec: str, corpus_text: str | None = None) -> Tokenizer:
     """From a config string: bytes | chars | hf:PATH | tiktoken:NAME."""
     kind, _, arg = spec.partition(":")

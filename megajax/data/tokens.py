@@ -2,7 +2,8 @@
 
 Sources: those of megajax/data/sources.py, tokenized, or `bin:PATH`, a flat array of
 uint16/uint32 token ids (nanoGPT's .bin format), or `bin:DIR`, a corpus prepared by
-megajax-prepare (train and validation files, its tokenizer: megajax/data/prepared.py).
+megajax-prepare (train and validation files, its tokenizer: megajax/data/prepared.py), or
+`megatron:PREFIX`, a Megatron-LM indexed dataset (megajax/data/megatron.py).
 
 Training batch `step` is a pure function of (seed, step): a resumed run sees exactly the
 batches of an uninterrupted one. Validation sweeps fixed, non-overlapping windows spread over
@@ -16,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from megajax.data.megatron import check_first_ids, ids_tokenizer, read_indexed, token_split
 from megajax.data.prepared import check_ids, is_prepared, load_prepared
 from megajax.data.sources import builtin_text, read_text, tfds_texts
 from megajax.data.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
@@ -70,6 +72,12 @@ def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
         tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
         tok = tokenizer or (make_tokenizer(tokenizer_spec) if tokenizer_spec != "chars" else ByteTokenizer())
         return dataclasses.replace(_split(tokens, val_fraction, tok), source=arg)
+    if kind == "megatron":
+        ds = read_indexed(arg)
+        tok = tokenizer or ids_tokenizer(tokenizer_spec, source)
+        check_first_ids(ds, tok, source)
+        train, val = token_split(ds, val_fraction)
+        return TokenData(train, val, tok, source=str(ds.prefix))
     if kind == "tfds":
         train_texts = tfds_texts(arg, "train")
         tok = tokenizer or make_tokenizer(tokenizer_spec, "\n".join(train_texts))
@@ -86,7 +94,7 @@ def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
     elif kind == "text":
         text = read_text(arg)
     else:
-        raise UserError(f"unknown data source '{source}' (use builtin, text:PATH, bin:PATH or tfds:NAME"
+        raise UserError(f"unknown data source '{source}' (use builtin, text:PATH, bin:PATH, megatron:PREFIX or tfds:NAME"
                         f"{'; pairs: holds BERT sentence pairs, for model.kind = bert' if kind == 'pairs' else ''})")
     tok = tokenizer or make_tokenizer(tokenizer_spec, text)
     return _split(_encode(tok, text), val_fraction, tok)

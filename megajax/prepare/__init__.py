@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from megajax.data import prepared as P
 from megajax.data.sentences import Specials
-from megajax.data.tokenizer import Tokenizer, load_tokenizer, make_tokenizer
+from megajax.data.tokenizer import Tokenizer, built_from_corpus, load_tokenizer, make_tokenizer
 from megajax.errors import UserError
 from megajax.files import WorkdirLock, write_atomic
 from megajax.prepare import pairs
@@ -203,11 +203,8 @@ def _assemble(partial: Path, n_units: int, val_fraction: float) -> dict:
     total = sum(lengths)
     if total == 0:
         raise UserError("the inputs hold no text (every document is empty): nothing to prepare")
-    goal = total - int(total * val_fraction)       # tokens in train
     ends = np.cumsum(lengths)
-    # Document ends that leave between half and twice val_fraction held out; the nearest wins.
-    held = [int(ends[i]) for i in range(n_units - 1) if docs[i] and 0.5 <= (total - ends[i]) / max(1, total - goal) <= 2]
-    train_tokens = min(held, key=lambda e: abs(e - goal)) if held and val_fraction else goal
+    train_tokens = P.held_out_cut([ends[i] for i in range(n_units - 1) if docs[i]], total, val_fraction)
     counts = {"train": [0, 0], "val": [0, 0]}
     with open(partial / "train.bin", "wb") as train, open(partial / "val.bin", "wb") as val:
         written = 0
@@ -231,8 +228,7 @@ def _fixed_tokenizer(spec: str) -> Tokenizer:
     wordpiece[:SIZE]) is refused: the corpus is read in parts, by several processes."""
     if Path(spec).is_dir():
         return load_tokenizer(Path(spec))
-    kind, _, arg = spec.partition(":")
-    if kind == "chars" or (kind == "wordpiece" and (not arg or arg.isdigit())):
+    if built_from_corpus(spec):
         raise UserError(f"--tokenizer {spec} is made from the corpus, which megajax-prepare reads in parts: give a "
                         f"fixed one (bytes, hf:PATH, tiktoken:NAME, wordpiece:PATH/vocab.txt) or a workdir whose "
                         f"tokenizer to use")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megajax.data.bert_pretrain import PretrainData, Specials, load_pretraining
+from megajax.data.bert_pretrain import PretrainData, Specials, load_pretraining, pretraining_from_documents
 from megajax.data.finetune import load_task_data
+from megajax.data.megatron import ids_tokenizer, sentence_documents
 from megajax.data.prepared import load_pairs
 from megajax.data.sources import source_text
 from megajax.data.tokenizer import make_tokenizer
@@ -39,6 +40,9 @@ class BertPretraining(Task):
         if kind == "pairs":          # prepared by megajax-prepare --pairs: mapped, not read
             train, val, tokenizer = load_pairs(Path(arg), tokenizer, cfg.model.seq_len)
             return PretrainData(train, val, tokenizer, Specials.of(tokenizer))
+        if kind == "megatron":       # a Megatron-LM dataset preprocessed with --split-sentences
+            tokenizer = tokenizer or ids_tokenizer(cfg.data.tokenizer, cfg.data.source)
+            return pretraining_from_documents(sentence_documents(arg, tokenizer, cfg.data.source), tokenizer, cfg)
         text = source_text(cfg.data.source)
         tokenizer = tokenizer or make_tokenizer(cfg.data.tokenizer, text)
         return load_pretraining(text, tokenizer, cfg)
