@@ -1,6 +1,9 @@
-"""Build the Megatron-LM fixtures of tests/test_megatron_data.py: three tiny indexed datasets
-written by Megatron-LM's own IndexedDatasetBuilder, as its tools/preprocess_data.py writes
-them, and what Megatron-LM's own IndexedDataset reads back from each.
+"""Build the Megatron-LM fixtures of tests/test_megatron_data.py and
+tests/test_megatron_checkpoint.py with megatron-core itself:
+- three tiny indexed datasets written by its IndexedDatasetBuilder, as Megatron-LM's
+  tools/preprocess_data.py writes them, and what its IndexedDataset reads back from each;
+- a tiny GPT (megatron-core's GPTModel, its local layer spec) saved as Megatron-LM saves a run,
+  with tensor parallelism 1 and 2, and the logits its own forward pass gives.
 
 Run by hand, in an environment with PyTorch and megatron-core (never by the test suite, whose
 environment has neither):
@@ -10,7 +13,7 @@ environment has neither):
     /tmp/mcore/bin/pip install --no-deps megatron-core==0.16.1 && /tmp/mcore/bin/pip install tokenizers numpy packaging
     /tmp/mcore/bin/python tests/make_megatron_fixtures.py
 
-It rewrites tests/fixtures/megatron/ (about 10 kB):
+It rewrites tests/fixtures/megatron/ (about 400 kB):
 - zen_text_document.{bin,idx}: one sequence per document, [SEP] appended as the end of
   document (`--append-eod`), uint16 ids (DType.optimal_dtype of a 220-id vocabulary): GPT data;
 - zen_text_sentence.{bin,idx}: one sequence per sentence (`--split-sentences`), no end token,
@@ -20,9 +23,23 @@ It rewrites tests/fixtures/megatron/ (about 10 kB):
   lengths and the document indices.
 The text is the Zen of Python (the stdlib's `this`), tokenized with the BERT fixture's
 vocabulary by the `tokenizers` library, not by megajax.
+- gpt_tp1/, gpt_tp2/: latest_checkpointed_iteration.txt and iter_0000007/mp_rank_XX/model_optim_rng.pt
+  as megatron.training's save_checkpoint lays them out (args, checkpoint_version 3.0, the model's
+  state_dict_for_save_checkpoint, an RNG and an optimizer state), 2 layers, hidden 32, 4 heads,
+  ffn 128, 16 positions, 256 vocabulary rows (the same 220-id vocabulary padded to 128 x 2), every
+  weight random; reference.npz holds 2 x 12 token ids and the logits of their first 220 columns,
+  from megatron-core's forward pass on each (parallel_output=False gathers the vocabulary). Both
+  checkpoints hold one model: each TP=2 rank loads its slice of the TP=1 weights, and the script
+  checks that Megatron's TP=2 forward pass gives the TP=1 logits (so the slicing is Megatron's).
+  megatron-core's forward pass runs on the CPU with two patches that move nothing but devices:
+  its global buffer and collectives allocate on the CPU, and its CUDA RNG tracker (dropout is 0)
+  is a no-op context.
 """
+import argparse
 import codecs
+import contextlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +95,119 @@ def build(prefix: Path, docs, split_sentences: bool, append_eod: bool, dtype, mu
             "lengths": np.asarray(read.sequence_lengths), "document_indices": np.asarray(read.document_indices)}
 
 
+# --- checkpoints ------------------------------------------------------------------------------------
+SIZES = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128, max_position_embeddings=16,
+             padded_vocab_size=256)
+REAL_VOCAB = 220
+
+
+def patch_for_cpu():
+    import megatron.core.utils as U
+    from megatron.core.tensor_parallel import random as R
+
+    torch.cuda.current_device = lambda: "cpu"
+    U.GlobalMemoryBuffer.get_tensor = lambda self, shape, dtype, name, mem_alloc_context=None: torch.empty(*shape, dtype=dtype)
+    R.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
+
+
+def gpt(tp: int):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=SIZES["num_layers"], hidden_size=SIZES["hidden_size"],
+                            num_attention_heads=SIZES["num_attention_heads"], ffn_hidden_size=SIZES["ffn_hidden_size"],
+                            tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0,
+                            attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
+                            bias_dropout_fusion=False, gradient_accumulation_fusion=False, layernorm_epsilon=1e-5)
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=SIZES["padded_vocab_size"],
+                    max_sequence_length=SIZES["max_position_embeddings"], position_embedding_type="learned_absolute",
+                    share_embeddings_and_output_weights=True, parallel_output=False)
+
+
+def full_weights() -> dict:
+    """One random model: LayerNorm scales near 1, everything else (biases too) random."""
+    h, f = SIZES["hidden_size"], SIZES["ffn_hidden_size"]
+    shapes = {"embedding.word_embeddings.weight": (SIZES["padded_vocab_size"], h),
+              "embedding.position_embeddings.weight": (SIZES["max_position_embeddings"], h),
+              "decoder.final_layernorm.weight": (h,), "decoder.final_layernorm.bias": (h,)}
+    for i in range(SIZES["num_layers"]):
+        p = f"decoder.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "input_layernorm.bias": (h,),
+                       p + "self_attention.linear_qkv.weight": (3 * h, h), p + "self_attention.linear_qkv.bias": (3 * h,),
+                       p + "self_attention.linear_proj.weight": (h, h), p + "self_attention.linear_proj.bias": (h,),
+                       p + "pre_mlp_layernorm.weight": (h,), p + "pre_mlp_layernorm.bias": (h,),
+                       p + "mlp.linear_fc1.weight": (f, h), p + "mlp.linear_fc1.bias": (f,),
+                       p + "mlp.linear_fc2.weight": (h, f), p + "mlp.linear_fc2.bias": (h,)})
+    g = torch.Generator().manual_seed(1234)
+    return {name: torch.randn(shape, generator=g) * 0.2 + (1.0 if name.endswith("layernorm.weight") else 0.0)
+            for name, shape in shapes.items()}
+
+
+def run_args(tp: int) -> argparse.Namespace:
+    """The arguments megatron.training records that describe the model (a real run records ~400)."""
+    return argparse.Namespace(
+        **SIZES, kv_channels=SIZES["hidden_size"] // SIZES["num_attention_heads"], seq_length=12,
+        make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        layernorm_epsilon=1e-5, hidden_dropout=0.1, attention_dropout=0.1, bias_gelu_fusion=False, openai_gelu=False,
+        onnx_safe=None, swiglu=False, untie_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute", normalization="LayerNorm", add_bias_linear=True,
+        group_query_attention=False, num_query_groups=None, init_method_std=0.02, params_dtype=torch.float32,
+        tokenizer_type="BertWordPieceLowerCase", vocab_file=str(VOCAB), iteration=7)
+
+
+def save_rank(rank: int, tp: int, out: str, port: int):
+    """One tensor-parallel rank: its slice of the weights, Megatron's forward pass, torch.save."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=tp)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    patch_for_cpu()
+    model, full = gpt(tp), full_weights()
+    mine = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        w = full[name]
+        if w.shape == t.shape:                      # replicated
+            mine[name] = w
+        elif w.shape[0] != t.shape[0]:              # column-parallel (and the vocabulary): rows
+            mine[name] = w[rank * t.shape[0]:(rank + 1) * t.shape[0]]
+        else:                                       # row-parallel: columns
+            mine[name] = w[:, rank * t.shape[1]:(rank + 1) * t.shape[1]]
+    model.load_state_dict(mine, strict=False)
+    model.eval()
+    tokens = torch.randint(0, REAL_VOCAB, (2, 12), generator=torch.Generator().manual_seed(99))
+    positions = torch.arange(12).unsqueeze(0).expand(2, 12)
+    causal = torch.triu(torch.ones(1, 1, 12, 12, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        logits = model(tokens, positions, causal)
+    state = {"args": run_args(tp), "checkpoint_version": 3.0, "iteration": 7,
+             "model": model.state_dict_for_save_checkpoint(),
+             "rng_state": [{"np_rng_state": np.random.get_state(), "torch_rng_state": torch.get_rng_state()}],
+             "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}}}
+    directory = Path(out) / "iter_0000007" / f"mp_rank_{rank:02d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(state, directory / "model_optim_rng.pt")
+    if rank == 0:
+        (Path(out) / "latest_checkpointed_iteration.txt").write_text("7")
+        np.savez(Path(out) / "reference.npz", tokens=tokens.numpy(), logits=logits.numpy()[..., :REAL_VOCAB])
+    torch.distributed.destroy_process_group()
+
+
+def checkpoints():
+    for tp in (1, 2):
+        torch.multiprocessing.spawn(save_rank, args=(tp, str(OUT / f"gpt_tp{tp}"), 29600 + tp), nprocs=tp)
+    one, two = (np.load(OUT / f"gpt_tp{tp}" / "reference.npz") for tp in (1, 2))
+    gap = np.abs(one["logits"] - two["logits"]).max()
+    assert np.array_equal(one["tokens"], two["tokens"]) and gap < 1e-5, gap
+    print(f"gpt_tp1, gpt_tp2: Megatron's logits agree to {gap:.2e} (scale {np.abs(one['logits']).max():.2f})")
+
+
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
+    checkpoints()
     docs = zen_documents()
     vocab = len(VOCAB.read_text().splitlines())
     made = {"zen_text_document": build(OUT / "zen_text_document", docs, False, True, DType.optimal_dtype(vocab)),

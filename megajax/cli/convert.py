@@ -12,14 +12,22 @@ from megajax.files import abandon_staged
 def convert_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="megajax-convert", description="Convert between Hugging Face model directories (GPT2LMHeadModel, "
-                                            "BertForPreTraining, MegatronBertForPreTraining) and megajax workdirs.",
+                                            "BertForPreTraining, MegatronBertForPreTraining) and megajax workdirs, "
+                                            "and import Megatron-LM's own GPT checkpoints.",
         epilog="examples:\n  megajax-convert import --hf ~/models/gpt2 --workdir runs/gpt2\n"
+               "  megajax-convert import --megatron checkpoints/gpt2_345m --tokenizer tiktoken:gpt2 --workdir runs/345m\n"
                "  python eval.py --workdir runs/gpt2 --task wikitext --mesh model=2\n"
                "  megajax-convert export --workdir runs/bert --out exported/bert",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="direction", required=True)
-    imp = sub.add_parser("import", help="an HF directory (config.json, model.safetensors, tokenizer) -> a workdir")
-    imp.add_argument("--hf", type=given, required=True, metavar="DIR", help="a local Hugging Face model directory")
+    imp = sub.add_parser("import", help="an HF directory (config.json, model.safetensors, tokenizer), or a "
+                                        "Megatron-LM GPT checkpoint with --tokenizer -> a workdir")
+    source = imp.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", type=given, metavar="DIR", help="a local Hugging Face model directory")
+    source.add_argument("--megatron", type=given, metavar="DIR", help="a Megatron-LM checkpoint directory (its "
+                        "latest_checkpointed_iteration.txt, or one iter_N/release directory), torch format")
+    imp.add_argument("--tokenizer", help="--megatron: the tokenizer it was trained with (tiktoken:gpt2, hf:PATH, "
+                                         "wordpiece:PATH/vocab.txt, bytes); a checkpoint records none")
     imp.add_argument("--workdir", type=given, required=True, help="the new megajax workdir (must not exist, or be empty)")
     imp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="a field HF does not decide, e.g. model.vocab_multiple=128 or model.scan_layers=false")
@@ -34,15 +42,15 @@ def convert_main(argv=None) -> int:
     guard_stdout()
     args = convert_parser().parse_args(argv)
     # jax is imported only now, as every command line does.
-    from megajax.convert import export_hf, import_hf
+    from megajax.convert import export_hf
 
     exit_on_signal(_stopped_line)
     try:
         start_jax()
         if args.direction == "import":
-            cfg = import_hf(args.hf, args.workdir, args.set)
+            cfg = _import(args)
             m = cfg.model
-            print(f"imported {args.hf} into {args.workdir}: {m.kind} ({m.ln_placement}-LayerNorm), "
+            print(f"imported {args.hf or args.megatron} into {args.workdir}: {m.kind} ({m.ln_placement}-LayerNorm), "
                   f"{m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, vocabulary {m.vocab_size} "
                   f"(padded to {m.padded_vocab}), {m.seq_len} positions")
         else:
@@ -54,6 +62,19 @@ def convert_main(argv=None) -> int:
         return failed(e, "convert on a machine with more memory")
     sys.stdout.flush()
     return 0
+
+
+def _import(args):
+    from megajax.convert import import_hf, import_megatron
+
+    if args.hf:
+        if args.tokenizer:
+            raise UserError("--tokenizer is for --megatron: a Hugging Face directory brings its own")
+        return import_hf(args.hf, args.workdir, args.set)
+    if not args.tokenizer:
+        raise UserError("--megatron needs --tokenizer: a Megatron-LM checkpoint records no tokenizer (tiktoken:gpt2 "
+                        "for GPT2BPETokenizer, wordpiece:PATH/vocab.txt for BertWordPieceLowerCase)")
+    return import_megatron(args.megatron, args.workdir, args.tokenizer, args.set)
 
 
 def _stopped_line(signal_name: str) -> str:

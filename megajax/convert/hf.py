@@ -75,14 +75,19 @@ def hf_run_config(hf_dir: Path, overrides: list[str] | None = None) -> tuple[str
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise UserError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
-    base = apply_overrides(Config(), overrides)
-    for item in overrides or []:
-        key = item.split("=", 1)[0].strip()
-        if key.startswith("model.") and key.removeprefix("model.") in FROM_HF:
-            raise ConfigError(f"{key} comes from {hf_dir / 'config.json'} and cannot be set on import")
+    base = import_base(overrides, str(hf_dir / "config.json"))
     model_type, model = hf_config.model_config(_read_json(hf_dir / "config.json"), base.model)
     cfg = dataclasses.replace(base, model=model, name=hf_dir.resolve().name)
     return model_type, cfg.validate()
+
+
+def import_base(overrides: list[str] | None, source: str) -> Config:
+    """The defaults with --set overrides of what the imported model does not decide."""
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        if key.startswith("model.") and key.removeprefix("model.") in FROM_HF:
+            raise ConfigError(f"{key} comes from {source} and cannot be set on import")
+    return apply_overrides(Config(), overrides)
 
 
 def import_hf(hf_dir, workdir, overrides: list[str] | None = None) -> Config:
@@ -91,22 +96,29 @@ def import_hf(hf_dir, workdir, overrides: list[str] | None = None) -> Config:
     model_type, cfg = hf_run_config(hf_dir, overrides)
     tensors = read_tensors(hf_dir)
     params = hf_weights.from_hf(model_type, tensors, cfg.model)
-    _check_shapes(params, cfg)
+    check_shapes(params, cfg)
     with staged_directory(workdir, "--workdir") as tmp:
         tokenizer = read_tokenizer(hf_dir, tmp)
         if tokenizer.vocab_size > cfg.model.vocab_size:
             raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
                             f"{cfg.model.vocab_size} rows")
         tokenizer.save(tmp)
-        spec = (f"wordpiece:{workdir / VOCAB_FILE}" if isinstance(tokenizer, WordPieceTokenizer)
-                else f"hf:{workdir / HF_FILE}")
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=workdir_spec(tokenizer, workdir)))
         cfg.save(tmp / CONFIG_FILE)
-        _save_step0(tmp, cfg, params, source=str(hf_dir))
+        save_step0(tmp, cfg, params, source=str(hf_dir))
     return cfg
 
 
-def _check_shapes(params: dict, cfg: Config):
+def workdir_spec(tokenizer, workdir: Path, given: str | None = None) -> str:
+    """The tokenizer spec a workdir's config records: its own copy of a vocabulary file."""
+    if isinstance(tokenizer, WordPieceTokenizer):
+        return f"wordpiece:{workdir / VOCAB_FILE}"
+    if tokenizer.kind == "hf":
+        return f"hf:{workdir / HF_FILE}"
+    return given or tokenizer.kind
+
+
+def check_shapes(params: dict, cfg: Config):
     want = ModelDef(abstract_model(cfg.model)).abstract_params()
     got = jax.tree.map(lambda x: x.shape, params)
     if jax.tree.map(lambda x: x.shape, want) != got:
@@ -114,7 +126,7 @@ def _check_shapes(params: dict, cfg: Config):
                         "contradicts model.safetensors)")
 
 
-def _save_step0(workdir: Path, cfg: Config, params: dict, source: str):
+def save_step0(workdir: Path, cfg: Config, params: dict, source: str):
     """Step 0: the weights and a fresh optimizer state, so train.py can also resume in place."""
     with jax.default_device(single_device_mesh().devices.flat[0]):
         params = jax.tree.map(jax.numpy.asarray, params)

@@ -169,7 +169,7 @@ def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
     if extra:
         raise UserError(f"the checkpoint has tensors a {arch} pretraining model does not: "
                         f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}")
-    return _nest(flat, per_layer, cfg.scan_layers)
+    return nest(flat, per_layer, cfg.scan_layers)
 
 
 def to_hf_tensors(arch: str, params: dict, cfg: ModelConfig) -> dict:
@@ -191,7 +191,7 @@ def _set(tree: dict, dotted: str, value):
     tree[leaf] = value
 
 
-def _nest(flat: dict, per_layer: list[dict], scan: bool) -> dict:
+def nest(flat: dict, per_layer: list[dict], scan: bool) -> dict:
     tree: dict = {}
     for name, x in flat.items():
         _set(tree, name, x)

@@ -1,0 +1,248 @@
+"""Megatron-LM's own GPT checkpoints (torch format) as megajax params and config.
+
+Megatron-LM saves one file per tensor-parallel rank:
+
+    DIR/latest_checkpointed_iteration.txt          the newest iteration, or "release"
+    DIR/iter_0000100/mp_rank_00/model_optim_rng.pt  (release/mp_rank_00/... for a release)
+
+each a torch.save dict with "args" (the run's argparse Namespace: the sizes), "checkpoint_version"
+and "model", the rank's shard of the state dict, read here with megajax/convert/torch_pickle.py.
+The shards are joined as Megatron split them: column-parallel weights (QKV, fc1, the vocabulary)
+along their output rows, row-parallel ones (the attention output, fc2) along their input columns;
+LayerNorms, position embeddings and row-parallel biases are the same on every rank (checked).
+
+Two namings are read: megatron-core's (`decoder.layers.N.self_attention.linear_qkv`, what
+Megatron-LM has written since its models moved to megatron-core) and the earlier one
+(`language_model.encoder.layers.N.self_attention.query_key_value`, `transformer` and
+`attention` in the oldest). The fused QKV rows are ordered (head, q|k|v, head_dim) from
+checkpoint version 2 on, megajax's own column order; versions 0 and 1 ordered them (q|k|v, head,
+head_dim) and (head, head_dim, q|k|v) within each rank, and are put in that order first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+
+from megajax.config import Config, ModelConfig
+from megajax.convert import hf_weights, torch_pickle
+from megajax.convert.hf import check_shapes, import_base, save_step0, workdir_spec
+from megajax.data.tokenizer import built_from_corpus, make_tokenizer
+from megajax.errors import UserError
+from megajax.files import staged_directory
+from megajax.training.workdir import CONFIG_FILE
+
+FILE = "model_optim_rng.pt"
+# megajax name <- the suffix after "layers.N." in each naming: (megatron-core, earlier)
+LAYER_NAMES = {"ln1": ("input_layernorm", "input_layernorm"),
+               "attention.qkv": ("self_attention.linear_qkv", "self_attention.query_key_value"),
+               "attention.out": ("self_attention.linear_proj", "self_attention.dense"),
+               "ln2": ("pre_mlp_layernorm", "post_attention_layernorm"),
+               "mlp.fc1": ("mlp.linear_fc1", "mlp.dense_h_to_4h"), "mlp.fc2": ("mlp.linear_fc2", "mlp.dense_4h_to_h")}
+# megatron-core with Transformer Engine fuses each LayerNorm into the linear layer after it.
+TE_NORMS = {"ln1": "self_attention.linear_qkv.layer_norm_", "ln2": "mlp.linear_fc1.layer_norm_"}
+TOP_NAMES = {"embed.table": ("embedding.word_embeddings.weight", "language_model.embedding.word_embeddings.weight"),
+             "pos": ("embedding.position_embeddings.weight", "language_model.embedding.position_embeddings.weight"),
+             "ln_f": ("decoder.final_layernorm", "language_model.encoder.final_layernorm")}
+COLUMN, ROW = ("attention.qkv", "mlp.fc1"), ("attention.out", "mlp.fc2")
+
+
+def rank_files(directory: Path) -> tuple[list[Path], str]:
+    """Each tensor-parallel rank's file of the newest iteration (or `directory` itself, an
+    iteration's directory or one file), and a name for that iteration."""
+    directory = Path(directory)
+    if directory.is_file():
+        return [directory], directory.name
+    tracker = directory / "latest_checkpointed_iteration.txt"
+    if tracker.is_file():
+        it = tracker.read_text().strip()
+        directory = directory / ("release" if it == "release" else f"iter_{int(it):07d}" if it.isdigit() else it)
+    ranks = sorted(directory.glob(f"mp_rank_*/{FILE}"))
+    if not ranks:
+        if any(directory.glob("*.distcp")) or (directory / "metadata.json").is_file():
+            raise UserError(f"{directory} is a torch_dist (distributed) checkpoint; megajax reads Megatron-LM's torch "
+                            f"format: convert it with Megatron-LM's --ckpt-convert-format torch")
+        raise UserError(f"no mp_rank_*/{FILE} in {directory}: not a Megatron-LM checkpoint directory")
+    if any(re.fullmatch(r"mp_rank_\d+_\d+(_\d+)?", p.parent.name) for p in ranks):
+        raise UserError(f"{directory} holds a pipeline-parallel checkpoint (mp_rank_TT_PPP): megajax reads "
+                        f"tensor-parallel ones; merge its stages with Megatron-LM's tools/checkpoint first")
+    return ranks, directory.name
+
+
+def read_ranks(files: list[Path]) -> tuple[dict, float, list[dict]]:
+    """(args as a dict, checkpoint version, each rank's model state dict)."""
+    shards, args, version = [], None, None
+    for f in files:
+        ckpt = torch_pickle.load(f)
+        if not isinstance(ckpt, dict) or "model" not in ckpt or "args" not in ckpt:
+            raise UserError(f"{f} is not a Megatron-LM checkpoint (no 'model' and 'args')")
+        model = ckpt["model"]
+        shards.append({k: v for k, v in model.items() if not k.endswith("_extra_state")})
+        args, version = vars(ckpt["args"]), float(ckpt.get("checkpoint_version", 0))
+    tp = args.get("tensor_model_parallel_size", 1)
+    if tp != len(files):
+        raise UserError(f"the checkpoint was saved with tensor parallelism {tp} but has {len(files)} rank files")
+    if args.get("pipeline_model_parallel_size", 1) != 1:
+        raise UserError("the checkpoint is pipeline-parallel: megajax reads tensor-parallel ones")
+    return args, version, shards
+
+
+def model_config(args: dict, vocab_size: int, base: ModelConfig) -> ModelConfig:
+    """megajax's GPT for a Megatron-LM run's arguments; what megajax does not implement is refused."""
+    refuse = {"swiglu": "SwiGLU", "untie_embeddings_and_output_weights": "an output layer untied from the embedding",
+              "apply_residual_connection_post_layernorm": "residuals taken after the LayerNorm",
+              "group_query_attention": "grouped-query attention", "qk_layernorm": "LayerNorm of queries and keys",
+              "num_experts": "mixture of experts"}
+    for key, what in refuse.items():
+        if args.get(key):
+            raise UserError(f"the checkpoint's run has {key} = {args[key]!r} ({what}), which megajax does not implement")
+    for key, want in (("position_embedding_type", "learned_absolute"), ("normalization", "LayerNorm")):
+        if args.get(key, want) != want:
+            raise UserError(f"the checkpoint's run has {key} = {args[key]!r}; megajax implements {want}")
+    h, heads = args["hidden_size"], args["num_attention_heads"]
+    if args.get("kv_channels") not in (None, h // heads):
+        raise UserError(f"the checkpoint's heads are {args['kv_channels']} wide, not hidden / heads = {h // heads}")
+    tanh = (args.get("bias_gelu_fusion") or args.get("bias_activation_fusion") or args.get("openai_gelu")) \
+        and not args.get("onnx_safe")
+    cfg = dataclasses.replace(
+        base, kind="gpt", task="pretrain", ln_placement="pre", num_layers=args["num_layers"], hidden=h,
+        num_heads=heads, ffn_hidden=args.get("ffn_hidden_size") or 4 * h, seq_len=args["max_position_embeddings"],
+        vocab_size=vocab_size, ln_eps=args.get("layernorm_epsilon", 1e-5), gelu="tanh" if tanh else "exact",
+        hidden_dropout=args.get("hidden_dropout", 0.1), attention_dropout=args.get("attention_dropout", 0.1),
+        init_std=args.get("init_method_std", 0.02))
+    cfg.validate()
+    return cfg
+
+
+# --- the state dict -----------------------------------------------------------------------------
+def _normalized(shard: dict) -> dict:
+    """The earliest Megatron-LM names (`transformer`, `attention`) as the later ones."""
+    out = {}
+    for k, v in shard.items():
+        if k.startswith("language_model."):
+            k = k.replace("language_model.transformer.", "language_model.encoder.").replace(".attention.", ".self_attention.")
+        out[k] = v
+    return out
+
+
+def _naming(shard: dict) -> int:
+    if any(k.startswith("decoder.layers.") for k in shard):
+        return 0
+    if any(k.startswith("language_model.encoder.layers.") for k in shard):
+        return 1
+    bert = any(k.startswith(("lm_head.", "binary_head.")) for k in shard)
+    raise UserError("the checkpoint's model is " + ("a BERT: megajax imports Megatron-LM GPT checkpoints (BERT ones "
+                    "through Hugging Face's MegatronBertForPreTraining)" if bert else "not a Megatron-LM GPT"))
+
+
+class _Shards:
+    """The ranks' state dicts, joined tensor by tensor as Megatron split them."""
+
+    def __init__(self, shards: list[dict], version: float, heads: int):
+        self.shards = [_normalized(s) for s in shards]
+        self.version, self.heads, self.used = version, heads, set()
+
+    def has(self, name: str) -> bool:
+        return name in self.shards[0]
+
+    def unused(self) -> list[str]:
+        return sorted(set(self.shards[0]) - self.used)
+
+    def _arrays(self, name: str) -> list[np.ndarray]:
+        self.used.add(name)
+        missing = [i for i, s in enumerate(self.shards) if name not in s]
+        if missing:
+            raise UserError(f"the checkpoint has no tensor '{name}' (rank {missing[0]})")
+        values = [s[name] for s in self.shards]
+        if not all(isinstance(v, torch_pickle.Tensor) for v in values):
+            raise UserError(f"'{name}' in the checkpoint is not a tensor")
+        return [np.asarray(v.numpy(), np.float32) for v in values]
+
+    def same(self, name: str) -> np.ndarray:
+        arrays = self._arrays(name)
+        if any(not np.array_equal(a, arrays[0]) for a in arrays[1:]):
+            raise UserError(f"'{name}' differs between the tensor-parallel ranks: the checkpoint is damaged")
+        return arrays[0]
+
+    def joined(self, name: str, axis: int, qkv: bool = False) -> np.ndarray:
+        arrays = self._arrays(name)
+        if qkv:
+            arrays = [self._qkv_rows(a) for a in arrays]
+        return np.concatenate(arrays, axis=axis)
+
+    def _qkv_rows(self, a: np.ndarray) -> np.ndarray:
+        """One rank's fused QKV rows in (head, q|k|v, head_dim) order, whatever the version."""
+        if self.version >= 2:
+            return a
+        local = self.heads // len(self.shards)
+        split = (3, local, -1) if self.version < 1 else (local, -1, 3)
+        x = a.reshape(*split, *a.shape[1:])
+        x = np.moveaxis(x, 0, 1) if self.version < 1 else np.moveaxis(x, 2, 1)
+        return x.reshape(a.shape)
+
+
+def to_params(shards: list[dict], version: float, cfg: ModelConfig) -> tuple[dict, list[dict]]:
+    """(top-level params, each layer's params) under megajax's names, float32."""
+    s = _Shards(shards, version, cfg.num_heads)
+    naming = _naming(s.shards[0])
+    prefix = ("decoder.layers.{i}.", "language_model.encoder.layers.{i}.")[naming]
+    top = {ours: names[naming] for ours, names in TOP_NAMES.items()}
+    table = s.joined(top["embed.table"], 0)
+    if table.shape[0] < cfg.vocab_size:
+        raise UserError(f"the tokenizer has {cfg.vocab_size} tokens but the checkpoint's embedding only {table.shape[0]} rows")
+    pad = np.zeros((cfg.padded_vocab - cfg.vocab_size, table.shape[1]), np.float32)
+    flat = {"embed.table": np.concatenate([table[:cfg.vocab_size], pad]), "pos": s.same(top["pos"]),
+            "ln_f.scale": s.same(f"{top['ln_f']}.weight"), "ln_f.bias": s.same(f"{top['ln_f']}.bias")}
+    output = ("output_layer.weight", "language_model.output_layer.weight")[naming]
+    if s.has(output) and not np.array_equal(s.joined(output, 0)[:cfg.vocab_size], table[:cfg.vocab_size]):
+        raise UserError(f"'{output}' differs from the input embedding: megajax ties the output layer to it")
+    layers = [_layer(s, prefix.format(i=i), naming, cfg) for i in range(cfg.num_layers)]
+    if extra := s.unused():
+        raise UserError(f"the checkpoint has tensors megajax's GPT does not: {', '.join(extra[:4])}"
+                        f"{' ...' if len(extra) > 4 else ''}")
+    return flat, layers
+
+
+def _layer(s: _Shards, prefix: str, naming: int, cfg: ModelConfig) -> dict:
+    out = {}
+    for ours in ("ln1", "ln2"):
+        norm = prefix + LAYER_NAMES[ours][naming] + "."
+        if not s.has(norm + "weight") and s.has(prefix + TE_NORMS[ours] + "weight"):
+            norm = prefix + TE_NORMS[ours]          # Transformer Engine's fused LayerNorm
+        out[f"{ours}.scale"], out[f"{ours}.bias"] = s.same(norm + "weight"), s.same(norm + "bias")
+    for ours in COLUMN + ROW:
+        name = prefix + LAYER_NAMES[ours][naming]
+        column, qkv = ours in COLUMN, ours == "attention.qkv"
+        out[f"{ours}.kernel"] = s.joined(f"{name}.weight", 0 if column else 1, qkv).T
+        width = out[f"{ours}.kernel"].shape[1]
+        if not s.has(f"{name}.bias"):                # add_bias_linear = False: a zero bias is the same layer
+            out[f"{ours}.bias"] = np.zeros(width, np.float32)
+        else:
+            out[f"{ours}.bias"] = s.joined(f"{name}.bias", 0, qkv) if column else s.same(f"{name}.bias")
+    return out
+
+
+def import_megatron(directory, workdir, tokenizer: str, overrides: list[str] | None = None) -> Config:
+    """Write a megajax workdir holding the newest (or given) Megatron-LM GPT checkpoint in
+    `directory`, with `tokenizer` (the index records none); returns its config."""
+    directory, workdir = Path(directory), Path(workdir).absolute()
+    files, iteration = rank_files(directory)
+    args, version, shards = read_ranks(files)
+    if built_from_corpus(tokenizer):
+        raise UserError(f"--tokenizer {tokenizer} is built from a corpus: give the one the checkpoint was trained "
+                        f"with (tiktoken:gpt2 for Megatron's GPT2BPETokenizer, hf:PATH, wordpiece:PATH/vocab.txt)")
+    tok = make_tokenizer(tokenizer)
+    base = import_base(overrides, "the checkpoint's arguments")
+    model = model_config(args, tok.vocab_size, base.model)
+    cfg = dataclasses.replace(base, model=model, name=f"{directory.resolve().name}-{iteration}").validate()
+    flat, layers = to_params(shards, version, model)
+    params = hf_weights.nest(flat, layers, model.scan_layers)
+    check_shapes(params, cfg)
+    with staged_directory(workdir, "--workdir") as tmp:
+        tok.save(tmp)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=workdir_spec(tok, workdir, tokenizer)))
+        cfg.save(tmp / CONFIG_FILE)
+        save_step0(tmp, cfg, params, source=str(files[0].parent.parent))
+    return cfg

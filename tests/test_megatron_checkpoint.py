@@ -1,0 +1,143 @@
+"""Megatron-LM's own GPT checkpoints imported (`megajax-convert import --megatron`), against
+megatron-core itself: tests/fixtures/megatron/gpt_tp{1,2} were saved as Megatron-LM saves a run,
+with tensor parallelism 1 and 2, and hold the logits megatron-core's forward pass gave for
+fixed tokens (tests/make_megatron_fixtures.py, run by hand with PyTorch). Without PyTorch here,
+the .pt files are read by megajax/convert/torch_pickle.py."""
+import io
+import pickle
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, mesh_for
+from tolerances import F32, assert_close
+
+from megajax.cli.convert import convert_main
+from megajax.convert import import_megatron, megatron_ckpt, torch_pickle
+from megajax.errors import UserError
+from megajax.training.workdir import load_workdir
+
+FIXTURES = ROOT / "tests/fixtures/megatron"
+VOCAB = f"wordpiece:{ROOT / 'tests/fixtures/hf/bert/vocab.txt'}"   # 220 ids; the checkpoints have 256 rows
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron")
+    return {tp: import_megatron(FIXTURES / f"gpt_tp{tp}", root / f"tp{tp}", VOCAB, ["model.vocab_multiple=128"])
+            and root / f"tp{tp}" for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("tp,mesh_spec", [(1, "1x1"), (2, "2x4"), (1, "1x4")])
+def test_logits_equal_megatron_cores(imported, tp, mesh_spec):
+    """A checkpoint saved with either tensor parallelism, on any mesh: Megatron's logits."""
+    ref = np.load(FIXTURES / f"gpt_tp{tp}" / "reference.npz")
+    loaded = load_workdir(imported[tp], mesh_for(mesh_spec))
+    cfg = loaded.cfg.model
+    assert (cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.ffn, cfg.seq_len, cfg.vocab_size, cfg.gelu, cfg.ln_eps) \
+        == (2, 32, 4, 128, 16, 220, "exact", 1e-5) and loaded.step == 0
+    logits = np.asarray(jax.jit(lambda m, t: m(t))(loaded.model, jnp.asarray(ref["tokens"])))
+    assert_close(logits[..., :220], ref["logits"], F32, what=f"logits of the TP={tp} checkpoint on {mesh_spec}")
+
+
+def test_the_earlier_names_and_qkv_orders_give_the_same_weights():
+    """Checkpoints from before megatron-core name tensors `language_model.encoder.layers.N...`
+    (the oldest `transformer` and `attention`), and versions 0 and 1 order each rank's fused QKV
+    rows (q|k|v, head, head_dim) and (head, head_dim, q|k|v). This fixture's TP=2 shards, renamed
+    and reordered so by the format's description, must give the same weights."""
+    files, _ = megatron_ckpt.rank_files(FIXTURES / "gpt_tp2")
+    args, version, shards = megatron_ckpt.read_ranks(files)
+    cfg = megatron_ckpt.model_config(args, 220, megatron_ckpt.ModelConfig(vocab_multiple=128))
+    want = megatron_ckpt.to_params(shards, version, cfg)
+    renames = [("decoder.layers.", "language_model.transformer.layers."), ("self_attention.linear_qkv", "attention.query_key_value"),
+               ("self_attention.linear_proj", "attention.dense"), ("pre_mlp_layernorm", "post_attention_layernorm"),
+               ("mlp.linear_fc1", "mlp.dense_h_to_4h"), ("mlp.linear_fc2", "mlp.dense_4h_to_h"),
+               ("decoder.final_layernorm", "language_model.transformer.final_layernorm"),
+               ("embedding.", "language_model.embedding.")]
+    local_heads = cfg.num_heads // 2
+    for old_version, order in [(0, lambda x: np.moveaxis(x, 1, 0)), (1, lambda x: np.moveaxis(x, 1, 2))]:
+        old = []
+        for shard in shards:
+            renamed = {}
+            for name, tensor in shard.items():
+                x = tensor.numpy()
+                if "linear_qkv" in name:        # (head, q|k|v, head_dim) rows, this rank's heads
+                    x = order(x.reshape(local_heads, 3, -1, *x.shape[1:])).reshape(x.shape)
+                for a, b in renames:
+                    name = name.replace(a, b)
+                renamed[name] = _Array(x)
+            old.append(renamed)
+        got = megatron_ckpt.to_params(old, old_version, cfg)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(g, w)
+
+
+class _Array(torch_pickle.Tensor):
+    def __init__(self, x):
+        self.x = x
+
+    def numpy(self):
+        return self.x
+
+
+def test_what_megajax_cannot_import_is_one_line(tmp_path, capsys):
+    good = FIXTURES / "gpt_tp2"
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "pipeline" / "iter_0000001" / "mp_rank_00_000").mkdir(parents=True)
+    (tmp_path / "pipeline" / "iter_0000001" / "mp_rank_00_000" / "model_optim_rng.pt").write_bytes(b"")
+    (tmp_path / "pipeline" / "latest_checkpointed_iteration.txt").write_text("1\n")
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "__0_0.distcp").write_bytes(b"")
+    (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"model": {}}))
+    args, version, shards = megatron_ckpt.read_ranks(megatron_ckpt.rank_files(good)[0])
+    for directory, message in [(tmp_path / "empty", "no mp_rank_*/model_optim_rng.pt in"),
+                               (tmp_path / "pipeline", "holds a pipeline-parallel checkpoint (mp_rank_TT_PPP)"),
+                               (tmp_path / "dist", "is a torch_dist (distributed) checkpoint"),
+                               (tmp_path / "legacy.pt", "is not in torch.save's zip format (PyTorch 1.6 and later)")]:
+        with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+            megatron_ckpt.read_ranks(megatron_ckpt.rank_files(directory)[0])
+    for change, message in [({"swiglu": True}, "swiglu = True (SwiGLU)"),
+                            ({"untie_embeddings_and_output_weights": True}, "an output layer untied"),
+                            ({"position_embedding_type": "rope"}, "position_embedding_type = 'rope'"),
+                            ({"kv_channels": 4}, "heads are 4 wide")]:
+        with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            megatron_ckpt.model_config({**args, **change}, 220, megatron_ckpt.ModelConfig())
+    cfg = megatron_ckpt.model_config(args, 300, megatron_ckpt.ModelConfig())
+    with pytest.raises(UserError, match="the tokenizer has 300 tokens but the checkpoint's embedding only 256 rows"):
+        megatron_ckpt.to_params(shards, version, cfg)
+    cfg = megatron_ckpt.model_config(args, 220, megatron_ckpt.ModelConfig())
+    changed = [dict(shards[0]), shards[1]]
+    changed[0]["decoder.final_layernorm.weight"] = _Array(np.zeros(32, np.float32))
+    with pytest.raises(UserError, match="'decoder.final_layernorm.weight' differs between the tensor-parallel ranks"):
+        megatron_ckpt.to_params(changed, version, cfg)
+    changed = [{**s, "decoder.layers.0.self_attention.q_layernorm.weight": _Array(np.ones(8))} for s in shards]
+    with pytest.raises(UserError, match="tensors megajax's GPT does not: decoder.layers.0.self_attention.q_layernorm"):
+        megatron_ckpt.to_params(changed, version, cfg)
+    out = tmp_path / "w"
+    for argv, message in [(["--megatron", str(good)], "--megatron needs --tokenizer"),
+                          (["--megatron", str(good), "--tokenizer", "chars"], "--tokenizer chars is built from a corpus"),
+                          (["--megatron", str(good), "--tokenizer", VOCAB, "--set", "model.num_layers=3"],
+                           "model.num_layers comes from the checkpoint's arguments")]:
+        assert convert_main(["import", *argv, "--workdir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+        assert not out.exists()
+
+
+def test_a_pickle_that_would_run_code_runs_none(tmp_path):
+    """pickle's hazard: a file that names a callable runs it on load. torch_pickle builds only
+    dicts, Namespaces and tensors; anything else is inert."""
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (eval, (f"open({str(marker)!r}, 'w')",))
+
+    data = io.BytesIO()
+    with zipfile.ZipFile(data, "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"model": Payload(), "args": 1}, protocol=2))
+    (tmp_path / "evil.pt").write_bytes(data.getvalue())
+    loaded = torch_pickle.load(tmp_path / "evil.pt")
+    assert not marker.exists() and isinstance(loaded["model"], torch_pickle.Opaque)
