@@ -46,7 +46,8 @@ def test_the_earlier_names_and_qkv_orders_give_the_same_weights():
     """Checkpoints from before megatron-core name tensors `language_model.encoder.layers.N...`
     (the oldest `transformer` and `attention`), and versions 0 and 1 order each rank's fused QKV
     rows (q|k|v, head, head_dim) and (head, head_dim, q|k|v). This fixture's TP=2 shards, renamed
-    and reordered so by the format's description, must give the same weights."""
+    and reordered so by the format's description, must give the same weights; so must the names
+    megatron-core gives LayerNorms fused into Transformer Engine's linear layers."""
     files, _ = megatron_ckpt.rank_files(FIXTURES / "gpt_tp2")
     args, version, shards = megatron_ckpt.read_ranks(files)
     cfg = megatron_ckpt.model_config(args, 220, megatron_ckpt.ModelConfig(vocab_multiple=128))
@@ -65,13 +66,24 @@ def test_the_earlier_names_and_qkv_orders_give_the_same_weights():
                 x = tensor.numpy()
                 if "linear_qkv" in name:        # (head, q|k|v, head_dim) rows, this rank's heads
                     x = order(x.reshape(local_heads, 3, -1, *x.shape[1:])).reshape(x.shape)
-                for a, b in renames:
-                    name = name.replace(a, b)
-                renamed[name] = _Array(x)
+                renamed[_renamed(name, renames)] = _Array(x)
             old.append(renamed)
         got = megatron_ckpt.to_params(old, old_version, cfg)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(g, w)
+    # megatron-core with Transformer Engine: each LayerNorm stored with the linear layer after it
+    te_names = [("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")]
+    te = [{_renamed(name, te_names): tensor for name, tensor in shard.items()} for shard in shards]
+    assert any("layer_norm_weight" in name for name in te[0])
+    for g, w in zip(jax.tree.leaves(megatron_ckpt.to_params(te, version, cfg)), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+
+
+def _renamed(name: str, pairs) -> str:
+    for a, b in pairs:
+        name = name.replace(a, b)
+    return name
 
 
 class _Array(torch_pickle.Tensor):
