@@ -23,6 +23,7 @@ It rewrites tests/fixtures/megatron/ (about 400 kB):
   lengths and the document indices.
 The text is the Zen of Python (the stdlib's `this`), tokenized with the BERT fixture's
 vocabulary by the `tokenizers` library, not by megajax.
+- tensors.pt: a tensor of each dtype megajax reads, views among them, and tensors.npz their values;
 - gpt_tp1/, gpt_tp2/: latest_checkpointed_iteration.txt and iter_0000007/mp_rank_XX/model_optim_rng.pt
   as megatron.training's save_checkpoint lays them out (args, checkpoint_version 3.0, the model's
   state_dict_for_save_checkpoint, an RNG and an optimizer state), 2 layers, hidden 32, 4 heads,
@@ -205,8 +206,21 @@ def checkpoints():
     print(f"gpt_tp1, gpt_tp2: Megatron's logits agree to {gap:.2e} (scale {np.abs(one['logits']).max():.2f})")
 
 
+def tensors():
+    """tensors.pt: one tensor of each storage type torch_pickle reads, some of them views
+    (a transpose, an offset slice) of a larger storage, and their values as float64/int64."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 5, generator=g)
+    made = {"float32_t": base.t(), "float16": base.half(), "bfloat16": base.bfloat16()[1:4, ::2],
+            "float64": base.double()[2], "int64": torch.arange(-3, 9).reshape(3, 4), "int32": torch.tensor([7, -1], dtype=torch.int32),
+            "uint8": torch.tensor([0, 255], dtype=torch.uint8), "bool": torch.tensor([True, False])}
+    torch.save({"model": made, "args": argparse.Namespace(dtype=torch.bfloat16)}, OUT / "tensors.pt")
+    np.savez(OUT / "tensors.npz", **{k: v.double().numpy() if v.is_floating_point() else v.numpy() for k, v in made.items()})
+
+
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
+    tensors()
     checkpoints()
     docs = zen_documents()
     vocab = len(VOCAB.read_text().splitlines())

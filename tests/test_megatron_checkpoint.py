@@ -138,6 +138,19 @@ def test_what_megajax_cannot_import_is_one_line(tmp_path, capsys):
         assert not out.exists()
 
 
+def test_every_storage_type_and_view_reads_as_torch_wrote_it():
+    """float32 (transposed), float16, bfloat16 (a strided slice), float64 (a row), int64, int32,
+    uint8 and bool tensors of torch.save, against their values written beside them."""
+    loaded = torch_pickle.load(FIXTURES / "tensors.pt")
+    want = np.load(FIXTURES / "tensors.npz")
+    assert sorted(loaded["model"]) == sorted(want.files)
+    for name, tensor in loaded["model"].items():
+        got = tensor.numpy()
+        assert got.dtype.name == name.removesuffix("_t"), name
+        np.testing.assert_array_equal(got.astype(want[name].dtype), want[name], err_msg=name)
+    assert isinstance(loaded["args"].dtype, type) and issubclass(loaded["args"].dtype, torch_pickle.Opaque)
+
+
 def test_a_pickle_that_would_run_code_runs_none(tmp_path):
     """pickle's hazard: a file that names a callable runs it on load. torch_pickle builds only
     dicts, Namespaces and tensors; anything else is inert."""
