@@ -103,17 +103,20 @@ def test_what_megajax_cannot_import_is_one_line(tmp_path, capsys):
     (tmp_path / "dist").mkdir()
     (tmp_path / "dist" / "__0_0.distcp").write_bytes(b"")
     (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"model": {}}))
+    (tmp_path / "notes.pt").write_bytes(_zip_pickle([1, 2]))
     args, version, shards = megatron_ckpt.read_ranks(megatron_ckpt.rank_files(good)[0])
     for directory, message in [(tmp_path / "empty", "no mp_rank_*/model_optim_rng.pt in"),
                                (tmp_path / "pipeline", "holds a pipeline-parallel checkpoint (mp_rank_TT_PPP)"),
                                (tmp_path / "dist", "is a torch_dist (distributed) checkpoint"),
-                               (tmp_path / "legacy.pt", "is not in torch.save's zip format (PyTorch 1.6 and later)")]:
+                               (tmp_path / "legacy.pt", "is not in torch.save's zip format (PyTorch 1.6 and later)"),
+                               (tmp_path / "notes.pt", "is not a Megatron-LM checkpoint (no 'model' state dict")]:
         with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
             megatron_ckpt.read_ranks(megatron_ckpt.rank_files(directory)[0])
     for change, message in [({"swiglu": True}, "swiglu = True (SwiGLU)"),
                             ({"untie_embeddings_and_output_weights": True}, "an output layer untied"),
                             ({"position_embedding_type": "rope"}, "position_embedding_type = 'rope'"),
-                            ({"kv_channels": 4}, "heads are 4 wide")]:
+                            ({"kv_channels": 4}, "heads are 4 wide"),
+                            ({"hidden_size": None}, "the checkpoint's arguments lack hidden_size")]:
         with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
             megatron_ckpt.model_config({**args, **change}, 220, megatron_ckpt.ModelConfig())
     cfg = megatron_ckpt.model_config(args, 300, megatron_ckpt.ModelConfig())
@@ -160,9 +163,14 @@ def test_a_pickle_that_would_run_code_runs_none(tmp_path):
         def __reduce__(self):
             return (eval, (f"open({str(marker)!r}, 'w')",))
 
-    data = io.BytesIO()
-    with zipfile.ZipFile(data, "w") as z:
-        z.writestr("archive/data.pkl", pickle.dumps({"model": Payload(), "args": 1}, protocol=2))
-    (tmp_path / "evil.pt").write_bytes(data.getvalue())
+    (tmp_path / "evil.pt").write_bytes(_zip_pickle({"model": Payload(), "args": 1}))
     loaded = torch_pickle.load(tmp_path / "evil.pt")
     assert not marker.exists() and isinstance(loaded["model"], torch_pickle.Opaque)
+
+
+def _zip_pickle(value) -> bytes:
+    """`value` in torch.save's layout (ROOT/data.pkl in a zip), pickled by the standard library."""
+    data = io.BytesIO()
+    with zipfile.ZipFile(data, "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps(value, protocol=2))
+    return data.getvalue()

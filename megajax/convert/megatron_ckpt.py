@@ -20,6 +20,7 @@ head_dim) and (head, head_dim, q|k|v) within each rank, and are put in that orde
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 from pathlib import Path
@@ -76,8 +77,9 @@ def read_ranks(files: list[Path]) -> tuple[dict, float, list[dict]]:
     shards, args, version = [], None, None
     for f in files:
         ckpt = torch_pickle.load(f)
-        if not isinstance(ckpt, dict) or "model" not in ckpt or "args" not in ckpt:
-            raise UserError(f"{f} is not a Megatron-LM checkpoint (no 'model' and 'args')")
+        if not (isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict)
+                and isinstance(ckpt.get("args"), argparse.Namespace)):
+            raise UserError(f"{f} is not a Megatron-LM checkpoint (no 'model' state dict and 'args' Namespace)")
         model = ckpt["model"]
         shards.append({k: v for k, v in model.items() if not k.endswith("_extra_state")})
         args, version = vars(ckpt["args"]), float(ckpt.get("checkpoint_version", 0))
@@ -101,6 +103,10 @@ def model_config(args: dict, vocab_size: int, base: ModelConfig) -> ModelConfig:
     for key, want in (("position_embedding_type", "learned_absolute"), ("normalization", "LayerNorm")):
         if args.get(key, want) != want:
             raise UserError(f"the checkpoint's run has {key} = {args[key]!r}; megajax implements {want}")
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
+               if not isinstance(args.get(k), int)]
+    if missing:
+        raise UserError(f"the checkpoint's arguments lack {', '.join(missing)}: not a Megatron-LM GPT run's")
     h, heads = args["hidden_size"], args["num_attention_heads"]
     if args.get("kv_channels") not in (None, h // heads):
         raise UserError(f"the checkpoint's heads are {args['kv_channels']} wide, not hidden / heads = {h // heads}")
