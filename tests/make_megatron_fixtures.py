@@ -13,7 +13,7 @@ environment has neither):
     /tmp/mcore/bin/pip install --no-deps megatron-core==0.16.1 && /tmp/mcore/bin/pip install tokenizers numpy packaging
     /tmp/mcore/bin/python tests/make_megatron_fixtures.py
 
-It rewrites tests/fixtures/megatron/ (about 400 kB):
+It rewrites tests/fixtures/megatron/ (about 700 kB):
 - zen_text_document.{bin,idx}: one sequence per document, [SEP] appended as the end of
   document (`--append-eod`), uint16 ids (DType.optimal_dtype of a 220-id vocabulary): GPT data;
 - zen_text_sentence.{bin,idx}: one sequence per sentence (`--split-sentences`), no end token,
@@ -32,9 +32,12 @@ vocabulary by the `tokenizers` library, not by megajax.
   from megatron-core's forward pass on each (parallel_output=False gathers the vocabulary). Both
   checkpoints hold one model: each TP=2 rank loads its slice of the TP=1 weights, and the script
   checks that Megatron's TP=2 forward pass gives the TP=1 logits (so the slicing is Megatron's).
-  megatron-core's forward pass runs on the CPU with two patches that move nothing but devices:
-  its global buffer and collectives allocate on the CPU, and its CUDA RNG tracker (dropout is 0)
-  is a no-op context.
+  megatron-core runs on the CPU with patches that move nothing but devices: its global buffer
+  and collectives allocate on the CPU, `.cuda()` leaves a tensor where it is, and its CUDA RNG
+  tracker (dropout is 0) is a no-op context.
+- gpt_tp2_pp2/: the same weights saved with tensor parallelism 2 and pipeline parallelism 2
+  (mp_rank_TT_PPP, one layer a stage), by megatron-core's modules for each stage; its logits are
+  gpt_tp1's.
 """
 import argparse
 import codecs
@@ -107,23 +110,26 @@ def patch_for_cpu():
     from megatron.core.tensor_parallel import random as R
 
     torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     U.GlobalMemoryBuffer.get_tensor = lambda self, shape, dtype, name, mem_alloc_context=None: torch.empty(*shape, dtype=dtype)
     R.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
 
 
-def gpt(tp: int):
+def gpt(tp: int, pre_process: bool = True, post_process: bool = True, pp: int = 1):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(num_layers=SIZES["num_layers"], hidden_size=SIZES["hidden_size"],
                             num_attention_heads=SIZES["num_attention_heads"], ffn_hidden_size=SIZES["ffn_hidden_size"],
-                            tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0,
+                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                            use_cpu_initialization=True, hidden_dropout=0.0,
                             attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
                             bias_dropout_fusion=False, gradient_accumulation_fusion=False, layernorm_epsilon=1e-5)
     return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=SIZES["padded_vocab_size"],
                     max_sequence_length=SIZES["max_position_embeddings"], position_embedding_type="learned_absolute",
-                    share_embeddings_and_output_weights=True, parallel_output=False)
+                    share_embeddings_and_output_weights=True, parallel_output=False, pre_process=pre_process,
+                    post_process=post_process)
 
 
 def full_weights() -> dict:
@@ -197,7 +203,48 @@ def save_rank(rank: int, tp: int, out: str, port: int):
     torch.distributed.destroy_process_group()
 
 
+def save_stage(rank: int, tp: int, pp: int, out: str, port: int):
+    """One rank of a tensor- and pipeline-parallel run: its stage's layers (named from 0 within
+    the stage, as Megatron saves them), its slice of each, and the last stage's copy of the
+    embedding as the output layer. Saved only; the logits are those of the same weights unsplit."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=tp * pp)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    patch_for_cpu()
+    t, stage = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    model, full = gpt(tp, stage == 0, stage == pp - 1, pp), full_weights()
+    per_stage = SIZES["num_layers"] // pp
+    mine = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        source = name
+        if name.startswith("decoder.layers."):
+            local, rest = name.removeprefix("decoder.layers.").split(".", 1)
+            source = f"decoder.layers.{stage * per_stage + int(local)}.{rest}"
+        w = full["embedding.word_embeddings.weight" if name == "output_layer.weight" else source]
+        if w.shape == tensor.shape:
+            mine[name] = w
+        elif w.shape[0] != tensor.shape[0]:
+            mine[name] = w[t * tensor.shape[0]:(t + 1) * tensor.shape[0]]
+        else:
+            mine[name] = w[:, t * tensor.shape[1]:(t + 1) * tensor.shape[1]]
+    model.load_state_dict(mine, strict=False)
+    args = run_args(tp)
+    args.pipeline_model_parallel_size = pp
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": 7, "model": model.state_dict_for_save_checkpoint()}
+    directory = Path(out) / "iter_0000007" / f"mp_rank_{t:02d}_{stage:03d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(state, directory / "model_optim_rng.pt")
+    if rank == 0:
+        (Path(out) / "latest_checkpointed_iteration.txt").write_text("7")
+    torch.distributed.destroy_process_group()
+
+
 def checkpoints():
+    torch.multiprocessing.spawn(save_stage, args=(2, 2, str(OUT / "gpt_tp2_pp2"), 29610), nprocs=4)
     for tp in (1, 2):
         torch.multiprocessing.spawn(save_rank, args=(tp, str(OUT / f"gpt_tp{tp}"), 29600 + tp), nprocs=tp)
     one, two = (np.load(OUT / f"gpt_tp{tp}" / "reference.npz") for tp in (1, 2))

@@ -3,6 +3,7 @@ megatron-core itself: tests/fixtures/megatron/gpt_tp{1,2} were saved as Megatron
 with tensor parallelism 1 and 2, and hold the logits megatron-core's forward pass gave for
 fixed tokens (tests/make_megatron_fixtures.py, run by hand with PyTorch). Without PyTorch here,
 the .pt files are read by megajax/convert/torch_pickle.py."""
+import argparse
 import io
 import pickle
 import zipfile
@@ -27,13 +28,14 @@ VOCAB = f"wordpiece:{ROOT / 'tests/fixtures/hf/bert/vocab.txt'}"   # 220 ids; th
 def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
     return {tp: import_megatron(FIXTURES / f"gpt_tp{tp}", root / f"tp{tp}", VOCAB, ["model.vocab_multiple=128"])
-            and root / f"tp{tp}" for tp in (1, 2)}
+            and root / f"tp{tp}" for tp in (1, 2, "2_pp2")}
 
 
-@pytest.mark.parametrize("tp,mesh_spec", [(1, "1x1"), (2, "2x4"), (1, "1x4")])
+@pytest.mark.parametrize("tp,mesh_spec", [(1, "1x1"), (2, "2x4"), (1, "1x4"), ("2_pp2", "1x2")])
 def test_logits_equal_megatron_cores(imported, tp, mesh_spec):
-    """A checkpoint saved with either tensor parallelism, on any mesh: Megatron's logits."""
-    ref = np.load(FIXTURES / f"gpt_tp{tp}" / "reference.npz")
+    """A checkpoint saved with either tensor parallelism, or with two pipeline stages too, on
+    any mesh: Megatron's logits (the pipeline-parallel one holds gpt_tp1's weights)."""
+    ref = np.load(FIXTURES / f"gpt_tp{1 if tp == '2_pp2' else tp}" / "reference.npz")
     loaded = load_workdir(imported[tp], mesh_for(mesh_spec))
     cfg = loaded.cfg.model
     assert (cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.ffn, cfg.seq_len, cfg.vocab_size, cfg.gelu, cfg.ln_eps) \
@@ -97,19 +99,25 @@ class _Array(torch_pickle.Tensor):
 def test_what_megajax_cannot_import_is_one_line(tmp_path, capsys):
     good = FIXTURES / "gpt_tp2"
     (tmp_path / "empty").mkdir()
-    (tmp_path / "pipeline" / "iter_0000001" / "mp_rank_00_000").mkdir(parents=True)
-    (tmp_path / "pipeline" / "iter_0000001" / "mp_rank_00_000" / "model_optim_rng.pt").write_bytes(b"")
+    for rank in ("mp_rank_00_000", "mp_rank_01_001"):      # two of a 2 x 2 checkpoint's four
+        (tmp_path / "pipeline" / "iter_0000001" / rank).mkdir(parents=True)
+        (tmp_path / "pipeline" / "iter_0000001" / rank / "model_optim_rng.pt").write_bytes(b"")
     (tmp_path / "pipeline" / "latest_checkpointed_iteration.txt").write_text("1\n")
     (tmp_path / "dist").mkdir()
     (tmp_path / "dist" / "__0_0.distcp").write_bytes(b"")
     (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"model": {}}))
     (tmp_path / "notes.pt").write_bytes(_zip_pickle([1, 2]))
+    (tmp_path / "virtual.pt").write_bytes(_zip_pickle({"model0": {}, "model1": {}, "args": argparse.Namespace()}))
+    (tmp_path / "experts" / "mp_rank_00_000_001").mkdir(parents=True)
+    (tmp_path / "experts" / "mp_rank_00_000_001" / "model_optim_rng.pt").write_bytes(b"")
     args, version, shards = megatron_ckpt.read_ranks(megatron_ckpt.rank_files(good)[0])
     for directory, message in [(tmp_path / "empty", "no mp_rank_*/model_optim_rng.pt in"),
-                               (tmp_path / "pipeline", "holds a pipeline-parallel checkpoint (mp_rank_TT_PPP)"),
+                               (tmp_path / "pipeline", "lacks mp_rank_00_001, mp_rank_01_000: an incomplete checkpoint"),
                                (tmp_path / "dist", "is a torch_dist (distributed) checkpoint"),
                                (tmp_path / "legacy.pt", "is not in torch.save's zip format (PyTorch 1.6 and later)"),
-                               (tmp_path / "notes.pt", "is not a Megatron-LM checkpoint (no 'model' state dict")]:
+                               (tmp_path / "notes.pt", "is not a Megatron-LM checkpoint (no 'model' state dict"),
+                               (tmp_path / "virtual.pt", "holds interleaved (virtual) pipeline stages"),
+                               (tmp_path / "experts", "is an expert-parallel rank (mp_rank_TT_PPP_EEE)")]:
         with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
             megatron_ckpt.read_ranks(megatron_ckpt.rank_files(directory)[0])
     for change, message in [({"swiglu": True}, "swiglu = True (SwiGLU)"),

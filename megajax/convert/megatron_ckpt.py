@@ -1,15 +1,17 @@
 """Megatron-LM's own GPT checkpoints (torch format) as megajax params and config.
 
-Megatron-LM saves one file per tensor-parallel rank:
+Megatron-LM saves one file per tensor-parallel rank and pipeline stage:
 
     DIR/latest_checkpointed_iteration.txt          the newest iteration, or "release"
     DIR/iter_0000100/mp_rank_00/model_optim_rng.pt  (release/mp_rank_00/... for a release)
+    DIR/iter_0000100/mp_rank_00_001/...            tensor rank 0, pipeline stage 1, where there are stages
 
 each a torch.save dict with "args" (the run's argparse Namespace: the sizes), "checkpoint_version"
 and "model", the rank's shard of the state dict, read here with megajax/convert/torch_pickle.py.
 The shards are joined as Megatron split them: column-parallel weights (QKV, fc1, the vocabulary)
 along their output rows, row-parallel ones (the attention output, fc2) along their input columns;
 LayerNorms, position embeddings and row-parallel biases are the same on every rank (checked).
+Pipeline stages are joined first, each numbering its layers from 0.
 
 Two namings are read: megatron-core's (`decoder.layers.N.self_attention.linear_qkv`, what
 Megatron-LM has written since its models moved to megatron-core) and the earlier one
@@ -50,45 +52,77 @@ TOP_NAMES = {"embed.table": ("embedding.word_embeddings.weight", "language_model
 COLUMN, ROW = ("attention.qkv", "mlp.fc1"), ("attention.out", "mlp.fc2")
 
 
-def rank_files(directory: Path) -> tuple[list[Path], str]:
-    """Each tensor-parallel rank's file of the newest iteration (or `directory` itself, an
-    iteration's directory or one file), and a name for that iteration."""
+RANK_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?")
+LAYER_KEY = re.compile(r"^((?:decoder|language_model\.(?:encoder|transformer))\.layers\.)(\d+)\.")
+
+
+def rank_files(directory: Path) -> tuple[list[list[Path]], str]:
+    """The newest iteration's files (or `directory` itself, an iteration's directory or one
+    file): for each tensor-parallel rank, its pipeline stages' files in order; and a name for
+    that iteration."""
     directory = Path(directory)
     if directory.is_file():
-        return [directory], directory.name
+        return [[directory]], directory.name
     tracker = directory / "latest_checkpointed_iteration.txt"
     if tracker.is_file():
         it = tracker.read_text().strip()
         directory = directory / ("release" if it == "release" else f"iter_{int(it):07d}" if it.isdigit() else it)
-    ranks = sorted(directory.glob(f"mp_rank_*/{FILE}"))
-    if not ranks:
+    found = {}
+    for path in directory.glob(f"mp_rank_*/{FILE}"):
+        match = RANK_DIR.fullmatch(path.parent.name)
+        if match is None:
+            raise UserError(f"{path.parent} is an expert-parallel rank (mp_rank_TT_PPP_EEE): megajax reads dense GPTs")
+        found[int(match.group(1)), int(match.group(2) or 0)] = path
+    if not found:
         if any(directory.glob("*.distcp")) or (directory / "metadata.json").is_file():
             raise UserError(f"{directory} is a torch_dist (distributed) checkpoint; megajax reads Megatron-LM's torch "
                             f"format: convert it with Megatron-LM's --ckpt-convert-format torch")
         raise UserError(f"no mp_rank_*/{FILE} in {directory}: not a Megatron-LM checkpoint directory")
-    if any(re.fullmatch(r"mp_rank_\d+_\d+(_\d+)?", p.parent.name) for p in ranks):
-        raise UserError(f"{directory} holds a pipeline-parallel checkpoint (mp_rank_TT_PPP): megajax reads "
-                        f"tensor-parallel ones; merge its stages with Megatron-LM's tools/checkpoint first")
-    return ranks, directory.name
+    tp, pp = (max(k[i] for k in found) + 1 for i in (0, 1))
+    missing = [f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") for t in range(tp) for s in range(pp)
+               if (t, s) not in found]
+    if missing:
+        raise UserError(f"{directory} lacks {', '.join(missing[:3])}: an incomplete checkpoint")
+    return [[found[t, s] for s in range(pp)] for t in range(tp)], directory.name
 
 
-def read_ranks(files: list[Path]) -> tuple[dict, float, list[dict]]:
-    """(args as a dict, checkpoint version, each rank's model state dict)."""
+def read_ranks(ranks: list[list[Path]]) -> tuple[dict, float, list[dict]]:
+    """(args as a dict, checkpoint version, each tensor-parallel rank's model state dict, its
+    pipeline stages joined)."""
     shards, args, version = [], None, None
-    for f in files:
-        ckpt = torch_pickle.load(f)
-        if not (isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict)
-                and isinstance(ckpt.get("args"), argparse.Namespace)):
-            raise UserError(f"{f} is not a Megatron-LM checkpoint (no 'model' state dict and 'args' Namespace)")
-        model = ckpt["model"]
-        shards.append({k: v for k, v in model.items() if not k.endswith("_extra_state")})
-        args, version = vars(ckpt["args"]), float(ckpt.get("checkpoint_version", 0))
-    tp = args.get("tensor_model_parallel_size", 1)
-    if tp != len(files):
-        raise UserError(f"the checkpoint was saved with tensor parallelism {tp} but has {len(files)} rank files")
-    if args.get("pipeline_model_parallel_size", 1) != 1:
-        raise UserError("the checkpoint is pipeline-parallel: megajax reads tensor-parallel ones")
+    for stages in ranks:
+        parts = []
+        for f in stages:
+            ckpt = torch_pickle.load(f)
+            if isinstance(ckpt, dict) and "model0" in ckpt:
+                raise UserError(f"{f} holds interleaved (virtual) pipeline stages: megajax reads one model per stage")
+            if not (isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict)
+                    and isinstance(ckpt.get("args"), argparse.Namespace)):
+                raise UserError(f"{f} is not a Megatron-LM checkpoint (no 'model' state dict and 'args' Namespace)")
+            parts.append({k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")})
+            args, version = vars(ckpt["args"]), float(ckpt.get("checkpoint_version", 0))
+        shards.append(_join_stages(parts))
+    tp, pp = args.get("tensor_model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1)
+    if (tp, pp) != (len(ranks), len(ranks[0])):
+        raise UserError(f"the checkpoint was saved with tensor parallelism {tp} and pipeline parallelism {pp} but "
+                        f"has {len(ranks)} x {len(ranks[0])} rank files")
     return args, version, shards
+
+
+def _join_stages(stages: list[dict]) -> dict:
+    """One tensor-parallel rank's pipeline stages as one state dict: each stage numbers its
+    layers from 0, so each is offset by the layers of the stages before it. The last stage's
+    copy of the embedding (output_layer.weight) is checked against the first's with the rest."""
+    joined, offset = {}, 0
+    for stage in stages:
+        count = 0
+        for name, tensor in stage.items():
+            if match := LAYER_KEY.match(name):
+                count = max(count, int(match.group(2)) + 1)
+                name = f"{match.group(1)}{offset + int(match.group(2))}.{name[match.end():]}"
+            joined[name] = tensor
+        offset += count
+    return joined
 
 
 def model_config(args: dict, vocab_size: int, base: ModelConfig) -> ModelConfig:
@@ -201,9 +235,10 @@ def to_params(shards: list[dict], version: float, cfg: ModelConfig) -> tuple[dic
     pad = np.zeros((cfg.padded_vocab - cfg.vocab_size, table.shape[1]), np.float32)
     flat = {"embed.table": np.concatenate([table[:cfg.vocab_size], pad]), "pos": s.same(top["pos"]),
             "ln_f.scale": s.same(f"{top['ln_f']}.weight"), "ln_f.bias": s.same(f"{top['ln_f']}.bias")}
-    output = ("output_layer.weight", "language_model.output_layer.weight")[naming]
-    if s.has(output) and not np.array_equal(s.joined(output, 0)[:cfg.vocab_size], table[:cfg.vocab_size]):
-        raise UserError(f"'{output}' differs from the input embedding: megajax ties the output layer to it")
+    # The output layer's own copy of the embedding, where a run keeps one (the last pipeline stage's).
+    for output in ("output_layer.weight", "language_model.output_layer.weight", "word_embeddings_for_head.weight"):
+        if s.has(output) and not np.array_equal(s.joined(output, 0)[:cfg.vocab_size], table[:cfg.vocab_size]):
+            raise UserError(f"'{output}' differs from the input embedding: megajax ties the output layer to it")
     layers = [_layer(s, prefix.format(i=i), naming, cfg) for i in range(cfg.num_layers)]
     if extra := s.unused():
         raise UserError(f"the checkpoint has tensors megajax's GPT does not: {', '.join(extra[:4])}"
@@ -250,5 +285,5 @@ def import_megatron(directory, workdir, tokenizer: str, overrides: list[str] | N
         tok.save(tmp)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=workdir_spec(tok, workdir, tokenizer)))
         cfg.save(tmp / CONFIG_FILE)
-        save_step0(tmp, cfg, params, source=str(files[0].parent.parent))
+        save_step0(tmp, cfg, params, source=str(files[0][0].parent.parent))
     return cfg
