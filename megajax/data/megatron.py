@@ -8,9 +8,10 @@ ids, back to back) and PREFIX.idx:
     int64 document_indices[D + 1] (the first sequence of each document, then S), and for a
     multimodal dataset an int8 mode per sequence (not read).
 
-A sequence is a document, or with --split-sentences a sentence (BERT's data). The files are
-memory-mapped, never read whole, and checked against each other first, so that a damaged or
-foreign file is one line here rather than wrong tokens later. Token ids are checked against the
+A sequence is a document, or with --split-sentences a sentence (BERT's data). The tokens are
+memory-mapped, never read whole (the index's tables are: 8 bytes a sequence), and both files are
+checked against each other first, so that a damaged or foreign file is one line here rather
+than wrong tokens later. Token ids are checked against the
 run's vocabulary as its windows are read (data/tokens.py), as for megajax-prepare's corpora.
 """
 from __future__ import annotations
@@ -29,34 +30,28 @@ MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")          # magic, version, dtype code, sequences, document boundaries
 TOKEN_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
 FLOAT_CODES = {6: "float64", 7: "float32"}
-CHECK_CHUNK = 1 << 22                      # sequences checked at a time: memory stays flat in the corpus size
 
 
 @dataclasses.dataclass
 class IndexedDataset:
     prefix: Path
     tokens: np.ndarray            # every sequence's ids in order: the .bin, mapped
-    starts: "_TokenOffsets"       # the token offset where each sequence starts (the mapped pointers)
+    bounds: np.ndarray            # int64: the token offset where each sequence starts, then the number of tokens
     document_starts: np.ndarray   # int64: the first sequence of each document, then the number of sequences
 
     @property
     def documents(self) -> int:
         return len(self.document_starts) - 1
 
-    def sequence_start(self, i) -> np.ndarray:
-        """Token offsets of sequences i (an index or array); the number of sequences gives the end."""
-        return np.where(np.asarray(i) < len(self.starts), self.starts[np.minimum(i, len(self.starts) - 1)],
-                        len(self.tokens))
-
     def document_ends(self) -> np.ndarray:
         """The token offset where each document ends."""
-        return self.sequence_start(self.document_starts[1:]) if len(self.starts) else np.zeros(self.documents, np.int64)
+        return self.bounds[self.document_starts[1:]]
 
     def sentences(self):
         """Each document as a list of its sequences' ids (BERT: its sentences)."""
         for first, last in zip(self.document_starts[:-1], self.document_starts[1:]):
-            bounds = self.sequence_start(np.arange(first, last + 1))
-            yield [self.tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            b = self.bounds[first:last + 1]
+            yield [self.tokens[x:y] for x, y in zip(b[:-1], b[1:])]
 
 
 def prefix_of(arg: str) -> Path:
@@ -89,42 +84,26 @@ def read_indexed(arg: str) -> IndexedDataset:
     pointers = raw[HEADER.size + 4 * count:HEADER.size + 12 * count].view("<i8")
     starts = np.asarray(raw[HEADER.size + 12 * count:tables].view("<i8"), np.int64)
     dtype = np.dtype(TOKEN_DTYPES[code]).newbyteorder("<")
-    total = _check_tables(idx, lengths, pointers, starts, dtype.itemsize)
+    bounds = _check_tables(idx, lengths, pointers, starts, dtype.itemsize)
+    total = int(bounds[-1])
     if data.stat().st_size != total * dtype.itemsize:
         raise UserError(f"{data} should hold {total:,} {dtype.name} tokens ({total * dtype.itemsize:,} bytes) as "
                         f"{idx.name} says, has {data.stat().st_size:,} bytes: damaged, or another dataset's")
     tokens = np.memmap(data, dtype=dtype, mode="r") if total else np.zeros(0, dtype)
-    return IndexedDataset(prefix, tokens, _TokenOffsets(pointers, dtype.itemsize), starts)
+    return IndexedDataset(prefix, tokens, bounds, starts)
 
 
-class _TokenOffsets:
-    """The byte pointers as token offsets, computed for what is read (the index stays mapped)."""
-
-    def __init__(self, pointers: np.ndarray, itemsize: int):
-        self.pointers, self.itemsize = pointers, itemsize
-
-    def __len__(self) -> int:
-        return len(self.pointers)
-
-    def __getitem__(self, i):
-        return np.asarray(self.pointers[i], np.int64) // self.itemsize
-
-
-def _check_tables(idx: Path, lengths, pointers, starts, itemsize: int) -> int:
+def _check_tables(idx: Path, lengths, pointers, starts, itemsize: int) -> np.ndarray:
     """The index must describe sequences laid back to back, grouped into documents in order;
-    returns the number of tokens. Checked a chunk at a time: the index stays mapped."""
-    end = 0
-    for a in range(0, len(lengths), CHECK_CHUNK):
-        n = np.asarray(lengths[a:a + CHECK_CHUNK], np.int64)
-        if n.min() < 0:
-            raise UserError(f"{idx} has a negative sequence length: damaged")
-        offsets = end + np.concatenate([[0], np.cumsum(n)[:-1]])
-        if not np.array_equal(np.asarray(pointers[a:a + CHECK_CHUNK], np.int64), offsets * itemsize):
-            raise UserError(f"{idx}: its sequence pointers are not its lengths laid back to back: damaged")
-        end += int(n.sum())
+    returns each sequence's first token offset and the number of tokens."""
+    if len(lengths) and lengths.min() < 0:
+        raise UserError(f"{idx} has a negative sequence length: damaged")
+    bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    if not np.array_equal(pointers, bounds[:-1] * itemsize):
+        raise UserError(f"{idx}: its sequence pointers are not its lengths laid back to back: damaged")
     if len(starts) == 0 or starts[0] != 0 or starts[-1] != len(lengths) or np.any(np.diff(starts) < 0):
         raise UserError(f"{idx}: its document indices do not run from 0 to its {len(lengths):,} sequences: damaged")
-    return end
+    return bounds
 
 
 def token_split(ds: IndexedDataset, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
