@@ -135,7 +135,7 @@ def main():
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--bias", action="store_true", help="biases in the linear layers and LayerNorms, as GPT-2")
     p.add_argument("--eval-batches", type=int, default=200)
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    p.add_argument("--data", default=str(ROOT / "data" / "tinyshakespeare.txt"))
     a = p.parse_args()
     if not Path(a.data).is_file():
         print(f"error: data file not found: {a.data}", file=sys.stderr)

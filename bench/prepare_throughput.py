@@ -3,10 +3,10 @@
 
     python bench/prepare_throughput.py [--copies 12] [--workers 2] [--tokenizer SPEC]
 
-The corpus is WikiText-2 (valid + test) and Tiny Shakespeare from ../shared/data, written
+The corpus is WikiText-2 (valid + test) and Tiny Shakespeare from the committed data/, written
 `--copies` times as separate files (about 2.7 MB each copy). Each run prepares it into a fresh
 directory; the figure is tokens per second of the whole command (planning, checksums,
-tokenizing, assembling), the best of `--repeats`. Target (issue 17): the pool at least 1.8x one
+tokenizing, assembling), the best of `--repeats`. Target: the pool at least 1.8x one
 process on a 2-core machine.
 """
 import argparse
@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from megajax.prepare import Settings, prepare  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data"
+DATA = ROOT / "data"
 SOURCES = [DATA / "wikitext-2" / "valid.txt", DATA / "wikitext-2" / "test.txt", DATA / "tinyshakespeare.txt"]
 
 

@@ -24,7 +24,7 @@ def main():
     p.add_argument("--mesh", default="1x1")
     p.add_argument("--host-devices", type=int)
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    p.add_argument("--data", default=str(ROOT / "data" / "tinyshakespeare.txt"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. --set model.compute_dtype=float32 to compare")
     a = p.parse_args()

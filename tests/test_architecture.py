@@ -79,6 +79,23 @@ def test_eval_task_choices_are_the_table():
     assert sorted(TASK_CHOICES) == sorted(EVAL_TASKS)
 
 
+def test_no_file_reads_data_from_beside_the_checkout():
+    """A plain clone must pass the suite and run every documented command: nothing the project
+    ships may name a data directory beside the checkout (the pattern is split so that this file
+    does not name it either)."""
+    beside = ("..", "/", "shared")
+    needles = ("".join(beside), '"' + beside[2] + '" / "data"', beside[2] + "/data/")
+    tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, text=True, cwd=ROOT, check=True)
+    offenders = []
+    for name in filter(None, tracked.stdout.split("\0")):
+        path = ROOT / name
+        if "fixtures" in path.parts or not path.is_file():
+            continue
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        offenders += [f"{name}: {n}" for n in needles if n in text]
+    assert not offenders
+
+
 def test_first_line_of_any_exception():
     from megajax.errors import first_line
 

@@ -52,8 +52,8 @@ def greedy_by_recomputation(model, prompt_tokens, max_new_tokens: int) -> np.nda
     return buf[:rows, n:]
 
 
-WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt"
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+WIKITEXT = ROOT / "data" / "wikitext-2" / "test.txt"
+SHAKESPEARE = ROOT / "data" / "tinyshakespeare.txt"
 
 
 def test_detokenizer_on_fragments():

@@ -21,7 +21,7 @@ from megajax.errors import UserError
 from megajax.training.workdir import load_workdir
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = ROOT / "data" / "tinyshakespeare.txt"
 RUN_ARGS = ["--config", "tiny", "--data", f"text:{SHAKESPEARE}", "--tokenizer", "chars",
             "--sample-tokens", "0", "--log-every", "1"]
 BASE = [*RUN_ARGS, "--host-devices", "8"]

@@ -23,7 +23,7 @@ def eval_parser() -> argparse.ArgumentParser:
         prog="eval.py", description="Evaluate or sample a train.py workdir (GPT or BERT) on any mesh.",
         epilog="examples:\n"
                "  python eval.py --workdir runs/default --task ppl --data text:notes.txt\n"
-               "  python eval.py --workdir runs/gpt --task wikitext --data ../shared/data/wikitext-2/test.txt\n"
+               "  python eval.py --workdir runs/gpt --task wikitext --data data/wikitext-2/test.txt\n"
                "  python eval.py --workdir runs/gpt --task lambada --data lambada_test.jsonl\n"
                "  python eval.py --workdir runs/default --task sample --prompt 'def main(' --host-devices 8 --mesh 2x4\n"
                "  python eval.py --workdir runs/bert_race --task race --data RACE",
