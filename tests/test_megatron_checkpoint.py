@@ -105,7 +105,8 @@ def test_what_megajax_cannot_import_is_one_line(tmp_path, capsys):
     (tmp_path / "pipeline" / "latest_checkpointed_iteration.txt").write_text("1\n")
     (tmp_path / "dist").mkdir()
     (tmp_path / "dist" / "__0_0.distcp").write_bytes(b"")
-    (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"model": {}}))
+    # torch.save before PyTorch 1.6: its magic number pickled first, then the rest
+    (tmp_path / "legacy.pt").write_bytes(pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2) + pickle.dumps({"model": {}}))
     (tmp_path / "notes.pt").write_bytes(_zip_pickle([1, 2]))
     (tmp_path / "virtual.pt").write_bytes(_zip_pickle({"model0": {}, "model1": {}, "args": argparse.Namespace()}))
     (tmp_path / "experts" / "mp_rank_00_000_001").mkdir(parents=True)
@@ -114,7 +115,7 @@ def test_what_megajax_cannot_import_is_one_line(tmp_path, capsys):
     for directory, message in [(tmp_path / "empty", "no mp_rank_*/model_optim_rng.pt in"),
                                (tmp_path / "pipeline", "lacks mp_rank_00_001, mp_rank_01_000: an incomplete checkpoint"),
                                (tmp_path / "dist", "is a torch_dist (distributed) checkpoint"),
-                               (tmp_path / "legacy.pt", "is not in torch.save's zip format (PyTorch 1.6 and later)"),
+                               (tmp_path / "legacy.pt", "is in torch.save's format before PyTorch 1.6 (a legacy file)"),
                                (tmp_path / "notes.pt", "is not a Megatron-LM checkpoint (no 'model' state dict"),
                                (tmp_path / "virtual.pt", "holds interleaved (virtual) pipeline stages"),
                                (tmp_path / "experts", "is an expert-parallel rank (mp_rank_TT_PPP_EEE)")]:

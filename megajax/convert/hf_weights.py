@@ -81,6 +81,16 @@ PREFIX = {"gpt2": "transformer."}     # GPT2LMHeadModel's; a bare GPT2Model file
 
 
 # --- forms ------------------------------------------------------------------------------------
+def finite(name: str, array: np.ndarray) -> np.ndarray:
+    """`array`, or one line naming the checkpoint's tensor that holds a NaN or an infinity: a
+    model that starts from one would only ever compute NaN."""
+    if not np.isfinite(array).all():
+        bad = int(np.size(array) - np.isfinite(array).sum())
+        raise UserError(f"the checkpoint's tensor '{name}' holds {bad} non-finite value{'s' * (bad > 1)} "
+                        f"(NaN or infinity) of {np.size(array)}: damaged or diverged weights, not imported")
+    return array
+
+
 def _interleave(q, k, v, heads: int):
     """(..., h) x 3 -> (..., h * 3) with columns ordered (head, q|k|v, head_dim)."""
     x = np.stack([q, k, v], axis=-2)                                # (..., 3, h)
@@ -148,7 +158,7 @@ def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
             if missing:
                 raise UserError(f"the checkpoint has no tensor '{missing[0]}' (a {arch} model with "
                                 f"{cfg.num_layers} layers needs it)")
-            arrays = [np.asarray(tensors[n], np.float32) for n in names]
+            arrays = [finite(n, np.asarray(tensors[n], np.float32)) for n in names]
             if rule.form == "vocab_rows" and arrays[0].shape[0] != cfg.vocab_size:
                 raise UserError(f"'{names[0]}' has {arrays[0].shape[0]} rows but config.json's vocab_size is "
                                 f"{cfg.vocab_size}")

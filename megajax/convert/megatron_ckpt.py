@@ -198,7 +198,7 @@ class _Shards:
         values = [s[name] for s in self.shards]
         if not all(isinstance(v, torch_pickle.Tensor) for v in values):
             raise UserError(f"'{name}' in the checkpoint is not a tensor")
-        return [np.asarray(v.numpy(), np.float32) for v in values]
+        return [hf_weights.finite(name, np.asarray(v.numpy(), np.float32)) for v in values]
 
     def same(self, name: str) -> np.ndarray:
         arrays = self._arrays(name)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import pickle
 import zipfile
+import zlib
 from pathlib import Path
 
 import ml_dtypes
@@ -56,15 +58,45 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         flat = self.storage.archive.storage(self.storage.key, self.storage.dtype)
-        need = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) + 1 if all(self.shape) else 0
-        if need > len(flat):
-            raise UserError(f"{self.storage.archive.path}: a tensor reaches past its storage: damaged")
-        view = np.lib.stride_tricks.as_strided(flat[self.offset:], self.shape,
-                                               [s * flat.itemsize for s in self.stride])
+        strides = _checked_strides(self.offset, self.shape, self.stride, len(flat), self.storage.archive.path)
+        if math.prod(self.shape) == 0:
+            return np.zeros(self.shape, flat.dtype)
+        view = np.lib.stride_tricks.as_strided(flat[self.offset:], self.shape, [s * flat.itemsize for s in strides])
         return np.array(view)
 
 
+def _checked_strides(offset, shape, stride, length: int, path) -> list[int]:
+    """The strides of a view that lies wholly inside a storage of `length` elements, or one line
+    saying why the file's view does not. A file is untrusted: an offset or stride below zero, a
+    lowest or highest element outside the storage, or more elements than the storage holds (a
+    broadcast view, which no weight is, and which would make a small file claim any size) is
+    damage. Python's integers do not overflow, so the bounds are exact however large the claims."""
+    def whole(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not (whole(offset) and all(map(whole, shape)) and all(map(whole, stride)) and len(shape) == len(stride)):
+        raise UserError(f"{path}: a tensor with shape {shape!r}, strides {stride!r} and offset {offset!r} is not a "
+                        f"view torch.save writes: damaged")
+    what = f"{path}: a tensor of shape {tuple(shape)}, strides {tuple(stride)} and offset {offset}"
+    if offset < 0 or min(shape, default=0) < 0 or min(stride, default=0) < 0:
+        raise UserError(f"{what} has a negative offset, size or stride: damaged")
+    if math.prod(max(n, 1) for n in shape) >= 2**62:   # no array of any dtype has so many, even empty
+        raise UserError(f"{what} claims an impossible size: damaged")
+    count = math.prod(shape)
+    if count == 0:
+        return [0] * len(shape)
+    strides = [s if n > 1 else 0 for n, s in zip(shape, stride)]   # a dimension of one never steps
+    last = offset + sum((n - 1) * s for n, s in zip(shape, strides))
+    if last >= length:
+        raise UserError(f"{what} reaches element {last} of a storage of {length}: damaged")
+    if count > length:
+        raise UserError(f"{what} has {count} elements over a storage of {length} (overlapping strides): damaged")
+    return strides
+
+
 def _rebuild_tensor(storage, offset, shape, stride, *_):
+    if not isinstance(storage, _Storage):     # a damaged pickle's arguments: its view is checked when read
+        raise pickle.UnpicklingError("a tensor without a storage")
     return Tensor(storage, offset, shape, stride)
 
 
@@ -116,8 +148,29 @@ class _Archive:
                 data = self.zip.read(f"{self.root}data/{key}")
             except KeyError:
                 raise UserError(f"{self.path} lacks the storage data/{key}: damaged") from None
+            except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as e:
+                raise UserError(f"{self.path}: the storage data/{key} cannot be read ({type(e).__name__}: "
+                                f"{str(e)[:80]}): damaged") from None
             self._storages[key] = np.frombuffer(data[:len(data) - len(data) % dtype.itemsize], dtype)
         return self._storages[key]
+
+
+# torch.save's format before PyTorch 1.6: a bare pickle (protocol 2) whose first object is this number.
+LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _not_a_zip(path: Path) -> str:
+    """Why a file without a zip archive's directory is not read: a zip whose end is missing (a
+    copy or download cut short), PyTorch's format before 1.6, or not a PyTorch file at all."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(b"PK\x03\x04"):
+        return (f"{path} is a zip archive without its end (its directory of contents is missing): truncated or "
+                f"damaged, for example by a copy that did not finish")
+    if head.startswith(b"\x80") and LEGACY_MAGIC in head:
+        return (f"{path} is in torch.save's format before PyTorch 1.6 (a legacy file); load and save it again with "
+                f"any recent PyTorch (torch.save(torch.load(F), F))")
+    return f"{path} is not a PyTorch checkpoint (neither torch.save's zip format nor its legacy one)"
 
 
 def load(path) -> object:
@@ -126,11 +179,12 @@ def load(path) -> object:
     if not path.is_file():
         raise UserError(f"{path} not found")
     if not zipfile.is_zipfile(path):
-        raise UserError(f"{path} is not in torch.save's zip format (PyTorch 1.6 and later): a legacy file; load and "
-                        f"save it again with any recent PyTorch (torch.save(torch.load(F), F))")
+        raise UserError(_not_a_zip(path))
     try:
         archive = _Archive(path)
         with archive.zip.open(f"{archive.root}data.pkl") as f:
             return _Unpickler(f, archive).load()
-    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the unpickler runs no code: whatever it raises, the file is damaged)
         raise UserError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): damaged") from None
