@@ -327,6 +327,31 @@ def test_hardware_files_name_their_stack(tmp_path, capsys):
     assert err.count("\n") == 1 and f"hardware file {toml} is not valid TOML" in err
 
 
+@pytest.mark.parametrize("line,message", [
+    ("peak_flops = nan", "[gpu] peak_flops must be a finite number, got nan"),   # before: a table of NaN, exit 0
+    ("hbm_bandwidth = inf", "[gpu] hbm_bandwidth must be a finite number, got inf"),
+    ("gpus_per_node = 0.5", "[gpu] gpus_per_node counts whole GPUs, got 0.5"),    # before: ZeroDivisionError
+    ("peak_flops = 1e-300", "[gpu] peak_flops = 1e-300 is outside 1e+09..1e+18"),  # before: ZeroDivisionError
+    ("inter_node_latency = 0.0", "[gpu] inter_node_latency = 0 is outside"),
+    ("memory_bytes = 1e300", "[gpu] memory_bytes = 1e+300 is outside")])
+def test_a_hardware_file_holds_finite_physical_numbers(tmp_path, capsys, line, message):
+    """Every field finite, whole where it counts GPUs, and within bounds no accelerator is near;
+    the JSON output is JSON (no bare NaN) because no such number reaches the arithmetic."""
+    fields = {"peak_flops": "1e15", "memory_bytes": "8e10", "hbm_bandwidth": "3e12", "gpus_per_node": "8",
+              "intra_node_bandwidth": "4e11", "inter_node_bandwidth": "4e11"}
+    key, value = (s.strip() for s in line.split("="))
+    fields[key] = value
+    toml = tmp_path / "gpus.toml"
+    toml.write_text("[gpu]\n" + "".join(f"{k} = {v}\n" for k, v in fields.items()))
+    assert plan_main(["--config", "tiny", "--devices", "8", "--hardware", str(toml), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and message in err, err
+    fields[key] = "8" if key == "gpus_per_node" else "1e-5" if "latency" in key else "1e12"
+    toml.write_text("[gpu]\n" + "".join(f"{k} = {v}\n" for k, v in fields.items()))
+    assert plan_main(["--config", "tiny", "--devices", "8", "--hardware", str(toml), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plans"]
+
+
 def test_builtin_hardware_cites_its_sources():
     assert {"v100-dgx2h", "a100-80g", "h100-80g", "h200", "t4"} <= set(BUILTIN)
     assert all(h.source for h in BUILTIN.values())

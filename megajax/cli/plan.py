@@ -50,8 +50,9 @@ def plan_main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001  (out of memory: one line; a bug: raised)
         return failed(e, "plan fewer --devices or --schemes")
     if args.json:
+        # allow_nan=False: the output is JSON (no bare NaN), or this raises: a bug, not a table
         print(json.dumps({"config": cfg.name, "devices": args.devices, "hardware": hw.name,
-                          "plans": [p.to_json() for p in found]}, indent=1))
+                          "plans": [p.to_json() for p in found]}, indent=1, allow_nan=False))
     else:
         print(render(cfg, args.devices, hw, found, args.top))
     return 0

@@ -25,6 +25,7 @@ the planner reproduces the paper's scaling study.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from pathlib import Path
 
@@ -108,10 +109,29 @@ def _hardware(name: str, table, path: Path) -> Hardware:
                                 f"got {value!r}")
             values[key] = value
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise UserError(f"hardware file {path}: [{name}] {key} must be a positive number, got {value!r}")
-        values[key] = int(value) if key == "gpus_per_node" else float(value)
+        values[key] = _checked_number(f"hardware file {path}: [{name}] {key}", key, value)
     return Hardware(name=name, source=str(table.get("source", str(path))), **values)
+
+
+# Physical bounds of each number, far outside any accelerator built or announced: a value past
+# them is a typo or a unit slip (1e-300 FLOP/s; 0.5 GPUs per node), and the planner's arithmetic
+# must never see a NaN, an infinity, a zero it divides by, or a count that is not whole.
+BOUNDS = {"peak_flops": (1e9, 1e18), "memory_bytes": (2**20, 1e15), "hbm_bandwidth": (1e6, 1e15),
+          "gpus_per_node": (1, 4096), "intra_node_bandwidth": (1e6, 1e15), "inter_node_bandwidth": (1e6, 1e15),
+          "intra_node_latency": (1e-9, 1.0), "inter_node_latency": (1e-9, 1.0)}
+COUNTS = ("gpus_per_node",)
+
+
+def _checked_number(where: str, key: str, value) -> float | int:
+    low, high = BOUNDS[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(f"{where} must be a finite number, got {value!r}")
+    if key in COUNTS and value != int(value):
+        raise UserError(f"{where} counts whole GPUs, got {value!r}")
+    if not low <= value <= high:
+        raise UserError(f"{where} = {value:g} is outside {low:g}..{high:g}, the range of any real accelerator "
+                        f"(bytes, bytes/s, FLOP/s and seconds, as in the built-in tables)")
+    return int(value) if key in COUNTS else float(value)
 
 
 def pick_hardware(name_or_path: str) -> Hardware:
