@@ -48,10 +48,21 @@ def write_atomic(path: Path, data: str | bytes) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except BaseException as e:
+    except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(e, OSError) and e.filename is None:   # a failed write names no file: say which
+        with naming(path):
+            raise
+
+
+@contextlib.contextmanager
+def naming(path: Path):
+    """An OSError raised by writing to an open file (a full disk, `ulimit -f`'s "File too large")
+    names no file, and the one line a user reads would not say which: it is given `path`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
 
@@ -76,17 +87,37 @@ def parse_jsonl(text: str) -> list[dict]:
     return records
 
 
+# The descriptors of the locks this process holds. A forked child (a megajax-prepare pool
+# worker) would share each lock's open file, and a lock is released only when every descriptor
+# of it is closed: a worker outliving its killed parent by a moment would keep the directory
+# locked. So a child closes its copies at once (the parent's lock is untouched).
+_HELD_LOCKS: set[int] = set()
+
+
+def _drop_inherited_locks():
+    for fd in _HELD_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 class WorkdirLock:
     """An exclusive lock on the workdir itself (flock on the directory: no lock file to go
     stale). The operating system releases it when the process ends, however it ends, so a
-    crashed or killed run never leaves the workdir locked."""
+    crashed or killed run never leaves the workdir locked. Training runs and megajax-prepare
+    take the same lock: either may be the one holding it."""
 
     def __init__(self, workdir: Path, busy: str | None = None, what: str = "the workdir"):
         self.workdir, self.what = Path(workdir), what
         self.fd = None
         self.created = False
-        self.busy = busy or (f"another run is training in {self.workdir}; wait for it to finish "
-                             f"(or stop it), or give this one another --workdir")
+        self.busy = busy or (f"another megajax process holds {self.workdir} (a run training there, or a "
+                             f"megajax-prepare writing to it); wait for it to finish (or stop it), or give this "
+                             f"one another --workdir")
 
     def __enter__(self):
         self.created = not self.workdir.exists()
@@ -105,10 +136,12 @@ class WorkdirLock:
             os.close(self.fd)
             self.fd = None
             raise UserError(self.busy) from None
+        _HELD_LOCKS.add(self.fd)
         return self
 
     def __exit__(self, *exc):
         if self.fd is not None:
+            _HELD_LOCKS.discard(self.fd)
             os.close(self.fd)     # closing the descriptor releases the lock
             self.fd = None
         if self.created:          # a run refused after the lock leaves no empty workdir behind

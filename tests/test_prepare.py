@@ -1,6 +1,7 @@
 """megajax-prepare (megajax/prepare/): the tokens it writes against the tokenizer run by hand,
 one process against a pool, an interrupted run resumed, and train.py reading the result."""
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,6 +27,7 @@ from megajax.config import load_config
 from megajax.data.prepared import tokenizer_fingerprint
 from megajax.data.tokenizer import load_tokenizer, make_tokenizer
 from megajax.errors import UserError
+from megajax.files import WorkdirLock
 from megajax.evaluation.bert import evaluate_pretraining
 from megajax.models.registry import init_model
 from megajax.prepare import units as U
@@ -434,3 +436,72 @@ def test_a_file_system_that_refuses_a_write_is_one_line_and_the_same_command_con
     prep.prepare([str(big / "doc.txt")], tmp_path / "clean", prep.Settings("bytes", 0.01, "text"), workers=1,
                  say=lambda *a: None)
     np.testing.assert_array_equal(outputs(tmp_path / "o")[0], outputs(tmp_path / "clean")[0])
+
+
+def test_a_split_no_file_may_hold_names_its_file(tmp_path):
+    """Units small enough to write, a train split too large for the file size limit (`ulimit -f`):
+    one line naming the split's file. Before: "File too large" and no file."""
+    src = tmp_path / "src"
+    src.mkdir()
+    text = (ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    for i in range(8):   # 20,000 bytes a unit: 40 KB of uint16 ids each, 320 KB together
+        (src / f"{i}.txt").write_text(text[i * 20_000:(i + 1) * 20_000], encoding="utf-8")
+    args = ["-m", "megajax.prepare", str(src / "*.txt"), "--tokenizer", "bytes", "--out", str(tmp_path / "o"),
+            "--workers", "1"]
+    p = subprocess.run(file_size_limited(*args), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith(f"error: File too large: {tmp_path / 'o' / '.partial' / 'train.bin'}"), p.stderr
+
+
+def test_a_corpus_of_one_document_says_where_it_is_cut(tmp_path, capsys):
+    """No document ends near the held-out fraction: the cut is inside the one document, and the
+    line says so (before: "train ... (0 documents)", as if nothing trained)."""
+    doc = tmp_path / "play.txt"
+    doc.write_text((ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:50_000], encoding="utf-8")
+    assert prepare_main([str(doc), "--tokenizer", "bytes", "--val-fraction", "0.1", "--out", str(tmp_path / "o"),
+                         "--workers", "1"]) == 0
+    out = capsys.readouterr().out     # 50,000 bytes and the blank-line separator; int(10% of 50,002) held out
+    assert ("train 45,002 tokens (0 whole documents and the start of one more), validation 5,000 tokens (the rest of "
+            "that document: no document ends near the held-out fraction, so the cut is inside one)") in out, out
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert meta["splits"]["val"]["starts_inside_a_document"] is True
+    assert prepare_main([str(doc), str(corpus_file(tmp_path)), "--tokenizer", "bytes", "--out",
+                         str(tmp_path / "two"), "--workers", "1"]) == 0
+    assert "(1 documents)" in capsys.readouterr().out    # a document ends near: whole documents held out
+
+
+def corpus_file(tmp_path) -> Path:
+    small = tmp_path / "small.txt"
+    small.write_text("A short last document.\n" * 20, encoding="utf-8")
+    return small
+
+
+def test_a_killed_prepares_workers_do_not_keep_its_directory_locked(tmp_path):
+    """SIGKILL reaches the main process alone; its pool workers (forked: they share the lock's
+    open file) went on tokenizing for a while, and a rerun was told that another prepare was
+    writing. The lock is released with the main process now. A directory a training run holds
+    is named as such, not as another prepare."""
+    big = tmp_path / "big"
+    big.mkdir()
+    text = (ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    for i in range(6):
+        (big / f"{i:02d}.txt").write_text(text * 4, encoding="utf-8")
+    out = tmp_path / "o"
+    p = subprocess.Popen([sys.executable, "-m", "megajax.prepare", str(big / "*.txt"), "--tokenizer", TOKENIZER,
+                          "--out", str(out), "--workers", "2"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while p.poll() is None and time.time() < deadline and not (out / ".partial" / "plan.json").exists():
+            time.sleep(0.01)
+        time.sleep(1.0)     # the workers are tokenizing their first units
+        p.kill()
+        p.wait()
+        with WorkdirLock(out, what="the corpus directory"):
+            pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    with WorkdirLock(out, what="the corpus directory"):
+        with pytest.raises(UserError, match="another megajax process holds .* \\(a megajax-prepare writing it, or a run"):
+            prep.prepare([str(big / "00.txt")], out, prep.Settings("bytes"), workers=1, say=lambda *a: None)

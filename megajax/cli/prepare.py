@@ -70,8 +70,20 @@ def prepare_main(argv=None) -> int:
               f"the last {meta['val_pairs']:,} for validation, {meta['tokenizer']['kind']} tokenizer; "
               f"train.py --data pairs:{args.out}")
         return 0
-    t, v = meta["splits"]["train"], meta["splits"]["val"]
-    print(f"{args.out}: train {t['tokens']:,} tokens ({t['documents']:,} documents), validation {v['tokens']:,} "
-          f"tokens ({v['documents']:,} documents), {meta['dtype']}, {meta['tokenizer']['kind']} tokenizer; "
+    print(f"{args.out}: {_splits(meta['splits'])}, {meta['dtype']}, {meta['tokenizer']['kind']} tokenizer; "
           f"train.py --data bin:{args.out}")
     return 0
+
+
+def _splits(splits: dict) -> str:
+    """The splits in words. The held-out documents are whole trailing ones, unless no document
+    ends near the held-out fraction (a corpus of one or a few long documents): then the cut is
+    inside one, whose start trains and whose rest is validation, and the line says so."""
+    t, v = splits["train"], splits["val"]
+    if not v.get("starts_inside_a_document"):
+        return (f"train {t['tokens']:,} tokens ({t['documents']:,} documents), validation {v['tokens']:,} tokens "
+                f"({v['documents']:,} documents)")
+    more = f" and {v['documents'] - 1:,} more" if v["documents"] > 1 else ""
+    return (f"train {t['tokens']:,} tokens ({t['documents']:,} whole documents and the start of one more), "
+            f"validation {v['tokens']:,} tokens (the rest of that document{more}: no document ends near the "
+            f"held-out fraction, so the cut is inside one)")

@@ -70,10 +70,11 @@ def distinct(files: list[Path]) -> list[Path]:
 
 def read_utf8(path: Path) -> str:
     """A text file's content; not UTF-8 is refused with the file and the first bad byte's
-    offset (decoding with replacement characters would train on garbage silently)."""
+    offset (decoding with replacement characters would train on garbage silently). A leading
+    byte-order mark (Windows editors write one) marks the encoding and is not text: dropped."""
     data = Path(path).read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
 

@@ -27,7 +27,7 @@ from megajax.data import prepared as P
 from megajax.data.sentences import Specials
 from megajax.data.tokenizer import Tokenizer, built_from_corpus, load_tokenizer, make_tokenizer
 from megajax.errors import UserError
-from megajax.files import WorkdirLock, write_atomic
+from megajax.files import WorkdirLock, naming, write_atomic
 from megajax.prepare import pairs
 from megajax.prepare.units import Unit, describe_source, expand_inputs, plan_units, tokenize_unit
 from megajax.training.signals import STOP_SIGNALS
@@ -206,21 +206,32 @@ def _assemble(partial: Path, n_units: int, val_fraction: float) -> dict:
     ends = np.cumsum(lengths)
     train_tokens = P.held_out_cut([ends[i] for i in range(n_units - 1) if docs[i]], total, val_fraction)
     counts = {"train": [0, 0], "val": [0, 0]}
-    with open(partial / "train.bin", "wb") as train, open(partial / "val.bin", "wb") as val:
+    paths = {name: partial / P.SPLIT_FILES[name] for name in counts}
+    with open(paths["train"], "wb") as train, open(paths["val"], "wb") as val:
         written = 0
         for i in range(n_units):
             ids = load(i)
             k = min(len(ids), max(0, train_tokens - written))
-            train.write(np.ascontiguousarray(ids[:k]).tobytes())
-            val.write(np.ascontiguousarray(ids[k:]).tobytes())
+            _append(train, paths["train"], ids[:k])
+            _append(val, paths["val"], ids[k:])
             counts["train"][0] += k
             counts["val"][0] += len(ids) - k
             counts["val" if k < len(ids) else "train"][1] += docs[i]
             written += len(ids)
-        for f in (train, val):
-            f.flush()
-            os.fsync(f.fileno())
-    return {name: {"file": P.SPLIT_FILES[name], "tokens": c[0], "documents": c[1]} for name, c in counts.items()}
+        for f, path in ((train, paths["train"]), (val, paths["val"])):
+            with naming(path):
+                os.fsync(f.fileno())
+    splits = {name: {"file": P.SPLIT_FILES[name], "tokens": c[0], "documents": c[1]} for name, c in counts.items()}
+    # No document ends near the goal (a corpus of one or a few long documents): the cut is inside one.
+    splits["val"]["starts_inside_a_document"] = bool(0 < train_tokens < total and train_tokens not in set(ends.tolist()))
+    return splits
+
+
+def _append(f, path: Path, ids: np.ndarray):
+    """Write and flush at once, so that a failure (a full disk, `ulimit -f`) names its file."""
+    with naming(path):
+        f.write(np.ascontiguousarray(ids).tobytes())
+        f.flush()
 
 
 def _fixed_tokenizer(spec: str) -> Tokenizer:
@@ -246,7 +257,8 @@ def prepare(inputs: list[str], out, settings: Settings, workers: int | None = No
         if settings.pairs_seq_len < 8:
             raise UserError(f"--seq-len must be at least 8 for sentence pairs, got {settings.pairs_seq_len}")
         Specials.of(tok)             # [CLS], [SEP], [MASK], [PAD]: refused now, not after tokenizing
-    with WorkdirLock(out, busy=f"another megajax-prepare is writing {out}; wait for it to finish",
+    with WorkdirLock(out, busy=f"another megajax process holds {out} (a megajax-prepare writing it, or a run "
+                              f"training there); wait for it to finish, or choose another --out",
                      what="the corpus directory"):
         return _prepare_locked(out, sources, tok, settings, workers, say)
 

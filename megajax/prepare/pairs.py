@@ -49,7 +49,7 @@ def _records(source: dict, text_field: str):
     if source["kind"] == "tfds":
         yield from tfds_texts(*tfds_split(source["source"]))
         return
-    with open(source["source"], encoding="utf-8") as f:
+    with open(source["source"], encoding="utf-8-sig") as f:   # a byte-order mark is no text
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:

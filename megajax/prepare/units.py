@@ -98,8 +98,8 @@ def _unit_texts(unit: Unit, text_field: str) -> list[str]:
     with open(unit.source, "rb") as f:
         f.seek(unit.start)
         data = f.read(unit.stop - unit.start)
-    try:
-        text = data.decode("utf-8")
+    try:   # a file's leading byte-order mark is no text (sources.read_utf8)
+        text = data.decode("utf-8-sig" if unit.start == 0 else "utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{unit.source} is not UTF-8 text (byte {unit.start + e.start})") from None
     if unit.kind == "text":
