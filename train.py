@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Train a tensor-parallel GPT: `python train.py --help`."""
 import runpy
-import sys
 from pathlib import Path
 
 if __name__ == "__main__":
     # Before megajax (and jax) is imported: may restart this process once (megajax/hostenv.py).
     runpy.run_path(str(Path(__file__).resolve().parent / "megajax" / "hostenv.py"))["restart_with_malloc_tuning"]()
     from megajax.cli import train_main
+    from megajax.cli.common import end
 
-    sys.exit(train_main())
+    end(train_main())   # exits, bounded however its threads end

@@ -11,5 +11,7 @@ from megajax.cli.train import train_main
 
 train_command = command(train_main)   # python train.py, megajax-train
 eval_command = command(eval_main)     # python eval.py, megajax-eval
+convert_command = command(convert_main, restart=False)   # megajax-convert, python -m megajax.convert
+prepare_command = command(prepare_main, restart=False)   # megajax-prepare, python -m megajax.prepare
 
-__all__ = ["convert_main", "eval_command", "eval_main", "plan_command", "plan_main", "prepare_main", "train_command", "train_main"]
+__all__ = ["convert_command", "convert_main", "prepare_command", "eval_command", "eval_main", "plan_command", "plan_main", "prepare_main", "train_command", "train_main"]

@@ -10,6 +10,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 
 from megajax.errors import UserError, exit_now, first_line, os_error_code
 from megajax.hostenv import open_standard_streams, restart_with_malloc_tuning
@@ -106,6 +107,25 @@ def failed(e: Exception, memory_hint: str) -> int:
         sys.stderr.flush()
         os._exit(status)
     return status
+
+
+EXIT_GRACE_S = 30.0   # a program's interpreter shutdown takes well under a second when nothing is stuck
+
+
+def end(status: int):
+    """A program's end once its status is decided, bounded: the interpreter's shutdown joins every
+    thread still running, and a background writer that never finishes (orbax's, waiting for a
+    thread that could not start) would hold the process forever after its error line. A
+    daemon timer leaves with `status` if the shutdown takes longer than EXIT_GRACE_S (the
+    environment's MEGAJAX_EXIT_GRACE_S). A multi-process run is bounded by bound_shutdown."""
+    if process_count() == 1:
+        grace = float(os.environ.get("MEGAJAX_EXIT_GRACE_S", EXIT_GRACE_S))
+        line = (f"warning: background threads did not end within {grace:g} s of the program's end (a "
+                f"checkpoint writer that cannot finish); leaving with status {status}")
+        timer = threading.Timer(grace, exit_now, (line, status))
+        timer.daemon = True
+        timer.start()
+    sys.exit(status)
 
 
 def bound_shutdown(status: int) -> int:
@@ -245,9 +265,11 @@ class _PipeGuard:
         return getattr(self._stream, name)
 
 
-def command(main):
-    """A program's entry point: first restart with the host settings of megajax/hostenv.py."""
+def command(main, restart: bool = True):
+    """A program's entry point: first restart with the host settings of megajax/hostenv.py
+    (`restart`), then `main`, then a bounded `end`."""
     def run() -> int:
-        restart_with_malloc_tuning()
-        return main()
+        if restart:
+            restart_with_malloc_tuning()
+        end(main())
     return run

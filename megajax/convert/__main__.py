@@ -1,6 +1,4 @@
 """python -m megajax.convert: the converter's command line (megajax/cli/convert.py)."""
-import sys
+from megajax.cli import convert_command
 
-from megajax.cli.convert import convert_main
-
-sys.exit(convert_main())
+convert_command()

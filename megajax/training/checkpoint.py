@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -38,6 +39,23 @@ def _quiet_orbax():
     absl_log.setLevel(logging.ERROR)
     if not any(isinstance(f, _ReportedSaveFailures) for f in absl_log.filters):
         absl_log.addFilter(_ReportedSaveFailures())
+    if not getattr(threading.excepthook, "_megajax", False):
+        threading.excepthook = _orbax_threads_reported(threading.excepthook)
+
+
+def _orbax_threads_reported(previous):
+    """An exception that ends one of orbax's own threads (a save's writer that could not start
+    another thread on a full address space, a commit on a full disk) is printed by Python as
+    "Exception in thread ..." with its traceback, and whether one is depends on which thread met
+    the failure first. orbax hands the same failure to the waiting save (wait_until_finished),
+    which megajax reports in one line; so an exception raised inside orbax's code in a thread
+    other than the main one is dropped, and every other goes to `previous`."""
+    def hook(args):
+        frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback is not None else []
+        if not any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames):
+            previous(args)
+    hook._megajax = True
+    return hook
 
 
 def _quiet_abandoned_io(workdir: Path):
@@ -258,9 +276,10 @@ class Checkpoints:
         now = self.all_steps()
         return not (self.directory / str(step)).is_dir() or step not in now or max(now) > max(listed)
 
-    def set_aside(self, step: int) -> Path:
-        """Move a damaged step out of orbax's way (so a later save of that step can happen)."""
-        target = self.directory.parent / "damaged" / str(step)
+    def set_aside(self, step: int, why: str = "damaged") -> Path:
+        """Move a damaged (or diverged) step out of orbax's way, to WORKDIR/WHY/STEP (so that a
+        later save of that step can happen, and a resume does not start from it)."""
+        target = self.directory.parent / why / str(step)
         if jax.process_index() == 0:
             target.parent.mkdir(exist_ok=True)
             if target.exists():
