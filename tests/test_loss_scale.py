@@ -16,7 +16,7 @@ from tolerances import F16_U, F32, assert_tree_close
 from megajax.config import ConfigError, load_config
 from megajax.errors import UserError
 from megajax.training.checkpoint import Checkpoints
-from megajax.training.loop import fatal_non_finite
+from megajax.training.logger import fatal_non_finite
 from megajax.training.loss_scale import MAX_SCALE, LossScaleState, loss_scaled, uses_loss_scaling
 from megajax.training.step import make_trainer
 

@@ -6,13 +6,13 @@
                        + the steps           the compiled Trainer step (megajax/training/step.py)
                        + finish()            loss curve, a sample
 
-Nothing here gathers weights to the host; a StepLogger reads each step's metrics.
+Nothing here gathers weights to the host; a StepLogger (megajax/training/logger.py) reads each
+step's metrics.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from pathlib import Path
 
@@ -21,17 +21,17 @@ import numpy as np
 
 from megajax.config import Config
 from megajax.core.mesh import as_mesh
-from megajax.core.sharding import DATA, MODEL, Layout
+from megajax.core.sharding import Layout
 from megajax.errors import UserError
 from megajax.files import WorkdirLock
 from megajax.models.generate import generate
 from megajax.models.registry import ModelDef, abstract_model, for_inference
-from megajax.progress import Progress
-from megajax.tasks import Task, param_count, task_for
+from megajax.tasks import Task, task_for
 from megajax.training.checkpoint import Checkpoints
-from megajax.training.distributed import Watchdog, agreed_stop, check_same_run, describe
+from megajax.training.distributed import agreed_stop, check_same_run
 from megajax.training.memory import check_step_fits
-from megajax.training.metrics import MetricsLog, device_peak_tflops, flops_per_token, plot_workdir
+from megajax.training.logger import StepLogger
+from megajax.training.metrics import plot_workdir
 from megajax.training.signals import StopRequested
 from megajax.training.step import Trainer, make_trainer
 from megajax.training.workdir import (check_layout, check_same_tokenizer, init_from_pretrained, is_main, run_tokenizer,
@@ -69,7 +69,7 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
         raise ValueError(f"sample_tokens must be an integer >= 0 (0: no sample), got {sample_tokens!r}")
     with contextlib.ExitStack() as held:     # signal handlers and the workdir lock, released however train() ends
         stop = held.enter_context(StopRequested())
-        run = validate(cfg, mesh, workdir)
+        run = validate(cfg, mesh, workdir, sample_tokens)
         if is_main():     # one run per workdir; taken before its checkpoints are read
             held.enter_context(WorkdirLock(workdir))
         t0 = time.perf_counter()
@@ -89,14 +89,17 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
         return finish(run, logger, step, params, stopped_by, sample_tokens, out, stop)
 
 
-def validate(cfg: Config, mesh, workdir: Path) -> Run:
+def validate(cfg: Config, mesh, workdir: Path, sample_tokens: int = 0) -> Run:
     """Every check of a run before anything is written: the config against the workdir and
     the other processes, the data, the sizes against the mesh. Returns the Run, whose final
     config has its vocabulary size set here, and only here, from the data."""
     check_layout(workdir)
     cfg, pretrained = with_pretrained_shape(cfg.validate(), workdir)   # validate: what Python changed since loading
     task = task_for(cfg)
-    check_same_run({"config": cfg.to_dict(), "workdir": str(workdir)})
+    # Everything the processes' collectives depend on, before the first one: a mesh of another
+    # shape or device order, or a sample of another length, would leave them waiting on each other.
+    check_same_run({"config": cfg.to_dict(), "workdir": str(workdir), "sample_tokens": sample_tokens,
+                    "mesh": {"axes": dict(mesh.shape), "devices": mesh.device_ids.tolist()}})
     check_same_tokenizer(cfg, workdir)
     data = task.load_data(cfg, run_tokenizer(workdir, pretrained))
     vocab = run_vocab_size(cfg, pretrained, data.vocab_size)
@@ -158,146 +161,6 @@ def evaluate(eval_fn, params, val_batches, max_batches: int) -> dict:
     n = getattr(val_batches, "num_batches", max_batches)
     results = jax.device_get([eval_fn(params, val_batches(i)) for i in range(n)])
     return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
-
-
-def fatal_non_finite(m: dict) -> list[tuple[str, float]]:
-    """The step's metrics that stop the run: the loss is computed before the update, the
-    gradient norm from what updates the weights, so either one not finite means the weights
-    after the step are not either. With float16's loss scaling, gradients that overflowed skip
-    the update instead (the weights stay finite) and lower the scale; at a scale of 1 or less
-    the run has diverged."""
-    bad = [(k, float(m[k])) for k in ("loss", "grad_norm") if not math.isfinite(float(m[k]))]
-    if [k for k, _ in bad] == ["grad_norm"] and float(m.get("loss_scale", 0.0)) > 1.0:
-        return []
-    return bad
-
-
-class StepLogger:
-    """Each step's metrics, read on the host a log interval at a time: checked (a step whose
-    loss or gradient norm is not finite stops the run before it can be saved), written to
-    metrics.jsonl with throughput and MFU, and shown as progress."""
-
-    def __init__(self, run: Run, ckpts: Checkpoints, start: int | None, out):
-        cfg, mesh = run.cfg, run.trainer.mesh
-        self.run, self.ckpts, self.out, self.main = run, ckpts, out, is_main()
-        self.start = start or 0
-        self.saves = [] if start is None else [start]   # checkpoints on disk (the last may be in flight)
-        self.pending = []                        # (step, metrics on device) not yet read
-        self.losses: dict[int, float] = {}
-        self.val_loss = None
-        self.tokens_per_step = cfg.train.batch_size * run.task.tokens_per_example(cfg)
-        self.flops = flops_per_token(cfg) * self.tokens_per_step / mesh.devices.size
-        self.peak = device_peak_tflops() if self.main else None
-        self.metrics = MetricsLog(run.workdir, enabled=self.main)
-        self.metrics.truncate_after(self.start)
-        self.progress = Progress(cfg.train.steps, self.start, enabled=self.main)
-        self.watchdog = Watchdog()
-        self.restart_clock(self.start)
-
-    def announce(self, compile_s: float):
-        """The run's header line, once the step is compiled; the throughput clock starts here."""
-        cfg, mesh, start = self.run.cfg, self.run.trainer.mesh, self.start
-        self.restart_clock(start)
-        if not self.main:
-            return
-        self.out(f"megajax: {cfg.name} | {param_count(cfg) / 1e6:.2f}M params | mesh data={mesh.shape[DATA]} "
-                 f"model={mesh.shape[MODEL]} on {mesh.devices.size} {jax.devices()[0].platform} device(s) | "
-                 f"{self.run.data.describe()} | step compiled in {compile_s:.1f}s"
-                 + (f" | {describe()}" if describe() else "")
-                 + (f" | resuming from step {start}" if start else ""))
-        if start >= cfg.train.steps:
-            self.out(f"the checkpoint in {self.run.workdir} is at step {start}, train.steps is {cfg.train.steps}: "
-                     f"nothing to train (raise --steps to continue)")
-
-    def add(self, step: int, metrics):
-        self.watchdog.beat()
-        self.pending.append((step, metrics))
-        if len(self.pending) > 1:
-            # At most two steps in flight: the host keeps one step ahead of the devices.
-            # Deeper queues gain nothing and can deadlock XLA:CPU's simulated devices,
-            # whose collectives rendezvous on a shared thread pool.
-            self.pending[-2][1]["loss"].block_until_ready()
-
-    def log(self, step: int):
-        self.progress.update(step, self.flush(step))
-
-    def flush(self, step: int) -> dict:
-        """Read the pending steps, check them, and write the record of `step`."""
-        fetched = jax.device_get([m for _, m in self.pending])
-        for (s, _), m in zip(self.pending, fetched):
-            self._check_finite(s, m)
-            self.losses[s] = float(m["loss"])
-        self.pending.clear()
-        dt = (time.perf_counter() - self.clock[1]) / max(step - self.clock[0], 1)
-        self.restart_clock(step)
-        m = fetched[-1]
-        record = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
-                  "grad_norm": float(m["grad_norm"]), "tokens_per_sec": self.tokens_per_step / dt,
-                  "step_time_s": dt, "tflops_per_device": self.flops / dt / 1e12}
-        record.update({k: float(v) for k, v in m.items() if k not in record})  # BERT: mlm_loss, sop_accuracy, ...
-        if "skipped_steps" in record:     # float16: a skipped step's norm is not finite, and JSON has no inf
-            record["skipped_steps"] = int(record["skipped_steps"])
-            record["grad_norm"] = record["grad_norm"] if math.isfinite(record["grad_norm"]) else None
-        if self.peak:
-            record["mfu"] = record["tflops_per_device"] / self.peak
-        self.metrics.write(record)
-        return record
-
-    def _check_finite(self, step: int, m: dict):
-        bad = fatal_non_finite(m)
-        if not bad:
-            return
-        scale = float(m.get("loss_scale", 0.0))
-        self.progress.close()
-        self._forget(self.ckpts.failed_save(block=True))
-        what = " and ".join(f"{'gradient norm' if k == 'grad_norm' else k} {v}" for k, v in bad)
-        if scale:
-            what += f" (float16, loss scale {scale:g})"
-        good = (f"last good checkpoint: step {self.saves[-1]} in {self.run.workdir / 'checkpoints'}"
-                if self.saves else "no checkpoint was saved before it")
-        raise UserError(f"{what} at step {step}; stopped, nothing of step {step} or later saved; {good}")
-
-    def log_eval(self, step: int, val: dict):
-        self.watchdog.beat()
-        self.val_loss = val["loss"]
-        record = {"step": step, "val_loss": self.val_loss, **self.run.task.val_extras(val)}
-        record.update({f"val_{k}": v for k, v in val.items() if k != "loss"})
-        self.metrics.write(record)
-        self.progress.write(f"step {step:>6}  " + "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
-
-    def saved(self, step: int, failure: tuple[int, str] | None):
-        """A save of `step` started, unless `failure` says it could not."""
-        self.watchdog.beat()
-        if failure is None:
-            self.saves.append(step)
-        self.save_failed(failure)
-        self.restart_clock(step)   # throughput excludes saving
-
-    def save_failed(self, failure: tuple[int, str] | None, last: bool = False):
-        """One line for a failed save. Training goes on only while an older checkpoint is intact;
-        after the last step there is nothing to go on with: the run fails, naming that one."""
-        if failure is None:
-            return
-        self._forget(failure)
-        step, why = failure
-        where = self.run.workdir / "checkpoints"
-        intact = f"step {self.saves[-1]} in {where} is intact" if self.saves else "no checkpoint of this run is intact"
-        if last or not self.saves:
-            self.progress.close()
-            self.ckpts.settle()
-            raise UserError(f"saving step {step} failed ({why}); {intact}")
-        self.progress.write(f"warning: saving step {step} failed ({why}); {intact}: training goes on")
-
-    def _forget(self, failure: tuple[int, str] | None):
-        if failure is not None:
-            self.saves = [s for s in self.saves if s != failure[0]]
-
-    def restart_clock(self, step: int):
-        self.clock = (step, time.perf_counter())
-
-    def close(self):
-        self.save_failed(self.ckpts.failed_save(block=True), last=True)
-        self.progress.close()
 
 
 def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | None, sample_tokens: int,

@@ -4,6 +4,7 @@
     WORKDIR/tokenizer.json     the tokenizer (and its vocab.txt / hf_tokenizer.json)
     WORKDIR/checkpoints/STEP   orbax checkpoints (megajax/training/checkpoint.py)
     WORKDIR/damaged/STEP       checkpoints that could not be read, set aside
+    WORKDIR/diverged/STEP      checkpoints whose weights gave a non-finite loss, set aside
     WORKDIR/metrics.jsonl      one JSON record per logged step and evaluation
     WORKDIR/loss.png           the loss curve
 
@@ -33,7 +34,7 @@ from megajax.training.checkpoint import Checkpoints
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
 FILES = (CONFIG_FILE, TOKENIZER_FILE, "metrics.jsonl", "loss.png")
-DIRECTORIES = (CHECKPOINTS, "damaged")
+DIRECTORIES = (CHECKPOINTS, "damaged", "diverged")
 
 
 def is_main() -> bool:
@@ -57,11 +58,25 @@ def check_layout(workdir: Path, writing: bool = True):
             raise UserError(f"{path} is not writable: make it writable, or use another --workdir")
     # Another program's directory (a Hugging Face model's, a prepared corpus): a run there would
     # replace its config.json, or take its tokenizer.json for the run's own.
-    config, names = Path(workdir) / CONFIG_FILE, [n for n in FILES + DIRECTORIES if (Path(workdir) / n).exists()]
+    config = Path(workdir) / CONFIG_FILE
+    names = [n for n in FILES + DIRECTORIES if (Path(workdir) / n).exists() and not _left_by_a_start(Path(workdir) / n)]
     if not _megajax_config(config) if config.is_file() else writing and names:
         raise UserError(f"{workdir} is not a megajax workdir: it holds another program's files ({', '.join(names)}); "
                         + ("give a new or empty --workdir" if writing else "a Hugging Face model directory?")
                         + " (megajax-convert import makes a workdir of a Hugging Face model)")
+
+
+def _left_by_a_start(path: Path) -> bool:
+    """What a run killed before it wrote config.json can have left: its checkpoints directory,
+    made when the checkpoint manager opens, holding nothing or only the temporary directory of a
+    first save that never committed (orbax's `STEP.orbax-checkpoint-tmp*`, removed when a run
+    opens it again). No step of anyone's is in it, so a run may start there afresh."""
+    if path.name != CHECKPOINTS or not path.is_dir():
+        return False
+    try:
+        return all(".orbax-checkpoint-tmp" in entry.name for entry in path.iterdir())
+    except OSError:
+        return False
 
 
 def _megajax_config(path: Path) -> bool:
