@@ -3,7 +3,9 @@ KV cache; results on a 2x4 mesh equal those on one device."""
 import argparse
 import json
 import math
+import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -376,6 +378,26 @@ def test_sigterm_stops_an_evaluation_in_one_line_and_writes_nothing(workdir, tmp
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 128 + signal.SIGTERM and err == "stopped by SIGTERM: no result was written\n", err
+    assert not out.exists()
+
+
+def test_a_sample_of_any_length_streams_its_text_and_ctrl_c_stops_it(workdir, tmp_path):
+    """--max-new-tokens 1000000000 ran with no output until the end (hours). The text now
+    appears as it is generated, and Ctrl-C stops it in one line, writing no result."""
+    out = tmp_path / "never.json"
+    p = subprocess.Popen([sys.executable, str(ROOT / "eval.py"), "--workdir", str(workdir), "--task", "sample",
+                          "--prompt", "ROMEO:", "--max-new-tokens", "1000000000", "--out", str(out)], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    shown, deadline = b"", time.time() + 120
+    try:
+        while len(shown) < len("ROMEO:") + 30 and time.time() < deadline and p.poll() is None:
+            if select.select([p.stdout], [], [], 1.0)[0]:
+                shown += os.read(p.stdout.fileno(), 4096)
+    finally:
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    assert shown.startswith(b"ROMEO:") and len(shown) >= len("ROMEO:") + 30, shown
+    assert p.returncode == 128 + signal.SIGINT and err == b"stopped by SIGINT: no result was written\n", err
     assert not out.exists()
 
 

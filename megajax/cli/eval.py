@@ -40,7 +40,8 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, help="ppl, wikitext: overlapping-window stride (default 32, the paper's)")
     p.add_argument("--batch-size", type=int, help="rows a step (default 8)")
     p.add_argument("--prompt", help="sample: the text to continue")
-    p.add_argument("--max-new-tokens", type=int, help="sample (default 200)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="sample (default 200): streamed as generated, any number; Ctrl-C stops it, writing no result")
     p.add_argument("--temperature", type=float, help="sample (default 0.8; 0 is greedy)")
     p.add_argument("--top-k", type=int, help="sample (default 40; 0 is no limit)")
     p.add_argument("--seed", type=int, help="sample (default 0)")
@@ -77,8 +78,12 @@ def check_eval_args(args):
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     out = Path(args.out) if args.out else None
-    if out is not None and not (out.parent.is_dir() and os.access(out.parent, os.W_OK)):
+    if out is not None and not (out.parent.is_dir() and os.access(out.parent, os.W_OK | os.X_OK)):
         raise UserError(f"--out {out}: the directory {out.parent} does not exist or is not writable")
+    workdir = Path(args.workdir)
+    if out is None and workdir.is_dir() and not os.access(workdir, os.W_OK | os.X_OK):
+        raise UserError(f"{workdir} is not writable, and the result goes to {workdir / f'eval_{args.task}.json'} "
+                        f"by default: give --out elsewhere")
     if out is not None and out.is_dir():
         raise UserError(f"--out {out} is a directory: give the JSON file's path")
     _refuse_replacing_data(out or Path(args.workdir) / f"eval_{args.task}.json", args.data)

@@ -65,12 +65,37 @@ def lambada(args, loaded: Loaded, progress):
 
 
 def sample(args, loaded: Loaded, progress):
+    """The completion is printed as it is generated (any --max-new-tokens shows its text from the
+    first token on; Ctrl-C stops it, writing no result), and written whole at the end."""
     prompt = loaded.tokenizer.encode(args.prompt) or [0]
+    stream = Stream(loaded.tokenizer, args.prompt, enabled=is_main())
     new = generate(loaded.model, np.asarray([prompt]), args.max_new_tokens, args.temperature,
-                   args.top_k, jax.random.key(args.seed),
-                   eos_id=loaded.tokenizer.eos_id)
+                   args.top_k, jax.random.key(args.seed), eos_id=loaded.tokenizer.eos_id, emit=stream.add)
     text = loaded.tokenizer.decode(new[0])
+    stream.close(text)
     return {"prompt": args.prompt, "completion": text, "tokens": new[0].tolist()}, None
+
+
+class Stream:
+    """A sample's text on stdout as its tokens come. Each token's text is the growth of the whole
+    decoded text, held back while it ends in an unfinished character (a byte-level tokenizer's
+    first byte of a multi-byte one decodes as U+FFFD until the rest arrives)."""
+
+    def __init__(self, tokenizer, prompt: str, enabled: bool):
+        self.tokenizer, self.enabled, self.tokens, self.shown = tokenizer, enabled, [], ""
+        if enabled:
+            print(prompt, end="", flush=True)
+
+    def add(self, tokens: np.ndarray):
+        self.tokens.append(int(tokens[0]))
+        text = self.tokenizer.decode(self.tokens)
+        if self.enabled and text.startswith(self.shown) and not text.endswith("\ufffd"):
+            print(text[len(self.shown):], end="", flush=True)
+            self.shown = text
+
+    def close(self, text: str):
+        if self.enabled:
+            print(text[len(self.shown):] if text.startswith(self.shown) else "", flush=True)
 
 
 def mlm(args, loaded: Loaded, progress):
@@ -130,11 +155,22 @@ def run_task(args) -> tuple[dict, bool]:
         raise UserError(f"--task {args.task} needs {what}; {args.workdir} holds {m.kind} ({m.task})")
     main = is_main()
     result, rows = run(args, loaded, Progress(unit="row", enabled=main).advance)
+    refuse_non_finite(result, loaded, args)
     head = {"task": args.task, "workdir": str(args.workdir), "step": loaded.step,
             "mesh": {DATA: mesh.shape[DATA], MODEL: mesh.shape[MODEL]}}
-    if main:
-        print(args.prompt + result["completion"] if rows is None else table([("step", loaded.step), *rows]))
+    if main and rows is not None:   # a sample has printed itself as it went
+        print(table([("step", loaded.step), *rows]))
     return {**head, **result}, main
+
+
+def refuse_non_finite(result: dict, loaded: Loaded, args):
+    """A NaN or infinite metric is no result: the weights diverged (or overflow in their compute
+    dtype on this data). One line naming the checkpoint, and no result file."""
+    bad = {k: v for k, v in result.items() if isinstance(v, float) and not np.isfinite(v)}
+    if bad:
+        listed = ", ".join(f"{k} {v}" for k, v in bad.items())
+        raise UserError(f"checkpoint step {loaded.step} of {args.workdir} gives {listed} on this data: its weights "
+                        f"diverged or overflow; no result written (an earlier checkpoint: --step)")
 
 
 def table(rows: list[tuple[str, object]]) -> str:

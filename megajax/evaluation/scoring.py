@@ -13,6 +13,12 @@ from megajax.core.mesh import padded_batches
 from megajax.errors import UserError
 
 
+def perplexity(mean_loss: float) -> float:
+    """exp(mean loss), infinite past what a float holds (math.exp raises OverflowError there):
+    a diverged model's perplexity is a result to report, not a crash."""
+    return math.exp(mean_loss) if mean_loss < 709.0 else math.inf
+
+
 def stride_windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int]]:
     """(start, first_scored) pairs: window i covers tokens[start : start+seq_len+1] and scores
     the targets (predictions of token j+1) j in [first_scored, start+seq_len). The first window
@@ -71,5 +77,5 @@ def perplexity_of_tokens(model, tokens: np.ndarray, stride: int, batch_size: int
     scored = score_windows(model, rows, batch_size, progress)
     total = sum(s[0] for s in scored)
     count = sum(s[1] for s in scored)
-    return {"loss_sum": total, "tokens": count, "loss": total / count, "ppl": math.exp(total / count),
+    return {"loss_sum": total, "tokens": count, "loss": total / count, "ppl": perplexity(total / count),
             "windows": len(rows), "stride": stride}

@@ -2,7 +2,6 @@
 windows, and the perplexity adjusted to the original word-level token count."""
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import numpy as np
 from megajax.data.sources import read_utf8
 from megajax.data.tokenizer import Tokenizer
 from megajax.errors import UserError
-from megajax.evaluation.scoring import perplexity_of_tokens
+from megajax.evaluation.scoring import perplexity, perplexity_of_tokens
 
 
 def wikitext_detokenize(text: str) -> str:
@@ -52,6 +51,6 @@ def evaluate_wikitext(model, tokenizer: Tokenizer, path: Path, stride: int = 32,
     r = perplexity_of_tokens(model, tokens, stride, batch_size, progress)
     # The paper divides by T_o; Megatron-LM's evaluation script by T_o - 1 (it counts the
     # predictions, one fewer than the words): both, so either kind of figure can be compared.
-    r.update({"original_tokens": t_o, "adjusted_ppl": math.exp(r["loss_sum"] / t_o),
-              "adjusted_ppl_megatron": math.exp(r["loss_sum"] / (t_o - 1)), "file": str(path)})
+    r.update({"original_tokens": t_o, "adjusted_ppl": perplexity(r["loss_sum"] / t_o),
+              "adjusted_ppl_megatron": perplexity(r["loss_sum"] / (t_o - 1)), "file": str(path)})
     return r

@@ -80,13 +80,14 @@ def _for_decoding(model):
 
 
 def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, rng=None, eos_id: int | None = None, stopped=None) -> np.ndarray:
+             top_k: int | None = None, rng=None, eos_id: int | None = None, stopped=None, emit=None) -> np.ndarray:
     """Continue each row of `prompt_tokens` (b, t), equal-length prompts, by `max_new_tokens`.
 
     The prompt fills the cache in one pass, then each new token costs one position's worth of
     compute. Past the model's context (learned positions end there) it slides a window and
     recomputes. Rows that emitted `eos_id` keep emitting it; all rows done ends early, and so
-    does `stopped()` turning true (a signal: what was generated so far is returned).
+    does `stopped()` turning true (a signal: what was generated so far is returned). `emit`,
+    if given, receives each new token of every row, (b,), as soon as it is sampled (to stream).
     Returns the new tokens, (b, n).
     """
     prompt, top_k = _checked(model, prompt_tokens, max_new_tokens, temperature, top_k)
@@ -104,6 +105,8 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
     cache = model.init_cache(b, ctx)
     tok, cache = _prefill(model, prompt, cache, jax.random.fold_in(rng, 0), temperature, top_k)
     out = [np.asarray(tok)]
+    emit = emit or (lambda tokens: None)
+    emit(out[0][:rows])
     done = out[0] == eos_id if eos_id is not None else np.zeros(b, bool)
     seq = np.concatenate([prompt, out[0][:, None]], axis=1)
     for i in range(1, max_new_tokens):
@@ -120,5 +123,6 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
             tok = np.where(done, eos_id, tok)
             done |= tok == eos_id
         out.append(tok)
+        emit(tok[:rows])
         seq = np.concatenate([seq[:, 1 - ctx:], tok[:, None]], axis=1)   # the window is all it reads
     return np.stack(out, axis=1)[:rows]
