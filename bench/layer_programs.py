@@ -48,7 +48,8 @@ def stack_gradients(cfg, mesh) -> tuple[dict, object]:
     from megajax.core.precision import Precision
     from megajax.core.stack import LayerStack
 
-    m, layout = cfg.model, S.Layout(mesh)
+    m = cfg.model
+    layout = S.Layout.for_model(mesh, m)
     scan_cfg, loop_cfg = (dataclasses.replace(m, scan_layers=scan) for scan in (True, False))
     stack = LayerStack(scan_cfg, layout, Precision.of(scan_cfg), nnx.Rngs(params=0))
     _, state = nnx.split(stack.stacked)

@@ -309,9 +309,9 @@ class TransformerLayer(nnx.Module):
                  causal: bool = True):
         self.layout, self.placement = layout, cfg.ln_placement
         self.hidden_dropout = cfg.hidden_dropout
-        self.ln1 = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not cfg.sequence_parallel)
+        self.ln1 = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not layout.sequence_parallel)
         self.attention = ParallelSelfAttention(cfg, layout=layout, precision=precision, rngs=rngs, causal=causal)
-        self.ln2 = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not cfg.sequence_parallel)
+        self.ln2 = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not layout.sequence_parallel)
         self.mlp = ParallelMLP(cfg, layout=layout, precision=precision, rngs=rngs)
 
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):

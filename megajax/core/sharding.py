@@ -76,6 +76,9 @@ def check_context_mesh():
                          "default): call it outside that block, or make the mesh with megajax.make_mesh")
 
 
+PURPOSES = ("train", "inference")
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The mesh a model runs on. Hashable, so Flax NNX keeps it as static module metadata."""
@@ -87,6 +90,17 @@ class Layout:
     # FSDP: (path inside a layer, (dimension split over "data", the weight's model-axis spec))
     # of every layer weight that is.
     fsdp_layer_dims: tuple = ()
+
+    @classmethod
+    def for_model(cls, mesh: Mesh | None, cfg, purpose: str = "train", **options) -> "Layout":
+        """The layout a model of `cfg` (a ModelConfig) runs with on `mesh`, for `purpose`: the one
+        place where the config's sequence parallelism becomes the activations' specs; modules
+        read only the layout. Inference (evaluation, sampling, decoding) runs the same weights
+        without it: a decoded token cannot be split over the model axis. `options`: the
+        train step's data-manual fields."""
+        if purpose not in PURPOSES:
+            raise ValueError(f"a layout's purpose is one of {', '.join(PURPOSES)}, got {purpose!r}")
+        return cls(mesh, sequence_parallel=cfg.sequence_parallel and purpose == "train", **options)
 
     def __post_init__(self):
         if self.mesh is not None and not is_megajax_mesh(self.mesh):

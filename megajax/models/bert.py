@@ -20,7 +20,6 @@ b·r·h instead of GPT's all-gather of the whole sequence.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,7 @@ from megajax.shapes import NUM_CLASSES, TYPE_VOCAB
 
 class BERT(nnx.Module):
     def __init__(self, cfg, layout: S.Layout | None = None, *, rngs: nnx.Rngs):
-        layout = dataclasses.replace(layout or S.Layout(single_device_mesh()), sequence_parallel=cfg.sequence_parallel)
+        layout = layout or S.Layout.for_model(single_device_mesh(), cfg)   # sequence parallelism: the layout's
         precision = Precision.of(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
         h, std = cfg.hidden, cfg.init_std
@@ -49,9 +48,9 @@ class BERT(nnx.Module):
         self.pos = param(normal, S.REPLICATED_2D, rngs.params(), (cfg.seq_len, h))
         self.types = param(normal, S.REPLICATED_2D, rngs.params(), (TYPE_VOCAB, h))
         if cfg.ln_placement == "post":
-            self.ln_embed = LayerNorm(h, cfg.ln_eps, rows_2d=not cfg.sequence_parallel)
+            self.ln_embed = LayerNorm(h, cfg.ln_eps, rows_2d=not layout.sequence_parallel)
         else:
-            self.ln_f = LayerNorm(h, cfg.ln_eps, rows_2d=not cfg.sequence_parallel)
+            self.ln_f = LayerNorm(h, cfg.ln_eps, rows_2d=not layout.sequence_parallel)
         self.layers = LayerStack(cfg, layout, precision, rngs, causal=False)
         self.pooler = ReplicatedLinear(h, h, **dense)
         if cfg.task == "pretrain":

@@ -1,7 +1,6 @@
 """Autoregressive sampling with a KV cache split over the model axis like the heads."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -10,7 +9,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from megajax.core.mesh import padded_rows
-from megajax.models.registry import ModelDef, abstract_model, for_inference
+from megajax.core import sharding as S
+from megajax.models.registry import ModelDef, abstract_model
 
 
 def sample_logits(logits, key, temperature: float, top_k: int | None):
@@ -71,12 +71,13 @@ def _checked(model, prompt_tokens, max_new_tokens, temperature, top_k):
 
 
 def _for_decoding(model):
-    """The same weights in a model without sequence parallelism: decoding feeds one token at a
-    time, which cannot be split over the model axis (eval.py and train.py's sample build it so)."""
-    if not model.cfg.sequence_parallel:
+    """The same weights with the inference layout (Layout.for_model): a model built for training
+    with sequence parallelism cannot decode one token at a time (eval.py and train.py's sample
+    build it so already)."""
+    if not model.layout.sequence_parallel:
         return model
-    layout = dataclasses.replace(model.layout, sequence_parallel=False)
-    return ModelDef(abstract_model(for_inference(model.cfg), layout)).bind(ModelDef(model).params(model))
+    layout = S.Layout.for_model(model.layout.mesh, model.cfg, "inference")
+    return ModelDef(abstract_model(model.cfg, layout)).bind(ModelDef(model).params(model))
 
 
 def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,

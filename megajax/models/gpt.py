@@ -2,8 +2,6 @@
 vocab-parallel logits and the fused cross-entropy."""
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,8 +18,7 @@ from megajax.models.inputs import check_ids
 
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, layout: S.Layout | None = None, *, rngs: nnx.Rngs):
-        # Sequence parallelism is a property of this model's layout (its activations' specs).
-        layout = dataclasses.replace(layout or S.Layout(single_device_mesh()), sequence_parallel=cfg.sequence_parallel)
+        layout = layout or S.Layout.for_model(single_device_mesh(), cfg)   # sequence parallelism: the layout's
         precision = Precision.of(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
         self.embed = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, layout=layout, precision=precision,
@@ -29,7 +26,7 @@ class GPT(nnx.Module):
         self.pos = param(nnx.initializers.normal(cfg.init_std), S.REPLICATED_2D, rngs.params(),
                          (cfg.seq_len, cfg.hidden))
         self.layers = LayerStack(cfg, layout, precision, rngs, causal=True)
-        self.ln_f = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not cfg.sequence_parallel)
+        self.ln_f = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not layout.sequence_parallel)
 
     def hidden_states(self, tokens, *, key=None, cache=None, pos=None):
         """(b, s) token ids -> (b, s, h) final hidden states, replicated over "model" (with

@@ -5,8 +5,6 @@ its own slices, and the same seed gives the same global weights on every mesh.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 from flax import nnx
 
@@ -23,12 +21,6 @@ def model_class(cfg: ModelConfig):
     if cfg.kind not in MODELS:
         raise ConfigError(f"model.kind must be one of {', '.join(MODELS)}, got '{cfg.kind}'")
     return MODELS[cfg.kind]
-
-
-def for_inference(cfg: ModelConfig) -> ModelConfig:
-    """The model as evaluation and sampling run it: without sequence parallelism (decoding feeds
-    one token at a time, which cannot be split over the model axis). The weights are the same."""
-    return dataclasses.replace(cfg, sequence_parallel=False) if cfg.sequence_parallel else cfg
 
 
 def abstract_model(cfg: ModelConfig, layout: S.Layout | None = None):
@@ -48,7 +40,7 @@ def init_model(cfg: ModelConfig, mesh, seed: int = 0, param_shardings: dict | No
     mesh = as_mesh(mesh)
     Config(model=cfg).validate()   # its types and ranges, also of a config changed in Python since loading
     check_model_fits(cfg, mesh)
-    layout = S.Layout(mesh)
+    layout = S.Layout.for_model(mesh, cfg)
     abstract = abstract_model(cfg, layout)
     graphdef, abs_state = nnx.split(abstract)
     shardings = S.param_shardings(mesh, nnx.get_partition_spec(abs_state))

@@ -79,8 +79,8 @@ class DataParallel:
         dims = jax.tree_util.tree_map_with_path(pick, shapes, specs)
         sharded = jax.tree.map(lambda d, spec, x: NamedSharding(mesh, _with_data(spec, d, len(x.shape))),
                                dims, specs, shapes, is_leaf=lambda x: isinstance(x, P))
-        layout = S.Layout(mesh, data_manual=True,
-                          fsdp_layer_dims=tuple(sorted(layer_dims.items())) if cfg.train.shard_params else ())
+        layout = S.Layout.for_model(mesh, cfg.model, data_manual=True,
+                                    fsdp_layer_dims=tuple(sorted(layer_dims.items())) if cfg.train.shard_params else ())
         return cls(cfg, mesh, dims, sharded, whole, ModelDef(abstract_model(cfg.model, layout)), specs)
 
     @property

@@ -25,7 +25,7 @@ from megajax.core.sharding import Layout
 from megajax.errors import UserError
 from megajax.files import WorkdirLock
 from megajax.models.generate import generate
-from megajax.models.registry import ModelDef, abstract_model, for_inference
+from megajax.models.registry import ModelDef, abstract_model
 from megajax.tasks import Task, task_for
 from megajax.training.checkpoint import Checkpoints
 from megajax.training.distributed import agreed_stop, check_same_run
@@ -196,7 +196,8 @@ def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | No
 
 def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: float = 0.8, top_k: int = 40,
                 stopped=None) -> str:
-    model = ModelDef(abstract_model(for_inference(trainer.cfg.model), Layout(trainer.mesh))).bind(params)
+    layout = Layout.for_model(trainer.mesh, trainer.cfg.model, "inference")
+    model = ModelDef(abstract_model(trainer.cfg.model, layout)).bind(params)
     prompt = np.asarray(data.val[:16] if len(data.val) >= 16 else data.train[:16], dtype=np.int32)
     new = generate(model, prompt[None], n_tokens, temperature, top_k, jax.random.key(trainer.cfg.train.seed),
                    eos_id=data.tokenizer.eos_id, stopped=stopped)

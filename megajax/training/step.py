@@ -207,7 +207,7 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     task = task_for(cfg.validate())   # a config changed in Python since it was loaded is checked again
     mesh = as_mesh(mesh)
     check_fits(cfg, mesh)
-    modeldef = ModelDef(abstract_model(cfg.model, S.Layout(mesh)))
+    modeldef = ModelDef(abstract_model(cfg.model, S.Layout.for_model(mesh, cfg.model)))
     tx = make_optimizer(cfg)
     opt_shapes = jax.eval_shape(tx.init, modeldef.abstract_params())
     shardings = S.param_shardings(mesh, modeldef.specs())

@@ -28,7 +28,7 @@ from megajax.core.sharding import Layout, param_shardings
 from megajax.data.tokenizer import FILE as TOKENIZER_FILE
 from megajax.data.tokenizer import Tokenizer, load_tokenizer
 from megajax.errors import UserError
-from megajax.models.registry import ModelDef, abstract_model, for_inference
+from megajax.models.registry import ModelDef, abstract_model
 from megajax.training.checkpoint import Checkpoints
 
 CONFIG_FILE = "config.json"
@@ -194,7 +194,7 @@ class Loaded:
 
 def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
     """The resolved config, tokenizer and checkpointed weights of a train.py workdir, on `mesh`
-    (whatever mesh trained it), as a model for inference (registry.for_inference). Reads only:
+    (whatever mesh trained it), as a model for inference (Layout.for_model). Reads only:
     nothing in the workdir is created or moved."""
     workdir = Path(workdir)
     check_layout(workdir, writing=False)
@@ -210,7 +210,7 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
         raise UserError(f"no checkpoint in {workdir / CHECKPOINTS}")
     if step is not None and step not in steps:
         raise UserError(f"no checkpoint for step {step} in {workdir}; have {sorted(steps)}")
-    modeldef = ModelDef(abstract_model(for_inference(cfg.model), Layout(mesh)))
+    modeldef = ModelDef(abstract_model(cfg.model, Layout.for_model(mesh, cfg.model, "inference")))
     target = modeldef.abstract_sharded_params(param_shardings(mesh, modeldef.specs()))
     if step is not None:
         params, _ = ckpts.restore_params(step, target)
