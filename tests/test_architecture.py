@@ -2,6 +2,7 @@
 down, small modules and functions, and no import done inside a function except where a
 comment says why (optional heavy packages; the command lines' deferral of jax)."""
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "megajax"
 # Lowest first; a module may import from its own layer and the ones before it.
-LAYERS = [("errors", "files", "hostenv", "shapes", "config", "progress", "memory_model"), ("core",), ("data",), ("models",),
+LAYERS = [("errors", "files", "hostenv", "shapes", "config", "progress", "analytic"), ("core",), ("data",), ("models",),
           ("tasks",), ("training", "evaluation"), ("tools", "plan", "convert", "prepare"), ("cli",)]
 # Imports inside functions that are there on purpose (module -> what it imports there).
 DEFERRED = {
@@ -94,6 +95,36 @@ def test_no_file_reads_data_from_beside_the_checkout():
         text = path.read_bytes().decode("utf-8", errors="replace")
         offenders += [f"{name}: {n}" for n in needles if n in text]
     assert not offenders
+
+
+def test_the_closed_forms_have_one_home():
+    """FLOPs, activation bytes and collective elements are written once, in megajax/analytic.py:
+    the audit's minima, the planner, the log's MFU and the dry run's modelled bytes import it,
+    and no other module writes the paper's FLOP constants or a layer's 4 b s h."""
+    importers = set()
+    for name, path, tree in modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in ("megajax.analytic", "megajax"):
+                if node.module == "megajax.analytic" or any(a.name == "analytic" for a in node.names):
+                    importers.add(name)
+        if name != "analytic":
+            text = path.read_text()
+            assert not re.search(r"\b(96|72) \* B\b|4 \* L \* bsh|12\.0 \* m\.num_layers", text), name
+    assert {"tools.audit", "plan.volumes", "plan.memory", "plan.timing", "training.metrics",
+            "tools.step_figures"} <= importers, importers
+
+
+def test_sequence_parallelism_is_read_from_the_config_in_one_place():
+    """Layout.for_model turns model.sequence_parallel (and the purpose: training or inference)
+    into the layout; every module reads the layout's flag. Besides it, only the mesh's size
+    check reads the config's (the planner and the audit's analytic model describe a config)."""
+    readers = {}
+    for name, path, _ in modules():
+        if name.split(".")[0] in ("core", "models", "tasks", "training", "evaluation", "data"):
+            found = re.findall(r"(\w+)\.sequence_parallel\b", path.read_text())
+            if [owner for owner in found if owner not in ("layout", "self")]:
+                readers[name] = sorted(set(found))
+    assert readers == {"core.sharding": ["cfg", "self"], "core.mesh": ["m"]}, readers
 
 
 def test_first_line_of_any_exception():

@@ -1,4 +1,4 @@
-"""The activation-memory model (megajax/memory_model.py) against the paper's closed forms and
+"""The activation-memory model (megajax/analytic.py) against the paper's closed forms and
 against the buffers XLA compiles for the train step."""
 import itertools
 
@@ -6,7 +6,7 @@ import pytest
 from conftest import mesh_for, tiny_config
 
 from megajax.core.precision import Precision
-from megajax.memory_model import activation_bytes_per_layer, paper_bytes_per_layer
+from megajax.analytic import activation_bytes_per_layer, paper_bytes_per_layer
 from megajax.tools.audit import audit
 from megajax.training.step import make_trainer
 

@@ -3,7 +3,7 @@
 Parameters, gradients and optimizer state come from the model's own shapes and partition
 specs (megajax/models/registry.py) and the data axis's split of them (`sharding.data_sharded_spec`,
 as ZeRO-1 and FSDP split them in megajax/training/data_parallel.py): the figures the dry run
-prints, exactly. Activations come from the activation-memory model (megajax/memory_model.py)
+prints, exactly. Activations come from the activation-memory model (megajax/analytic.py)
 and the step's other temporaries from what XLA's buffer assignment of the compiled step holds
 at its peak:
 
@@ -34,11 +34,11 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
+from megajax.analytic import DTYPE_BYTES, activation_bytes_per_layer
 from megajax.config import Config, ModelConfig
 from megajax.core.layers import fused_attention
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL, data_sharded_spec
-from megajax.memory_model import DTYPE_BYTES, activation_bytes_per_layer
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.tasks import task_for
 

@@ -33,11 +33,10 @@ from typing import NamedTuple
 
 from megajax.config import Config
 from megajax.core.layers import fused_attention
-from megajax.memory_model import DTYPE_BYTES
+from megajax.analytic import DTYPE_BYTES, Matmul, recompute_passes
 from megajax.plan.hardware import Hardware
 from megajax.plan.memory import activation_dtype, kept_activation_bytes, rows_per_microbatch, state_split
-from megajax.plan.volumes import (Matmul, data_axis_sent, head_matmul, layer_matmuls, model_axis_elements,
-                                  recompute_passes)
+from megajax.plan.volumes import data_axis_sent, head_matmul, layer_matmuls, model_axis_elements
 
 MATMUL_EFFICIENCY = 0.5407        # calibrated: gpt2_1.2b on one V100, 39 TFLOP/s
 LAYER_OVERHEAD_SECONDS = 7.72e-3  # calibrated: gpt2_8.3b on 8 V100s, 77% of the 1.2B model's FLOP/s per GPU

@@ -13,6 +13,8 @@ from collections import Counter, defaultdict
 
 import jax
 
+from megajax.analytic import StepShape, model_axis_minimum, remat_extra_elements
+from megajax.analytic import data_axis_minimum as data_axis_sent_minimum
 from megajax.core.sharding import DATA, MODEL, param_shardings
 from megajax.tasks import task_for
 from megajax.tools.hlo import Collective, parse_collectives
@@ -25,21 +27,22 @@ from megajax.training.step import make_trainer
 @dataclasses.dataclass
 class AuditResult:
     collectives: list[Collective]
-    num_layers: int
     mesh_shape: tuple[int, int]
-    batch_local: int          # rows per data shard per microbatch
-    seq_len: int
-    hidden: int
-    microbatches: int
+    shape: StepShape                   # the step's numbers, for the closed forms (megajax/analytic.py)
     scanned: bool
-    remat: bool               # full remat: the backward pass recomputes each layer's forward collectives
-    head_rows: int = 0        # positions per sequence through the tied output layer and loss (GPT: seq_len)
-    sequence_parallel: bool = False   # all-gathers and reduce-scatters around the blocks instead of all-reduces
-    heads_read_rows: bool = False     # sequence parallel: the heads take their rows (BERT), not the sequence (GPT)
-    replicated_grad_elements: int = 0  # sequence parallel: gradients of model-replicated parameters to reduce
     gradient_shard_elements: int = 0   # one device's shard of every parameter: its gradient reduction over "data"
     data_scheme: str = "plain"         # plain | zero (train.shard_optimizer) | fsdp (train.shard_params)
     data_axis_minimum: dict = dataclasses.field(default_factory=dict)  # origin -> elements sent (ring) per step
+
+    # The step's numbers under the names the table uses.
+    num_layers = property(lambda self: self.shape.layers)
+    batch_local = property(lambda self: self.shape.rows)     # sequences per data shard per microbatch
+    seq_len = property(lambda self: self.shape.seq)
+    hidden = property(lambda self: self.shape.hidden)
+    microbatches = property(lambda self: self.shape.microbatches)
+    head_rows = property(lambda self: self.shape.head_rows)  # positions per sequence through the output layer
+    sequence_parallel = property(lambda self: self.shape.sequence_parallel)
+    remat = property(lambda self: self.shape.remat == "full")  # the backward pass recomputes the forward's collectives
 
     def select(self, **kw) -> list[Collective]:
         return [c for c in self.collectives if all(getattr(c, k) == v for k, v in kw.items())]
@@ -61,39 +64,9 @@ class AuditResult:
 
     @property
     def analytic_min_elements(self) -> int:
-        """Megatron's minimum per step and device: 4 L b s h for the layers, the embedding's forward
-        all-reduce (b s h), and for the r positions per sequence that reach the tied output layer
-        (GPT: all s; BERT: the masked ones; fine-tuning: none) its backward all-reduce (b r h)
-        and the fused loss (3 b r). Without remat; remat adds the recomputed forward on top."""
-        if self.sequence_parallel:
-            return self.sequence_parallel_min_elements
-        bsh = self.batch_local * self.seq_len * self.hidden
-        br = self.batch_local * self.head_rows
-        return self.microbatches * (4 * self.num_layers * bsh + bsh + br * self.hidden + 3 * br)
-
-    @property
-    def sequence_parallel_min_elements(self) -> int:
-        """The minimum with sequence parallelism (Korthikanti et al. 2022), counting each
-        collective by its result as the audit does: an all-gather of b·s·h and a reduce-scatter
-        to b·s·h/t per block and pass (4 L of each), the embedding's reduce-scatter and its
-        backward all-gather, the heads' input and its backward, the fused loss (3 b r), and the
-        gradients of the replicated parameters the sequence shards use (LayerNorms, row-parallel
-        biases, position and token-type tables: partial sums on each shard). GSPMD reduces those
-        where they are computed, once per microbatch: deferring them past gradient accumulation
-        would need an unreduced accumulator it cannot express (they are h-sized: 6h per layer
-        against the activations' 8 b s h (1 + 1/t)).
-        The heads' input: GPT gathers the whole sequence into the tied output layer (b·s·h,
-        reduce-scattered back: b·s·h/t); BERT's heads take their rows (b·(r+1)·h with [CLS],
-        `Layout.take_rows`) and the tied output layer's backward all-reduces b·r·h."""
-        b, s, h, t = self.batch_local, self.seq_len, self.hidden, self.mesh_shape[1]
-        pair = b * s * h + b * s * h // t
-        r = self.head_rows
-        if self.heads_read_rows:
-            heads = b * (r + 1) * h + b * r * h
-        else:
-            heads = pair if r else 0
-        return self.microbatches * (4 * self.num_layers * pair + pair + heads + 3 * b * r
-                                    + self.replicated_grad_elements)
+        """Megatron's minimum per step and device (analytic.model_axis_minimum): without remat's
+        recomputation and sequence parallelism's re-gathers, which the table adds."""
+        return model_axis_minimum(self.shape)
 
     @property
     def regathered_elements(self) -> int:
@@ -106,15 +79,7 @@ class AuditResult:
 
     @property
     def remat_extra_elements(self) -> int:
-        """What full remat recomputes per layer: the layer's forward collectives but the last
-        (the layer's output is the next checkpoint, not recomputed): Megatron's attention
-        all-reduce (b s h), or with sequence parallelism the attention block's reduce-scatter
-        (b s h / t; its two all-gathers serve as the backward pass's re-gathers)."""
-        if not self.remat:
-            return 0
-        bsh = self.batch_local * self.seq_len * self.hidden
-        per_layer = bsh // self.mesh_shape[1] if self.sequence_parallel else bsh
-        return self.microbatches * self.num_layers * per_layer
+        return remat_extra_elements(self.shape)
 
     @property
     def data_axis_gradient_elements(self) -> int:
@@ -284,25 +249,15 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
 
 def data_axis_minimum(trainer) -> tuple[str, dict]:
     """(scheme, {origin: elements each device sends per step}) at the minimum of the run's
-    data-parallel scheme, with G the elements of a device's model shard of the parameters and
-    n the data axis (ring algorithms; `AuditResult.data_axis_sent`):
-      plain  every gradient all-reduced once per step: 2 (n-1)/n G;
-      zero   G's split part reduce-scattered and all-gathered once, the rest all-reduced:
-             again 2 (n-1)/n G;
-      fsdp   per microbatch the layers' split weights gathered and every split gradient
-             reduce-scattered; the other split weights gathered once per step; weights no
-             dimension of which divides all-reduced once per step. The backward pass's gathers
-             again are counted as found (`AuditResult.data_axis_regathered`); `regather`, what
-             they are in a scanned stack: the weights the backward pass reads (kernels,
-             LayerNorm scales; all of them under full remat), per layer and microbatch."""
+    data-parallel scheme (analytic.data_axis_minimum), from the elements of a device's model
+    shard of the parameters, counted from the trainer's shardings and data-axis split."""
     n, m = trainer.mesh.shape[DATA], trainer.cfg.train.microbatches
     shapes = trainer.modeldef.abstract_params()
     local = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)), shapes,
                          param_shardings(trainer.mesh, trainer.modeldef.specs()))
-    gather, reduce = (n - 1) / n, 2 * (n - 1) / n
     dp = trainer.data_parallel
     if dp is None:
-        return "plain", {"gradients": reduce * sum(jax.tree.leaves(local))}
+        return "plain", data_axis_sent_minimum("plain", n, m, 0, sum(jax.tree.leaves(local)))
     split = whole = layers = layers_read = 0
     for (path, size), d in zip(jax.tree_util.tree_flatten_with_path(local)[0], jax.tree.leaves(dp.dims)):
         keys = path_keys(path)
@@ -314,33 +269,14 @@ def data_axis_minimum(trainer) -> tuple[str, dict]:
             layers += size
             if keys[-1] in ("kernel", "scale") or trainer.cfg.model.remat == "full":
                 layers_read += size
-    if not dp.fsdp:
-        return "zero", {"gradients": gather * split + reduce * whole, "params": gather * split}
-    return "fsdp", {"gradients": m * gather * split + reduce * whole,
-                    "params": m * gather * layers + gather * (split - layers),
-                    "regather": m * gather * layers_read}
-
-
-def _replicated_grad_elements(cfg, task) -> int:
-    """Sequence parallelism's gradient reductions of replicated parameters: per layer two
-    LayerNorms (scale, bias) and two row-parallel biases, one more LayerNorm, the position and
-    token-type tables. Without sequence parallelism every device holds whole activations and
-    computes these gradients whole: nothing to reduce."""
-    m = cfg.model
-    if not m.sequence_parallel:
-        return 0
-    return m.num_layers * 6 * m.hidden + 2 * m.hidden + (m.seq_len + task.extra_embedding_rows) * m.hidden
+    scheme = "fsdp" if dp.fsdp else "zero"
+    return scheme, data_axis_sent_minimum(scheme, n, m, split, whole, layers, layers_read)
 
 
 def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, trainer=None) -> AuditResult:
-    m, t = cfg.model, cfg.train
-    task = task_for(cfg)
-    # sequences per data shard and microbatch (each RACE option is a sequence of its own)
-    rows = t.batch_size // t.microbatches // mesh_shape[0] * task.sequences_per_example
-    head_rows = task.head_rows(cfg)
-    result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), m.num_layers, tuple(mesh_shape),
-                         rows, m.seq_len, m.hidden, t.microbatches, m.scan_layers, m.remat == "full", head_rows,
-                         m.sequence_parallel, task.heads_read_rows, _replicated_grad_elements(cfg, task))
+    # (each RACE option is a sequence of its own: StepShape.of counts sequences)
+    shape = StepShape.of(cfg, task_for(cfg), dp=mesh_shape[0], tp=mesh_shape[1])
+    result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), tuple(mesh_shape), shape, cfg.model.scan_layers)
     if trainer is not None:
         result.gradient_shard_elements = per_device_elements(
             trainer.modeldef.abstract_sharded_params(param_shardings(trainer.mesh, trainer.modeldef.specs())))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from megajax.config import Config, with_values
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA
-from megajax.memory_model import activation_bytes_per_layer
+from megajax.analytic import activation_bytes_per_layer
 from megajax.training.memory import step_memory
 from megajax.training.step import make_trainer
 
@@ -67,7 +67,7 @@ def activation_bytes_per_sequence(cfg: Config, mesh, temp_bytes: int) -> dict:
 
 
 def modelled_bytes_per_layer(cfg: Config, mesh, dtype: str) -> int:
-    """The activation-memory model's bytes per layer and sequence (megajax/memory_model.py)."""
+    """The activation-memory model's bytes per layer and sequence (megajax/analytic.py)."""
     m = cfg.model
     return activation_bytes_per_layer(
         b=1, s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=mesh.shape["model"], ffn=m.ffn,

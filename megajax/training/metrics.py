@@ -9,6 +9,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from megajax import analytic
+from megajax.analytic import StepShape
 from megajax.errors import UserError
 from megajax.files import parse_jsonl, read_jsonl, write_atomic
 from megajax.tasks import task_for
@@ -20,12 +22,10 @@ KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "
 
 
 def flops_per_token(cfg) -> float:
-    """Model FLOPs per trained token (forward + backward, no remat): 6 per weight that takes
-    part in a matmul (the task says which: the tied embedding does, as GPT's output layer;
-    position embeddings do not; BERT's output layer sees only the masked positions) plus the
-    attention scores and weighted sum, 12 * layers * seq * hidden."""
-    m = cfg.model
-    return 6.0 * task_for(cfg).matmul_params_per_token(cfg) + 12.0 * m.num_layers * m.seq_len * m.hidden
+    """Model FLOPs per trained token (analytic.flops_per_token), the weights each token goes
+    through counted by the run's task."""
+    task = task_for(cfg)
+    return analytic.flops_per_token(StepShape.of(cfg, task), task.matmul_params_per_token(cfg))
 
 
 def device_peak_tflops(measure_cpu: bool = True) -> float | None:

@@ -1,0 +1,259 @@
+"""The closed forms of a train step, in one place: what one device computes (matmul FLOPs),
+keeps (activation bytes per layer) and sends over each mesh axis (collective elements), as
+functions of a `StepShape`, the numbers of a config, a mesh and a task.
+
+Everything megajax predicts rather than measures is read from here: the collective audit's
+minima (megajax/tools/audit.py), the planner's FLOPs, memory and volumes (megajax/plan/), the
+log's MFU (megajax/training/metrics.py) and the dry run's modelled bytes
+(megajax/tools/step_figures.py). A new kind of layer (another MLP, another attention) changes
+the functions here, and every one of them follows.
+
+FLOPs follow the paper (Shoeybi et al. 2019, appendix A): 96·B·s·l·h²·(1 + s/6h + V/16lh) with
+full recomputation, 72·B·s·l·h²·(1 + s/6h + V/12lh) without. Activation bytes follow Korthikanti
+et al. 2022, section 4, for megajax's layer (term by term below). Collective elements are
+counted by each collective's result, as the audit reads them from the compiled program.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+REMAT_MODES = ("none", "selective", "full")
+DATA_SCHEMES = ("plain", "zero", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """One device's view of a train step: per microbatch, `rows` sequences of `seq` tokens on
+    its data shard, the layer's sizes, the model axis `tp`, and what the task's heads read."""
+    layers: int
+    rows: int
+    seq: int
+    hidden: int
+    heads: int
+    ffn: int
+    head_dim: int
+    vocab: int                      # padded
+    tp: int = 1
+    microbatches: int = 1
+    head_rows: int = 0              # positions per sequence through the output layer (GPT: seq)
+    heads_read_rows: bool = False   # the heads take their rows (BERT), not the whole sequence (GPT)
+    extra_embedding_rows: int = 0   # replicated embedding rows besides the positions (BERT's token types)
+    sequence_parallel: bool = False
+    remat: str = "none"
+
+    @classmethod
+    def of(cls, cfg, task, dp: int = 1, tp: int = 1) -> "StepShape":
+        """A config's step on a dp x tp mesh; `task` is megajax.tasks.task_for(cfg)."""
+        m, t = cfg.model, cfg.train
+        return cls(m.num_layers, t.batch_size // t.microbatches // dp * task.sequences_per_example, m.seq_len,
+                   m.hidden, m.num_heads, m.ffn, m.head_dim, m.padded_vocab, tp, t.microbatches,
+                   task.head_rows(cfg), task.heads_read_rows, task.extra_embedding_rows, m.sequence_parallel,
+                   m.remat)
+
+    @property
+    def bsh(self) -> int:
+        return self.rows * self.seq * self.hidden
+
+
+# --- FLOPs ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One matmul a device runs per layer (or for the head) per microbatch: rows x inner x cols,
+    `count` of them (the attention core: one per head and sequence)."""
+    rows: int
+    inner: int
+    cols: int
+    count: int = 1
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.rows * self.inner * self.cols * self.count
+
+
+def layer_matmuls(x: StepShape) -> list[Matmul]:
+    """One layer's forward matmuls on one device for one microbatch: QKV and fc1 column-split,
+    the output projection and fc2 row-split, the attention core (the last two) split by heads."""
+    n, h, f, s, d, t = x.rows * x.seq, x.hidden, x.ffn, x.seq, x.head_dim, x.tp
+    heads = x.rows * x.heads // t
+    return [Matmul(n, h, 3 * h // t), Matmul(n, h // t, h), Matmul(n, h, f // t), Matmul(n, f // t, h),
+            Matmul(s, d, s, heads), Matmul(s, s, d, heads)]
+
+
+def head_matmul(x: StepShape) -> Matmul:
+    """The tied vocab-parallel output layer, on the positions that reach it."""
+    return Matmul(x.rows * x.head_rows, x.hidden, x.vocab // x.tp)
+
+
+def recompute_passes(remat: str) -> int:
+    return 1 if remat == "full" else 0
+
+
+def step_flops(x: StepShape, remat: str | None = None) -> float:
+    """Matmul FLOPs of a train step on the devices `x` describes (tp = 1 and every row: the
+    whole step): forward, backward (twice the forward) and what `remat` recomputes (full: each
+    layer's forward; selective: the attention core)."""
+    remat = x.remat if remat is None else remat
+    mms = layer_matmuls(x)
+    layer, core = sum(mm.flops for mm in mms), sum(mm.flops for mm in mms[4:])
+    per_microbatch = x.layers * ((3 + recompute_passes(remat)) * layer + (core if remat == "selective" else 0))
+    return x.microbatches * (per_microbatch + 3 * head_matmul(x).flops)
+
+
+def paper_flops(batch: int, x: StepShape, full_recompute: bool = True) -> float:
+    """The paper's closed form (GPT, ffn = 4h), for comparison with `step_flops`."""
+    B, s, l, h, V = batch, x.seq, x.layers, x.hidden, x.vocab
+    if full_recompute:
+        return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def flops_per_token(x: StepShape, matmul_params_per_token: float) -> float:
+    """Model FLOPs per trained token (forward + backward, no remat): 6 per weight a token goes
+    through in a matmul (the task counts them: the tied embedding as GPT's output layer, BERT's
+    output layer on the masked positions only) plus the attention scores and weighted sum,
+    12 · layers · seq · hidden."""
+    return 6.0 * matmul_params_per_token + 12.0 * x.layers * x.seq * x.hidden
+
+
+# --- communication over "model" ----------------------------------------------------------------
+def replicated_grad_elements(x: StepShape) -> int:
+    """Sequence parallelism's gradient reductions of replicated parameters (partial sums on each
+    sequence shard): per layer two LayerNorms (scale, bias) and two row-parallel biases, one more
+    LayerNorm, the position and extra embedding tables. Without it every device holds whole
+    activations and computes these gradients whole: nothing to reduce."""
+    if not x.sequence_parallel:
+        return 0
+    return x.layers * 6 * x.hidden + 2 * x.hidden + (x.seq + x.extra_embedding_rows) * x.hidden
+
+
+def model_axis_elements(x: StepShape) -> dict[str, int]:
+    """Elements per step and device over "model" by collective kind, each counted by its result:
+    Megatron's 4 all-reduces per layer (2 forward, 2 backward), the embedding's and the tied
+    output layer's, and the fused loss's 3 b r numbers; full remat recomputes the attention
+    block's. With sequence parallelism each all-reduce is an all-gather of b·s·h and a
+    reduce-scatter to b·s·h/t, the backward pass gathers each block's input again (2 per layer),
+    and the replicated parameters' gradients are all-reduced once per microbatch. The heads'
+    input: GPT gathers the whole sequence into the output layer (b·s·h, reduce-scattered back);
+    BERT's heads take their rows (b·(r+1)·h with [CLS]) and the output layer's backward
+    all-reduces b·r·h. On a model axis of one nothing is sent."""
+    if x.tp == 1:
+        return {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0}
+    return _model_axis_forms(x)
+
+
+def _model_axis_forms(x: StepShape) -> dict[str, int]:
+    b, L, h, r, t, bsh, mb = x.rows, x.layers, x.hidden, x.head_rows, x.tp, x.bsh, x.microbatches
+    full = x.remat == "full"
+    if not x.sequence_parallel:
+        per = 4 * L * bsh + bsh + b * r * h + 3 * b * r + (L * bsh if full else 0)
+        return {"all-reduce": mb * per, "all-gather": 0, "reduce-scatter": 0}
+    if x.heads_read_rows:
+        gather, scatter, reduce = b * (r + 1) * h, 0, b * r * h
+    else:
+        gather, scatter, reduce = (bsh, bsh // t, 0) if r else (0, 0, 0)
+    return {"all-gather": mb * ((4 + 2) * L * bsh + bsh + gather),
+            "reduce-scatter": mb * (4 * L * bsh // t + bsh // t + scatter + (L * bsh // t if full else 0)),
+            "all-reduce": mb * (3 * b * r + reduce + replicated_grad_elements(x))}
+
+
+def regathered_elements(x: StepShape) -> int:
+    """Sequence parallelism's all-gathers of each block's input again in the backward pass
+    (Megatron keeps only the shard, trading b·s·h of communication per block for memory)."""
+    return x.microbatches * 2 * x.layers * x.bsh if x.sequence_parallel else 0
+
+
+def remat_extra_elements(x: StepShape) -> int:
+    """What full remat recomputes per layer: the layer's forward collectives but the last (its
+    output is the next checkpoint): Megatron's attention all-reduce (b·s·h), or with sequence
+    parallelism the attention block's reduce-scatter (b·s·h/t; its all-gathers serve as the
+    backward pass's re-gathers)."""
+    if x.remat != "full":
+        return 0
+    return x.microbatches * x.layers * (x.bsh // x.tp if x.sequence_parallel else x.bsh)
+
+
+def model_axis_minimum(x: StepShape) -> int:
+    """Megatron's minimum over "model" per step and device (Korthikanti et al.'s with sequence
+    parallelism), without remat's recomputation and the backward pass's re-gathers, which
+    `remat_extra_elements` and `regathered_elements` add."""
+    return sum(_model_axis_forms(x).values()) - regathered_elements(x) - remat_extra_elements(x)
+
+
+# --- communication over "data" ----------------------------------------------------------------
+def data_axis_minimum(scheme: str, n: int, microbatches: int, split: int, whole: int, layers: int = 0,
+                      layers_read: int = 0) -> dict[str, float]:
+    """Elements each device sends over "data" per step (ring algorithms) at the minimum of its
+    data-parallel scheme, from the elements of its model shard of the parameters: `split` over
+    "data" by ZeRO/FSDP (a dimension divides), `whole` (none does), and of the split ones those
+    in the stacked `layers` and the `layers_read` by the backward pass:
+      plain  every gradient all-reduced once per step: 2 (n-1)/n G;
+      zero   the split part reduce-scattered and all-gathered once, the rest all-reduced;
+      fsdp   per microbatch the layers' split weights gathered and every split gradient
+             reduce-scattered; the other split weights gathered once per step; `regather`:
+             the gathers again of the weights the backward pass reads, per layer and microbatch."""
+    if scheme not in DATA_SCHEMES:
+        raise ValueError(f"a data-parallel scheme is one of {', '.join(DATA_SCHEMES)}, got {scheme!r}")
+    if n == 1:
+        return {"gradients": 0.0, "params": 0.0, "regather": 0.0}
+    gather, reduce, mb = (n - 1) / n, 2 * (n - 1) / n, microbatches
+    if scheme == "plain":
+        return {"gradients": reduce * (split + whole), "params": 0.0, "regather": 0.0}
+    if scheme == "zero":
+        return {"gradients": gather * split + reduce * whole, "params": gather * split, "regather": 0.0}
+    return {"gradients": mb * gather * split + reduce * whole, "params": mb * gather * layers + gather * (split - layers),
+            "regather": mb * gather * layers_read}
+
+
+# --- activation memory -------------------------------------------------------------------------
+def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 1, ffn: int | None = None,
+                               sequence_parallel: bool = False, remat: str = "none", dtype: str = "bfloat16",
+                               hidden_dropout: bool = True, attention_dropout: bool = True,
+                               recompute_norm_gelu: bool = False, fused_attention: bool = False) -> int:
+    """Bytes one device keeps for one layer's backward pass, for b sequences of s tokens.
+
+    For 16-bit activations with dropout it is the paper's, term for term (bytes per layer):
+        tensor parallel              s·b·h·(10 + 24/t + 5·a·s/(h·t))
+        + sequence parallel          s·b·h/t·(34 + 5·a·s/h)
+        + selective recomputation    s·b·h/t·34            (the a·s² attention core recomputed)
+        full recomputation           s·b·h·2 (/t with sequence parallelism): the layer's input only
+    and in general, with `act` bytes per activation (4 for float32) and 1 byte per dropout mask:
+    LayerNorm inputs 2·act, the QKV and fc1 inputs 2·act (sequence parallel: their shards,
+    all-gathered again in the backward pass), the two hidden dropout masks 2: (4·act + 2)·s·b·h,
+    split over t only with sequence parallelism; q, k, v, the attention output and fc1's output
+    and GeLU's, split over t: act·s·b·(4h + 2·ffn)/t; the attention core (softmax output, its
+    dropout mask and result): (2·act + 1)·b·heads·s²/t; LayerNorm's float32 mean and 1/std: 16
+    bytes a row. `recompute_norm_gelu` (a scanned stack of plain matmuls, not "mixed", not full
+    remat: megajax/core/precision.py): the backward pass recomputes the LayerNorms' outputs and
+    GeLU's from the block inputs and fc1's output, so it keeps (2·act + 2)·s·b·h between blocks,
+    act·s·b·(4h + ffn)/t inside and no LayerNorm statistics. `fused_attention`: cuDNN's flash
+    attention keeps one float32 softmax statistic a query and head instead of the core.
+    These are the residuals megajax keeps (megajax/core/ops.py keeps LayerNorm and softmax to
+    these; tests/test_memory_model.py checks the sum against XLA's compiled buffers); float32 on
+    the CPU without attention dropout keeps no attention core either (blocked_attention.py
+    recomputes the probabilities). Not counted: parameters, gradients, optimizer state, the
+    embedding and logits (outside the layers)."""
+    if remat not in REMAT_MODES:
+        raise ValueError(f"remat must be one of {REMAT_MODES}, got {remat!r}")
+    act, ffn = DTYPE_BYTES[dtype], 4 * h if ffn is None else ffn
+    sp = tp if sequence_parallel else 1          # what the between-blocks tensors are split by
+    if remat == "full":
+        return s * b * h * act // sp
+    kept_inputs, kept_ffn, stats = (2, 1, 0) if recompute_norm_gelu else (4, 2, 2 * 2 * 4 * s * b // sp)
+    between = (kept_inputs * act + (2 if hidden_dropout else 0)) * s * b * h // sp + stats
+    inside = act * s * b * (4 * h + kept_ffn * ffn) // tp
+    core = 0 if remat == "selective" else (act + (act + 1 if attention_dropout else 0)) * b * heads * s * s // tp
+    core = 4 * b * heads * s // tp if fused_attention else core
+    return between + inside + core
+
+
+def paper_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 1, sequence_parallel: bool = False,
+                          remat: str = "none") -> float:
+    """The paper's closed forms (16-bit activations, dropout, ffn = 4h), for comparison."""
+    sbh, a, t = s * b * h, heads, tp
+    if remat == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    core = 0 if remat == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return sbh / t * (34 + core)
+    return sbh * (10 + 24 / t + core / t)
