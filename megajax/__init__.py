@@ -2,7 +2,7 @@
 
 The package is laid out in layers; each imports only from the ones above it in this list:
 
-    errors, files, hostenv, config, shapes, progress, analytic   foundation: no jax
+    errors, files, hostenv, config, shapes, progress, analytic, specs   foundation: no jax
     core/        the parallel core: mesh, partition specs, precision, layers, vocab-parallel loss
     data/        text sources, tokenizers, GPT token batches, BERT pretraining and fine-tuning data
     models/      GPT, BERT, the model registry and sharded init, sampling

@@ -11,7 +11,7 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "megajax"
 # Lowest first; a module may import from its own layer and the ones before it.
-LAYERS = [("errors", "files", "hostenv", "shapes", "config", "progress", "analytic"), ("core",), ("data",), ("models",),
+LAYERS = [("errors", "files", "hostenv", "shapes", "config", "progress", "analytic", "specs"), ("core",), ("data",), ("models",),
           ("tasks",), ("training", "evaluation"), ("tools", "plan", "convert", "prepare"), ("cli",)]
 # Imports inside functions that are there on purpose (module -> what it imports there).
 DEFERRED = {
@@ -112,6 +112,13 @@ def test_the_closed_forms_have_one_home():
             assert not re.search(r"\b(96|72) \* B\b|4 \* L \* bsh|12\.0 \* m\.num_layers", text), name
     assert {"tools.audit", "plan.volumes", "plan.memory", "plan.timing", "training.metrics",
             "tools.step_figures"} <= importers, importers
+
+
+def test_data_and_tokenizer_specs_are_parsed_in_one_place():
+    """A source or tokenizer spec ("text:a.txt", "hf:DIR") is split into kind and argument only
+    by megajax/specs.py; every other module takes its DataSpec or TokenizerSpec."""
+    splitting = [name for name, path, _ in modules() if name != "specs" and '.partition(":")' in path.read_text()]
+    assert splitting == []
 
 
 def test_sequence_parallelism_is_read_from_the_config_in_one_place():

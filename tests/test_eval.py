@@ -300,7 +300,7 @@ def test_a_context_of_one_token_generates_from_the_last_token():
     for _ in range(6):
         want.append(int(step(model, want[-1])))
     np.testing.assert_array_equal(got, want[1:])
-    assert eval_tasks.data_source("builtin") == "builtin" and eval_tasks.data_source("a.txt") == "text:a.txt"
+    assert str(eval_tasks.data_source("builtin")) == "builtin" and str(eval_tasks.data_source("a.txt")) == "text:a.txt"
 
 
 def test_generate_takes_what_it_can_use_and_names_what_it_cannot():

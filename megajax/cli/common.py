@@ -14,6 +14,7 @@ import threading
 
 from megajax.errors import UserError, exit_now, first_line, os_error_code
 from megajax.hostenv import open_standard_streams, restart_with_malloc_tuning
+from megajax.specs import split_kind
 from megajax.training.signals import STOP_SIGNALS
 
 
@@ -51,10 +52,8 @@ def given(text: str) -> str:
 
 def spec_paths(text: str) -> tuple[str, list[str]]:
     """A path argument's KIND: prefix, if any (`text:`, `bin:`, `hf:`), and its comma-separated paths."""
-    kind, colon, paths = text.partition(":")
-    if not (colon and kind.isalpha()):
-        return "", text.split(",")
-    return kind + colon, paths.split(",")
+    kind, paths = split_kind(text)
+    return (f"{kind}:" if kind else ""), paths.split(",")
 
 
 def fail(message: str) -> int:

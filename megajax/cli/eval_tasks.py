@@ -23,18 +23,19 @@ from megajax.evaluation.scoring import perplexity_of_tokens
 from megajax.evaluation.wikitext import evaluate_wikitext
 from megajax.models.generate import generate
 from megajax.progress import Progress
+from megajax.specs import DataSpec
 from megajax.tasks import task_for
 from megajax.training.workdir import Loaded, is_main, load_workdir, refuse_run_file
 
 
-def data_source(arg: str) -> str:
+def data_source(arg: str) -> DataSpec:
     """--data as train.py reads it (builtin, text:, bin:, megatron:, tfds:), or a bare path: a text file."""
-    return arg if ":" in arg or arg == "builtin" else f"text:{arg}"
+    return DataSpec.of(arg, bare_path_is_text=True)
 
 
 def ppl(args, loaded: Loaded, progress):
     source = data_source(args.data)
-    data = load_tokens(source, "bytes", 0.0, loaded.cfg.data.bin_dtype, tokenizer=loaded.tokenizer)
+    data = load_tokens(source, val_fraction=0.0, bin_dtype=loaded.cfg.data.bin_dtype, tokenizer=loaded.tokenizer)
     # A corpus prepared by megajax-prepare: its held-out split, the one train.py's val_loss reads.
     tokens, split = (data.val, "val") if data.prepared else (data.train, None)
     if len(tokens) < 2:
@@ -101,13 +102,12 @@ class Stream:
 def mlm(args, loaded: Loaded, progress):
     source = data_source(args.data)
     cfg = dataclasses.replace(loaded.cfg, data=dataclasses.replace(loaded.cfg.data, val_fraction=0.0))
-    kind, _, arg = source.partition(":")
-    if kind == "pairs":   # a megajax-prepare --pairs corpus: its held-out pairs, the ones train.py's val_* read
-        pairs, split = load_pairs(Path(arg), loaded.tokenizer, cfg.model.seq_len)[1], "val"
+    if source.kind == "pairs":   # a megajax-prepare --pairs corpus: its held-out pairs, the ones train.py's val_* read
+        pairs, split = load_pairs(Path(source.arg), loaded.tokenizer, cfg.model.seq_len)[1], "val"
         if not len(pairs):
-            raise UserError(f"{arg} has no held-out pairs (prepared with --val-fraction 0): nothing to score")
-    elif kind == "megatron":   # a Megatron-LM dataset with --split-sentences: all of it
-        docs = sentence_documents(arg, loaded.tokenizer, source)
+            raise UserError(f"{source.arg} has no held-out pairs (prepared with --val-fraction 0): nothing to score")
+    elif source.kind == "megatron":   # a Megatron-LM dataset with --split-sentences: all of it
+        docs = sentence_documents(source.arg, loaded.tokenizer, str(source))
         pairs, split = pretraining_from_documents(docs, loaded.tokenizer, cfg).train_pairs, None
     else:
         pairs, split = load_pretraining(source_text(source), loaded.tokenizer, cfg).train_pairs, None

@@ -32,7 +32,7 @@ import numpy as np
 from megajax.config import Config, ModelConfig
 from megajax.convert import hf_weights, torch_pickle
 from megajax.convert.hf import check_shapes, import_base, save_step0, workdir_spec
-from megajax.data.tokenizer import built_from_corpus, make_tokenizer
+from megajax.data.tokenizer import fixed_tokenizer
 from megajax.errors import UserError
 from megajax.files import staged_directory
 from megajax.training.workdir import CONFIG_FILE
@@ -271,10 +271,9 @@ def import_megatron(directory, workdir, tokenizer: str, overrides: list[str] | N
     directory, workdir = Path(directory), Path(workdir).absolute()
     files, iteration = rank_files(directory)
     args, version, shards = read_ranks(files)
-    if built_from_corpus(tokenizer):
-        raise UserError(f"--tokenizer {tokenizer} is built from a corpus: give the one the checkpoint was trained "
-                        f"with (tiktoken:gpt2 for Megatron's GPT2BPETokenizer, hf:PATH, wordpiece:PATH/vocab.txt)")
-    tok = make_tokenizer(tokenizer)
+    tok = fixed_tokenizer(None, tokenizer, f"--tokenizer {tokenizer} is built from a corpus: give the one the "
+                                           f"checkpoint was trained with (tiktoken:gpt2 for Megatron's "
+                                           f"GPT2BPETokenizer, hf:PATH, wordpiece:PATH/vocab.txt)")
     base = import_base(overrides, "the checkpoint's arguments")
     model = model_config(args, tok.vocab_size, base.model)
     cfg = dataclasses.replace(base, model=model, name=f"{directory.resolve().name}-{iteration}").validate()

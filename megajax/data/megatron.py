@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from megajax.data.prepared import held_out_cut
-from megajax.data.tokenizer import Tokenizer, built_from_corpus, make_tokenizer
+from megajax.data.tokenizer import Tokenizer, fixed_tokenizer
 from megajax.errors import UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -112,12 +112,12 @@ def token_split(ds: IndexedDataset, val_fraction: float) -> tuple[np.ndarray, np
     return ds.tokens[:cut], ds.tokens[cut:]
 
 
-def ids_tokenizer(spec: str, source: str) -> Tokenizer:
-    """The tokenizer that made a dataset of ids: one built from the corpus's text cannot be."""
-    if built_from_corpus(spec):
-        raise UserError(f"--tokenizer {spec} is built from the corpus's text, and {source} holds token ids: give "
-                        f"the tokenizer that made them (hf:PATH, tiktoken:gpt2, wordpiece:PATH/vocab.txt, ...)")
-    return make_tokenizer(spec)
+def ids_tokenizer(given: Tokenizer | None, spec, source) -> Tokenizer:
+    """The tokenizer that made a dataset of ids (the one given, or the spec's): one built from
+    the corpus's text cannot be."""
+    return fixed_tokenizer(given, spec, f"--tokenizer {spec} is built from the corpus's text, and {source} holds "
+                                        f"token ids: give the tokenizer that made them (hf:PATH, tiktoken:gpt2, "
+                                        f"wordpiece:PATH/vocab.txt, ...)")
 
 
 def check_first_ids(ds: IndexedDataset, tok: Tokenizer, source: str, count: int = 1 << 20):

@@ -11,6 +11,7 @@ import sysconfig
 from pathlib import Path
 
 from megajax.errors import UserError, first_line
+from megajax.specs import DataSpec
 
 BUILTIN_MAX_BYTES = 12_000_000
 
@@ -115,15 +116,15 @@ def tfds_texts(spec: str, split: str, start: int = 0, stop: int | None = None) -
     return texts
 
 
-def source_text(source: str) -> str:
+def source_text(source: str | DataSpec) -> str:
     """The whole text of a builtin, text: or tfds: source (tfds records become paragraphs)."""
-    kind, _, arg = source.partition(":")
-    if kind == "builtin":
+    spec = DataSpec.of(source)
+    if spec.kind == "builtin":
         return builtin_text()
-    if kind == "text":
-        return read_text(arg)
-    if kind == "tfds":
-        return "\n\n".join(tfds_texts(arg, "train"))
+    if spec.kind == "text":
+        return read_text(spec.arg)
+    if spec.kind == "tfds":
+        return "\n\n".join(tfds_texts(spec.arg, "train"))
     hint = "; token files keep no sentence boundaries: BERT reads pairs:DIR, made by megajax-prepare --pairs" \
-        if kind == "bin" else ""
+        if spec.kind == "bin" else ""
     raise UserError(f"data source '{source}' has no text (use builtin, text:PATH or tfds:NAME{hint})")

@@ -16,6 +16,7 @@ from megajax.data.sources import read_utf8
 from megajax.data.wordpiece import train_vocab
 from megajax.errors import UserError, first_line
 from megajax.files import write_atomic
+from megajax.specs import TokenizerSpec
 
 FILE = "tokenizer.json"
 HF_FILE = "hf_tokenizer.json"
@@ -224,37 +225,62 @@ class TiktokenTokenizer(Tokenizer):
         return {"kind": self.kind, "name": self.name}
 
 
-def built_from_corpus(spec: str) -> bool:
-    """chars and wordpiece[:SIZE] build their vocabulary from the training text itself."""
-    kind, _, arg = spec.partition(":")
-    return kind == "chars" or (kind == "wordpiece" and (not arg or arg.isdigit()))
+def _wordpiece(arg: str, corpus_text: str | None) -> Tokenizer:
+    if arg and not arg.isdigit():
+        return WordPieceTokenizer.from_file(Path(arg))
+    if int(arg or 8000) < len(BERT_SPECIALS):
+        raise UserError(f"wordpiece:SIZE must be at least {len(BERT_SPECIALS)}, its special tokens (got {arg})")
+    if corpus_text is None:
+        raise UserError("training a WordPiece vocabulary needs the training text")
+    return WordPieceTokenizer.train(corpus_text, int(arg or 8000))
 
 
-def make_tokenizer(spec: str, corpus_text: str | None = None) -> Tokenizer:
-    """From a config string: bytes | chars | hf:PATH | tiktoken:NAME."""
-    kind, _, arg = spec.partition(":")
-    if kind in ("bytes", "chars") and arg:
-        raise UserError(f"the {kind} tokenizer takes no argument (got '{spec}')")
-    if kind == "bytes":
-        return ByteTokenizer()
-    if kind == "chars":
-        if corpus_text is None:
-            raise UserError("the chars tokenizer needs the training text to build its vocabulary")
-        return CharTokenizer.from_text(corpus_text)
-    if kind == "hf":   # a tokenizer.json, or a Hugging Face model directory holding one
-        return HFTokenizer(Path(arg) / "tokenizer.json" if Path(arg).is_dir() else Path(arg))
-    if kind == "tiktoken":
-        return TiktokenTokenizer(arg or "gpt2")
-    if kind == "wordpiece":
-        if arg and not arg.isdigit():
-            return WordPieceTokenizer.from_file(Path(arg))
-        if int(arg or 8000) < len(BERT_SPECIALS):
-            raise UserError(f"wordpiece:SIZE must be at least {len(BERT_SPECIALS)}, its special tokens (got {arg})")
-        if corpus_text is None:
-            raise UserError("training a WordPiece vocabulary needs the training text")
-        return WordPieceTokenizer.train(corpus_text, int(arg or 8000))
-    raise UserError(f"unknown tokenizer '{spec}' (use bytes, chars, hf:PATH/tokenizer.json, tiktoken:NAME, "
-                    f"wordpiece:PATH/vocab.txt or wordpiece[:SIZE])")
+def _chars(arg: str, corpus_text: str | None) -> Tokenizer:
+    if corpus_text is None:
+        raise UserError("the chars tokenizer needs the training text to build its vocabulary")
+    return CharTokenizer.from_text(corpus_text)
+
+
+# The tokenizer kinds: (kind's argument, the corpus's text where the kind builds from it) -> Tokenizer.
+MAKERS = {
+    "bytes": lambda arg, text: ByteTokenizer(),
+    "chars": _chars,
+    # a tokenizer.json, or a Hugging Face model directory holding one
+    "hf": lambda arg, text: HFTokenizer(Path(arg) / "tokenizer.json" if Path(arg).is_dir() else Path(arg)),
+    "tiktoken": lambda arg, text: TiktokenTokenizer(arg or "gpt2"),
+    "wordpiece": _wordpiece,
+}
+
+
+def make_tokenizer(spec: str | TokenizerSpec, corpus_text: str | None = None) -> Tokenizer:
+    """The tokenizer a spec names (megajax/specs.py), built from `corpus_text` where its kind
+    builds its vocabulary from the corpus."""
+    spec = TokenizerSpec.of(spec)
+    if spec.kind in ("bytes", "chars") and spec.arg:
+        raise UserError(f"the {spec.kind} tokenizer takes no argument (got '{spec}')")
+    if spec.kind not in MAKERS:
+        raise UserError(f"unknown tokenizer '{spec}' (use bytes, chars, hf:PATH/tokenizer.json, tiktoken:NAME, "
+                        f"wordpiece:PATH/vocab.txt or wordpiece[:SIZE])")
+    return MAKERS[spec.kind](spec.arg, corpus_text)
+
+
+def chosen(given: Tokenizer | None, spec: str | TokenizerSpec | None, corpus_text: str | None = None) -> Tokenizer:
+    """The tokenizer a run uses: the one it was given (its workdir's, a pretrained run's, a
+    prepared corpus's, an evaluated model's) wins over the one its spec would make."""
+    if given is not None:
+        return given
+    if spec is None:
+        raise ValueError("no tokenizer given and no spec to make one")
+    return make_tokenizer(spec, corpus_text)
+
+
+def fixed_tokenizer(given: Tokenizer | None, spec: str | TokenizerSpec, refusal: str) -> Tokenizer:
+    """`chosen` for ids made before (a Megatron dataset or checkpoint, a corpus prepared in
+    parts): a tokenizer that builds its vocabulary from the corpus's text cannot have made
+    them, and is refused with `refusal`, which says why for that input."""
+    if given is None and TokenizerSpec.of(spec).built_from_corpus:
+        raise UserError(refusal)
+    return chosen(given, spec)
 
 
 def load_tokenizer(workdir: Path, what: str = "a megajax workdir") -> Tokenizer:

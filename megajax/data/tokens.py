@@ -20,8 +20,9 @@ import numpy as np
 from megajax.data.megatron import check_first_ids, ids_tokenizer, read_indexed, token_split
 from megajax.data.prepared import check_ids, is_prepared, load_prepared
 from megajax.data.sources import builtin_text, read_text, tfds_texts
-from megajax.data.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
+from megajax.data.tokenizer import Tokenizer, chosen
 from megajax.errors import UserError
+from megajax.specs import DataSpec, TokenizerSpec
 
 
 @dataclasses.dataclass
@@ -49,55 +50,69 @@ class TokenData:
         return EvalWindows(self.val, s, t.batch_size, t.eval_batches, sharding, self.vocab_size, self.source)
 
 
-def load_tokens(source: str, tokenizer_spec: str, val_fraction: float = 0.1,
+def load_tokens(source: str | DataSpec, tokenizer_spec: str | TokenizerSpec | None = None, val_fraction: float = 0.1,
                 bin_dtype: str = "uint16", tokenizer: Tokenizer | None = None) -> TokenData:
-    """Tokenize `source` and hold out the last `val_fraction` of it for validation."""
-    kind, _, arg = source.partition(":")
-    if kind == "bin" and is_prepared(Path(arg)):      # a megajax-prepare directory: its own splits and tokenizer
-        train, val, tok = load_prepared(Path(arg), tokenizer)
-        return TokenData(train, val, tok, prepared=True, source=arg)
-    if kind == "bin":
-        path = Path(arg)
-        if path.is_dir():
-            raise UserError(f"{path} is a directory without meta.json, not a corpus prepared by megajax-prepare "
-                            f"(bin: takes one of those, or a file of tokens)")
-        if not path.is_file():
-            raise UserError(f"data file not found: {path}")
-        if path.stat().st_size == 0:
-            raise UserError(f"data file is empty: {path}")
-        width = np.dtype(bin_dtype).itemsize
-        if path.stat().st_size % width:
-            raise UserError(f"{path} has {path.stat().st_size} bytes, not a whole number of {bin_dtype} "
-                            f"tokens (is data.bin_dtype right?)")
-        tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
-        tok = tokenizer or (make_tokenizer(tokenizer_spec) if tokenizer_spec != "chars" else ByteTokenizer())
-        return dataclasses.replace(_split(tokens, val_fraction, tok), source=arg)
-    if kind == "megatron":
-        ds = read_indexed(arg)
-        tok = tokenizer or ids_tokenizer(tokenizer_spec, source)
-        check_first_ids(ds, tok, source)
-        train, val = token_split(ds, val_fraction)
-        return TokenData(train, val, tok, source=str(ds.prefix))
-    if kind == "tfds":
-        train_texts = tfds_texts(arg, "train")
-        tok = tokenizer or make_tokenizer(tokenizer_spec, "\n".join(train_texts))
-        train = _encode(tok, "\n".join(train_texts))
-        for split in ("validation", "test"):
-            try:
-                val = _encode(tok, "\n".join(tfds_texts(arg, split)))
-                return TokenData(train, val, tok)
-            except UserError:
-                continue
-        return _split(train, val_fraction, tok)
-    if kind == "builtin":
-        text = builtin_text()
-    elif kind == "text":
-        text = read_text(arg)
-    else:
-        raise UserError(f"unknown data source '{source}' (use builtin, text:PATH, bin:PATH, megatron:PREFIX or tfds:NAME"
-                        f"{'; pairs: holds BERT sentence pairs, for model.kind = bert' if kind == 'pairs' else ''})")
-    tok = tokenizer or make_tokenizer(tokenizer_spec, text)
+    """Tokenize `source` with `tokenizer` (or else the one `tokenizer_spec` makes) and hold out
+    the last `val_fraction` of it for validation (a source with its own splits keeps them)."""
+    spec = DataSpec.of(source)
+    if spec.kind not in SOURCES:
+        raise UserError(f"unknown data source '{source}' (use builtin, text:PATH, bin:PATH, megatron:PREFIX or "
+                        f"tfds:NAME{'; pairs: holds BERT sentence pairs, for model.kind = bert' if spec.kind == 'pairs' else ''})")
+    return SOURCES[spec.kind](spec, tokenizer, tokenizer_spec, val_fraction, bin_dtype)
+
+
+def _bin(spec: DataSpec, given, tokenizer_spec, val_fraction: float, bin_dtype: str) -> TokenData:
+    """bin:DIR, a megajax-prepare directory (its own splits and tokenizer), or bin:PATH, ids."""
+    path = Path(spec.arg)
+    if is_prepared(path):
+        train, val, tok = load_prepared(path, given)
+        return TokenData(train, val, tok, prepared=True, source=spec.arg)
+    if path.is_dir():
+        raise UserError(f"{path} is a directory without meta.json, not a corpus prepared by megajax-prepare "
+                        f"(bin: takes one of those, or a file of tokens)")
+    if not path.is_file():
+        raise UserError(f"data file not found: {path}")
+    if path.stat().st_size == 0:
+        raise UserError(f"data file is empty: {path}")
+    width = np.dtype(bin_dtype).itemsize
+    if path.stat().st_size % width:
+        raise UserError(f"{path} has {path.stat().st_size} bytes, not a whole number of {bin_dtype} "
+                        f"tokens (is data.bin_dtype right?)")
+    tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
+    # ids need no vocabulary built from text: a chars spec reads them as bytes would
+    by_ids = "bytes" if tokenizer_spec is not None and TokenizerSpec.of(tokenizer_spec).kind == "chars" else tokenizer_spec
+    return dataclasses.replace(_split(tokens, val_fraction, chosen(given, by_ids)), source=spec.arg)
+
+
+def _megatron(spec: DataSpec, given, tokenizer_spec, val_fraction: float, bin_dtype: str) -> TokenData:
+    ds = read_indexed(spec.arg)
+    tok = ids_tokenizer(given, tokenizer_spec, spec)
+    check_first_ids(ds, tok, str(spec))
+    train, val = token_split(ds, val_fraction)
+    return TokenData(train, val, tok, source=str(ds.prefix))
+
+
+def _tfds(spec: DataSpec, given, tokenizer_spec, val_fraction: float, bin_dtype: str) -> TokenData:
+    """The dataset's train split, and its validation (or test) split when it has one."""
+    train_texts = tfds_texts(spec.arg, "train")
+    tok = chosen(given, tokenizer_spec, "\n".join(train_texts))
+    train = _encode(tok, "\n".join(train_texts))
+    for split in ("validation", "test"):
+        try:
+            return TokenData(train, _encode(tok, "\n".join(tfds_texts(spec.arg, split))), tok)
+        except UserError:
+            continue
+    return _split(train, val_fraction, tok)
+
+
+def _text(spec: DataSpec, given, tokenizer_spec, val_fraction: float, bin_dtype: str) -> TokenData:
+    text = builtin_text() if spec.kind == "builtin" else read_text(spec.arg)
+    tok = chosen(given, tokenizer_spec, text)
     return _split(_encode(tok, text), val_fraction, tok)
+
+
+# The kinds of source a GPT reads: (spec, tokenizer given, tokenizer spec, val_fraction, bin_dtype) -> TokenData.
+SOURCES = {"builtin": _text, "text": _text, "bin": _bin, "megatron": _megatron, "tfds": _tfds}
 
 
 def _encode(tok: Tokenizer, text: str) -> np.ndarray:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from megajax.data import prepared as P
 from megajax.data.sentences import Specials
-from megajax.data.tokenizer import Tokenizer, built_from_corpus, load_tokenizer, make_tokenizer
+from megajax.data.tokenizer import Tokenizer, fixed_tokenizer, load_tokenizer
 from megajax.errors import UserError
 from megajax.files import WorkdirLock, naming, write_atomic
 from megajax.prepare import pairs
@@ -239,11 +239,9 @@ def _fixed_tokenizer(spec: str) -> Tokenizer:
     wordpiece[:SIZE]) is refused: the corpus is read in parts, by several processes."""
     if Path(spec).is_dir():
         return load_tokenizer(Path(spec))
-    if built_from_corpus(spec):
-        raise UserError(f"--tokenizer {spec} is made from the corpus, which megajax-prepare reads in parts: give a "
-                        f"fixed one (bytes, hf:PATH, tiktoken:NAME, wordpiece:PATH/vocab.txt) or a workdir whose "
-                        f"tokenizer to use")
-    return make_tokenizer(spec)
+    return fixed_tokenizer(None, spec, f"--tokenizer {spec} is made from the corpus, which megajax-prepare reads in "
+                                       f"parts: give a fixed one (bytes, hf:PATH, tiktoken:NAME, wordpiece:PATH/"
+                                       f"vocab.txt) or a workdir whose tokenizer to use")
 
 
 def prepare(inputs: list[str], out, settings: Settings, workers: int | None = None, say=print) -> dict:

@@ -18,6 +18,7 @@ import numpy as np
 
 from megajax.data.sources import distinct, text_files, tfds_size, tfds_texts
 from megajax.errors import UserError
+from megajax.specs import DataSpec
 
 UNIT_BYTES = 4 << 20
 TFDS_UNIT_RECORDS = 20_000
@@ -50,8 +51,7 @@ def expand_inputs(inputs: list[str]) -> list[tuple[str, str]]:
 
 def tfds_split(source: str) -> tuple[str, str]:
     """tfds:NAME[/CONFIG][:SPLIT] -> (NAME[/CONFIG], SPLIT), the split train by default."""
-    name, _, split = source.removeprefix("tfds:").partition(":")
-    return name, split or "train"
+    return DataSpec("tfds", source.removeprefix("tfds:")).tfds_split()
 
 
 def describe_source(source: str, kind: str) -> dict:

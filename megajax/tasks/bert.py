@@ -9,9 +9,10 @@ from megajax.data.finetune import load_task_data
 from megajax.data.megatron import ids_tokenizer, sentence_documents
 from megajax.data.prepared import load_pairs
 from megajax.data.sources import source_text
-from megajax.data.tokenizer import make_tokenizer
+from megajax.data.tokenizer import chosen
 from megajax.errors import UserError
 from megajax.shapes import NUM_CHOICES, NUM_CLASSES, TYPE_VOCAB, mlm_predictions
+from megajax.specs import DataSpec
 from megajax.tasks.base import Field, Task
 
 
@@ -36,16 +37,15 @@ class BertPretraining(Task):
                 "sop_label": Field((), 0, 2)}
 
     def load_data(self, cfg, tokenizer=None):
-        kind, _, arg = cfg.data.source.partition(":")
-        if kind == "pairs":          # prepared by megajax-prepare --pairs: mapped, not read
-            train, val, tokenizer = load_pairs(Path(arg), tokenizer, cfg.model.seq_len)
+        spec = DataSpec.of(cfg.data.source)
+        if spec.kind == "pairs":          # prepared by megajax-prepare --pairs: mapped, not read
+            train, val, tokenizer = load_pairs(Path(spec.arg), tokenizer, cfg.model.seq_len)
             return PretrainData(train, val, tokenizer, Specials.of(tokenizer))
-        if kind == "megatron":       # a Megatron-LM dataset preprocessed with --split-sentences
-            tokenizer = tokenizer or ids_tokenizer(cfg.data.tokenizer, cfg.data.source)
-            return pretraining_from_documents(sentence_documents(arg, tokenizer, cfg.data.source), tokenizer, cfg)
-        text = source_text(cfg.data.source)
-        tokenizer = tokenizer or make_tokenizer(cfg.data.tokenizer, text)
-        return load_pretraining(text, tokenizer, cfg)
+        if spec.kind == "megatron":       # a Megatron-LM dataset preprocessed with --split-sentences
+            tokenizer = ids_tokenizer(tokenizer, cfg.data.tokenizer, spec)
+            return pretraining_from_documents(sentence_documents(spec.arg, tokenizer, str(spec)), tokenizer, cfg)
+        text = source_text(spec)
+        return load_pretraining(text, chosen(tokenizer, cfg.data.tokenizer, text), cfg)
 
     def head_rows(self, cfg) -> int:
         return mlm_predictions(cfg.model.seq_len, cfg.data.mask_prob)

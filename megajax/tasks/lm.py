@@ -7,6 +7,7 @@ import numpy as np
 
 from megajax.data.tokens import load_tokens
 from megajax.errors import UserError
+from megajax.specs import DataSpec
 from megajax.tasks.base import Field, Task
 
 MAX_UNTOKENIZED_VOCAB = 2 ** 20   # ids an untokenized bin: file may use before it looks misread
@@ -23,7 +24,7 @@ class LanguageModelling(Task):
     def load_data(self, cfg, tokenizer=None):
         d = cfg.data
         data = load_tokens(d.source, d.tokenizer, d.val_fraction, d.bin_dtype, tokenizer)
-        if d.source.startswith("bin:") and not data.prepared:
+        if DataSpec.of(d.source).kind == "bin" and not data.prepared:
             data.vocab_size = _bin_vocab(data, cfg)
         return data
 
