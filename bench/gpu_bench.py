@@ -6,7 +6,7 @@
     python bench/gpu_bench.py --configs gpt2_1.2b --batch 16 --set model.remat=none --json runs.jsonl --profile prof
 
 For each config that fits: step time, tokens/s, model TFLOP/s per device and MFU against the
-GPU's dense bf16 peak (megajax.training.metrics.KNOWN_PEAK_TFLOPS, or --peak-tflops). Configs that do
+GPU's dense bf16 peak (megajax.training.mfu.KNOWN_PEAK_TFLOPS, or --peak-tflops). Configs that do
 not fit in memory are reported as such. Writes a Markdown table; `--set` overrides every config,
 `--json` appends each result as a line, `--profile` traces two steps (kernel times on the GPU's
 streams, with the compiled program whose op names they carry).
@@ -38,7 +38,7 @@ def measure(cfg, mesh, steps: int, peak_tflops: float | None, compiled=None, pro
     import numpy as np
 
     from megajax.training.memory import step_memory
-    from megajax.training.metrics import flops_per_token
+    from megajax.training.mfu import flops_per_token
     from megajax.training.step import make_trainer
 
     tr = make_trainer(cfg, mesh)
@@ -102,7 +102,7 @@ def main():
     from megajax.config import load_config
     from megajax.core.mesh import make_mesh
     from megajax.tasks import param_count
-    from megajax.training.metrics import device_peak_tflops
+    from megajax.training.mfu import device_peak_tflops
 
     n = jax.device_count()
     mesh = make_mesh(a.mesh or f"model={n}")

@@ -119,7 +119,7 @@ def main() -> int:
     from megajax.cli.common import fail, start_jax
     from megajax.core.mesh import make_mesh
     from megajax.errors import UserError
-    from megajax.training.metrics import device_peak_tflops
+    from megajax.training.mfu import device_peak_tflops
 
     try:
         start_jax()   # JAX_PLATFORMS=cuda with a jax built without CUDA: one line

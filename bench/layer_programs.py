@@ -161,7 +161,7 @@ def main() -> int:
     ways = [w for w in a.ways.split(",") if w]
     if unknown := [w for w in ways if w not in WAYS]:
         p.error(f"unknown way {unknown[0]!r}: choose from {', '.join(WAYS)}")
-    from megajax.hostenv import restart_with_malloc_tuning
+    from megajax.host.env import restart_with_malloc_tuning
     restart_with_malloc_tuning()   # as train.py does (README: the glibc settings)
     import jax
 

@@ -28,9 +28,9 @@ def main():
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. --set model.compute_dtype=float32 to compare")
     a = p.parse_args()
-    # as train.py does: restart once so that XLA:CPU's step temporaries are reused (megajax/hostenv.py)
+    # as train.py does: restart once so that XLA:CPU's step temporaries are reused (megajax/host/env.py)
     import runpy
-    runpy.run_path(str(ROOT / "megajax" / "hostenv.py"))["restart_with_malloc_tuning"]()
+    runpy.run_path(str(ROOT / "megajax" / "host" / "env.py"))["restart_with_malloc_tuning"]()
     if a.host_devices:
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.host_devices}"
     import jax

@@ -17,7 +17,7 @@ so that ratio flatters the scan. Last, how long the train step takes to compile 
 one forward+backward call of each stack (jax.profiler, Perfetto JSON under DIR; on the CPU with
 XLA's per-op trace events turned on) and prints the time by kind of compiled op, the kernels'
 numeric suffixes dropped: where the scanned stack spends what the unrolled one does not.
-Like train.py it restarts itself once with megajax/hostenv.py's glibc malloc settings;
+Like train.py it restarts itself once with megajax/host/env.py's glibc malloc settings;
 MEGAJAX_MALLOC_TUNING=0 measures without them.
 """
 import argparse
@@ -68,7 +68,7 @@ def matmul_peak(dtype: str) -> float:
     import jax
     import jax.numpy as jnp
 
-    from megajax.training.metrics import measure_matmul_tflops
+    from megajax.training.mfu import measure_matmul_tflops
 
     if dtype == "float32":
         return max(measure_matmul_tflops(2048, reps=5), measure_matmul_tflops(1024, reps=5))
@@ -166,8 +166,8 @@ def main():
     if a.rounds < 0:
         p.error(f"--rounds must be 0 (skip) or more, got {a.rounds}")
     # as train.py does: restart once with glibc settings that keep each step's large blocks in the
-    # heap instead of page-faulting them in afresh (megajax/hostenv.py; MEGAJAX_MALLOC_TUNING=0: off)
-    from megajax.hostenv import restart_with_malloc_tuning
+    # heap instead of page-faulting them in afresh (megajax/host/env.py; MEGAJAX_MALLOC_TUNING=0: off)
+    from megajax.host.env import restart_with_malloc_tuning
     restart_with_malloc_tuning()
     flags = [os.environ.get("XLA_FLAGS", "")]
     if a.host_devices:
@@ -180,7 +180,7 @@ def main():
 
     from megajax.core.mesh import make_mesh
     from megajax.tasks import param_count
-    from megajax.training.metrics import flops_per_token
+    from megajax.training.mfu import flops_per_token
     from megajax.training.step import make_trainer
 
     mesh = make_mesh(a.mesh, devices=jax.devices()[:1] if a.mesh == "1x1" else None)

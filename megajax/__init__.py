@@ -1,14 +1,17 @@
 """megajax: Megatron-LM tensor parallelism in JAX and Flax NNX.
 
-The package is laid out in layers; each imports only from the ones above it in this list:
+The package is laid out in layers; a module imports only from its own layer and the ones
+above it in this list (tests/test_architecture.py checks it):
 
-    errors, files, hostenv, config, shapes, progress, analytic, specs   foundation: no jax
+    errors, files, config, shapes, progress, analytic, specs   foundation: no jax
+    host/        the process: glibc settings, signals, the multi-process runtime
     core/        the parallel core: mesh, partition specs, precision, layers, vocab-parallel loss
     data/        text sources, tokenizers, GPT token batches, BERT pretraining and fine-tuning data
     models/      GPT, BERT, the model registry and sharded init, sampling
     tasks/       one object per training objective: batch layout, data, head sizes
-    training/    optimizer, compiled step, checkpoints, workdir, metrics, the loop
-    evaluation/  window scoring, WikiText, LAMBADA, BERT evaluation
+    runs/        a run on disk: the workdir, its checkpoints, metrics.jsonl and loss curve
+    training/    optimizer, compiled step, the loop and its log
+    evaluation/  window scoring, WikiText, LAMBADA, BERT evaluation, eval.py's tasks
     tools/       HLO reading, the collective audit, the dry run
     plan/        the planner: memory, step time and scaling predicted for every way to run a config
     convert/     Hugging Face GPT-2 / BERT / Megatron-BERT directories to workdirs and back

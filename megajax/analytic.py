@@ -4,7 +4,7 @@ functions of a `StepShape`, the numbers of a config, a mesh and a task.
 
 Everything megajax predicts rather than measures is read from here: the collective audit's
 minima (megajax/tools/audit.py), the planner's FLOPs, memory and volumes (megajax/plan/), the
-log's MFU (megajax/training/metrics.py) and the dry run's modelled bytes
+log's MFU (megajax/training/mfu.py) and the dry run's modelled bytes
 (megajax/tools/step_figures.py). A new kind of layer (another MLP, another attention) changes
 the functions here, and every one of them follows.
 
@@ -54,6 +54,13 @@ class StepShape:
     @property
     def bsh(self) -> int:
         return self.rows * self.seq * self.hidden
+
+
+def layer_params(hidden: int, ffn: int) -> int:
+    """Parameters of one transformer layer: QKV, output projection, MLP (weights and biases), two
+    LayerNorms."""
+    h, f = hidden, ffn
+    return (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
 
 
 # --- FLOPs ---------------------------------------------------------------------------------

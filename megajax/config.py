@@ -15,6 +15,7 @@ import tomllib
 import typing
 from pathlib import Path
 
+from megajax.analytic import REMAT_MODES, layer_params
 from megajax.errors import UserError
 from megajax.files import write_atomic
 from megajax.shapes import MODEL_TASKS
@@ -34,8 +35,8 @@ class ConfigError(UserError, ValueError):
     """A mistake in a config file or override that the user can fix."""
 
 
-FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127; MAX_LOSS_SCALE = 2.0 ** 32   # float32 arrays hold these
-REMAT_MODES = ("none", "selective", "full")
+FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127   # float32 arrays hold these
+MAX_LOSS_SCALE = 2.0 ** 32
 REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}   # the boolean it once was
 
 
@@ -116,9 +117,7 @@ class ModelConfig:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one transformer layer: QKV, output projection, MLP, two LayerNorms."""
-        h, f = self.hidden, self.ffn
-        return (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+        return layer_params(self.hidden, self.ffn)
 
 
 @dataclasses.dataclass(slots=True)

@@ -31,10 +31,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-# The glibc malloc settings train.py restarts itself with (megajax/hostenv.py), for the pytest-xdist
+# The glibc malloc settings train.py restarts itself with (megajax/host/env.py), for the pytest-xdist
 # workers and the processes the tests start: glibc reads them when a process starts, and this
 # module is imported before the workers are.
-from megajax.hostenv import tuned_env  # noqa: E402
+from megajax.host.env import tuned_env  # noqa: E402
 
 os.environ.update(tuned_env(dict(os.environ)) or {})
 

@@ -5,26 +5,26 @@ import ast
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from conftest import ROOT
 
 PACKAGE = ROOT / "megajax"
 # Lowest first; a module may import from its own layer and the ones before it.
-LAYERS = [("errors", "files", "hostenv", "shapes", "config", "progress", "analytic", "specs"), ("core",), ("data",), ("models",),
-          ("tasks",), ("training", "evaluation"), ("tools", "plan", "convert", "prepare"), ("cli",)]
+LAYERS = [("errors", "files", "shapes", "config", "progress", "analytic", "specs"), ("host",), ("core",), ("data",),
+          ("models",), ("tasks",), ("runs",), ("training", "evaluation"), ("tools", "plan", "convert", "prepare"),
+          ("cli",)]
 # Imports inside functions that are there on purpose (module -> what it imports there).
 DEFERRED = {
-    "cli.common": {"jax", "megajax.training.distributed"},
+    "cli.common": {"jax", "megajax.host.distributed"},
     "cli.train": {"megajax.core.mesh", "megajax.tools.dry_run", "megajax.training.loop",
-                  "megajax.training.workdir", "megajax.tasks"},
-    "cli.plot": {"megajax.training.metrics", "megajax.training.workdir"},
-    "cli.eval": {"megajax.cli.eval_tasks"},
+                  "megajax.runs.workdir", "megajax.tasks"},
+    "cli.plot": {"megajax.runs.metrics", "megajax.runs.workdir"},
+    "cli.eval": {"megajax.evaluation.tasks"},
     "cli.plan": {"jax", "megajax.config", "megajax.plan", "megajax.plan.report"},
     "cli.convert": {"megajax.convert"},
     "cli.prepare": {"megajax.prepare"},
     "data.sources": {"tensorflow_datasets"},
-    "training.metrics": {"matplotlib", "matplotlib.pyplot", "matplotlib.backends.backend_agg"},
+    "runs.metrics": {"matplotlib", "matplotlib.pyplot", "matplotlib.backends.backend_agg"},
 }
 
 
@@ -75,7 +75,7 @@ def test_command_lines_import_jax_only_after_their_flags():
 def test_eval_task_choices_are_the_table():
     """eval.py's --task choices (its parser cannot import jax) are exactly the tasks of the table."""
     from megajax.cli.eval import TASK_CHOICES
-    from megajax.cli.eval_tasks import EVAL_TASKS
+    from megajax.evaluation.tasks import EVAL_TASKS
 
     assert sorted(TASK_CHOICES) == sorted(EVAL_TASKS)
 
@@ -110,7 +110,7 @@ def test_the_closed_forms_have_one_home():
         if name != "analytic":
             text = path.read_text()
             assert not re.search(r"\b(96|72) \* B\b|4 \* L \* bsh|12\.0 \* m\.num_layers", text), name
-    assert {"tools.audit", "plan.volumes", "plan.memory", "plan.timing", "training.metrics",
+    assert {"tools.audit", "plan.volumes", "plan.memory", "plan.timing", "training.mfu",
             "tools.step_figures"} <= importers, importers
 
 

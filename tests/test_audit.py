@@ -3,6 +3,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import mesh_for, tiny_config
+from helpers import exact_model_axis_elements
 
 from megajax.tools.audit import audit
 from megajax.tools.hlo import groups_axis, parse_replica_groups
@@ -104,13 +105,6 @@ def test_selective_remat_adds_no_collective_and_drops_the_attention_matrices():
     b_local, heads_local, s = 8 // 2, 8 // 4, 128
     one_matrix = b_local * heads_local * s * s * 4
     assert temp["none"] - temp["selective"] >= 2 * one_matrix, temp   # 2 layers
-
-
-def exact_model_axis_elements(r):
-    """Model-axis elements but the optimizer's scalar partial sums of the global grad norm."""
-    scalars = [c for c in r.collectives if c.axis == "model" and c.origin == "optimizer"]
-    assert all(c.shape == () for c in scalars)
-    return r.model_axis_elements - sum(c.count for c in scalars)
 
 
 @pytest.mark.parametrize("layers,scan,spec,remat", [(2, False, "2x4", "none"), (3, True, "1x8", "none"),

@@ -6,10 +6,10 @@ import sys
 
 import jax
 import pytest
-from conftest import mesh_for, tiny_config
+from conftest import ROOT, mesh_for, tiny_config
 from tolerances import BF16_ELEMENT, BF16_U, F32, assert_tree_close
 
-from test_train_cli import ROOT, env
+from helpers import env
 
 sys.path.insert(0, str(ROOT / "bench"))
 from gpu_check import ROWS, STACKS  # noqa: E402

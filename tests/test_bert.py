@@ -11,23 +11,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from bert_fixtures import write_corpus, write_mnli, write_qqp, write_race
-from conftest import mesh_for, tiny_config
+from conftest import ROOT, mesh_for, tiny_config
 from tolerances import F32, assert_close, assert_tree_close
-from test_train_cli import ROOT, SHAKESPEARE, env, run
+from helpers import SHAKESPEARE, env, exact_model_axis_elements, run
 
 from megajax.tools.audit import audit
 from megajax.data.bert_pretrain import PretrainBatches, Specials, choose_ngrams, load_pretraining
 from megajax.data.sentences import make_pairs, split_documents
 from megajax.config import ConfigError, load_config
 from megajax.evaluation.bert import evaluate_pretraining, evaluate_task
-from megajax.training.workdir import load_workdir
+from megajax.runs.workdir import load_workdir
 from megajax.data.finetune import Example, encode, load_task_data, read_task
 from megajax.models.registry import ModelDef
 from megajax.data.tokenizer import WordPieceTokenizer, load_tokenizer, make_tokenizer
 from megajax.training.step import make_trainer
 from megajax.errors import UserError
 from megajax.training.loop import train
-from megajax.training.workdir import init_from_pretrained
+from megajax.runs.workdir import init_from_pretrained
 from megajax.data.wordpiece import train_vocab
 
 KEY = jax.random.key(3)
@@ -162,7 +162,6 @@ def test_bert_sequence_parallel_collectives(files, task, spec):
     pretraining, the masked positions) out of the shards; the tied output layer's backward
     all-reduce of the masked rows; the fused loss. The total is the sequence-parallel
     analytic minimum to the element, with post-LayerNorm's embedding LayerNorm too."""
-    from test_audit import exact_model_axis_elements
 
     for placement in ("pre", "post"):
         cfg = bert_config(files["tok"], task, sequence_parallel=True, ln_placement=placement)
@@ -453,7 +452,7 @@ def test_pretraining_lowers_mlm_and_sop_losses(pretrained):
 
 def test_init_from_restores_the_encoder_exactly(pretrained, files):
     cfg = load_config("finetune_qqp", [f"train.init_from={pretrained}"])
-    from megajax.training.workdir import with_pretrained_shape
+    from megajax.runs.workdir import with_pretrained_shape
 
     cfg, _ = with_pretrained_shape(cfg)
     assert (cfg.model.seq_len, cfg.model.hidden, cfg.model.vocab_size) == (32, 64, files["tok"].vocab_size)

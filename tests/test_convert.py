@@ -27,9 +27,9 @@ from megajax.convert import export_hf, import_hf
 from megajax.core.loss import vocab_parallel_cross_entropy
 from megajax.models.generate import generate
 from megajax.models.registry import ModelDef
-from megajax.training.checkpoint import Checkpoints
+from megajax.runs.checkpoint import Checkpoints
 from megajax.training.loop import train
-from megajax.training.workdir import load_workdir
+from megajax.runs.workdir import load_workdir
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 NAMES = ("gpt2", "bert", "megatron_bert")
@@ -269,7 +269,7 @@ def test_bert_fine_tuning_starts_from_an_imported_bert(imported):
     """--init-from an imported BertForPreTraining: the fine-tuning model takes its shape, and its
     encoder and pooler bitwise, on another mesh; only the classifier is new."""
     from megajax.training.step import make_trainer
-    from megajax.training.workdir import init_from_pretrained, with_pretrained_shape
+    from megajax.runs.workdir import init_from_pretrained, with_pretrained_shape
 
     cfg, _ = with_pretrained_shape(load_config("finetune_qqp", [f"train.init_from={imported['bert'][1]}"]))
     assert (cfg.model.ln_placement, cfg.model.hidden, cfg.model.seq_len) == ("post", 32, 32)

@@ -11,7 +11,7 @@ import pytest
 from conftest import mesh_for, tiny_config
 from tolerances import F32, adam_tolerance, assert_close
 
-from megajax.training.checkpoint import Checkpoints
+from megajax.runs.checkpoint import Checkpoints
 from megajax.training.memory import per_device_bytes
 from megajax.training.step import make_trainer
 from megajax.tools.audit import audit

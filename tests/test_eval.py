@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from megajax.cli import eval_tasks
+from megajax.evaluation import tasks as eval_tasks
 from megajax.cli.eval import check_eval_args, eval_parser
 from megajax.config import load_config
 from megajax.data.tokens import EvalWindows, load_tokens
@@ -35,7 +35,7 @@ from megajax.models.generate import generate
 from megajax.models.registry import init_model
 from megajax.prepare import Settings, prepare
 from megajax.training.loop import train
-from megajax.training.workdir import load_workdir
+from megajax.runs.workdir import load_workdir
 
 def greedy_by_recomputation(model, prompt_tokens, max_new_tokens: int) -> np.ndarray:
     """Reference decoder: the full forward pass over the whole sequence for every new token.

@@ -11,7 +11,7 @@ from conftest import ROOT, handles_signal
 
 from megajax import files
 from megajax.files import abandon_staged, read_jsonl, staged_directory, write_atomic
-from megajax.training.metrics import MetricsLog, plot_workdir
+from megajax.runs.metrics import MetricsLog, plot_workdir
 
 
 def test_write_atomic_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
@@ -76,7 +76,7 @@ def test_megajax_plot_refuses_an_output_it_cannot_write_in_one_line(tmp_path, ca
     assert plot_main([str(tmp_path), "--out", str(tmp_path / "curve.png")]) == 0
     assert (tmp_path / "curve.png").stat().st_size > 0
     # From a checkout (no console script): a workdir without metrics is one line (before, with
-    # python -m megajax.training.metrics: a traceback).
+    # python -m megajax.runs.metrics: a traceback).
     p = subprocess.run([sys.executable, "-m", "megajax.cli.plot", str(tmp_path / "absent")], capture_output=True,
                        text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 2 and p.stderr == f"error: no metrics.jsonl in {tmp_path / 'absent'}\n", p.stderr

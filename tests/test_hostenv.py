@@ -1,4 +1,4 @@
-"""The CLI restarts itself once with glibc malloc tunables (megajax/hostenv.py)."""
+"""The CLI restarts itself once with glibc malloc tunables (megajax/host/env.py)."""
 import os
 import platform
 import resource
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megajax.hostenv import MALLOC_TUNABLES, tuned_env
+from megajax.host.env import MALLOC_TUNABLES, tuned_env
 
 ROOT = Path(__file__).resolve().parent.parent
 WANT = ":".join(f"{k}={v}" for k, v in MALLOC_TUNABLES.items())
@@ -27,7 +27,7 @@ def test_tuned_env_adds_only_what_is_missing_and_respects_the_user():
 
 def test_entry_point_restarts_once_in_the_same_process():
     code = ("import os, runpy, sys; print('start', os.getpid(), flush=True); "
-            f"runpy.run_path({str(ROOT / 'megajax' / 'hostenv.py')!r})['restart_with_malloc_tuning'](); "
+            f"runpy.run_path({str(ROOT / 'megajax' / 'host' / 'env.py')!r})['restart_with_malloc_tuning'](); "
             "print('main', os.getpid(), os.environ.get('GLIBC_TUNABLES'), sys.argv[1:])")
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MEGAJAX_MALLOC_TUNING")}
     out = subprocess.run([sys.executable, "-c", code, "--flag", "x"], env=env, capture_output=True,

@@ -10,12 +10,12 @@ import numpy as np
 import optax
 import pytest
 from conftest import mesh_for, tiny_config
-from test_train_cli import RUN_ARGS, run
+from helpers import RUN_ARGS, run
 from tolerances import F16_U, F32, assert_tree_close
 
 from megajax.config import ConfigError, load_config
 from megajax.errors import UserError
-from megajax.training.checkpoint import Checkpoints
+from megajax.runs.checkpoint import Checkpoints
 from megajax.training.logger import fatal_non_finite
 from megajax.training.loss_scale import MAX_SCALE, LossScaleState, loss_scaled, uses_loss_scaling
 from megajax.training.step import make_trainer

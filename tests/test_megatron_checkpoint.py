@@ -18,7 +18,7 @@ from tolerances import F32, assert_close
 from megajax.cli.convert import convert_main
 from megajax.convert import import_megatron, megatron_ckpt, torch_pickle
 from megajax.errors import UserError
-from megajax.training.workdir import load_workdir
+from megajax.runs.workdir import load_workdir
 
 FIXTURES = ROOT / "tests/fixtures/megatron"
 VOCAB = f"wordpiece:{ROOT / 'tests/fixtures/hf/bert/vocab.txt'}"   # 220 ids; the checkpoints have 256 rows

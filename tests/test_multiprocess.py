@@ -9,10 +9,11 @@ import time
 import pytest
 from tolerances import F32
 
-from test_train_cli import ROOT, RUN_ARGS, env, losses, run
+from conftest import ROOT
+from helpers import RUN_ARGS, env, losses, run
 
 from megajax.errors import UserError
-from megajax.training.distributed import initialize
+from megajax.host.distributed import initialize
 
 
 def free_port() -> int:
@@ -183,7 +184,7 @@ ENDS_ALONE = """
 import os, sys, time
 import jax
 from megajax.cli.common import bound_shutdown
-from megajax.training import distributed
+from megajax.host import distributed
 pid = int(sys.argv[2])
 distributed.initialize(sys.argv[1], 2, pid, heartbeat_timeout_s=4)
 jax.devices()

@@ -12,21 +12,22 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from test_train_cli import BASE, ROOT, env, run
+from conftest import ROOT
+from helpers import BASE, env, run
 
 from megajax.convert import import_hf
 from megajax.data.tokenizer import make_tokenizer
 from megajax.errors import UserError
 from megajax.evaluation.lambada import lambada_examples
-from megajax.training.checkpoint import Checkpoints
-from megajax.training.workdir import check_layout
+from megajax.runs.checkpoint import Checkpoints
+from megajax.runs.workdir import check_layout
 
 # orbax's failure under an address-space limit: the save's first thread starts and waits for one
 # that could not start. train.py reports the failed save in one line; the waiting thread (not a
 # daemon) then held the interpreter's shutdown forever.
 STUCK_SAVE = """
 import runpy, sys, threading
-from megajax.training import checkpoint
+from megajax.runs import checkpoint
 
 def save(self, step, *args, **kwargs):
     threading.Thread(target=threading.Event().wait, name="a writer waiting for another").start()
@@ -148,7 +149,7 @@ def test_an_exception_ending_one_of_orbaxs_threads_is_left_to_the_one_line(tmp_p
     same failure ending one of orbax's own threads printed "Exception in thread ..." and a
     traceback too, or not, by which thread met it first (a full disk's final save, sometimes).
     Now an exception raised in orbax's code in a background thread is never printed."""
-    from megajax.training import checkpoint
+    from megajax.runs import checkpoint
 
     Checkpoints(tmp_path / "w").close()                 # opening checkpoints installs the hook
     hook = threading.excepthook

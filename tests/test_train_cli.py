@@ -12,45 +12,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import mesh_for
+from conftest import ROOT, mesh_for
 from flax import nnx
+from helpers import BASE, RUN_ARGS, SHAKESPEARE, env, losses, run
 from tolerances import F32
 
 from megajax.cli.common import failed, start_jax
 from megajax.errors import UserError
-from megajax.training.workdir import load_workdir
-
-ROOT = Path(__file__).resolve().parent.parent
-SHAKESPEARE = ROOT / "data" / "tinyshakespeare.txt"
-RUN_ARGS = ["--config", "tiny", "--data", f"text:{SHAKESPEARE}", "--tokenizer", "chars",
-            "--sample-tokens", "0", "--log-every", "1"]
-BASE = [*RUN_ARGS, "--host-devices", "8"]
-
-
-def env():
-    e = dict(os.environ)
-    # train.py sets the device count from --host-devices; the other flags (conftest) carry over.
-    e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split()
-                              if not f.startswith("--xla_force_host_platform_device_count"))
-    e["PYTHONPATH"] = str(ROOT)
-    return e
-
-
-def run(*args, check=True, timeout=240):
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
-                       env=env(), timeout=timeout, cwd=ROOT)
-    if check and p.returncode != 0:
-        raise AssertionError(f"train.py {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return p
-
-
-def losses(workdir: Path) -> dict[int, float]:
-    out = {}
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "loss" in r:
-            out[r["step"]] = r["loss"]
-    return out
+from megajax.runs.workdir import load_workdir
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +119,7 @@ def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
 
 def test_nohup_keeps_the_hang_up_ignored():
     """Started under nohup (SIGHUP ignored), a closed terminal must not stop the run."""
-    code = "from megajax.training.signals import STOP_SIGNALS; print(sorted(s.name for s in STOP_SIGNALS))"
+    code = "from megajax.host.signals import STOP_SIGNALS; print(sorted(s.name for s in STOP_SIGNALS))"
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT)
     ignoring = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "   # what nohup does
                 "os.execv(sys.executable, [sys.executable, '-c', sys.argv[1]])")
@@ -224,7 +193,7 @@ def test_a_start_up_signal_whose_exception_was_swallowed_still_stops_the_run():
     import weakref
 
     from megajax.errors import UserError
-    from megajax.training.signals import StopRequested
+    from megajax.host.signals import StopRequested
 
     class Thing:
         pass
@@ -257,7 +226,7 @@ def test_sigterm_during_start_up_is_one_line(tmp_path):
 AFTER_TRAIN = """
 import os, signal, sys
 from megajax.cli.common import stop_during_startup
-from megajax.training.signals import StopRequested
+from megajax.host.signals import StopRequested
 for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, stop_during_startup)
 StopRequested.command_line = True

@@ -7,18 +7,18 @@ import subprocess
 
 import jax.numpy as jnp
 import pytest
-from conftest import file_size_limited, mesh_for, tiny_config
+from conftest import ROOT, file_size_limited, mesh_for, tiny_config
 
 from megajax.cli.common import failed
 from megajax.data.tokenizer import CharTokenizer, load_tokenizer
 from megajax.errors import UserError
-from megajax.training.checkpoint import Checkpoints
+from megajax.runs.checkpoint import Checkpoints
 from megajax.training.loop import train
 from megajax.config import load_config
-from megajax.training.workdir import (check_layout, load_workdir, refuse_overridden_shape, refuse_run_file,
+from megajax.runs.workdir import (check_layout, load_workdir, refuse_overridden_shape, refuse_run_file,
                                       with_pretrained_shape)
 
-from test_train_cli import BASE, ROOT, env
+from helpers import BASE, env
 
 
 def _snapshot(root):

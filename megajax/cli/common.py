@@ -13,9 +13,9 @@ import sys
 import threading
 
 from megajax.errors import UserError, exit_now, first_line, os_error_code
-from megajax.hostenv import open_standard_streams, restart_with_malloc_tuning
+from megajax.host.env import open_standard_streams, restart_with_malloc_tuning
 from megajax.specs import split_kind
-from megajax.training.signals import STOP_SIGNALS
+from megajax.host.signals import STOP_SIGNALS
 
 
 MAX_HOST_DEVICES = 4096   # each simulated device holds host memory and threads: 100,000 exhausted 24 GiB
@@ -128,8 +128,8 @@ def end(status: int):
 
 
 def bound_shutdown(status: int) -> int:
-    """A multi-process run's exit, bounded (training/distributed.py: bound_shutdown); `status`."""
-    if (distributed := sys.modules.get("megajax.training.distributed")) is not None:
+    """A multi-process run's exit, bounded (host/distributed.py: bound_shutdown); `status`."""
+    if (distributed := sys.modules.get("megajax.host.distributed")) is not None:
         distributed.bound_shutdown(status)
     return status
 
@@ -148,7 +148,7 @@ def start_jax(args=None):
     then its backend. A backend that does not start is the machine's setup, not a bug: one
     line. (JAX_PLATFORMS=cuda with a jax built without CUDA raises a bare AssertionError.)"""
     if args is not None:
-        from megajax.training.distributed import initialize   # imports jax: after set_host_devices
+        from megajax.host.distributed import initialize   # imports jax: after set_host_devices
 
         initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
     import jax
@@ -175,7 +175,7 @@ class Stopped(BaseException):   # not an Exception: nothing on the way may swall
 
 
 def stop_with_a_line(message: str):
-    """A tool's stop signals (SIGTERM, SIGINT, SIGHUP, a scheduler's warnings: training/signals.py) raise
+    """A tool's stop signals (SIGTERM, SIGINT, SIGHUP, a scheduler's warnings: host/signals.py) raise
     Stopped("SIGNAL: message"), which its main prints as one line (`stopped`) instead of a
     traceback; what it writes is atomic, so nothing is half done."""
     def handler(signum, frame):
@@ -203,7 +203,7 @@ def stopped(e: "Stopped") -> int:
 
 
 def stop_during_startup(signum, frame):
-    """train.py's handler until train() takes the signals over (megajax/training/signals.py):
+    """train.py's handler until train() takes the signals over (megajax/host/signals.py):
     nothing is written before training starts, so leave at once (see exit_on_signal)."""
     exit_now(f"error: {signal.Signals(signum).name} during start-up: stopped before training any step", 2)
 
@@ -265,7 +265,7 @@ class _PipeGuard:
 
 
 def command(main, restart: bool = True):
-    """A program's entry point: first restart with the host settings of megajax/hostenv.py
+    """A program's entry point: first restart with the host settings of megajax/host/env.py
     (`restart`), then `main`, then a bounded `end`."""
     def run() -> int:
         if restart:

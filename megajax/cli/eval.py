@@ -1,5 +1,5 @@
 """eval.py / megajax-eval: the parser and the checks that need no model. What each --task
-does is the table in megajax/cli/eval_tasks.py."""
+does is the table in megajax/evaluation/tasks.py."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, ex
                                 guard_stdout, set_host_devices, spec_paths, start_jax)
 from megajax.errors import UserError
 from megajax.files import write_atomic
-from megajax.training.signals import STOP_SIGNALS
+from megajax.host.signals import STOP_SIGNALS
 
 TASK_CHOICES = ["ppl", "wikitext", "lambada", "sample", "mlm", "race", "mnli", "qqp"]
 
@@ -119,7 +119,7 @@ def _evaluate(args) -> int:
         check_eval_args(args)
         start_jax(args)
         # jax is imported only now, with --host-devices in XLA_FLAGS (megajax/cli/common.py).
-        from megajax.cli.eval_tasks import run_task
+        from megajax.evaluation.tasks import run_task
 
         result, is_main = run_task(args)
         if is_main:

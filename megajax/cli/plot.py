@@ -15,8 +15,8 @@ def plot_main(argv=None) -> int:
     p.add_argument("--out", type=given, help="the picture (default WORKDIR/loss.png); its suffix picks the format: "
                    ".png, .pdf, .svg, .jpg, ...")
     args = p.parse_args(argv)
-    from megajax.training.metrics import plot_workdir   # imports jax: after the arguments, as everywhere
-    from megajax.training.workdir import refuse_run_file
+    from megajax.runs.metrics import plot_workdir   # imports jax: after the arguments, as everywhere
+    from megajax.runs.workdir import refuse_run_file
 
     try:
         if args.out:

@@ -9,7 +9,7 @@ from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, fa
                                 set_host_devices, start_jax, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
-from megajax.training.signals import STOP_SIGNALS, StopRequested, stdout_closed
+from megajax.host.signals import STOP_SIGNALS, StopRequested, stdout_closed
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def train_main(argv=None) -> int:
     guard_stdout(on_close=stdout_closed, to_stderr=True)   # `train.py | head`: stop and save
     args = train_parser().parse_args(argv)
     set_host_devices(args.host_devices)
-    # Until train() takes over the signals (megajax/training/signals.py), one stops the run with a line.
+    # Until train() takes over the signals (megajax/host/signals.py), one stops the run with a line.
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop_during_startup)
     StopRequested.command_line = True
@@ -85,7 +85,7 @@ def _train_main(args) -> int:
         from megajax.core.mesh import make_mesh
         from megajax.tools.dry_run import dry_run_report
         from megajax.training.loop import train
-        from megajax.training.workdir import refuse_overridden_shape, with_pretrained_shape
+        from megajax.runs.workdir import refuse_overridden_shape, with_pretrained_shape
 
         workdir = Path(args.workdir or Path("runs") / cfg.name)
         refuse_overridden_shape(cfg, overrides, workdir)

@@ -28,9 +28,9 @@ from megajax.data.tokenizer import HF_FILE, VOCAB_FILE, WordPieceTokenizer
 from megajax.errors import UserError, first_line
 from megajax.files import staged_directory, write_atomic
 from megajax.models.registry import ModelDef, abstract_model
-from megajax.training.checkpoint import Checkpoints
+from megajax.runs.checkpoint import Checkpoints
 from megajax.training.optimizer import make_optimizer
-from megajax.training.workdir import CONFIG_FILE, load_workdir
+from megajax.runs.workdir import CONFIG_FILE, load_workdir
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -35,7 +35,7 @@ from megajax.convert.hf import check_shapes, import_base, save_step0, workdir_sp
 from megajax.data.tokenizer import fixed_tokenizer
 from megajax.errors import UserError
 from megajax.files import staged_directory
-from megajax.training.workdir import CONFIG_FILE
+from megajax.runs.workdir import CONFIG_FILE
 
 FILE = "model_optim_rng.pt"
 # megajax name <- the suffix after "layers.N." in each naming: (megatron-core, earlier)

@@ -14,10 +14,11 @@ from megajax.core.sharding import DATA, MODEL
 from megajax.errors import UserError
 from megajax.progress import Progress
 from megajax.tasks import param_count
-from megajax.training.checkpoint import Checkpoints
-from megajax.training.distributed import Watchdog, describe
-from megajax.training.metrics import MetricsLog, device_peak_tflops, flops_per_token
-from megajax.training.workdir import is_main
+from megajax.runs.checkpoint import Checkpoints
+from megajax.host.distributed import Watchdog, describe
+from megajax.runs.metrics import MetricsLog
+from megajax.training.mfu import device_peak_tflops, flops_per_token
+from megajax.runs.workdir import is_main
 
 if TYPE_CHECKING:
     from megajax.training.loop import Run

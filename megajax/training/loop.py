@@ -27,14 +27,14 @@ from megajax.files import WorkdirLock
 from megajax.models.generate import generate
 from megajax.models.registry import ModelDef, abstract_model
 from megajax.tasks import Task, task_for
-from megajax.training.checkpoint import Checkpoints
-from megajax.training.distributed import agreed_stop, check_same_run
+from megajax.runs.checkpoint import Checkpoints
+from megajax.host.distributed import agreed_stop, check_same_run
 from megajax.training.memory import check_step_fits
 from megajax.training.logger import StepLogger
-from megajax.training.metrics import plot_workdir
-from megajax.training.signals import StopRequested
+from megajax.runs.metrics import plot_workdir
+from megajax.host.signals import StopRequested
 from megajax.training.step import Trainer, make_trainer
-from megajax.training.workdir import (check_layout, check_same_tokenizer, init_from_pretrained, is_main, run_tokenizer,
+from megajax.runs.workdir import (check_layout, check_same_tokenizer, init_from_pretrained, is_main, run_tokenizer,
                                       run_vocab_size, with_pretrained_shape, write_run_files)
 
 

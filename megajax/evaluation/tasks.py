@@ -25,7 +25,7 @@ from megajax.models.generate import generate
 from megajax.progress import Progress
 from megajax.specs import DataSpec
 from megajax.tasks import task_for
-from megajax.training.workdir import Loaded, is_main, load_workdir, refuse_run_file
+from megajax.runs.workdir import Loaded, is_main, load_workdir, refuse_run_file
 
 
 def data_source(arg: str) -> DataSpec:

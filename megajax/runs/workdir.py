@@ -2,7 +2,7 @@
 
     WORKDIR/config.json        the resolved config (vocabulary size included)
     WORKDIR/tokenizer.json     the tokenizer (and its vocab.txt / hf_tokenizer.json)
-    WORKDIR/checkpoints/STEP   orbax checkpoints (megajax/training/checkpoint.py)
+    WORKDIR/checkpoints/STEP   orbax checkpoints (megajax/runs/checkpoint.py)
     WORKDIR/damaged/STEP       checkpoints that could not be read, set aside
     WORKDIR/diverged/STEP      checkpoints whose weights gave a non-finite loss, set aside
     WORKDIR/metrics.jsonl      one JSON record per logged step and evaluation
@@ -29,7 +29,7 @@ from megajax.data.tokenizer import FILE as TOKENIZER_FILE
 from megajax.data.tokenizer import Tokenizer, load_tokenizer
 from megajax.errors import UserError
 from megajax.models.registry import ModelDef, abstract_model
-from megajax.training.checkpoint import Checkpoints
+from megajax.runs.checkpoint import Checkpoints
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"

@@ -1,0 +1,49 @@
+"""What several test files share: the committed corpus and the tiny run the command-line tests
+start, running train.py as a user does, reading back its losses, and the audit's model-axis
+count without the optimizer's scalars. (conftest.py holds the session's setup: simulated
+devices, the compilation cache, tiny_config and mesh_for.)"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+SHAKESPEARE = ROOT / "data" / "tinyshakespeare.txt"
+RUN_ARGS = ["--config", "tiny", "--data", f"text:{SHAKESPEARE}", "--tokenizer", "chars",
+            "--sample-tokens", "0", "--log-every", "1"]
+BASE = [*RUN_ARGS, "--host-devices", "8"]
+
+
+def env():
+    e = dict(os.environ)
+    # train.py sets the device count from --host-devices; the other flags (conftest) carry over.
+    e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
+    e["PYTHONPATH"] = str(ROOT)
+    return e
+
+
+def run(*args, check=True, timeout=240):
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                       env=env(), timeout=timeout, cwd=ROOT)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    out = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def exact_model_axis_elements(r):
+    """Model-axis elements but the optimizer's scalar partial sums of the global grad norm."""
+    scalars = [c for c in r.collectives if c.axis == "model" and c.origin == "optimizer"]
+    assert all(c.shape == () for c in scalars)
+    return r.model_axis_elements - sum(c.count for c in scalars)
