@@ -15,20 +15,20 @@ from conftest import ROOT, mesh_for, tiny_config
 from tolerances import F32, assert_close, assert_tree_close
 from helpers import SHAKESPEARE, env, exact_model_axis_elements, run
 
-from megajax.tools.audit import audit
-from megajax.data.bert_pretrain import PretrainBatches, Specials, choose_ngrams, load_pretraining
-from megajax.data.sentences import make_pairs, split_documents
 from megajax.config import ConfigError, load_config
-from megajax.evaluation.bert import evaluate_pretraining, evaluate_task
-from megajax.runs.workdir import load_workdir
+from megajax.data.bert_pretrain import PretrainBatches, Specials, choose_ngrams, load_pretraining
 from megajax.data.finetune import Example, encode, load_task_data, read_task
-from megajax.models.registry import ModelDef
+from megajax.data.sentences import make_pairs, split_documents
 from megajax.data.tokenizer import WordPieceTokenizer, load_tokenizer, make_tokenizer
-from megajax.training.step import make_trainer
-from megajax.errors import UserError
-from megajax.training.loop import train
-from megajax.runs.workdir import init_from_pretrained
 from megajax.data.wordpiece import train_vocab
+from megajax.errors import UserError
+from megajax.evaluation.bert import evaluate_pretraining, evaluate_task
+from megajax.models.registry import ModelDef
+from megajax.runs.workdir import load_workdir
+from megajax.runs.workdir import init_from_pretrained
+from megajax.tools.audit import audit
+from megajax.training.loop import train
+from megajax.training.step import make_trainer
 
 KEY = jax.random.key(3)
 

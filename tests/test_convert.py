@@ -28,8 +28,8 @@ from megajax.core.loss import vocab_parallel_cross_entropy
 from megajax.models.generate import generate
 from megajax.models.registry import ModelDef
 from megajax.runs.checkpoint import Checkpoints
-from megajax.training.loop import train
 from megajax.runs.workdir import load_workdir
+from megajax.training.loop import train
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 NAMES = ("gpt2", "bert", "megatron_bert")
@@ -304,8 +304,8 @@ def test_sigterm_while_jax_starts_stops_the_import_in_one_line(tmp_path):
 HALF_WRITTEN = """
 import os, signal, sys, time
 from pathlib import Path
-import megajax.convert
 from megajax.cli.convert import convert_main
+import megajax.convert
 from megajax.files import staged_directory
 
 def half_import(hf, workdir, overrides):

@@ -9,9 +9,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from megajax.data.sources import builtin_text, source_text, text_files
+from megajax.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer, make_tokenizer
 from megajax.data.tokens import Batches, EvalWindows, load_tokens
 from megajax.errors import UserError
-from megajax.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer, make_tokenizer
 
 
 def test_builtin_corpus_is_real_python_source():

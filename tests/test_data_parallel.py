@@ -12,9 +12,9 @@ from conftest import mesh_for, tiny_config
 from tolerances import F32, adam_tolerance, assert_close
 
 from megajax.runs.checkpoint import Checkpoints
+from megajax.tools.audit import audit
 from megajax.training.memory import per_device_bytes
 from megajax.training.step import make_trainer
-from megajax.tools.audit import audit
 
 MODES = ("plain", "shard_optimizer", "shard_params")
 KEY = jax.random.key(3)

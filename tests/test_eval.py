@@ -22,20 +22,20 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from megajax.evaluation import tasks as eval_tasks
 from megajax.cli.eval import check_eval_args, eval_parser
 from megajax.config import load_config
+from megajax.core.mesh import padded_rows
 from megajax.data.tokens import EvalWindows, load_tokens
 from megajax.errors import UserError
+from megajax.evaluation import tasks as eval_tasks
 from megajax.evaluation.lambada import evaluate_lambada
 from megajax.evaluation.scoring import perplexity_of_tokens, stride_windows
 from megajax.evaluation.wikitext import evaluate_wikitext, original_token_count, wikitext_detokenize
-from megajax.core.mesh import padded_rows
 from megajax.models.generate import generate
 from megajax.models.registry import init_model
 from megajax.prepare import Settings, prepare
-from megajax.training.loop import train
 from megajax.runs.workdir import load_workdir
+from megajax.training.loop import train
 
 def greedy_by_recomputation(model, prompt_tokens, max_new_tokens: int) -> np.ndarray:
     """Reference decoder: the full forward pass over the whole sequence for every new token.

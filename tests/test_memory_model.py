@@ -5,8 +5,8 @@ import itertools
 import pytest
 from conftest import mesh_for, tiny_config
 
-from megajax.core.precision import Precision
 from megajax.analytic import activation_bytes_per_layer, paper_bytes_per_layer
+from megajax.core.precision import Precision
 from megajax.tools.audit import audit
 from megajax.training.step import make_trainer
 

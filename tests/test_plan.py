@@ -13,12 +13,12 @@ from conftest import ROOT, TEST_XLA_FLAGS, handles_signal, mesh_for, tiny_config
 
 from megajax.cli.plan import plan_main
 from megajax.config import ConfigError, load_config, with_values
+from megajax.core.sharding import MODEL
 from megajax.errors import UserError
 from megajax.plan import BUILTIN, measured, paper, pick_hardware, plan, timing
 from megajax.plan.memory import kept_activation_bytes, memory_bytes, state_split
 from megajax.plan.report import why
 from megajax.plan.volumes import data_axis_sent, model_axis_elements, paper_flops, step_flops
-from megajax.core.sharding import MODEL
 from megajax.tools.audit import audit_hlo
 from megajax.training.memory import per_device_bytes, step_memory
 from megajax.training.step import make_trainer

@@ -10,8 +10,8 @@ import pytest
 from conftest import mesh_for, tiny_config
 from tolerances import BF16_ELEMENT, BF16_NORM, BF16_U, F32_U, assert_close, assert_tree_close
 
-from megajax.tools.audit import audit
 from megajax.core.precision import logits_product, matmul
+from megajax.tools.audit import audit
 from megajax.training.step import make_trainer
 
 

@@ -20,19 +20,19 @@ from conftest import ROOT, file_size_limited, mesh_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import megajax.prepare.corpus as prep
-from megajax.evaluation import tasks as eval_tasks
 from megajax.cli.prepare import prepare_main
 from megajax.config import load_config
 from megajax.data.prepared import tokenizer_fingerprint
 from megajax.data.tokenizer import load_tokenizer, make_tokenizer
 from megajax.errors import UserError
-from megajax.files import WorkdirLock
+from megajax.evaluation import tasks as eval_tasks
 from megajax.evaluation.bert import evaluate_pretraining
+from megajax.files import WorkdirLock
 from megajax.models.registry import init_model
 from megajax.prepare import units as U
-from megajax.tasks import task_for
+import megajax.prepare.corpus as prep
 from megajax.runs.workdir import Loaded
+from megajax.tasks import task_for
 
 TOKENIZER = f"hf:{ROOT / 'tests/fixtures/hf/megatron_bert/tokenizer.json'}"   # a real WordPiece, 220 ids
 

@@ -10,13 +10,13 @@ import pytest
 from conftest import ROOT, file_size_limited, mesh_for, tiny_config
 
 from megajax.cli.common import failed
+from megajax.config import load_config
 from megajax.data.tokenizer import CharTokenizer, load_tokenizer
 from megajax.errors import UserError
 from megajax.runs.checkpoint import Checkpoints
-from megajax.training.loop import train
-from megajax.config import load_config
 from megajax.runs.workdir import (check_layout, load_workdir, refuse_overridden_shape, refuse_run_file,
                                       with_pretrained_shape)
+from megajax.training.loop import train
 
 from helpers import BASE, env
 

@@ -14,8 +14,8 @@ import threading
 
 from megajax.errors import UserError, exit_now, first_line, os_error_code
 from megajax.host.env import open_standard_streams, restart_with_malloc_tuning
-from megajax.specs import split_kind
 from megajax.host.signals import STOP_SIGNALS
+from megajax.specs import split_kind
 
 
 MAX_HOST_DEVICES = 4096   # each simulated device holds host memory and threads: 100,000 exhausted 24 GiB

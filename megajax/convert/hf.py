@@ -29,8 +29,8 @@ from megajax.errors import UserError, first_line
 from megajax.files import staged_directory, write_atomic
 from megajax.models.registry import ModelDef, abstract_model
 from megajax.runs.checkpoint import Checkpoints
-from megajax.training.optimizer import make_optimizer
 from megajax.runs.workdir import CONFIG_FILE, load_workdir
+from megajax.training.optimizer import make_optimizer
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -15,9 +15,9 @@ from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
-from megajax.core.loss import vocab_parallel_lookup
 from megajax.core.blocked_attention import blocked_attention, blocked_attention_pays
 from megajax.core.fused_attention import fused_attention_core
+from megajax.core.loss import vocab_parallel_lookup
 from megajax.core.ops import (apply_dropout, attention_context, attention_scores, keep_mask, layer_norm,
                               masked_softmax)
 from megajax.core.precision import Precision, logits_product, matmul

@@ -23,9 +23,9 @@ from megajax.evaluation.scoring import perplexity_of_tokens
 from megajax.evaluation.wikitext import evaluate_wikitext
 from megajax.models.generate import generate
 from megajax.progress import Progress
+from megajax.runs.workdir import Loaded, is_main, load_workdir, refuse_run_file
 from megajax.specs import DataSpec
 from megajax.tasks import task_for
-from megajax.runs.workdir import Loaded, is_main, load_workdir, refuse_run_file
 
 
 def data_source(arg: str) -> DataSpec:

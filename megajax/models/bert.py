@@ -28,10 +28,10 @@ from flax import nnx
 
 from megajax.core import sharding as S
 from megajax.core.layers import LayerNorm, ReplicatedLinear, VocabParallelEmbedding, dropout, param
-from megajax.core.stack import LayerStack
 from megajax.core.loss import vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
 from megajax.core.precision import Precision
+from megajax.core.stack import LayerStack
 from megajax.models.inputs import check_ids
 from megajax.shapes import NUM_CLASSES, TYPE_VOCAB
 

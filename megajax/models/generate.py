@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from megajax.core.mesh import padded_rows
 from megajax.core import sharding as S
+from megajax.core.mesh import padded_rows
 from megajax.models.registry import ModelDef, abstract_model
 
 

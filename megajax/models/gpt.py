@@ -9,10 +9,10 @@ from flax import nnx
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
 from megajax.core.layers import LayerNorm, VocabParallelEmbedding, dropout, param
-from megajax.core.stack import LayerStack
 from megajax.core.loss import mask_padded_vocab, vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
 from megajax.core.precision import Precision
+from megajax.core.stack import LayerStack
 from megajax.models.inputs import check_ids
 
 

@@ -28,9 +28,9 @@ from megajax.data.sentences import Specials
 from megajax.data.tokenizer import Tokenizer, fixed_tokenizer, load_tokenizer
 from megajax.errors import UserError
 from megajax.files import WorkdirLock, naming, write_atomic
+from megajax.host.signals import STOP_SIGNALS
 from megajax.prepare import pairs
 from megajax.prepare.units import Unit, describe_source, expand_inputs, plan_units, tokenize_unit
-from megajax.host.signals import STOP_SIGNALS
 
 PARTIAL = ".partial"
 

@@ -16,9 +16,9 @@ import jax
 from megajax.analytic import StepShape, model_axis_minimum, remat_extra_elements
 from megajax.analytic import data_axis_minimum as data_axis_sent_minimum
 from megajax.core.sharding import DATA, MODEL, param_shardings
+from megajax.models.registry import path_keys
 from megajax.tasks import task_for
 from megajax.tools.hlo import Collective, parse_collectives
-from megajax.models.registry import path_keys
 from megajax.training.data_parallel import NONE
 from megajax.training.memory import per_device_elements
 from megajax.training.step import make_trainer

@@ -10,10 +10,10 @@ this way, is some 1e-4 of the step).
 """
 from __future__ import annotations
 
+from megajax.analytic import activation_bytes_per_layer
 from megajax.config import Config, with_values
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA
-from megajax.analytic import activation_bytes_per_layer
 from megajax.training.memory import step_memory
 from megajax.training.step import make_trainer
 

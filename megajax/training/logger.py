@@ -12,13 +12,13 @@ import jax
 
 from megajax.core.sharding import DATA, MODEL
 from megajax.errors import UserError
-from megajax.progress import Progress
-from megajax.tasks import param_count
-from megajax.runs.checkpoint import Checkpoints
 from megajax.host.distributed import Watchdog, describe
+from megajax.progress import Progress
+from megajax.runs.checkpoint import Checkpoints
 from megajax.runs.metrics import MetricsLog
-from megajax.training.mfu import device_peak_tflops, flops_per_token
 from megajax.runs.workdir import is_main
+from megajax.tasks import param_count
+from megajax.training.mfu import device_peak_tflops, flops_per_token
 
 if TYPE_CHECKING:
     from megajax.training.loop import Run

@@ -24,18 +24,18 @@ from megajax.core.mesh import as_mesh
 from megajax.core.sharding import Layout
 from megajax.errors import UserError
 from megajax.files import WorkdirLock
+from megajax.host.distributed import agreed_stop, check_same_run
+from megajax.host.signals import StopRequested
 from megajax.models.generate import generate
 from megajax.models.registry import ModelDef, abstract_model
-from megajax.tasks import Task, task_for
 from megajax.runs.checkpoint import Checkpoints
-from megajax.host.distributed import agreed_stop, check_same_run
-from megajax.training.memory import check_step_fits
-from megajax.training.logger import StepLogger
 from megajax.runs.metrics import plot_workdir
-from megajax.host.signals import StopRequested
-from megajax.training.step import Trainer, make_trainer
 from megajax.runs.workdir import (check_layout, check_same_tokenizer, init_from_pretrained, is_main, run_tokenizer,
                                       run_vocab_size, with_pretrained_shape, write_run_files)
+from megajax.tasks import Task, task_for
+from megajax.training.logger import StepLogger
+from megajax.training.memory import check_step_fits
+from megajax.training.step import Trainer, make_trainer
 
 
 @dataclasses.dataclass
