@@ -124,13 +124,16 @@ def _readable(unit: Path, docs: Path | None = None) -> bool:
         return False
 
 
-def _npy_bytes(save, *args, **arrays) -> memoryview:
+def _npy_bytes(save, *args, **arrays) -> bytes:
     """What np.save / np.savez would write, for write_atomic: numpy writing to a file itself
     reports a full disk as an OSError without its errno ("N requested and M written"), and
-    leaves the partial file behind."""
+    leaves the partial file behind. Bytes, not a view of the buffer: a failed write's traceback
+    keeps its payload until the interpreter collects it at exit, and a view still exported
+    from a BytesIO collected first is an error Python prints then ("BufferError: Existing
+    exports of data")."""
     buffer = io.BytesIO()
     save(buffer, *args, **arrays)
-    return buffer.getbuffer()
+    return buffer.getvalue()
 
 
 def _run_pairs_unit(job: tuple[int, list, str]) -> int:
