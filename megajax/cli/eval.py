@@ -81,12 +81,13 @@ def check_eval_args(args):
     if out is not None and not (out.parent.is_dir() and os.access(out.parent, os.W_OK | os.X_OK)):
         raise UserError(f"--out {out}: the directory {out.parent} does not exist or is not writable")
     workdir = Path(args.workdir)
+    result = out or workdir / f"eval_{args.task}.json"     # where the result goes: checked before anything runs
     if out is None and workdir.is_dir() and not os.access(workdir, os.W_OK | os.X_OK):
-        raise UserError(f"{workdir} is not writable, and the result goes to {workdir / f'eval_{args.task}.json'} "
-                        f"by default: give --out elsewhere")
+        raise UserError(f"{workdir} is not writable, and the result goes to {result} by default: give --out "
+                        f"elsewhere")
     if out is not None and out.is_dir():
         raise UserError(f"--out {out} is a directory: give the JSON file's path")
-    _refuse_replacing_data(out or Path(args.workdir) / f"eval_{args.task}.json", args.data)
+    _refuse_replacing_data(result, args.data)
     if args.task in READS_DATA and not args.data:
         raise UserError(f"--task {args.task} needs --data")
 
