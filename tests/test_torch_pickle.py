@@ -107,6 +107,7 @@ def test_truncated_or_damaged_files_are_read_or_refused_in_one_line(fixture, tmp
         for at in rng.sample(range(len(b)), 3):
             b[at] = rng.randrange(256)
         damaged.append(bytes(b))
+    refused = []
     for i, content in enumerate(damaged):
         path = tmp_path / f"{i}.pt"
         path.write_bytes(content)
@@ -115,6 +116,8 @@ def test_truncated_or_damaged_files_are_read_or_refused_in_one_line(fixture, tmp
                 tensor.numpy()
         except UserError as e:
             assert "\n" not in str(e) and str(path) in str(e)
+            refused.append(i)
+    assert set(range(12)) <= set(refused)      # no truncated archive reads as whole
 
 
 def test_a_truncated_file_is_called_truncated_not_legacy(tmp_path):
