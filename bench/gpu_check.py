@@ -169,7 +169,7 @@ def main() -> int:
 def measure_row(label, name, overrides, options, mesh, a, peak) -> dict:
     """One row: the first option that fits, measured; an error is the row's result, not the run's end."""
     from gpu_bench import measure
-    from megajax.core.layers import fused_attention
+    from megajax.core.attention import fused_attention
     from megajax.core.sharding import Layout
     from megajax.tasks import param_count
 

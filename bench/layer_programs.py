@@ -44,7 +44,7 @@ def stack_gradients(cfg, mesh) -> tuple[dict, object]:
     from flax import nnx
 
     from megajax.core import sharding as S
-    from megajax.core.layers import TransformerLayer
+    from megajax.core.transformer import TransformerLayer
     from megajax.core.precision import Precision
     from megajax.core.stack import LayerStack
 

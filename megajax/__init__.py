@@ -3,7 +3,8 @@
 The package is laid out in layers; a module imports only from its own layer and the ones
 above it in this list (tests/test_architecture.py checks it):
 
-    errors, files, config, shapes, progress, analytic, specs   foundation: no jax
+    errors, files, model_config, config, shapes, progress,
+    analytic, specs                                             foundation: no jax
     host/        the process: glibc settings, signals, the multi-process runtime
     core/        the parallel core: mesh, partition specs, precision, layers, vocab-parallel loss
     data/        text sources, tokenizers, GPT token batches, BERT pretraining and fine-tuning data

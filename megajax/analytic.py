@@ -56,11 +56,19 @@ class StepShape:
         return self.rows * self.seq * self.hidden
 
 
-def layer_params(hidden: int, ffn: int) -> int:
-    """Parameters of one transformer layer: QKV, output projection, MLP (weights and biases), two
-    LayerNorms."""
+def layer_params(hidden: int, ffn: int, *, heads: int = 1, kv_heads: int | None = None,
+                 head_dim: int | None = None, gated: bool = False, bias: str = "all",
+                 norm: str = "layernorm") -> int:
+    """Parameters of one transformer layer: the query, key and value projections (kv_heads of
+    them for keys and values), the output projection, the MLP (SwiGLU: gate, up and down) and
+    two norms (LayerNorm: scale and bias; RMSNorm: scale). `bias`: all, none or qkv only."""
     h, f = hidden, ffn
-    return (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+    d = head_dim or hidden // heads
+    qkv = (heads + 2 * (kv_heads or heads)) * d
+    mlp_in = 2 * f if gated else f
+    weights = h * qkv + heads * d * h + h * mlp_in + f * h
+    biases = {"all": qkv + h + mlp_in + h, "qkv": qkv, "none": 0}[bias]
+    return weights + biases + (4 if norm == "layernorm" else 2) * h
 
 
 # --- FLOPs ---------------------------------------------------------------------------------

@@ -15,9 +15,8 @@ import tomllib
 import typing
 from pathlib import Path
 
-from megajax.analytic import REMAT_MODES, layer_params
-from megajax.errors import UserError
 from megajax.files import write_atomic
+from megajax.model_config import REMAT_ALIASES, ConfigError, ModelConfig, one_of
 from megajax.shapes import MODEL_TASKS
 
 
@@ -31,93 +30,8 @@ def _config_dir() -> Path:
 CONFIG_DIR = _config_dir()
 
 
-class ConfigError(UserError, ValueError):
-    """A mistake in a config file or override that the user can fix."""
-
-
 FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127   # float32 arrays hold these
 MAX_LOSS_SCALE = 2.0 ** 32
-REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}   # the boolean it once was
-
-
-def _one_of(section_config, section: str, **choices):
-    for name, allowed in choices.items():
-        if getattr(section_config, name) not in allowed:
-            raise ConfigError(f"{section}.{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got '{getattr(section_config, name)}'")
-
-
-@dataclasses.dataclass(slots=True)   # slots: a misspelt field set from Python is an error
-class ModelConfig:
-    kind: str = "gpt"                 # gpt | bert
-    task: str = "pretrain"            # pretrain (GPT: next token; BERT: MLM + SOP) | BERT: race | mnli | qqp (shapes.py)
-    num_layers: int = 4
-    hidden: int = 256
-    num_heads: int = 4
-    ffn_hidden: int = 0               # 0 -> 4 * hidden
-    seq_len: int = 256
-    vocab_size: int = 256             # the tokenizer's size; padded below, never by the mesh
-    vocab_multiple: int = 1024        # padded vocab = vocab_size rounded up to this (50257 -> 51200)
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    ln_placement: str = "pre"         # pre (GPT-2, the paper's BERT) | post (original BERT)
-    ln_eps: float = 1e-5
-    init_std: float = 0.02
-    compute_dtype: str = "auto"       # auto (16-bit on GPU/TPU, float32 on CPU) | float32 | bfloat16 | float16 | mixed
-                                      # (mixed: bfloat16 matmul operands, float32 accumulation and activations)
-    gelu: str = "tanh"                # tanh (Megatron-LM's fused bias-GeLU and openai_gelu, GPT-2) | exact (erf; HF's BERT)
-    remat: str = "none"               # none | selective (recompute the attention core: scores, softmax, dropout,
-                                      # probabilities x values) | full (recompute each layer); true/false: full/none
-    scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
-    recompute_norm_gelu: bool = False # a scanned stack without full remat recomputes LayerNorm's and GeLU's outputs
-                                      # in the backward pass instead of keeping them: a third fewer bytes (not "mixed")
-    sequence_parallel: bool = False   # between blocks, activations split over "model" along the sequence
-                                      # (Korthikanti et al. 2022); model.seq_len must divide by the model axis
-    attention: str = "auto"           # the attention core: megajax (its own; core/blocked_attention.py on the CPU without
-                                      # attention dropout) | fused (jax.nn.dot_product_attention: cuDNN's flash attention on
-                                      # NVIDIA GPUs, XLA elsewhere; no attention dropout) | auto (fused on GPUs where it can)
-
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden or 4 * self.hidden
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.num_heads
-
-    @property
-    def padded_vocab(self) -> int:
-        return int(math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple)
-
-    def validate(self):
-        self.remat = REMAT_ALIASES.get(self.remat, self.remat)
-        if self.remat not in REMAT_MODES:
-            raise ConfigError(f"model.remat must be none, selective or full (true/false: full/none), got {self.remat!r}")
-        if self.kind not in MODEL_TASKS:
-            raise ConfigError(f"model.kind must be one of {', '.join(MODEL_TASKS)}, got '{self.kind}'")
-        if self.task not in MODEL_TASKS[self.kind]:
-            other = [k for k, tasks in MODEL_TASKS.items() if self.task in tasks]
-            hint = f"; it is a {other[0]} task: set model.kind = \"{other[0]}\"" if other else ""
-            raise ConfigError(f"model.task must be one of {', '.join(MODEL_TASKS[self.kind])} for "
-                              f"model.kind = \"{self.kind}\", got '{self.task}'{hint}")
-        _one_of(self, "model", ln_placement=("pre", "post"), gelu=("exact", "tanh"), attention=("auto", "megajax", "fused"),
-                compute_dtype=("auto", "float32", "bfloat16", "float16", "mixed"))
-        for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size", "vocab_multiple", "ln_eps", "init_std"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
-        if self.hidden % self.num_heads:
-            raise ConfigError(f"model.hidden={self.hidden} is not divisible by model.num_heads={self.num_heads}")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.ffn_hidden < 0:
-            raise ConfigError(f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}")
-        if self.attention == "fused" and self.attention_dropout:
-            raise ConfigError(f"model.attention = \"fused\" has no attention dropout: set model.attention_dropout=0 "
-                              f"(it is {self.attention_dropout}) or model.attention = \"megajax\"")
-
-    @property
-    def layer_params(self) -> int:
-        return layer_params(self.hidden, self.ffn)
 
 
 @dataclasses.dataclass(slots=True)
@@ -169,7 +83,7 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.min_lr > self.lr:   # Megatron-LM refuses it too: the "decay" would raise the rate
             raise ConfigError(f"train.min_lr ({self.min_lr:g}) must not exceed train.lr ({self.lr:g})")
-        _one_of(self, "train", schedule=("cosine", "linear"))
+        one_of(self, "train", schedule=("cosine", "linear"))
 
 
 @dataclasses.dataclass(slots=True)
@@ -186,7 +100,7 @@ class DataConfig:
         for name in ("val_fraction", "mask_prob"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ConfigError(f"data.{name} must be in (0, 1), got {getattr(self, name)}")
-        _one_of(self, "data", bin_dtype=("uint16", "uint32"), masking=("whole_word", "token"))
+        one_of(self, "data", bin_dtype=("uint16", "uint32"), masking=("whole_word", "token"))
         if self.max_ngram < 1:
             raise ConfigError(f"data.max_ngram must be at least 1, got {self.max_ngram}")
 

@@ -10,7 +10,7 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "megajax"
 # Lowest first; a module may import from its own layer and the ones before it.
-LAYERS = [("errors", "files", "shapes", "config", "progress", "analytic", "specs"), ("host",), ("core",), ("data",),
+LAYERS = [("errors", "files", "shapes", "model_config", "config", "progress", "analytic", "specs"), ("host",), ("core",), ("data",),
           ("models",), ("tasks",), ("runs",), ("training", "evaluation"), ("tools", "plan", "convert", "prepare"),
           ("cli",)]
 # Imports inside functions that are there on purpose (module -> what it imports there).

@@ -13,7 +13,7 @@ from tolerances import BF16_ELEMENT, assert_close, assert_tree_close
 
 from megajax.config import ConfigError
 from megajax.core.fused_attention import fused_attention_core, implementation
-from megajax.core.layers import fused_attention
+from megajax.core.attention import fused_attention
 from megajax.core.sharding import Layout
 from megajax.tools.audit import audit
 from megajax.training.step import make_trainer

@@ -16,12 +16,13 @@ import json
 from pathlib import Path
 
 import jax
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: safetensors reads bf16 weights through it)
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from megajax.config import Config, ConfigError, apply_overrides
-from megajax.convert import hf_config, hf_weights
+from megajax.convert import hf_config, hf_decoders, hf_weights
 from megajax.convert.hf_tokenizer import read_tokenizer, write_tokenizer
 from megajax.core.mesh import single_device_mesh
 from megajax.data.tokenizer import HF_FILE, VOCAB_FILE, WordPieceTokenizer
@@ -36,7 +37,9 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # Model fields the HF config decides: a --set of one of them would contradict the weights.
 FROM_HF = ("kind", "task", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len", "vocab_size",
-           "ln_placement", "ln_eps", "gelu")
+           "ln_placement", "ln_eps", "gelu", "norm", "positions", "rope_theta", "rope_scaling", "rope_factor",
+           "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context", "max_positions", "mlp",
+           "num_kv_heads", "kv_channels", "bias", "tie_embeddings")
 
 
 def _read_json(path: Path) -> dict:
@@ -75,17 +78,22 @@ def hf_run_config(hf_dir: Path, overrides: list[str] | None = None) -> tuple[str
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise UserError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
-    base = import_base(overrides, str(hf_dir / "config.json"))
-    model_type, model = hf_config.model_config(_read_json(hf_dir / "config.json"), base.model)
+    hf = _read_json(hf_dir / "config.json")
+    # Rotary positions leave the training length free: --set model.seq_len=N picks it.
+    rotary = hf_config.ARCHITECTURES[hf_config.architecture(hf)][0] in hf_decoders.MODEL_TYPES
+    base = import_base(overrides, str(hf_dir / "config.json"), free=("seq_len",) if rotary else ())
+    seq_len_given = any(item.split("=", 1)[0].strip() == "model.seq_len" for item in overrides or [])
+    model_type, model = hf_config.model_config(hf, base.model, seq_len_given)
     cfg = dataclasses.replace(base, model=model, name=hf_dir.resolve().name)
     return model_type, cfg.validate()
 
 
-def import_base(overrides: list[str] | None, source: str) -> Config:
-    """The defaults with --set overrides of what the imported model does not decide."""
+def import_base(overrides: list[str] | None, source: str, free: tuple[str, ...] = ()) -> Config:
+    """The defaults with --set overrides of what the imported model does not decide (`free`:
+    model fields it leaves open)."""
     for item in overrides or []:
         key = item.split("=", 1)[0].strip()
-        if key.startswith("model.") and key.removeprefix("model.") in FROM_HF:
+        if key.startswith("model.") and key.removeprefix("model.") in FROM_HF and key.removeprefix("model.") not in free:
             raise ConfigError(f"{key} comes from {source} and cannot be set on import")
     return apply_overrides(Config(), overrides)
 

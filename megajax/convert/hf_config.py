@@ -1,22 +1,25 @@
-"""Hugging Face config.json <-> megajax ModelConfig for the three supported architectures.
+"""Hugging Face config.json <-> megajax ModelConfig for the supported architectures: GPT-2, BERT,
+Megatron-BERT, and the decoders of today (Llama, Mistral, Qwen2: hf_decoders.py).
 
 Everything that shapes the computation comes from the HF config: sizes, position count,
-LayerNorm epsilon, the GeLU form, dropout rates. Options megajax does not implement (GPT-2's
-attention scaled by layer index, BERT's relative positions, cross-attention) are refused
-rather than silently ignored.
+norm epsilon, the activation, dropout rates, rotary positions and their scaling. Options megajax
+does not implement (GPT-2's attention scaled by layer index, BERT's relative positions,
+cross-attention, sliding windows, other rope scalings) are refused rather than silently ignored.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from megajax.config import ModelConfig
+from megajax.convert import hf_decoders
 from megajax.errors import UserError
 from megajax.shapes import TYPE_VOCAB
 
 # HF architecture name -> (model_type, megajax kind, LayerNorm placement)
 ARCHITECTURES = {"GPT2LMHeadModel": ("gpt2", "gpt", "pre"),
                  "BertForPreTraining": ("bert", "bert", "post"),
-                 "MegatronBertForPreTraining": ("megatron-bert", "bert", "pre")}
+                 "MegatronBertForPreTraining": ("megatron-bert", "bert", "pre"),
+                 **{arch: (model_type, "gpt", "pre") for arch, model_type in hf_decoders.ARCHITECTURES.items()}}
 BY_MODEL_TYPE = {model_type: arch for arch, (model_type, _, _) in ARCHITECTURES.items()}
 GELU = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 GELU_NAME = {"exact": "gelu", "tanh": "gelu_new"}
@@ -49,14 +52,17 @@ def _refuse(hf: dict, checks: dict):
             raise UserError(f"config.json has {key} = {hf[key]!r}: {why}, which megajax does not implement")
 
 
-def model_config(hf: dict, base: ModelConfig | None = None) -> tuple[str, ModelConfig]:
+def model_config(hf: dict, base: ModelConfig | None = None, seq_len_given: bool = False) -> tuple[str, ModelConfig]:
     """(model_type, ModelConfig) for an HF config dict; fields HF does not describe (padding
-    multiple, precision, scan, remat) keep `base`'s values."""
+    multiple, precision, scan, remat; with rotary positions the training length, unless
+    `seq_len_given`: seq_len is then base's) keep `base`'s values."""
     arch = architecture(hf)
     model_type, kind, placement = ARCHITECTURES[arch]
     base = base or ModelConfig()
     try:
-        if model_type == "gpt2":
+        if model_type in hf_decoders.MODEL_TYPES:
+            fields = hf_decoders.fields(model_type, hf, base.seq_len if seq_len_given else None)
+        elif model_type == "gpt2":
             _refuse(hf, {"scale_attn_weights": (bool, "unscaled attention"),
                          "scale_attn_by_inverse_layer_idx": (lambda v: not v, "attention scaled by layer index"),
                          "add_cross_attention": (lambda v: not v, "cross-attention")})
@@ -80,7 +86,7 @@ def model_config(hf: dict, base: ModelConfig | None = None) -> tuple[str, ModelC
     except KeyError as e:
         raise UserError(f"config.json of a {arch} lacks '{e.args[0]}'") from None
     wrong = [f"{k} = {v!r}" for k, v in fields.items() if k not in ("kind", "task", "ln_placement", "gelu")
-             and not (isinstance(v, (int, float)) and not isinstance(v, bool))]
+             and k not in hf_decoders.WORDS and not (isinstance(v, (int, float)) and not isinstance(v, bool))]
     if wrong:
         raise UserError(f"config.json has values that are not numbers: {', '.join(wrong)}")
     cfg = dataclasses.replace(base, **fields)
@@ -92,6 +98,8 @@ def export_architecture(cfg: ModelConfig) -> str:
     """The HF architecture a megajax model is written as."""
     if cfg.task != "pretrain":
         raise UserError(f"only pretraining models export to Hugging Face; this one is fine-tuned for '{cfg.task}'")
+    if cfg.kind == "gpt" and (decoder := hf_decoders.export_architecture(cfg)):
+        return decoder
     if cfg.kind == "gpt":
         if cfg.ln_placement != "pre":
             raise UserError("a GPT with post-LayerNorm has no Hugging Face GPT-2 equivalent")
@@ -103,6 +111,8 @@ def hf_config(cfg: ModelConfig) -> dict:
     """The config.json `transformers` reads for a megajax model."""
     arch = export_architecture(cfg)
     model_type = ARCHITECTURES[arch][0]
+    if model_type in hf_decoders.MODEL_TYPES:
+        return hf_decoders.hf_config(arch, model_type, cfg)
     common = dict(architectures=[arch], model_type=model_type, vocab_size=cfg.vocab_size,
                   initializer_range=cfg.init_std, tie_word_embeddings=True)
     if model_type == "gpt2":

@@ -1,4 +1,5 @@
-"""Hugging Face state dicts <-> megajax params, for GPT-2, BERT and Megatron-BERT.
+"""Hugging Face state dicts <-> megajax params, for GPT-2, BERT, Megatron-BERT and the Llama
+family (Llama, Mistral, Qwen2).
 
 Each architecture is a table of rules: an HF tensor name (with `{i}` for the layer index)
 and the megajax parameter it becomes, through one of a few forms. The traps live in the forms:
@@ -8,8 +9,11 @@ and the megajax parameter it becomes, through one of a few forms. The traps live
   qkv         megajax's fused QKV columns are ordered (head, q|k|v, head_dim), so that a
               column shard over "model" holds whole heads; GPT-2's c_attn is [q | k | v] and
               BERT keeps three Linear layers. Interleaved on import, separated on export.
-The output layers are tied to the input embedding (megajax has no other): an HF file that
-carries its own copy (lm_head.weight, cls.predictions.decoder.weight) must hold the same values.
+  kv          grouped-query attention's key/value kernel is ordered (kv head, k|v, head_dim)
+              likewise; its queries are a plain column-parallel kernel.
+A tied output layer is the input embedding: an HF file that carries its own copy
+(lm_head.weight, cls.predictions.decoder.weight) must hold the same values. Llama's
+rotary layout (rotate_half) is megajax's, so q and k need no permutation.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ LAYER = "layer."        # megajax names under this prefix are per layer, stacked
 class Rule:
     hf: tuple[str, ...]   # one HF name, or three (q, k, v) for BERT's separate projections
     ours: str             # dotted megajax path; "layer.*" per layer
-    form: str = "as_is"   # as_is | linear | vocab_rows | qkv_fused | qkv_linear | qkv_bias
+    form: str = "as_is"   # as_is | linear | vocab_rows | qkv_fused | qkv_linear | qkv_bias | kv_linear | kv_bias
 
 
 def _rules(*rows) -> list[Rule]:
@@ -69,12 +73,46 @@ BERT = _rules(*_BERT_COMMON, *_norm("bert.embeddings.LayerNorm", "ln_embed"),
 MEGATRON_BERT = _rules(*_BERT_COMMON, *_norm(f"{_ATTN}.ln", "layer.ln1"), *_norm("bert.encoder.layer.{i}.ln", "layer.ln2"),
                        *_norm("bert.encoder.ln", "ln_f"))
 
-RULES = {"gpt2": GPT2, "bert": BERT, "megatron-bert": MEGATRON_BERT}
+
+
+def llama_rules(cfg: ModelConfig) -> list[Rule]:
+    """LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM (Qwen2: q, k, v biases)."""
+    attn, mlp = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
+    qkv = lambda suffix: tuple(f"{attn}.{p}_proj.{suffix}" for p in "qkv")   # noqa: E731
+    biases = cfg.bias == "qkv"
+    if cfg.kv_heads == cfg.num_heads:
+        rows = [(qkv("weight"), "layer.attention.qkv.kernel", "qkv_linear")]
+        rows += [(qkv("bias"), "layer.attention.qkv.bias", "qkv_bias")] * biases
+    else:
+        rows = [(f"{attn}.q_proj.weight", "layer.attention.qkv.q_kernel", "linear"),
+                (qkv("weight")[1:], "layer.attention.qkv.kv_kernel", "kv_linear")]
+        rows += [(f"{attn}.q_proj.bias", "layer.attention.qkv.q_bias"),
+                 (qkv("bias")[1:], "layer.attention.qkv.kv_bias", "kv_bias")] * biases
+    rows += [("model.embed_tokens.weight", "embed.table", "vocab_rows"), ("model.norm.weight", "ln_f.scale"),
+             ("model.layers.{i}.input_layernorm.weight", "layer.ln1.scale"),
+             ("model.layers.{i}.post_attention_layernorm.weight", "layer.ln2.scale"),
+             (f"{attn}.o_proj.weight", "layer.attention.out.kernel", "linear"),
+             (f"{mlp}.gate_proj.weight", "layer.mlp.fc1.gate_kernel", "linear"),
+             (f"{mlp}.up_proj.weight", "layer.mlp.fc1.up_kernel", "linear"),
+             (f"{mlp}.down_proj.weight", "layer.mlp.fc2.kernel", "linear")]
+    rows += [("lm_head.weight", "head.table", "vocab_rows")] * (not cfg.tie_embeddings)
+    return _rules(*rows)
+
+
+RULES = {"gpt2": GPT2, "bert": BERT, "megatron-bert": MEGATRON_BERT,
+         "llama": llama_rules, "mistral": llama_rules, "qwen2": llama_rules}
 # HF names that are another name for a tensor a rule reads (tied or duplicated): checked equal.
 ALIASES = {"gpt2": {"lm_head.weight": "wte.weight"},
            "bert": {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
                     "cls.predictions.decoder.bias": "cls.predictions.bias"}}
 ALIASES["megatron-bert"] = ALIASES["bert"]
+for _arch in ("llama", "mistral", "qwen2"):
+    ALIASES[_arch] = {"lm_head.weight": "model.embed_tokens.weight"}   # a tied model's copy, if saved
+
+
+def rules_for(arch: str, cfg: ModelConfig) -> list[Rule]:
+    rules = RULES[arch]
+    return rules(cfg) if callable(rules) else rules
 # Buffers some HF files carry that are not weights.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids")
 PREFIX = {"gpt2": "transformer."}     # GPT2LMHeadModel's; a bare GPT2Model file has none
@@ -91,17 +129,17 @@ def finite(name: str, array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _interleave(q, k, v, heads: int):
-    """(..., h) x 3 -> (..., h * 3) with columns ordered (head, q|k|v, head_dim)."""
-    x = np.stack([q, k, v], axis=-2)                                # (..., 3, h)
-    x = x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)       # (..., 3, heads, d)
-    return np.swapaxes(x, -3, -2).reshape(*q.shape[:-1], 3 * q.shape[-1])
+def _interleave(*parts, heads: int):
+    """(..., w) x n -> (..., w * n) with columns ordered (head, part, head_dim): q|k|v, or k|v."""
+    x = np.stack(parts, axis=-2)                                    # (..., n, w)
+    x = x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)       # (..., n, heads, d)
+    return np.swapaxes(x, -3, -2).reshape(*parts[0].shape[:-1], len(parts) * parts[0].shape[-1])
 
 
-def _separate(x, heads: int):
-    h = x.shape[-1] // 3
-    x = np.swapaxes(x.reshape(*x.shape[:-1], heads, 3, h // heads), -3, -2)   # (..., 3, heads, d)
-    return tuple(x[..., j, :, :].reshape(*x.shape[:-3], h) for j in range(3))
+def _separate(x, heads: int, n: int = 3):
+    w = x.shape[-1] // n
+    x = np.swapaxes(x.reshape(*x.shape[:-1], heads, n, w // heads), -3, -2)   # (..., n, heads, d)
+    return tuple(x[..., j, :, :].reshape(*x.shape[:-3], w) for j in range(n))
 
 
 def to_ours(form: str, tensors: list, cfg: ModelConfig) -> np.ndarray:
@@ -113,10 +151,10 @@ def to_ours(form: str, tensors: list, cfg: ModelConfig) -> np.ndarray:
         x = tensors[0]
         return np.concatenate([x, np.zeros((cfg.padded_vocab - x.shape[0], *x.shape[1:]), x.dtype)])
     if form == "qkv_fused":
-        return _interleave(*np.split(tensors[0], 3, axis=-1), cfg.num_heads)
-    if form == "qkv_linear":
-        return _interleave(*(t.T for t in tensors), cfg.num_heads)
-    return _interleave(*tensors, cfg.num_heads)       # qkv_bias
+        return _interleave(*np.split(tensors[0], 3, axis=-1), heads=cfg.num_heads)
+    if form in ("qkv_linear", "kv_linear"):
+        return _interleave(*(t.T for t in tensors), heads=cfg.num_heads if form == "qkv_linear" else cfg.kv_heads)
+    return _interleave(*tensors, heads=cfg.num_heads if form == "qkv_bias" else cfg.kv_heads)   # qkv_bias, kv_bias
 
 
 def to_hf(form: str, x: np.ndarray, cfg: ModelConfig) -> list:
@@ -128,9 +166,10 @@ def to_hf(form: str, x: np.ndarray, cfg: ModelConfig) -> list:
         return [x[:cfg.vocab_size]]
     if form == "qkv_fused":
         return [np.concatenate(_separate(x, cfg.num_heads), axis=-1)]
-    if form == "qkv_linear":
-        return [np.ascontiguousarray(t.T) for t in _separate(x, cfg.num_heads)]
-    return [np.ascontiguousarray(t) for t in _separate(x, cfg.num_heads)]   # qkv_bias
+    heads, n = (cfg.num_heads, 3) if form.startswith("qkv") else (cfg.kv_heads, 2)
+    if form in ("qkv_linear", "kv_linear"):
+        return [np.ascontiguousarray(t.T) for t in _separate(x, heads, n)]
+    return [np.ascontiguousarray(t) for t in _separate(x, heads, n)]   # qkv_bias, kv_bias
 
 
 # --- whole state dicts -------------------------------------------------------------------------
@@ -152,7 +191,7 @@ def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
     """An HF state dict (name -> array) as a megajax params dict for `cfg` (scanned or not)."""
     tensors = _strip_prefix(tensors, arch)
     flat, per_layer, used = {}, [{} for _ in range(cfg.num_layers)], set()
-    for rule in RULES[arch]:
+    for rule in rules_for(arch, cfg):
         for names, ours, i in _expand(rule, cfg.num_layers):
             missing = [n for n in names if n not in tensors]
             if missing:
@@ -170,7 +209,7 @@ def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
             (flat if i is None else per_layer[i])[ours.removeprefix(LAYER)] = value
             used.update(names)
     for alias, target in ALIASES[arch].items():
-        if alias in tensors:
+        if alias in tensors and alias not in used:
             if not np.array_equal(np.asarray(tensors[alias], np.float32), np.asarray(tensors[target], np.float32)):
                 raise UserError(f"'{alias}' differs from '{target}': megajax ties the output layer to the "
                                 f"input embedding, and this checkpoint does not")
@@ -186,7 +225,7 @@ def to_hf_tensors(arch: str, params: dict, cfg: ModelConfig) -> dict:
     """A megajax params dict (numpy) as an HF state dict, under the names HF saves."""
     flat, per_layer = _flatten(params, cfg)
     out = {}
-    for rule in RULES[arch]:
+    for rule in rules_for(arch, cfg):
         for names, ours, i in _expand(rule, cfg.num_layers):
             source = flat if i is None else per_layer[i]
             for name, x in zip(names, to_hf(rule.form, source[ours.removeprefix(LAYER)], cfg)):

@@ -1,26 +1,23 @@
-"""Megatron's tensor-parallel building blocks as Flax NNX modules.
+"""Megatron's tensor-parallel building blocks as Flax NNX modules: norms, the column-, row- and
+vocab-parallel linear layers (the attention and MLP blocks built from them are in attention.py
+and mlp.py, the layer in transformer.py).
 
 Each weight carries its PartitionSpec (from megajax/core/sharding.py) as NNX sharding metadata.
 Inside a block, activations stay split over "model"; the single all-reduce per block is
 `layout.reduce_to_replicated` in RowParallelLinear (g forward, f backward).
-LayerNorm, dropout and residual adds run duplicated on every device of the model axis.
+Norms, dropout and residual adds run duplicated on every device of the model axis.
 """
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megajax.config import ModelConfig
 from megajax.core import sharding as S
-from megajax.core.blocked_attention import blocked_attention, blocked_attention_pays
-from megajax.core.fused_attention import fused_attention_core
 from megajax.core.loss import vocab_parallel_lookup
-from megajax.core.ops import (apply_dropout, attention_context, attention_scores, keep_mask, layer_norm,
-                              masked_softmax)
+from megajax.core.ops import apply_dropout, keep_mask, layer_norm, rms_norm
 from megajax.core.precision import Precision, logits_product, matmul
+from megajax.model_config import ModelConfig
 
 
 def param(init, spec, key, shape):
@@ -55,8 +52,27 @@ class LayerNorm(nnx.Module):
         return layer_norm(rows, self.scale[...], self.bias[...], self.eps).reshape(x.shape)
 
 
+class RMSNorm(nnx.Module):
+    """RMSNorm (Llama's), float32 statistic, a replicated scale; `rows_2d` as LayerNorm's."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, rows_2d: bool = True):
+        self.eps, self.rows_2d = eps, rows_2d
+        self.scale = param(nnx.initializers.ones, S.REPLICATED_BIAS, jax.random.key(0), (dim,))
+
+    def __call__(self, x):
+        rows = x.reshape(-1, x.shape[-1]) if self.rows_2d else x
+        return rms_norm(rows, self.scale[...], self.eps).reshape(x.shape)
+
+
+def norm(cfg: ModelConfig, layout: S.Layout):
+    """The config's norm over `hidden` features, LayerNorm or RMSNorm."""
+    kind = RMSNorm if cfg.norm == "rmsnorm" else LayerNorm
+    return kind(cfg.hidden, cfg.ln_eps, rows_2d=not layout.sequence_parallel)
+
+
 class _Linear(nnx.Module):
     """W (d_in, d_out) and b (d_out,) split as the subclass's specs say, and the local x W.
+    `use_bias` False: no b (Llama's layers).
 
     The three linear layers differ only in those specs and in what follows the local matmul:
     nothing (column), the all-reduce (row) or a replicated constraint."""
@@ -64,17 +80,22 @@ class _Linear(nnx.Module):
     BIAS_SPEC: S.P
 
     def __init__(self, d_in: int, d_out: int, *, layout: S.Layout, precision: Precision, std: float,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, use_bias: bool = True):
         self.layout, self.precision = layout, precision
         self.kernel = param(nnx.initializers.normal(std), self.KERNEL_SPEC, rngs.params(), (d_in, d_out))
-        self.bias = param(nnx.initializers.zeros, self.BIAS_SPEC, rngs.params(), (d_out,))
+        self.bias = param(nnx.initializers.zeros, self.BIAS_SPEC, rngs.params(), (d_out,)) if use_bias else None
 
-    def local_matmul(self, x):
-        return matmul(x.astype(self.precision.compute), self.kernel[...], self.precision.matmul,
+    def weights(self):
+        """(kernel, bias or None) as the matmul takes them."""
+        return self.kernel[...], None if self.bias is None else self.bias[...]
+
+    def local_matmul(self, x, kernel=None):
+        kernel = self.weights()[0] if kernel is None else kernel
+        return matmul(x.astype(self.precision.compute), kernel, self.precision.matmul,
                       self.precision.stacked_residuals)
 
-    def local_bias(self):
-        return self.bias[...].astype(self.precision.compute)
+    def plus_bias(self, y, bias):
+        return y if bias is None else y + bias.astype(self.precision.compute)
 
 
 class ColumnParallelLinear(_Linear):
@@ -88,10 +109,11 @@ class ColumnParallelLinear(_Linear):
         self.regather = regather    # False under full remat, which recomputes the gather anyway
 
     def __call__(self, x):
-        y = self.gathered_matmul(x) if self.layout.sequence_parallel else self.local_matmul(x)
-        return self.layout.constrain(y + self.local_bias(), S.ACT_COLUMN)
+        kernel, bias = self.weights()
+        y = self.gathered_matmul(x, kernel) if self.layout.sequence_parallel else self.local_matmul(x, kernel)
+        return self.layout.constrain(self.plus_bias(y, bias), S.ACT_COLUMN)
 
-    def gathered_matmul(self, x):
+    def gathered_matmul(self, x, kernel):
         # Checkpointed, as Megatron does: the backward pass keeps the (b, s/tp, h) shard and
         # all-gathers it again for the weight gradient, instead of keeping the whole sequence.
         # In a scanned stack; in unrolled layers XLA may merge the two gathers (jax 0.10's does),
@@ -100,7 +122,60 @@ class ColumnParallelLinear(_Linear):
             return matmul(_gather_sequence(x).astype(self.precision.compute), w, self.precision.matmul,
                           self.precision.stacked_residuals)
         local = jax.checkpoint(local) if self.regather else local
-        return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.COLUMN)), S.ACT_COLUMN)(x, self.kernel[...])
+        return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.COLUMN)), S.ACT_COLUMN)(x, kernel)
+
+
+class FusedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel weights from one input (SwiGLU's gate and up; grouped-query
+    attention's queries and keys/values) as one matmul: each device's shards of them side by
+    side, so the input is gathered once under sequence parallelism and its gradient is one
+    partial sum. `parts`: (name, width, copies) each, a weight `{name}_kernel` (d_in, width)
+    split by columns, or with copies > 1 replicated and each device taking its 1/copies of
+    the model axis's share of it (grouped-query attention's key/value heads on a model axis
+    larger than their count: every device holds the heads its queries read; the gradient sums
+    over the copies). The output is (..., tp, sum of each device's widths)."""
+
+    def __init__(self, d_in: int, parts, *, layout: S.Layout, precision: Precision, std: float,
+                 rngs: nnx.Rngs, use_bias: bool = True, regather: bool = True):
+        self.layout, self.precision, self.regather = layout, precision, regather
+        self.parts = tuple(parts)
+        for name, width, copies in self.parts:
+            kernel_spec, bias_spec = (S.REPLICATED_2D, S.REPLICATED_BIAS) if copies > 1 else (S.COLUMN, S.COLUMN_BIAS)
+            setattr(self, f"{name}_kernel", param(nnx.initializers.normal(std), kernel_spec, rngs.params(),
+                                                  (d_in, width)))
+            setattr(self, f"{name}_bias", param(nnx.initializers.zeros, bias_spec, rngs.params(), (width,))
+                    if use_bias else None)
+
+    def widths(self) -> list[int]:
+        """Each part's columns on one device."""
+        tp = self.layout.tp
+        return [width // tp if copies == 1 else width * copies // tp for _, width, copies in self.parts]
+
+    def weights(self):
+        tp, kernels, biases = self.layout.tp, [], []
+        for name, width, copies in self.parts:
+            w, b = getattr(self, f"{name}_kernel")[...], getattr(self, f"{name}_bias")
+            kernels.append(_per_device(w, tp, copies))
+            biases.append(None if b is None else _per_device(b[...], tp, copies))
+        kernel = jnp.concatenate(kernels, axis=-1).reshape(kernels[0].shape[0], -1)
+        bias = None if biases[0] is None else jnp.concatenate(biases, axis=-1).reshape(-1)
+        kernel = self.layout.constrain(kernel, S.P(*S.COLUMN))
+        return kernel, None if bias is None else self.layout.constrain(bias, S.P(*S.COLUMN_BIAS))
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        return self.layout.constrain(y.reshape(*y.shape[:-1], self.layout.tp, -1), S.ACT_HEADS)
+
+
+def _per_device(w, tp: int, copies: int):
+    """A weight's last axis as (tp, its columns on each device): split in tp, or with `copies`,
+    each of its width * copies / tp column groups repeated `copies` times (a broadcast: each
+    device computes its slice of the replicated weight locally)."""
+    lead = w.shape[:-1]
+    if copies == 1:
+        return w.reshape(*lead, tp, -1)
+    groups = w.reshape(*lead, tp // copies, 1, -1)
+    return jnp.broadcast_to(groups, (*lead, tp // copies, copies, groups.shape[-1])).reshape(*lead, tp, -1)
 
 
 class RowParallelLinear(_Linear):
@@ -110,9 +185,10 @@ class RowParallelLinear(_Linear):
     KERNEL_SPEC, BIAS_SPEC = S.ROW, S.REPLICATED_BIAS
 
     def __call__(self, x):
+        bias = self.weights()[1]
         if self.layout.sequence_parallel:
-            return self.scattered_matmul(x) + self.local_bias()
-        return self.layout.reduce_to_replicated(self.local_matmul(x)) + self.local_bias()
+            return self.plus_bias(self.scattered_matmul(x), bias)
+        return self.plus_bias(self.layout.reduce_to_replicated(self.local_matmul(x)), bias)
 
     def scattered_matmul(self, x):
         def local(x, w):
@@ -135,12 +211,13 @@ class ReplicatedLinear(_Linear):
     KERNEL_SPEC, BIAS_SPEC = S.REPLICATED_2D, S.REPLICATED_BIAS
 
     def __call__(self, x):
-        y = self.local_matmul(x) + self.local_bias()
+        y = self.plus_bias(self.local_matmul(x), self.weights()[1])
         return self.layout.constrain(y, S.P(S.DATA, *([None] * (y.ndim - 1))))
 
 
 class VocabParallelEmbedding(nnx.Module):
-    """Token embedding split along the vocabulary; also the tied output layer."""
+    """Token embedding split along the vocabulary; also the output layer (tied to the input
+    embedding, or an untied one of the same shape and split)."""
 
     def __init__(self, vocab: int, dim: int, *, layout: S.Layout, precision: Precision, std: float,
                  rngs: nnx.Rngs):
@@ -167,173 +244,3 @@ class VocabParallelEmbedding(nnx.Module):
         with jax.named_scope("logits"):
             return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.VOCAB)), S.P(S.DATA, None, S.MODEL))(
                 x, self.table[...])
-
-
-class ParallelMLP(nnx.Module):
-    """Column-parallel fc1, GeLU local to each device, row-parallel fc2, one all-reduce."""
-
-    def __init__(self, cfg: ModelConfig, *, layout: S.Layout, precision: Precision, rngs: nnx.Rngs):
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.approximate_gelu = cfg.gelu == "tanh"
-        self.fc1 = ColumnParallelLinear(cfg.hidden, cfg.ffn, layout=layout, precision=precision,
-                                        regather=cfg.remat != "full", std=cfg.init_std, rngs=rngs)
-        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden, layout=layout, precision=precision,
-                                     std=out_std, rngs=rngs)
-        self.recompute_norm_gelu = precision.recompute_norm_gelu
-
-    def __call__(self, x, norm=None):
-        """fc2(GeLU(fc1(x))), or of norm(x): the LayerNorm before the block, which with
-        `recompute_norm_gelu` the backward pass recomputes from x (kept anyway) instead of keeping."""
-        # Exact (erf) GeLU by default, as Megatron-LM; "tanh" is GPT-2's approximation, cheaper on
-        # CPUs. Recomputed in the backward pass from its input, which is saved anyway: that keeps
-        # no (b, s, ffn) intermediates alive and is ~5% faster on XLA:CPU (bench/shakespeare_char.py).
-        gelu = jax.checkpoint(lambda h: jax.nn.gelu(h, approximate=self.approximate_gelu))
-        first = lambda x: self.fc1(x if norm is None else norm(x))   # noqa: E731
-        second = lambda h: self.fc2(gelu(h))                         # noqa: E731
-        if self.recompute_norm_gelu:    # keeps x and fc1's output, not LayerNorm's and the GeLU's too
-            first, second = jax.checkpoint(first), jax.checkpoint(second)
-        return second(first(x))
-
-
-class ParallelSelfAttention(nnx.Module):
-    """Fused QKV split by heads, attention local to each head group, row-parallel output.
-
-    The QKV kernel's columns are ordered (head, q|k|v, head_dim), so a contiguous column
-    shard holds whole heads with their q, k and v: the split needs no re-layout.
-    """
-
-    def __init__(self, cfg: ModelConfig, *, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
-                 causal: bool = True):
-        self.layout, self.causal = layout, causal
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.attention_dropout = cfg.attention_dropout
-        self.fused = fused_attention(cfg, layout)
-        self.selective_remat = cfg.remat == "selective"
-        self.blocked = cfg.attention_dropout == 0    # where it pays: blocked_attention_pays
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, layout=layout, precision=precision,
-                                        regather=cfg.remat != "full",
-                                        std=cfg.init_std, rngs=rngs)
-        self.out = RowParallelLinear(cfg.hidden, cfg.hidden, layout=layout, precision=precision,
-                                     std=out_std, rngs=rngs)
-        self.recompute_norm_gelu = precision.recompute_norm_gelu
-
-    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None, norm=None):
-        """Self-attention over x (b, s, h), or over norm(x) (as ParallelMLP). With `cache` = (k, v),
-        each (b, heads, max_len, head_dim) and split over heads like the weights, x holds the
-        tokens at positions pos..pos+s-1: their keys and values are written into the cache and
-        the queries attend to every cached position up to their own. Returns the output (and
-        the new cache)."""
-        b, s, _ = x.shape
-        project = lambda x: self.qkv(x if norm is None else norm(x))   # noqa: E731
-        project = jax.checkpoint(project) if self.recompute_norm_gelu else project
-        qkv = project(x).reshape(b, s, self.num_heads, 3, self.head_dim)
-        qkv = self.layout.constrain(qkv, S.P(S.DATA, None, S.MODEL, None, None))
-        # (b, heads, s, head_dim): batch dimensions leading, the layout XLA's dots prefer.
-        q, k, v = (jnp.moveaxis(qkv[:, :, :, i], 2, 1) for i in range(3))
-        q_pos = jnp.arange(s)
-        if cache is not None:   # the along-axis form: its indices share pos's integer type (also with x64 on)
-            k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=2)
-            v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=2)
-            k, v = (self.layout.constrain(t, S.KV_CACHE) for t in (k, v))
-            cache, q_pos = (k, v), pos + q_pos
-        if cache is None and self.fused:
-            core = self.fused_core
-        elif cache is None and self.blocked and blocked_attention_pays(q, self.ways()):
-            core = self.blocked_core    # keeps no probabilities: nothing for selective remat to drop
-        else:
-            core = jax.checkpoint(self.core) if self.selective_remat else self.core
-        ctx = core(q, k, v, q_pos, mask, key)
-        ctx = self.layout.constrain(jnp.moveaxis(ctx, 1, 2), S.ACT_HEADS).reshape(b, s, self.num_heads * self.head_dim)
-        out = self.out(ctx)
-        return out if cache is None else (out, cache)
-
-    def core(self, q, k, v, q_pos, mask, key):
-        """softmax(q k^T / sqrt(d) + masks) v, with attention dropout: (b, heads/tp, q, d). Its
-        intermediates grow with s^2; selective remat (Korthikanti et al. 2022) recomputes just
-        this in the backward pass, from q, k and v, and keeps everything else."""
-        scores = attention_scores(q, k)
-        scores = self.layout.constrain(scores / math.sqrt(self.head_dim), S.ATTN_SCORES)
-        probs = masked_softmax(scores, self.keep(q_pos, k.shape[2], mask), q.dtype)
-        probs = dropout(probs, self.attention_dropout, key, self.layout, S.ATTN_SCORES)
-        return attention_context(probs, v.astype(q.dtype))
-
-    def blocked_core(self, q, k, v, q_pos, mask, key):
-        """The same without attention dropout on the CPU: a few (batch, head) pairs at a time,
-        keeping no probabilities (blocked_attention.py); the heads stay split over "model"."""
-        del q_pos, key    # positions 0..s-1: no cache
-        return blocked_attention(q, k, v.astype(q.dtype), mask, causal=self.causal,
-                                 scale=1 / math.sqrt(self.head_dim), ways=self.ways())
-
-    def ways(self) -> tuple[int, int]:
-        """How many devices split the batch and the heads (the batch is already this device's
-        rows inside the data-manual shard_map)."""
-        return 1 if self.layout.data_manual else self.layout.dp, self.layout.tp
-
-    def fused_core(self, q, k, v, q_pos, mask, key):
-        """The same through `jax.nn.dot_product_attention` (no attention dropout): cuDNN's flash
-        attention on NVIDIA GPUs, XLA's attention elsewhere (fused_attention.py)."""
-        del q_pos, key    # positions 0..s-1: no cache
-        return fused_attention_core(q, k, v.astype(q.dtype), mask, causal=self.causal,
-                                    scale=1 / math.sqrt(self.head_dim), platform=platform(self.layout))
-
-    def keep(self, q_pos, num_keys: int, mask):
-        """Which (query, key) pairs attend: causal and padding masks, broadcast, never (b, heads, q, k)."""
-        keep = jnp.ones((1, 1, 1, 1), bool)
-        if self.causal:
-            keep = keep & (q_pos[:, None] >= jnp.arange(num_keys)[None, :])
-        if mask is not None:  # (b, k) True where a key may be attended to
-            keep = keep & mask[:, None, None, :]
-        return keep
-
-
-def platform(layout: S.Layout) -> str:
-    """The platform of the layout's devices ("cpu", "gpu", "tpu")."""
-    devices = layout.mesh.devices.flat if layout.mesh is not None else jax.devices()
-    return next(iter(devices)).platform
-
-
-def fused_attention(cfg: ModelConfig, layout: S.Layout | None = None, on: str | None = None) -> bool:
-    """model.attention: fused when asked, or (auto) on GPUs without attention dropout; on the CPU
-    XLA's form keeps the float32 scores for its backward pass, which megajax's own core does not.
-    `on`: the platform ("gpu", "cpu") instead of the layout's."""
-    if cfg.attention == "auto":
-        return cfg.attention_dropout == 0 and (on or platform(layout)) == "gpu"
-    return cfg.attention == "fused"
-
-
-class TransformerLayer(nnx.Module):
-    """Attention and MLP blocks with residuals; LayerNorm before each block (pre) or after each add (post)."""
-
-    def __init__(self, cfg: ModelConfig, *, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
-                 causal: bool = True):
-        self.layout, self.placement = layout, cfg.ln_placement
-        self.hidden_dropout = cfg.hidden_dropout
-        self.ln1 = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not layout.sequence_parallel)
-        self.attention = ParallelSelfAttention(cfg, layout=layout, precision=precision, rngs=rngs, causal=causal)
-        self.ln2 = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not layout.sequence_parallel)
-        self.mlp = ParallelMLP(cfg, layout=layout, precision=precision, rngs=rngs)
-
-    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
-        k_attn, k1, k2 = jax.random.split(key, 3) if key is not None else (None, None, None)
-        drop = lambda y, k: dropout(y, self.hidden_dropout, k, self.layout, self.layout.between_blocks)  # noqa: E731
-
-        def attend(h, norm=None):
-            if cache is None:
-                return self.attention(h, key=k_attn, mask=mask, norm=norm), None
-            return self.attention(h, key=k_attn, mask=mask, cache=cache, pos=pos, norm=norm)
-
-        with jax.named_scope("attention"):
-            if self.placement == "pre":
-                a, new_cache = attend(x, norm=self.ln1)
-                x = x + drop(a, k1)
-            else:
-                a, new_cache = attend(x)
-                x = self.ln1(x + drop(a, k1))
-        with jax.named_scope("mlp"):
-            if self.placement == "pre":
-                x = x + drop(self.mlp(x, norm=self.ln2), k2)
-            else:
-                x = self.ln2(x + drop(self.mlp(x), k2))
-        x = self.layout.constrain(x, self.layout.between_blocks)
-        return x if cache is None else (x, new_cache)

@@ -64,6 +64,31 @@ layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x, scale, eps: float):
+    """RMSNorm over the last axis (Zhang and Sennrich 2019; Llama's): x / rms(x) * scale, the
+    statistic in float32; keeps x and one float32 number a row for the backward pass."""
+    return _rms_norm_fwd(x, scale, eps)[0]
+
+
+def _rms_norm_fwd(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)
+    return (x32 * rstd * scale).astype(x.dtype), (x, rstd, scale)
+
+
+def _rms_norm_bwd(eps, residuals, g):
+    x, rstd, scale = residuals
+    g32 = g.astype(jnp.float32)
+    xhat = x.astype(jnp.float32) * rstd
+    gx = g32 * scale
+    dx = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdims=True))
+    return dx.astype(x.dtype), (g32 * xhat).sum(tuple(range(x.ndim - 1)))
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def masked_softmax(scores, keep, dtype):
     """softmax(scores) over the last axis where `keep` (broadcastable) is True, 0 elsewhere,
     computed in float32 and returned in `dtype`."""

@@ -17,7 +17,7 @@ from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
-from megajax.core.layers import TransformerLayer
+from megajax.core.transformer import TransformerLayer
 from megajax.core.precision import Precision
 
 

@@ -96,14 +96,14 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
     rows, t = prompt.shape
     if max_new_tokens == 0:
         return np.zeros((rows, 0), np.int32)
-    ctx = model.cfg.seq_len
+    ctx = model.cfg.context   # learned positions: the table's rows; rotary: the model's max_positions
     if t >= ctx:   # room in the cache for the first new token; a context of 1 keeps one prompt token
         keep = max(ctx - 1, 1)
         prompt, t = prompt[:, t - keep:], keep
     prompt = prompt[padded_rows(rows, model.layout.dp)]
     b = prompt.shape[0]
     rng = jax.random.key(0) if rng is None else rng
-    cache = model.init_cache(b, ctx)
+    cache = model.init_cache(b, min(ctx, t + max_new_tokens))   # no longer than the sample needs
     tok, cache = _prefill(model, prompt, cache, jax.random.fold_in(rng, 0), temperature, top_k)
     out = [np.asarray(tok)]
     emit = emit or (lambda tokens: None)

@@ -1,5 +1,7 @@
-"""GPT: vocab-parallel embedding, a stack of tensor-parallel transformer layers, tied
-vocab-parallel logits and the fused cross-entropy."""
+"""GPT: vocab-parallel embedding, a stack of tensor-parallel transformer layers, vocab-parallel
+logits and the fused cross-entropy. The decoders of today are GPTs of other fields: RMSNorm,
+rotary positions (no position table), SwiGLU, grouped-query attention and an untied output
+layer (model_config.py); Llama, Mistral and Qwen2 checkpoints import into this class."""
 from __future__ import annotations
 
 import jax
@@ -8,7 +10,8 @@ from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
-from megajax.core.layers import LayerNorm, VocabParallelEmbedding, dropout, param
+from megajax.core.attention import stored_kv_heads
+from megajax.core.layers import VocabParallelEmbedding, dropout, norm, param
 from megajax.core.loss import mask_padded_vocab, vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
 from megajax.core.precision import Precision
@@ -24,9 +27,16 @@ class GPT(nnx.Module):
         self.embed = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, layout=layout, precision=precision,
                                             std=cfg.init_std, rngs=rngs)
         self.pos = param(nnx.initializers.normal(cfg.init_std), S.REPLICATED_2D, rngs.params(),
-                         (cfg.seq_len, cfg.hidden))
+                         (cfg.seq_len, cfg.hidden)) if cfg.positions == "learned" else None
         self.layers = LayerStack(cfg, layout, precision, rngs, causal=True)
-        self.ln_f = LayerNorm(cfg.hidden, cfg.ln_eps, rows_2d=not layout.sequence_parallel)
+        self.ln_f = norm(cfg, layout)
+        self.head = None if cfg.tie_embeddings else VocabParallelEmbedding(
+            cfg.padded_vocab, cfg.hidden, layout=layout, precision=precision, std=cfg.init_std, rngs=rngs)
+
+    @property
+    def output_layer(self) -> VocabParallelEmbedding:
+        """The input embedding (tied) or the output layer's own weight."""
+        return self.embed if self.head is None else self.head
 
     def hidden_states(self, tokens, *, key=None, cache=None, pos=None):
         """(b, s) token ids -> (b, s, h) final hidden states, replicated over "model" (with
@@ -34,12 +44,15 @@ class GPT(nnx.Module):
 
         With a KV `cache` (see `init_cache`) the tokens sit at positions pos..pos+s-1 and the
         new cache is returned too."""
-        self.layout.check_tokens(tokens, self.cfg.seq_len if pos is None else None)
+        learned = self.cfg.positions == "learned"
+        self.layout.check_tokens(tokens, self.cfg.seq_len if pos is None and learned else None)
         check_ids("token ids", tokens, self.cfg.vocab_size)
         s = tokens.shape[1]
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
-        positions = jnp.arange(s) if pos is None else pos + jnp.arange(s)
-        x = self.embed(tokens) + jnp.take(self.pos[...], positions, axis=0).astype(self.dtype)
+        x = self.embed(tokens)
+        if self.pos is not None:    # rotary positions are applied in each attention block instead
+            positions = jnp.arange(s) if pos is None else pos + jnp.arange(s)
+            x = x + jnp.take(self.pos[...], positions, axis=0).astype(self.dtype)
         x = self.layout.constrain(x, self.layout.between_blocks)
         x = dropout(x, self.cfg.hidden_dropout, k_embed, self.layout, self.layout.between_blocks)
         out = self.layers(x, key=k_layers, cache=cache, pos=pos)
@@ -50,10 +63,12 @@ class GPT(nnx.Module):
         return x if cache is None else (x, cache)
 
     def init_cache(self, batch: int, max_len: int | None = None):
-        """Zero keys and values for every layer, (layers, b, heads, max_len, head_dim) each,
-        split over heads on the model axis like the attention weights."""
+        """Zero keys and values for every layer, (layers, b, kv heads, max_len, head_dim) each,
+        split over heads on the model axis like the attention weights (grouped-query attention
+        keeps its key/value heads only, or on a model axis larger than their count each
+        device's copy: stored_kv_heads)."""
         c = self.cfg
-        shape = (c.num_layers, batch, c.num_heads, max_len or c.seq_len, c.head_dim)
+        shape = (c.num_layers, batch, stored_kv_heads(c, self.layout.tp), max_len or c.seq_len, c.head_dim)
         spec = S.P(None, *S.KV_CACHE)
         make = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.layout.sharding(spec))
         return make(), make()
@@ -61,15 +76,16 @@ class GPT(nnx.Module):
     def decode(self, tokens, cache, pos):
         """Logits (b, s, vocab) for tokens at positions pos.. given the cache, and the new cache."""
         h, cache = self.hidden_states(tokens, cache=cache, pos=pos)
-        return mask_padded_vocab(self.embed.attend(h, self.layout.sequence_parallel), self.cfg.vocab_size), cache
+        return mask_padded_vocab(self.output_layer.attend(h, self.layout.sequence_parallel), self.cfg.vocab_size), cache
 
     def __call__(self, tokens, *, key=None):
         """Logits over the real vocabulary (padding columns masked), split over "model"."""
-        return mask_padded_vocab(self.embed.attend(self.hidden_states(tokens, key=key), self.layout.sequence_parallel), self.cfg.vocab_size)
+        logits = self.output_layer.attend(self.hidden_states(tokens, key=key), self.layout.sequence_parallel)
+        return mask_padded_vocab(logits, self.cfg.vocab_size)
 
     def token_losses(self, tokens, targets, *, key=None):
         """(b, s) per-token cross-entropy through the fused vocab-parallel loss."""
-        logits = self.embed.attend(self.hidden_states(tokens, key=key), self.layout.sequence_parallel)
+        logits = self.output_layer.attend(self.hidden_states(tokens, key=key), self.layout.sequence_parallel)
         return vocab_parallel_cross_entropy(logits, targets, self.layout, self.cfg.vocab_size)
 
     def loss(self, tokens, targets, *, key=None, weights=None):

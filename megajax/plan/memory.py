@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.analytic import DTYPE_BYTES, activation_bytes_per_layer
 from megajax.config import Config, ModelConfig
-from megajax.core.layers import fused_attention
+from megajax.core.attention import fused_attention
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL, data_sharded_spec
 from megajax.models.registry import ModelDef, abstract_model, path_keys

@@ -25,7 +25,10 @@ def param_count(cfg) -> int:
     equal to the built model)."""
     cfg = Config(model=cfg) if isinstance(cfg, ModelConfig) else cfg
     m = cfg.model
-    shared = m.num_layers * m.layer_params + m.padded_vocab * m.hidden + m.seq_len * m.hidden + 2 * m.hidden
+    positions = m.seq_len * m.hidden if m.positions == "learned" else 0
+    output_layer = 0 if m.tie_embeddings else m.padded_vocab * m.hidden
+    final_norm = (2 if m.norm == "layernorm" else 1) * m.hidden
+    shared = m.num_layers * m.layer_params + m.padded_vocab * m.hidden + positions + output_layer + final_norm
     return shared + task_for(cfg).head_params(cfg)
 
 

@@ -32,7 +32,7 @@ class LanguageModelling(Task):
         return cfg.model.seq_len
 
     def matmul_params_per_token(self, cfg) -> float:
-        m = cfg.model    # every weight but the position embeddings; the tied embedding is the output layer
+        m = cfg.model    # the layers and the output layer (the tied embedding or its own), not the lookups
         return float(m.num_layers * m.layer_params + m.padded_vocab * m.hidden + 2 * m.hidden)
 
     def val_extras(self, val: dict) -> dict:

@@ -1,0 +1,50 @@
+"""One transformer layer: the attention and MLP blocks with their residuals, the norm before
+each block (pre) or after each residual add (post)."""
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from megajax.core import sharding as S
+from megajax.core.attention import ParallelSelfAttention
+from megajax.core.layers import dropout, norm
+from megajax.core.mlp import ParallelMLP
+from megajax.core.precision import Precision
+from megajax.model_config import ModelConfig
+
+
+class TransformerLayer(nnx.Module):
+    """Attention and MLP blocks with residuals; the norm before each block (pre) or after each add (post)."""
+
+    def __init__(self, cfg: ModelConfig, *, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
+                 causal: bool = True):
+        self.layout, self.placement = layout, cfg.ln_placement
+        self.hidden_dropout = cfg.hidden_dropout
+        self.ln1 = norm(cfg, layout)
+        self.attention = ParallelSelfAttention(cfg, layout=layout, precision=precision, rngs=rngs, causal=causal)
+        self.ln2 = norm(cfg, layout)
+        self.mlp = ParallelMLP(cfg, layout=layout, precision=precision, rngs=rngs)
+
+    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
+        k_attn, k1, k2 = jax.random.split(key, 3) if key is not None else (None, None, None)
+        drop = lambda y, k: dropout(y, self.hidden_dropout, k, self.layout, self.layout.between_blocks)  # noqa: E731
+
+        def attend(h, norm=None):
+            if cache is None:
+                return self.attention(h, key=k_attn, mask=mask, norm=norm), None
+            return self.attention(h, key=k_attn, mask=mask, cache=cache, pos=pos, norm=norm)
+
+        with jax.named_scope("attention"):
+            if self.placement == "pre":
+                a, new_cache = attend(x, norm=self.ln1)
+                x = x + drop(a, k1)
+            else:
+                a, new_cache = attend(x)
+                x = self.ln1(x + drop(a, k1))
+        with jax.named_scope("mlp"):
+            if self.placement == "pre":
+                x = x + drop(self.mlp(x, norm=self.ln2), k2)
+            else:
+                x = self.ln2(x + drop(self.mlp(x), k2))
+        x = self.layout.constrain(x, self.layout.between_blocks)
+        return x if cache is None else (x, new_cache)
