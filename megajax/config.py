@@ -10,14 +10,12 @@ import dataclasses
 import difflib
 import functools
 import json
-import math
 import tomllib
 import typing
 from pathlib import Path
 
 from megajax.files import write_atomic
 from megajax.model_config import REMAT_ALIASES, ConfigError, ModelConfig, one_of
-from megajax.shapes import MODEL_TASKS
 
 
 def _config_dir() -> Path:

@@ -34,6 +34,9 @@ from megajax.runs.workdir import CONFIG_FILE, load_workdir
 from megajax.training.optimizer import make_optimizer
 
 WEIGHTS = "model.safetensors"
+# Kept beside a tokenizer.json in the workdir and written back on export: special tokens and
+# the chat template (fine-tuning on conversations renders them).
+TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 INDEX = "model.safetensors.index.json"
 # Model fields the HF config decides: a --set of one of them would contradict the weights.
 FROM_HF = ("kind", "task", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len", "vocab_size",
@@ -111,10 +114,20 @@ def import_hf(hf_dir, workdir, overrides: list[str] | None = None) -> Config:
             raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
                             f"{cfg.model.vocab_size} rows")
         tokenizer.save(tmp)
+        copy_tokenizer_extras(hf_dir, tmp, tokenizer)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=workdir_spec(tokenizer, workdir)))
         cfg.save(tmp / CONFIG_FILE)
         save_step0(tmp, cfg, params, source=str(hf_dir))
     return cfg
+
+
+def copy_tokenizer_extras(src: Path, dst: Path, tokenizer):
+    """A fast tokenizer's companion files, from an HF directory or a workdir, to the other."""
+    if getattr(tokenizer, "kind", None) != "hf":
+        return
+    for name in TOKENIZER_EXTRAS:
+        if (src / name).is_file():
+            write_atomic(dst / name, (src / name).read_bytes())
 
 
 def workdir_spec(tokenizer, workdir: Path, given: str | None = None) -> str:
@@ -151,8 +164,9 @@ def export_hf(workdir, out_dir, step: int | None = None) -> list[str]:
     loaded = load_workdir(Path(workdir), single_device_mesh(), step)
     model_cfg = loaded.cfg.model
     config = hf_config.hf_config(model_cfg)
-    if model_cfg.kind == "gpt" and loaded.tokenizer.eos_id is not None:   # GPT-2's <|endoftext|> opens and ends
-        config.update(bos_token_id=loaded.tokenizer.eos_id, eos_token_id=loaded.tokenizer.eos_id)
+    eos, bos = loaded.tokenizer.eos_id, getattr(loaded.tokenizer, "bos_id", None)
+    if model_cfg.kind == "gpt" and eos is not None:   # GPT-2's <|endoftext|> opens and ends
+        config.update(bos_token_id=eos if bos is None else bos, eos_token_id=eos)
     model_type = config["model_type"]
     params = jax.tree.map(np.asarray, ModelDef(loaded.model).params(loaded.model))
     tensors = hf_weights.to_hf_tensors(model_type, params, model_cfg)
@@ -162,4 +176,5 @@ def export_hf(workdir, out_dir, step: int | None = None) -> list[str]:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         if (note := write_tokenizer(loaded.tokenizer, tmp)) is not None:
             notes.append(note)
+        copy_tokenizer_extras(Path(workdir), tmp, loaded.tokenizer)
     return [f"step {loaded.step} of {workdir} written to {out_dir} as {config['architectures'][0]}", *notes]

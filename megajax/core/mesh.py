@@ -139,6 +139,10 @@ def check_model_fits(m, mesh):
                        ("ffn_hidden", m.ffn), ("padded vocab", m.padded_vocab)):
         if size % tp:
             raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
+    if m.kv_heads % tp and tp % m.kv_heads:   # grouped-query: split, or each device holding one
+        raise ConfigError(f"model num_kv_heads={m.kv_heads} and the model axis ({tp}) must divide one "
+                          f"another: the key/value heads are split over it, or each device holds the one "
+                          f"its query heads read")
     if m.sequence_parallel and m.seq_len % tp:
         raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by the model axis ({tp}), which "
                           f"sequence parallelism splits the sequence over")

@@ -115,10 +115,12 @@ class HFTokenizer(Tokenizer):
         except Exception as e:  # noqa: BLE001  (the tokenizers package raises its own Exception)
             raise UserError(f"{self.path} is not a Hugging Face tokenizer.json "
                             f"({first_line(e, 120)})") from None
-        for token in ("<|endoftext|>", "</s>", "[SEP]", "<eos>"):
-            if (i := self.tok.token_to_id(token)) is not None:
+        named = _special_tokens(self.path.parent / "tokenizer_config.json")
+        for token in (named.get("eos_token"), "<|endoftext|>", "<|end_of_text|>", "</s>", "[SEP]", "<eos>"):
+            if token is not None and (i := self.tok.token_to_id(token)) is not None:
                 self.eos_id = i
                 break
+        self.bos_id = self.tok.token_to_id(named["bos_token"]) if named.get("bos_token") else None
 
     @property
     def vocab_size(self):
@@ -148,6 +150,22 @@ class HFTokenizer(Tokenizer):
     def save(self, workdir):
         write_atomic(Path(workdir) / HF_FILE, self.path.read_bytes())
         write_atomic(Path(workdir) / FILE, json.dumps({"kind": "hf", "file": HF_FILE}) + "\n")
+
+
+def _special_tokens(path: Path) -> dict:
+    """bos_token / eos_token of a tokenizer_config.json beside a tokenizer.json (a Llama's end of
+    turn is its eos, not the first end-like token of the vocabulary); {} when there is none."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    tokens = {}
+    for key in ("bos_token", "eos_token"):
+        value = config.get(key) if isinstance(config, dict) else None
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            tokens[key] = value
+    return tokens
 
 
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import numpy as np
 

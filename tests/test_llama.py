@@ -1,0 +1,164 @@
+"""The Llama family (Llama, Mistral, Qwen2) against `transformers` itself.
+
+The fixtures in tests/fixtures/hf/{llama,llama_tied,mistral,qwen2} were made by
+tests/make_llama_fixtures.py (run by hand with PyTorch and transformers): tiny random models
+with what transformers computed for fixed inputs: logits, the gradient of the mean next-token
+loss for every weight, and 32 greedy tokens. Here, without PyTorch, each is imported, run on
+meshes that split its key/value heads (tp divides them) and that replicate them (tp a multiple
+of them), exported, and imported again.
+"""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, mesh_for
+from tolerances import F32, assert_close
+
+from megajax.config import ConfigError, load_config
+from megajax.convert import export_hf, import_hf
+from megajax.convert.hf_weights import to_hf_tensors
+from megajax.core.attention import kv_copies
+from megajax.errors import UserError
+from megajax.models.generate import generate
+from megajax.models.registry import ModelDef
+from megajax.runs.workdir import load_workdir
+from megajax.tasks import param_count
+
+FIXTURES = ROOT / "tests" / "fixtures" / "hf"
+NAMES = ("llama", "llama_tied", "mistral", "qwen2")
+SETTINGS = ["model.compute_dtype=float32", "model.vocab_multiple=128"]    # vocab 320 -> 384
+# (fixture, mesh): every fixture on one device; 1x8 and 2x4 replicate the key/value heads
+# of llama (2 of them) and qwen2 (2), 1x8 mistral's (4); llama_tied has 8 (split on 2x4).
+CASES = [(n, "1x1") for n in NAMES] + [("llama", "2x4"), ("llama", "1x8"), ("llama_tied", "2x4"),
+                                       ("mistral", "1x8"), ("qwen2", "2x4")]
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imported")
+    return {name: (import_hf(FIXTURES / name, root / name, SETTINGS), root / name) for name in NAMES}
+
+
+def reference(name):
+    return np.load(FIXTURES / name / "reference.npz")
+
+
+def test_configs_come_from_the_hf_config(imported):
+    llama, tied, mistral, qwen = (imported[n][0].model for n in NAMES)
+    assert (llama.norm, llama.positions, llama.mlp, llama.bias, llama.tie_embeddings) == \
+        ("rmsnorm", "rope", "swiglu", "none", False)
+    assert (llama.num_heads, llama.kv_heads, llama.head_dim, llama.ffn, llama.seq_len, llama.max_positions) == \
+        (8, 2, 8, 96, 64, 64)
+    assert (llama.rope_scaling, llama.rope_theta, llama.rope_factor, llama.rope_original_context) == \
+        ("llama3", 500000.0, 8.0, 16)
+    assert (tied.tie_embeddings, tied.kv_heads, tied.rope_scaling) == (True, 8, "none")
+    assert (mistral.kv_heads, mistral.rope_theta, qwen.bias, qwen.kv_heads) == (4, 1e6, "qkv", 2)
+
+
+@pytest.mark.parametrize("name,spec", CASES)
+def test_logits_and_every_gradient_match_transformers(imported, name, spec):
+    """Forward and backward through the whole model on each mesh, against transformers' float32:
+    a wrongly rotated, grouped, replicated or untied weight moves its gradient by O(1)."""
+    cfg, workdir = imported[name]
+    ref = reference(name)
+    loaded = load_workdir(workdir, mesh_for(spec))
+    modeldef = ModelDef(loaded.model)
+    params = modeldef.params(loaded.model)
+    assert (kv_copies(cfg.model, loaded.model.layout.tp) > 1) == (cfg.model.kv_heads < loaded.model.layout.tp)
+
+    @jax.jit
+    def run(params, ids):
+        model = modeldef.bind(params)
+        logits = model(ids)
+        loss, grads = jax.value_and_grad(lambda p: modeldef.bind(p).objective(ids)[0])(params)
+        return logits, loss, grads
+
+    logits, loss, grads = run(params, jnp.asarray(ref["ids"]))
+    assert_close(np.asarray(logits)[..., :cfg.model.vocab_size], ref["logits"], what=f"{name} {spec} logits")
+    assert_close(loss, ref["loss"], what="loss")
+    hf_grads = to_hf_tensors(name.removesuffix("_tied"), jax.tree.map(np.asarray, grads), cfg.model)
+    assert set(hf_grads) == {k.removeprefix("grad/") for k in ref.files if k.startswith("grad/")} - \
+        ({"lm_head.weight"} if cfg.model.tie_embeddings else set())
+    for hf_name, grad in hf_grads.items():
+        assert_close(grad, ref[f"grad/{hf_name}"], tol=F32, what=f"{name} {spec} d/d{hf_name}")
+
+
+@pytest.mark.parametrize("name,spec", [("llama", "1x8"), ("qwen2", "1x1"), ("mistral", "2x4")])
+def test_greedy_kv_cache_decoding_matches_transformers_generate(imported, name, spec):
+    """32 greedy tokens through the KV cache (which holds the key/value heads only, or each
+    device's copy) equal transformers' generate, and the full recomputation of each prefix."""
+    cfg, workdir = imported[name]
+    ref = reference(name)
+    model = load_workdir(workdir, mesh_for(spec)).model
+    got = generate(model, ref["prompt"], 32, temperature=0)
+    np.testing.assert_array_equal(got, ref["greedy"])
+    cache = model.init_cache(2, 8)[0]
+    layout_heads = cfg.model.kv_heads * kv_copies(cfg.model, model.layout.tp)
+    assert cache.shape == (cfg.model.num_layers, 2, layout_heads, 8, cfg.model.head_dim)
+    full = np.concatenate([ref["prompt"], got], axis=1)
+    rows = np.repeat(full, model.layout.dp, axis=0)
+    recomputed = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(rows)))[0]
+    np.testing.assert_array_equal(recomputed[ref["prompt"].shape[1] - 1:-1].argmax(-1), got[0])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_then_import_is_bitwise(imported, name, tmp_path):
+    cfg, workdir = imported[name]
+    notes = export_hf(workdir, tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    expected = "Qwen2ForCausalLM" if name == "qwen2" else "LlamaForCausalLM"   # Mistral without a window is a Llama
+    assert written["architectures"] == [expected] and expected in notes[0]
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    again = import_hf(tmp_path / "hf", tmp_path / "again", SETTINGS)
+    assert again.model == cfg.model
+    a, b = (load_workdir(w, mesh_for("1x1")) for w in (workdir, tmp_path / "again"))
+    pa, pb = (jax.tree.map(np.asarray, ModelDef(x.model).params(x.model)) for x in (a, b))
+    jax.tree.map(np.testing.assert_array_equal, pa, pb)
+
+
+def test_the_chat_template_and_tokenizer_config_are_kept(imported):
+    _, workdir = imported["llama"]
+    assert "<|start_header_id|>" in (workdir / "chat_template.jinja").read_text()
+    assert json.loads((workdir / "tokenizer_config.json").read_text())["eos_token"] == "<|eot_id|>"
+
+
+@pytest.mark.parametrize("name,change,says", [
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope scaling 'yarn'"),
+    ("mistral", dict(sliding_window=16), "sliding_window = 16"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=32), "sliding_window = 32"),
+    ("llama", dict(attention_bias=True), "attention_bias = true"),
+    ("llama", dict(mlp_bias=True), "mlp_bias = true"),
+    ("mistral", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
+    ("mistral", dict(architectures=["MixtralForCausalLM"], model_type="mixtral"), "unsupported architecture"),
+])
+def test_unsupported_options_are_one_line_and_nothing_is_written(tmp_path, name, change, says):
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in (FIXTURES / name).iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(UserError, match=says.replace("(", r"\(")) as e:
+        import_hf(src, tmp_path / "out", SETTINGS)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name,published", [
+    ("llama3.2_1b", 1_235_814_400), ("llama3.1_8b", 8_030_261_248), ("llama3.1_70b", 70_553_706_496),
+    ("mistral_7b", 7_241_732_096), ("qwen2_7b", 7_615_616_512)])
+def test_shipped_shapes_have_the_published_parameter_counts(name, published):
+    assert param_count(load_config(name)) == published
+
+
+def test_architecture_fields_are_validated_together():
+    base = ["model.positions=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.bias=none"]
+    with pytest.raises(ConfigError, match="not divisible by model.num_kv_heads=3"):
+        load_config("tiny", base + ["model.num_kv_heads=3"])
+    with pytest.raises(ConfigError, match="scales rotary positions"):
+        load_config("tiny", ["model.rope_scaling=llama3"])
+    with pytest.raises(ConfigError, match="rope_scaling must be none, linear or llama3"):
+        load_config("tiny", base + ["model.rope_scaling=yarn"])
+    with pytest.raises(ConfigError, match="are for GPT-style decoders"):
+        load_config("bert_tiny", ["model.positions=rope"])
