@@ -86,6 +86,7 @@ def build(name: str, config_cls, model_cls, seed: int, dtype=torch.float32, shar
     assert min(gaps) > 1e-4, f"{name}: a greedy step is a near tie ({min(gaps)}): pick another seed"
     chat = tok.apply_chat_template([{"role": "user", "content": "Call me Ishmael."}], tokenize=True,
                                    add_generation_prompt=True)
+    chat = chat["input_ids"] if hasattr(chat, "keys") else chat    # a BatchEncoding in transformers 5
     np.savez_compressed(out / "reference.npz", ids=ids, logits=out_.logits.detach().numpy(),
                         loss=out_.loss.detach().numpy(), prompt=prompt.numpy(),
                         greedy=gen.sequences[:, prompt.shape[1]:].numpy(), chat_ids=np.array(chat), **grads)
