@@ -11,7 +11,8 @@ for `mixed`, bfloat16 operands with float32 accumulation, as its matmuls run), p
 time goes (forward, forward+backward, optimizer) for the scanned and the unrolled layer stack,
 and the step of the scanned weights run as one compiled program per layer (`train.layer_programs`),
 each one's step against the unrolled one's, each timed alone, and again with the two
-run in turn (`--rounds` each). In turn both see the same minutes of a shared VM, but XLA:CPU's
+run in turn (`--rounds` each), and the MFU of the Llama shape of the same size (RMSNorm, rotary
+positions, SwiGLU, a quarter of the key/value heads, untied) against the GPT shape's. In turn both see the same minutes of a shared VM, but XLA:CPU's
 unrolled step runs slower when another program runs between its steps (README: up to 1.2x),
 so that ratio flatters the scan. Last, how long the train step takes to compile at two depths. With --profile DIR it also traces
 one forward+backward call of each stack (jax.profiler, Perfetto JSON under DIR; on the CPU with
@@ -110,13 +111,57 @@ def profile(fn, args, trace_dir: str, top: int = 8) -> str:
     return ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in list(kinds.items())[:top])
 
 
-def model_config(a, layers: int, scan: bool, dtype: str, layer_programs: bool = False):
+# The Llama shape of the same size: RMSNorm, rotary positions, SwiGLU (Llama's width rule),
+# a quarter as many key/value heads as query heads, no biases, an untied output layer.
+LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", tie_embeddings=False)
+
+
+def model_config(a, layers: int, scan: bool, dtype: str, layer_programs: bool = False, llama: bool = False):
     from megajax.config import Config, ModelConfig, TrainConfig
 
+    arch = dict(LLAMA, num_kv_heads=max(a.heads // 4, 1)) if llama else {}
     return Config(model=ModelConfig(num_layers=layers, hidden=a.hidden, num_heads=a.heads, seq_len=a.seq,
                                     vocab_size=256, vocab_multiple=256, hidden_dropout=a.dropout,
-                                    attention_dropout=a.dropout, scan_layers=scan, compute_dtype=dtype, remat=a.remat),
+                                    attention_dropout=a.dropout, scan_layers=scan, compute_dtype=dtype, remat=a.remat,
+                                    **arch),
                   train=TrainConfig(batch_size=a.batch, steps=100, layer_programs=layer_programs)).validate()
+
+
+def architecture_rows(a, mesh, dtype: str, peak: float):
+    """MFU of the GPT shape and of the Llama shape of the same size (scanned stack), each step
+    timed alone and the two then run in turn (`--rounds`): SwiGLU, grouped-query attention and
+    rotary positions should cost no more per model FLOP than GeLU, multi-head attention and a
+    position table."""
+    import jax
+
+    from megajax.training.mfu import flops_per_token
+    from megajax.training.step import make_trainer
+
+    runs = {}
+    for name in ("GPT", "Llama"):
+        cfg = model_config(a, a.layers, True, dtype, llama=name == "Llama")
+        tr = make_trainer(cfg, mesh)
+        params, opt = tr.init_state()
+        tokens = jax.device_put(jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, 256), tr.batch_sharding)
+        flops = flops_per_token(cfg) * a.batch * a.seq / mesh.devices.size
+        step = stepper(tr, params, opt, tokens)
+        runs[name] = (step, flops, timed(step, reps=a.reps))
+        m = cfg.model
+        print(f"  {name:5s} {m.num_heads} heads / {m.kv_heads} kv, ffn {m.ffn} ({m.mlp}), {m.norm}, {m.positions}: "
+              f"step {runs[name][2] * 1000:.0f} ms, {flops_per_token(cfg) / 1e6:.0f} MFLOP/token, "
+              f"MFU {flops / runs[name][2] / 1e12 / peak:.3f}")
+    (gpt, gpt_flops, gpt_t), (llama, llama_flops, llama_t) = runs["GPT"], runs["Llama"]
+    print(f"  Llama / GPT MFU, each timed alone: {(llama_flops / llama_t) / (gpt_flops / gpt_t):.3f}")
+    if a.rounds:
+        import statistics
+        times = {gpt: [], llama: []}
+        for _ in range(a.rounds):
+            for fn in times:
+                t = time.perf_counter()
+                jax.block_until_ready(fn())
+                times[fn].append(time.perf_counter() - t)
+        ratio = (llama_flops / statistics.median(times[llama])) / (gpt_flops / statistics.median(times[gpt]))
+        print(f"  Llama / GPT MFU, run in turn (medians of {a.rounds} rounds): {ratio:.3f}")
 
 
 def stepper(tr, params, opt, tokens):
@@ -220,6 +265,8 @@ def main():
         if a.profile:
             where = os.path.join(a.profile, f"{dtype}_{stack}")
             print(f"  forward+backward by op kind: {profile(grad, (params, tokens), where)}")
+    print(f"\n{dtypes[0]}, scanned stack, architectures of one size:")
+    architecture_rows(a, mesh, dtypes[0], peaks[dtypes[0]])
     for dtype in dtypes:
         for other in ("scanned", "programs"):
             print(f"\n{dtype}, {other} / unrolled train step, each timed alone: "

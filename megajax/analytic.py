@@ -41,6 +41,11 @@ class StepShape:
     extra_embedding_rows: int = 0   # replicated embedding rows besides the positions (BERT's token types)
     sequence_parallel: bool = False
     remat: str = "none"
+    kv_heads: int = 0               # grouped-query attention's key/value heads (0: heads)
+    gated: bool = False             # SwiGLU: gate and up, each ffn wide
+    replicated_norm_params: int = 2  # per norm: LayerNorm's scale and bias, RMSNorm's scale
+    row_biases: bool = True         # the row-parallel layers' biases (replicated)
+    learned_positions: bool = True
 
     @classmethod
     def of(cls, cfg, task, dp: int = 1, tp: int = 1) -> "StepShape":
@@ -49,11 +54,26 @@ class StepShape:
         return cls(m.num_layers, t.batch_size // t.microbatches // dp * task.sequences_per_example, m.seq_len,
                    m.hidden, m.num_heads, m.ffn, m.head_dim, m.padded_vocab, tp, t.microbatches,
                    task.head_rows(cfg), task.heads_read_rows, task.extra_embedding_rows, m.sequence_parallel,
-                   m.remat)
+                   m.remat, m.kv_heads, m.mlp == "swiglu", 2 if m.norm == "layernorm" else 1, m.bias == "all",
+                   m.positions == "learned")
 
     @property
     def bsh(self) -> int:
         return self.rows * self.seq * self.hidden
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def kv_copies(self) -> int:
+        """Devices holding each key/value head (core/attention.py's kv_copies)."""
+        return self.tp // self.kv if self.kv < self.heads and self.tp > self.kv else 1
+
+    @property
+    def qkv_columns(self) -> int:
+        """One device's columns of the query, key and value projection."""
+        return (self.heads + 2 * self.kv * self.kv_copies) * self.head_dim // self.tp
 
 
 def layer_params(hidden: int, ffn: int, *, heads: int = 1, kv_heads: int | None = None,
@@ -87,11 +107,14 @@ class Matmul:
 
 
 def layer_matmuls(x: StepShape) -> list[Matmul]:
-    """One layer's forward matmuls on one device for one microbatch: QKV and fc1 column-split,
-    the output projection and fc2 row-split, the attention core (the last two) split by heads."""
+    """One layer's forward matmuls on one device for one microbatch: QKV and fc1 (SwiGLU: gate
+    and up) column-split, the output projection and fc2 row-split, the attention core (the last
+    two) split by heads. Grouped-query attention projects fewer keys and values (each device its
+    copy of the ones its queries read, when the model axis outnumbers them)."""
     n, h, f, s, d, t = x.rows * x.seq, x.hidden, x.ffn, x.seq, x.head_dim, x.tp
     heads = x.rows * x.heads // t
-    return [Matmul(n, h, 3 * h // t), Matmul(n, h // t, h), Matmul(n, h, f // t), Matmul(n, f // t, h),
+    fc1 = (2 if x.gated else 1) * f // t
+    return [Matmul(n, h, x.qkv_columns), Matmul(n, x.heads * d // t, h), Matmul(n, h, fc1), Matmul(n, f // t, h),
             Matmul(s, d, s, heads), Matmul(s, s, d, heads)]
 
 
@@ -127,25 +150,41 @@ def flops_per_token(x: StepShape, matmul_params_per_token: float) -> float:
     """Model FLOPs per trained token (forward + backward, no remat): 6 per weight a token goes
     through in a matmul (the task counts them: the tied embedding as GPT's output layer, BERT's
     output layer on the masked positions only) plus the attention scores and weighted sum,
-    12 · layers · seq · hidden."""
-    return 6.0 * matmul_params_per_token + 12.0 * x.layers * x.seq * x.hidden
+    12 · layers · seq · heads · head_dim (the hidden size for GPT-2's and BERT's heads)."""
+    return 6.0 * matmul_params_per_token + 12.0 * x.layers * x.seq * x.heads * x.head_dim
 
 
 # --- communication over "model" ----------------------------------------------------------------
 def replicated_grad_elements(x: StepShape) -> int:
     """Sequence parallelism's gradient reductions of replicated parameters (partial sums on each
-    sequence shard): per layer two LayerNorms (scale, bias) and two row-parallel biases, one more
-    LayerNorm, the position and extra embedding tables. Without it every device holds whole
-    activations and computes these gradients whole: nothing to reduce."""
+    sequence shard): per layer two norms (LayerNorm's scale and bias, RMSNorm's scale) and two
+    row-parallel biases (if any), one more norm, the position (if learned) and extra embedding
+    tables. Without it every device holds whole activations and computes these gradients whole:
+    nothing to reduce."""
     if not x.sequence_parallel:
         return 0
-    return x.layers * 6 * x.hidden + 2 * x.hidden + (x.seq + x.extra_embedding_rows) * x.hidden
+    norm = x.replicated_norm_params * x.hidden
+    per_layer = 2 * norm + (2 * x.hidden if x.row_biases else 0)
+    positions = x.seq if x.learned_positions else 0
+    return x.layers * per_layer + norm + (positions + x.extra_embedding_rows) * x.hidden
+
+
+def kv_copies_grad_elements(x: StepShape) -> dict[str, int]:
+    """Grouped-query attention on a model axis larger than its key/value heads: each device holds
+    a copy of the key/value weight (hidden x 2 · kv heads · head_dim) and computes the gradient
+    of its head's columns; per layer and microbatch the copies of each head's gradient are summed
+    (an all-reduce of hidden x 2 · head_dim) and the heads gathered (hidden x 2 · kv · head_dim)."""
+    if x.kv_copies == 1:
+        return {"all-reduce": 0, "all-gather": 0}
+    one_head = x.layers * x.hidden * 2 * x.head_dim
+    return {"all-reduce": one_head, "all-gather": one_head * x.kv}
 
 
 def model_axis_elements(x: StepShape) -> dict[str, int]:
     """Elements per step and device over "model" by collective kind, each counted by its result:
-    Megatron's 4 all-reduces per layer (2 forward, 2 backward), the embedding's and the tied
-    output layer's, and the fused loss's 3 b r numbers; full remat recomputes the attention
+    Megatron's 4 all-reduces per layer (2 forward, 2 backward), the embedding's and the
+    output layer's, and the fused loss's 3 b r numbers; grouped-query attention's copied
+    key/value gradients (kv_copies_grad_elements); full remat recomputes the attention
     block's. With sequence parallelism each all-reduce is an all-gather of b·s·h and a
     reduce-scatter to b·s·h/t, the backward pass gathers each block's input again (2 per layer),
     and the replicated parameters' gradients are all-reduced once per microbatch. The heads'
@@ -159,17 +198,17 @@ def model_axis_elements(x: StepShape) -> dict[str, int]:
 
 def _model_axis_forms(x: StepShape) -> dict[str, int]:
     b, L, h, r, t, bsh, mb = x.rows, x.layers, x.hidden, x.head_rows, x.tp, x.bsh, x.microbatches
-    full = x.remat == "full"
+    full, kv = x.remat == "full", kv_copies_grad_elements(x)
     if not x.sequence_parallel:
-        per = 4 * L * bsh + bsh + b * r * h + 3 * b * r + (L * bsh if full else 0)
-        return {"all-reduce": mb * per, "all-gather": 0, "reduce-scatter": 0}
+        per = 4 * L * bsh + bsh + b * r * h + 3 * b * r + (L * bsh if full else 0) + kv["all-reduce"]
+        return {"all-reduce": mb * per, "all-gather": mb * kv["all-gather"], "reduce-scatter": 0}
     if x.heads_read_rows:
         gather, scatter, reduce = b * (r + 1) * h, 0, b * r * h
     else:
         gather, scatter, reduce = (bsh, bsh // t, 0) if r else (0, 0, 0)
-    return {"all-gather": mb * ((4 + 2) * L * bsh + bsh + gather),
+    return {"all-gather": mb * ((4 + 2) * L * bsh + bsh + gather + kv["all-gather"]),
             "reduce-scatter": mb * (4 * L * bsh // t + bsh // t + scatter + (L * bsh // t if full else 0)),
-            "all-reduce": mb * (3 * b * r + reduce + replicated_grad_elements(x))}
+            "all-reduce": mb * (3 * b * r + reduce + replicated_grad_elements(x) + kv["all-reduce"])}
 
 
 def regathered_elements(x: StepShape) -> int:
@@ -224,7 +263,9 @@ def data_axis_minimum(scheme: str, n: int, microbatches: int, split: int, whole:
 def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 1, ffn: int | None = None,
                                sequence_parallel: bool = False, remat: str = "none", dtype: str = "bfloat16",
                                hidden_dropout: bool = True, attention_dropout: bool = True,
-                               recompute_norm_gelu: bool = False, fused_attention: bool = False) -> int:
+                               recompute_norm_gelu: bool = False, fused_attention: bool = False,
+                               head_dim: int | None = None, kv_heads: int | None = None, gated: bool = False,
+                               rms_norm: bool = False) -> int:
     """Bytes one device keeps for one layer's backward pass, for b sequences of s tokens.
 
     For 16-bit activations with dropout it is the paper's, term for term (bytes per layer):
@@ -243,6 +284,11 @@ def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 
     GeLU's from the block inputs and fc1's output, so it keeps (2·act + 2)·s·b·h between blocks,
     act·s·b·(4h + ffn)/t inside and no LayerNorm statistics. `fused_attention`: cuDNN's flash
     attention keeps one float32 softmax statistic a query and head instead of the core.
+    Today's decoders: `head_dim` x `heads` replaces h for q, k, v and the attention output;
+    grouped-query attention (`kv_heads`) keeps only its key/value heads for the fused core
+    (megajax's core repeats them to every query head, as multi-head attention keeps them);
+    SwiGLU (`gated`) keeps fc1's 2·ffn (gate and up) and the product's ffn; RMSNorm keeps one
+    statistic a row instead of LayerNorm's two.
     These are the residuals megajax keeps (megajax/core/ops.py keeps LayerNorm and softmax to
     these; tests/test_memory_model.py checks the sum against XLA's compiled buffers); float32 on
     the CPU without attention dropout keeps no attention core either (blocked_attention.py
@@ -254,9 +300,12 @@ def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 
     sp = tp if sequence_parallel else 1          # what the between-blocks tensors are split by
     if remat == "full":
         return s * b * h * act // sp
-    kept_inputs, kept_ffn, stats = (2, 1, 0) if recompute_norm_gelu else (4, 2, 2 * 2 * 4 * s * b // sp)
+    kept_inputs, kept_ffn, stats = (2, 1, 0) if recompute_norm_gelu else (4, 2, 2 * (1 if rms_norm else 2) * 4 * s * b // sp)
+    kept_ffn += 1 if gated else 0                # gate and up, where GeLU has one input
     between = (kept_inputs * act + (2 if hidden_dropout else 0)) * s * b * h // sp + stats
-    inside = act * s * b * (4 * h + kept_ffn * ffn) // tp
+    width = heads * (head_dim or h // heads)
+    kv = 2 * width if not fused_attention or kv_heads is None else 2 * kv_heads * (head_dim or h // heads)
+    inside = act * s * b * (2 * width + kv + kept_ffn * ffn) // tp
     core = 0 if remat == "selective" else (act + (act + 1 if attention_dropout else 0)) * b * heads * s * s // tp
     core = 4 * b * heads * s // tp if fused_attention else core
     return between + inside + core

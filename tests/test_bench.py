@@ -80,6 +80,7 @@ def test_step_mfu_runs_with_the_papers_dropout_and_remat():
     assert p.returncode == 0, p.stderr[-3000:]
     for stack in ("scanned stack", "unrolled stack", "layer programs"):
         assert f"float32, {stack}" in p.stdout and p.stdout.count("2 layers, hidden 64") == 3
-    assert p.stdout.count("backward/forward") == 2 and p.stdout.count("MFU") == 3
+    assert p.stdout.count("backward/forward") == 2 and p.stdout.count("| MFU") == 3
+    assert "Llama 4 heads / 1 kv" in p.stdout and "Llama / GPT MFU, run in turn" in p.stdout
     assert "scanned / unrolled train step" in p.stdout and "programs / unrolled train step" in p.stdout
     assert "compile, scanned train step (float32): 2 layers" in p.stdout

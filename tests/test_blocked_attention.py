@@ -17,7 +17,7 @@ from jax import ad_checkpoint
 from tolerances import assert_close, assert_tree_close
 
 from megajax.core import blocked_attention as blocked_module
-from megajax.core import layers as layers_module
+from megajax.core import attention as attention_module
 from megajax.core.blocked_attention import _blocks, blocked_attention, blocked_attention_pays
 from megajax.tools.audit import audit
 from megajax.training.step import make_trainer
@@ -128,7 +128,7 @@ def test_models_get_the_same_numbers_and_keep_no_probabilities(kind, spec, scan,
         return dims[-2:] == [s, s] and math.prod(dims) >= scores_size
 
     (got_loss, got), saved = loss_grads_and_residuals(cfg, spec, capsys)
-    monkeypatch.setattr(layers_module, "blocked_attention_pays", lambda q, ways: False)
+    monkeypatch.setattr(attention_module, "blocked_attention_pays", lambda q, ways: False)
     (want_loss, want), reference_saved = loss_grads_and_residuals(cfg, spec, capsys)
     assert any(map(probs, reference_saved)) and not any(map(probs, saved)), saved
     assert_close(got_loss, want_loss, what="loss")
@@ -143,7 +143,7 @@ def test_blocked_attention_adds_no_collective(monkeypatch):
     collectives = lambda: Counter((c.kind, c.axis, c.origin, c.direction, c.shape, c.count)   # noqa: E731
                                   for c in audit(cfg, mesh_for("2x4")).collectives)
     got = collectives()
-    monkeypatch.setattr(layers_module, "blocked_attention_pays", lambda q, ways: False)
+    monkeypatch.setattr(attention_module, "blocked_attention_pays", lambda q, ways: False)
     assert got == collectives()
 
 
@@ -165,11 +165,11 @@ def test_blocked_attention_with_fsdp_and_sequence_parallelism(train, model, monk
         return jax.device_get((metrics["loss"], grads))
 
     calls = []
-    monkeypatch.setattr(layers_module, "blocked_attention", lambda *a, **k: calls.append(k["ways"])
+    monkeypatch.setattr(attention_module, "blocked_attention", lambda *a, **k: calls.append(k["ways"])
                         or blocked_module.blocked_attention(*a, **k))
     got_loss, got = loss_and_grads()
     assert set(calls) == {(1, 4) if train else (2, 4)}
-    monkeypatch.setattr(layers_module, "blocked_attention_pays", lambda q, ways: False)
+    monkeypatch.setattr(attention_module, "blocked_attention_pays", lambda q, ways: False)
     want_loss, want = loss_and_grads()
     assert_close(got_loss, want_loss, what="loss")
     assert_tree_close(want, got, what="gradient")

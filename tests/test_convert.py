@@ -236,7 +236,9 @@ def test_command_line_round_trip(tmp_path):
     p = run("export", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "o"))
     assert p.returncode == 0, p.stderr
     assert "as MegatronBertForPreTraining" in p.stdout
-    assert sorted(f.name for f in (tmp_path / "o").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    # tokenizer.json with the tokenizer_config.json kept beside it since the import
+    assert sorted(f.name for f in (tmp_path / "o").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                                  "tokenizer_config.json"]
 
 
 def test_a_column_shard_of_the_fused_qkv_holds_whole_heads(imported):

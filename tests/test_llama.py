@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, mesh_for
+from conftest import ROOT, mesh_for, tiny_config
+from helpers import exact_model_axis_elements
 from tolerances import F32, assert_close
 
 from megajax.config import ConfigError, load_config
@@ -25,6 +26,7 @@ from megajax.models.generate import generate
 from megajax.models.registry import ModelDef
 from megajax.runs.workdir import load_workdir
 from megajax.tasks import param_count
+from megajax.tools.audit import audit
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 NAMES = ("llama", "llama_tied", "mistral", "qwen2")
@@ -162,3 +164,51 @@ def test_architecture_fields_are_validated_together():
         load_config("tiny", base + ["model.rope_scaling=yarn"])
     with pytest.raises(ConfigError, match="are for GPT-style decoders"):
         load_config("bert_tiny", ["model.positions=rope"])
+
+
+LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", num_kv_heads=2, ffn_hidden=128,
+             tie_embeddings=False, rope_scaling="llama3", rope_factor=8.0, rope_original_context=8)
+
+
+@pytest.mark.parametrize("spec,extra,train", [
+    ("1x8", {}, {}),                                      # key/value heads in 4 copies each
+    ("2x4", dict(sequence_parallel=True), {}),            # in 2 copies, activations split along the sequence
+    ("2x4", {}, dict(shard_optimizer=True)),              # ZeRO-1
+    ("2x4", dict(sequence_parallel=True), dict(shard_params=True)),   # FSDP with sequence parallelism
+    ("4x2", dict(num_kv_heads=4, scan_layers=False), {}),  # key/value heads split, an unrolled stack
+])
+def test_three_adamw_steps_match_one_device(spec, extra, train):
+    """A Llama-shaped model (dropout on) computes on every mesh and data-parallel scheme what it
+    computes on one device: weights, logits, loss, gradients and three optimizer steps."""
+    from test_equivalence import assert_matches_reference, run
+    model = {**LLAMA, **extra}
+    base = tiny_config(**{k: v for k, v in model.items() if k != "sequence_parallel"})
+    cfg = tiny_config(**model)
+    cfg.train.shard_optimizer, cfg.train.shard_params = train.get("shard_optimizer", False), train.get("shard_params", False)
+    assert_matches_reference(run(mesh_for("1x1"), base), run(mesh_for(spec), cfg.validate()))
+
+
+@pytest.mark.parametrize("spec,sp", [("2x4", False), ("1x8", False), ("2x4", True)])
+def test_audit_finds_megatrons_collectives_and_the_copied_kv_gradients(spec, sp):
+    """Two all-reduces forward and two backward per layer (with sequence parallelism their
+    all-gathers and reduce-scatters), nothing else in the blocks; the key/value weight's copies
+    have their gradients summed (an all-reduce of one head's, an all-gather of all heads'),
+    which the analytic minimum counts: ratio 1.000 to it."""
+    cfg = tiny_config(**LLAMA, sequence_parallel=sp)
+    mesh = mesh_for(spec)
+    r = audit(cfg, mesh)
+    kind = "all-gather" if sp else "all-reduce"
+    per_layer = r.model_axis_layer_counts(kind)
+    assert sorted(per_layer) == ["0", "1"]
+    for counts in per_layer.values():
+        assert {k: v for k, v in counts.items() if k[1] != "recompute"} == \
+            {("attention", "forward"): 1, ("mlp", "forward"): 1, ("attention", "backward"): 1, ("mlp", "backward"): 1}
+    m, t = cfg.model, mesh.shape["model"]
+    kv = [c for c in r.select(axis="model", origin="gradients")]
+    one_head = m.hidden * 2 * m.head_dim
+    assert sorted((c.kind, c.elements, c.count) for c in kv) == \
+        [("all-gather", one_head * m.kv_heads, m.num_layers), ("all-reduce", one_head, m.num_layers)]
+    assert kv_copies(m, t) == t // m.kv_heads
+    recompute = r.regathered_elements if sp else 0
+    assert exact_model_axis_elements(r) == r.analytic_min_elements + recompute
+    assert r.data_axis_ratio == pytest.approx(1.0) if mesh.shape["data"] > 1 else True

@@ -31,6 +31,13 @@ def kv_copies(cfg: ModelConfig, tp: int) -> int:
     return tp // cfg.kv_heads if cfg.kv_heads < cfg.num_heads and tp > cfg.kv_heads else 1
 
 
+def copied_weights(cfg: ModelConfig, tp: int) -> dict[str, int]:
+    """{weight name: the share of it each device computes a gradient for} of the weights held in
+    copies: grouped-query attention's key/value kernel and bias when kv_copies > 1."""
+    copies = kv_copies(cfg, tp)
+    return {"kv_kernel": cfg.kv_heads, "kv_bias": cfg.kv_heads} if copies > 1 else {}
+
+
 def stored_kv_heads(cfg: ModelConfig, tp: int) -> int:
     """Key/value heads as the model axis holds them (a KV cache's heads): each one once, or each
     device's copy when they are replicated."""

@@ -9,6 +9,8 @@ Norms, dropout and residual adds run duplicated on every device of the model axi
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -155,27 +157,53 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         tp, kernels, biases = self.layout.tp, [], []
         for name, width, copies in self.parts:
             w, b = getattr(self, f"{name}_kernel")[...], getattr(self, f"{name}_bias")
-            kernels.append(_per_device(w, tp, copies))
-            biases.append(None if b is None else _per_device(b[...], tp, copies))
+            kernels.append(self._per_device(w, copies))
+            biases.append(None if b is None else self._per_device(b[...], copies))
+        # Each (.., tp, columns) piece is split over "model" on its tp axis: the concatenation
+        # and the merge of (tp, columns) are local to each device.
         kernel = jnp.concatenate(kernels, axis=-1).reshape(kernels[0].shape[0], -1)
         bias = None if biases[0] is None else jnp.concatenate(biases, axis=-1).reshape(-1)
         kernel = self.layout.constrain(kernel, S.P(*S.COLUMN))
         return kernel, None if bias is None else self.layout.constrain(bias, S.P(*S.COLUMN_BIAS))
+
+    def _per_device(self, w, copies: int):
+        """A weight's last axis as (tp, its columns on each device), split over "model" on tp:
+        a split of its columns, or with `copies`, each of its width * copies / tp column groups
+        repeated `copies` times (a broadcast: each device takes its slice of the replicated
+        weight locally)."""
+        lead, tp = w.shape[:-1], self.layout.tp
+        if copies == 1:
+            split = w.reshape(*lead, tp, -1)
+        else:   # the scope names the backward pass's reduction of the copies, for the audit
+            with jax.named_scope("kv_copies_gradient"):
+                w = _gradient_replicated(w, self.layout)
+                groups = w.reshape(*lead, tp // copies, 1, -1)
+                split = jnp.broadcast_to(groups, (*lead, tp // copies, copies, groups.shape[-1]))
+                split = split.reshape(*lead, tp, -1)
+        return self.layout.constrain(split, S.P(*([None] * len(lead)), S.MODEL, None))
 
     def __call__(self, x):
         y = super().__call__(x)
         return self.layout.constrain(y.reshape(*y.shape[:-1], self.layout.tp, -1), S.ACT_HEADS)
 
 
-def _per_device(w, tp: int, copies: int):
-    """A weight's last axis as (tp, its columns on each device): split in tp, or with `copies`,
-    each of its width * copies / tp column groups repeated `copies` times (a broadcast: each
-    device computes its slice of the replicated weight locally)."""
-    lead = w.shape[:-1]
-    if copies == 1:
-        return w.reshape(*lead, tp, -1)
-    groups = w.reshape(*lead, tp // copies, 1, -1)
-    return jnp.broadcast_to(groups, (*lead, tp // copies, copies, groups.shape[-1])).reshape(*lead, tp, -1)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gradient_replicated(w, layout: S.Layout):
+    """w, whose gradient is made whole on every device where it is computed: the copies' partial
+    gradients summed over "model" in the layer's backward pass (XLA would otherwise keep them
+    split until the update and gather the weight, its gradient and Adam's moments there)."""
+    return w
+
+
+def _gradient_replicated_fwd(w, layout):
+    return w, None
+
+
+def _gradient_replicated_bwd(layout, _, g):
+    return (layout.constrain(g, S.P(*([None] * g.ndim))),)
+
+
+_gradient_replicated.defvjp(_gradient_replicated_fwd, _gradient_replicated_bwd)
 
 
 class RowParallelLinear(_Linear):

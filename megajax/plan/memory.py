@@ -150,6 +150,8 @@ def _layer_shape(cfg: Config, dp: int, tp: int, backend: str) -> dict:
                 sequence_parallel=m.sequence_parallel, dtype=activation_dtype(cfg),
                 hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
                 recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
+                head_dim=m.head_dim, kv_heads=max(m.kv_heads, tp) if m.kv_heads < m.num_heads else m.kv_heads,
+                gated=m.mlp == "swiglu", rms_norm=m.norm == "rmsnorm",
                 # cuDNN's flash attention, on GPUs (on the CPU "fused" is XLA's, which keeps its scores)
                 fused_attention=backend != "cpu" and fused_attention(m, on="gpu"))
 

@@ -15,6 +15,7 @@ import jax
 
 from megajax.analytic import StepShape, model_axis_minimum, remat_extra_elements
 from megajax.analytic import data_axis_minimum as data_axis_sent_minimum
+from megajax.core.attention import copied_weights
 from megajax.core.sharding import DATA, MODEL, param_shardings
 from megajax.models.registry import path_keys
 from megajax.tasks import task_for
@@ -257,6 +258,10 @@ def data_axis_minimum(trainer) -> tuple[str, dict]:
                          param_shardings(trainer.mesh, trainer.modeldef.specs()))
     dp = trainer.data_parallel
     if dp is None:
+        # A weight held in copies over "model" has its gradient reduced over "data" on the share
+        # each device computes, before the copies are made whole.
+        copied = copied_weights(trainer.cfg.model, trainer.mesh.shape[MODEL])
+        local = jax.tree_util.tree_map_with_path(lambda p, size: size // copied.get(path_keys(p)[-1], 1), local)
         return "plain", data_axis_sent_minimum("plain", n, m, 0, sum(jax.tree.leaves(local)))
     split = whole = layers = layers_read = 0
     for (path, size), d in zip(jax.tree_util.tree_flatten_with_path(local)[0], jax.tree.leaves(dp.dims)):
@@ -267,7 +272,7 @@ def data_axis_minimum(trainer) -> tuple[str, dict]:
         split += size
         if keys[0] == "layers":
             layers += size
-            if keys[-1] in ("kernel", "scale") or trainer.cfg.model.remat == "full":
+            if keys[-1].endswith("kernel") or keys[-1] == "scale" or trainer.cfg.model.remat == "full":
                 layers_read += size
     scheme = "fsdp" if dp.fsdp else "zero"
     return scheme, data_axis_sent_minimum(scheme, n, m, split, whole, layers, layers_read)

@@ -73,7 +73,8 @@ def modelled_bytes_per_layer(cfg: Config, mesh, dtype: str) -> int:
         b=1, s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=mesh.shape["model"], ffn=m.ffn,
         sequence_parallel=m.sequence_parallel, remat=m.remat, dtype=dtype,
         hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
-        recompute_norm_gelu=Precision.of(m).recompute_norm_gelu)
+        recompute_norm_gelu=Precision.of(m).recompute_norm_gelu, head_dim=m.head_dim,
+        gated=m.mlp == "swiglu", rms_norm=m.norm == "rmsnorm")
 
 
 def step_figures(cfg: Config, mesh, temp_bytes: int | None) -> dict:

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from megajax.core import sharding as S
+from megajax.core.attention import copied_weights
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.training.loss_scale import scaled
 
@@ -61,13 +62,16 @@ class DataParallel:
         dp = mesh.shape[S.DATA]
         specs, shapes = modeldef.specs(), modeldef.abstract_params()
         whole, layer_dims = [], {}
+        # Grouped-query attention's key/value weights held in copies over "model" (small) stay
+        # whole over "data": split, each data shard would gather the copies over "model" too.
+        copied = copied_weights(cfg.model, mesh.shape[S.MODEL])
 
         def pick(path, shape, spec):
             keys = path_keys(path)
             layer = _layer_path(keys)
             stacked = layer is not None and layer[1] == 1   # FSDP gathers a layer at a time: not its axis
-            zero = S.data_sharded_spec(shape.shape, spec, dp, mesh.shape[S.MODEL],
-                                       skip_leading=stacked and cfg.train.shard_params)
+            zero = None if keys[-1] in copied else S.data_sharded_spec(
+                shape.shape, spec, dp, mesh.shape[S.MODEL], skip_leading=stacked and cfg.train.shard_params)
             if zero is None:
                 whole.append("/".join(keys))
                 return NONE
