@@ -221,7 +221,6 @@ def main():
         flags.append("--xla_cpu_enable_xprof_traceme=true")     # XLA:CPU's per-op trace events
     os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
     import jax
-    import jax.numpy as jnp
 
     from megajax.core.mesh import make_mesh
     from megajax.tasks import param_count

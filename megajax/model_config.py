@@ -20,6 +20,11 @@ class ConfigError(UserError, ValueError):
 
 REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}   # the boolean it once was
 ROPE_SCALINGS = ("none", "linear", "llama3")
+# The fields of today's decoders: with the sizes they fix a model's weights and its function, so
+# a workdir's model (--init-from) and an imported checkpoint decide them, never an override.
+ARCHITECTURE = ("norm", "positions", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_context", "max_positions", "mlp", "num_kv_heads",
+                "kv_channels", "bias", "tie_embeddings")
 
 
 def one_of(section_config, section: str, **choices):
@@ -164,6 +169,15 @@ class ModelConfig:
                               f"({self.rope_low_freq_factor:g}) < model.rope_high_freq_factor "
                               f"({self.rope_high_freq_factor:g}) and model.rope_original_context > 0 "
                               f"({self.rope_original_context})")
+
+    def describe(self) -> str:
+        """One line: the kind, its architecture and sizes."""
+        traits = [f"{self.ln_placement}-{'RMSNorm' if self.norm == 'rmsnorm' else 'LayerNorm'}"]
+        traits += ["rotary positions"] * (self.positions == "rope") + [f"SwiGLU {self.ffn}"] * (self.mlp == "swiglu")
+        traits += ["untied output layer"] * (not self.tie_embeddings)
+        heads = f"{self.num_heads} heads" + (f" / {self.kv_heads} key-value" if self.kv_heads < self.num_heads else "")
+        return (f"{self.kind} ({', '.join(traits)}), {self.num_layers} layers, hidden {self.hidden}, {heads}, "
+                f"vocabulary {self.vocab_size} (padded to {self.padded_vocab}), {self.context} positions")
 
     @property
     def layer_params(self) -> int:

@@ -49,10 +49,7 @@ def convert_main(argv=None) -> int:
         start_jax()
         if args.direction == "import":
             cfg = _import(args)
-            m = cfg.model
-            print(f"imported {args.hf or args.megatron} into {args.workdir}: {m.kind} ({m.ln_placement}-LayerNorm), "
-                  f"{m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, vocabulary {m.vocab_size} "
-                  f"(padded to {m.padded_vocab}), {m.seq_len} positions")
+            print(f"imported {args.hf or args.megatron} into {args.workdir}: {cfg.model.describe()}")
         else:
             for line in export_hf(args.workdir, args.out, args.step):
                 print(line)

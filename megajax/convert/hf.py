@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from megajax.config import Config, ConfigError, apply_overrides
+from megajax.model_config import ARCHITECTURE
 from megajax.convert import hf_config, hf_decoders, hf_weights
 from megajax.convert.hf_tokenizer import read_tokenizer, write_tokenizer
 from megajax.core.mesh import single_device_mesh
@@ -40,9 +41,7 @@ TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tok
 INDEX = "model.safetensors.index.json"
 # Model fields the HF config decides: a --set of one of them would contradict the weights.
 FROM_HF = ("kind", "task", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len", "vocab_size",
-           "ln_placement", "ln_eps", "gelu", "norm", "positions", "rope_theta", "rope_scaling", "rope_factor",
-           "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context", "max_positions", "mlp",
-           "num_kv_heads", "kv_channels", "bias", "tie_embeddings")
+           "ln_placement", "ln_eps", "gelu", *ARCHITECTURE)
 
 
 def _read_json(path: Path) -> dict:

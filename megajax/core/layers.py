@@ -154,8 +154,8 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         return [width // tp if copies == 1 else width * copies // tp for _, width, copies in self.parts]
 
     def weights(self):
-        tp, kernels, biases = self.layout.tp, [], []
-        for name, width, copies in self.parts:
+        kernels, biases = [], []
+        for name, _, copies in self.parts:
             w, b = getattr(self, f"{name}_kernel")[...], getattr(self, f"{name}_bias")
             kernels.append(self._per_device(w, copies))
             biases.append(None if b is None else self._per_device(b[...], copies))

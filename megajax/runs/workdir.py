@@ -28,6 +28,7 @@ from megajax.core.sharding import Layout, param_shardings
 from megajax.data.tokenizer import FILE as TOKENIZER_FILE
 from megajax.data.tokenizer import Tokenizer, load_tokenizer
 from megajax.errors import UserError
+from megajax.model_config import ARCHITECTURE
 from megajax.models.registry import ModelDef, abstract_model
 from megajax.runs.checkpoint import Checkpoints
 
@@ -146,7 +147,7 @@ def check_same_tokenizer(cfg: Config, workdir: Path):
 
 # Fields a fine-tuning run takes from its pretrained workdir: they fix the weights' shapes.
 PRETRAINED_SHAPE = ("kind", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len", "vocab_size",
-                    "vocab_multiple", "ln_placement", "ln_eps", "scan_layers")
+                    "vocab_multiple", "ln_placement", "ln_eps", "scan_layers", *ARCHITECTURE)
 
 
 def with_pretrained_shape(cfg: Config, workdir: Path | None = None) -> tuple[Config, Path | None]:
