@@ -243,6 +243,112 @@ def save_stage(rank: int, tp: int, pp: int, out: str, port: int):
     torch.distributed.destroy_process_group()
 
 
+# --- a Llama-style GPT: RMSNorm, rotary positions (llama3 scaling), SwiGLU, 2 query groups of
+# 2 heads, no biases, an untied output layer ---------------------------------------------------
+LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+             max_position_embeddings=16, padded_vocab_size=256)
+
+
+def llama_gpt(tp: int):
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=LLAMA["num_layers"], hidden_size=LLAMA["hidden_size"],
+                            num_attention_heads=LLAMA["num_attention_heads"], num_query_groups=LLAMA["num_query_groups"],
+                            ffn_hidden_size=LLAMA["ffn_hidden_size"], tensor_model_parallel_size=tp,
+                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                            bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+                            gradient_accumulation_fusion=False, layernorm_epsilon=1e-5, apply_rope_fusion=False)
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                    vocab_size=LLAMA["padded_vocab_size"], max_sequence_length=LLAMA["max_position_embeddings"],
+                    position_embedding_type="rope", rotary_base=10000, rope_scaling=True, rope_scaling_factor=8.0,
+                    share_embeddings_and_output_weights=False, parallel_output=False)
+
+
+def llama_weights() -> dict:
+    h, f, heads, groups = LLAMA["hidden_size"], LLAMA["ffn_hidden_size"], LLAMA["num_attention_heads"], LLAMA["num_query_groups"]
+    d = h // heads
+    shapes = {"embedding.word_embeddings.weight": (LLAMA["padded_vocab_size"], h),
+              "output_layer.weight": (LLAMA["padded_vocab_size"], h), "decoder.final_layernorm.weight": (h,)}
+    for i in range(LLAMA["num_layers"]):
+        p = f"decoder.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
+                       p + "self_attention.linear_qkv.weight": ((heads + 2 * groups) * d, h),
+                       p + "self_attention.linear_proj.weight": (h, heads * d),
+                       p + "mlp.linear_fc1.weight": (2 * f, h), p + "mlp.linear_fc2.weight": (h, f)})
+    g = torch.Generator().manual_seed(4321)
+    return {name: torch.randn(shape, generator=g) * 0.2 + (1.0 if name.endswith("layernorm.weight") else 0.0)
+            for name, shape in shapes.items()}
+
+
+def llama_args(tp: int) -> argparse.Namespace:
+    return argparse.Namespace(
+        **LLAMA, kv_channels=LLAMA["hidden_size"] // LLAMA["num_attention_heads"], seq_length=12,
+        make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0, swiglu=True,
+        untie_embeddings_and_output_weights=True, position_embedding_type="rope", rotary_base=10000,
+        rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=True, rope_scaling_factor=8.0,
+        normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False, group_query_attention=True,
+        init_method_std=0.02, params_dtype=torch.float32, tokenizer_type="BertWordPieceLowerCase",
+        vocab_file=str(VOCAB), iteration=3)
+
+
+def save_llama_rank(rank: int, tp: int, out: str, port: int):
+    """One tensor-parallel rank of the Llama-style GPT: its slice of each weight as Megatron
+    splits it (query groups by rows; SwiGLU's fc1 as its gate's and its up's slices, stacked)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=tp)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    patch_for_cpu()
+    model, full = llama_gpt(tp), llama_weights()
+    mine = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        w = full[name]
+        if name.endswith("linear_fc1.weight"):
+            gate, up = w.chunk(2)
+            n = gate.shape[0] // tp
+            mine[name] = torch.cat([gate[rank * n:(rank + 1) * n], up[rank * n:(rank + 1) * n]])
+        elif w.shape == t.shape:
+            mine[name] = w
+        elif w.shape[0] != t.shape[0]:
+            mine[name] = w[rank * t.shape[0]:(rank + 1) * t.shape[0]]
+        else:
+            mine[name] = w[:, rank * t.shape[1]:(rank + 1) * t.shape[1]]
+    missing, unexpected = model.load_state_dict(mine, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    model.eval()
+    tokens = torch.randint(0, REAL_VOCAB, (2, 12), generator=torch.Generator().manual_seed(98))
+    positions = torch.arange(12).unsqueeze(0).expand(2, 12)
+    causal = torch.triu(torch.ones(1, 1, 12, 12, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        logits = model(tokens, positions, causal)
+    state = {"args": llama_args(tp), "checkpoint_version": 3.0, "iteration": 3,
+             "model": model.state_dict_for_save_checkpoint()}
+    directory = Path(out) / "iter_0000003" / f"mp_rank_{rank:02d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(state, directory / "model_optim_rng.pt")
+    if rank == 0:
+        (Path(out) / "latest_checkpointed_iteration.txt").write_text("3")
+        np.savez(Path(out) / "reference.npz", tokens=tokens.numpy(), logits=logits.numpy()[..., :REAL_VOCAB])
+    torch.distributed.destroy_process_group()
+
+
+def llama_checkpoints():
+    for tp in (1, 2):
+        torch.multiprocessing.spawn(save_llama_rank, args=(tp, str(OUT / f"llama_tp{tp}"), 29620 + tp), nprocs=tp)
+    one, two = (np.load(OUT / f"llama_tp{tp}" / "reference.npz") for tp in (1, 2))
+    gap = np.abs(one["logits"] - two["logits"]).max()
+    assert np.array_equal(one["tokens"], two["tokens"]) and gap < 1e-5, gap
+    print(f"llama_tp1, llama_tp2: Megatron's logits agree to {gap:.2e} (scale {np.abs(one['logits']).max():.2f})")
+
+
 def checkpoints():
     torch.multiprocessing.spawn(save_stage, args=(2, 2, str(OUT / "gpt_tp2_pp2"), 29610), nprocs=4)
     for tp in (1, 2):
@@ -281,4 +387,10 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    if sys.argv[1:] == ["--llama"]:   # the Llama-style checkpoints only
+        OUT.mkdir(parents=True, exist_ok=True)
+        llama_checkpoints()
+    else:
+        main()
+        llama_checkpoints()

@@ -1,5 +1,6 @@
 """Megatron-LM's own GPT checkpoints imported (`megajax-convert import --megatron`), against
-megatron-core itself: tests/fixtures/megatron/gpt_tp{1,2} were saved as Megatron-LM saves a run,
+megatron-core itself: tests/fixtures/megatron/gpt_tp{1,2} (and llama_tp{1,2}, its Llama-style
+GPT) were saved as Megatron-LM saves a run,
 with tensor parallelism 1 and 2, and hold the logits megatron-core's forward pass gave for
 fixed tokens (tests/make_megatron_fixtures.py, run by hand with PyTorch). Without PyTorch here,
 the .pt files are read by megajax/convert/torch_pickle.py."""
@@ -96,6 +97,21 @@ class _Array(torch_pickle.Tensor):
         return self.x
 
 
+@pytest.mark.parametrize("tp,mesh_spec", [(1, "1x1"), (1, "1x4"), (2, "2x2"), (2, "1x4")])
+def test_llama_style_checkpoints_give_megatron_cores_logits(tmp_path, tp, mesh_spec):
+    """megatron-core's Llama-style GPT (RMSNorm, rotary positions with llama3 scaling, SwiGLU,
+    2 query groups of 2 heads, no biases, untied), saved with tensor parallelism 1 and 2: its
+    logits on a mesh that splits the key/value heads (2x2) and one that copies them (1x4)."""
+    ref = np.load(FIXTURES / f"llama_tp{tp}" / "reference.npz")
+    cfg = import_megatron(FIXTURES / f"llama_tp{tp}", tmp_path / "w", VOCAB, ["model.vocab_multiple=128"]).model
+    assert (cfg.norm, cfg.positions, cfg.mlp, cfg.bias, cfg.tie_embeddings, cfg.kv_heads, cfg.ffn) == \
+        ("rmsnorm", "rope", "swiglu", "none", False, 2, 48)
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_context, cfg.rope_theta) == ("llama3", 8.0, 8192, 1e4)
+    loaded = load_workdir(tmp_path / "w", mesh_for(mesh_spec))
+    logits = np.asarray(jax.jit(lambda m, t: m(t))(loaded.model, jnp.asarray(ref["tokens"])))
+    assert_close(logits[..., :220], ref["logits"], F32, what=f"logits of the TP={tp} Llama-style checkpoint")
+
+
 def test_what_megajax_cannot_import_is_one_line(tmp_path, capsys):
     good = FIXTURES / "gpt_tp2"
     (tmp_path / "empty").mkdir()
@@ -121,10 +137,11 @@ def test_what_megajax_cannot_import_is_one_line(tmp_path, capsys):
                                (tmp_path / "experts", "is an expert-parallel rank (mp_rank_TT_PPP_EEE)")]:
         with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
             megatron_ckpt.read_ranks(megatron_ckpt.rank_files(directory)[0])
-    for change, message in [({"swiglu": True}, "swiglu = True (SwiGLU)"),
-                            ({"untie_embeddings_and_output_weights": True}, "an output layer untied"),
-                            ({"position_embedding_type": "rope"}, "position_embedding_type = 'rope'"),
-                            ({"kv_channels": 4}, "heads are 4 wide"),
+    for change, message in [({"position_embedding_type": "yarn"}, "position_embedding_type = 'yarn'"),
+                            ({"normalization": "LayerNorm1P"}, "normalization = 'LayerNorm1P'"),
+                            ({"position_embedding_type": "rope", "rotary_percent": 0.5}, "rotary_percent = 0.5"),
+                            ({"position_embedding_type": "rope", "rotary_interleaved": True}, "rotary_interleaved = True"),
+                            ({"qk_layernorm": True}, "(LayerNorm of queries and keys)"),
                             ({"hidden_size": None}, "the checkpoint's arguments lack hidden_size")]:
         with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
             megatron_ckpt.model_config({**args, **change}, 220, megatron_ckpt.ModelConfig())

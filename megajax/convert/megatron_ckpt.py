@@ -19,6 +19,11 @@ Megatron-LM has written since its models moved to megatron-core) and the earlier
 `attention` in the oldest). The fused QKV rows are ordered (head, q|k|v, head_dim) from
 checkpoint version 2 on, megajax's own column order; versions 0 and 1 ordered them (q|k|v, head,
 head_dim) and (head, head_dim, q|k|v) within each rank, and are put in that order first.
+
+megatron-core's Llama-style GPTs are read too: RMSNorm, rotary positions (with its llama3
+scaling, `use_rope_scaling`, or linear interpolation), SwiGLU (each rank's fc1 rows are its
+slice of the gate, then its slice of up), grouped-query attention (the QKV rows of each query
+group: its query heads, then one key and one value head) and an untied output layer.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import numpy as np
 
 from megajax.config import Config, ModelConfig
 from megajax.convert import hf_weights, torch_pickle
+from megajax.convert.megatron_args import model_config
 from megajax.convert.hf import check_shapes, import_base, save_step0, workdir_spec
 from megajax.data.tokenizer import fixed_tokenizer
 from megajax.errors import UserError
@@ -125,37 +131,6 @@ def _join_stages(stages: list[dict]) -> dict:
     return joined
 
 
-def model_config(args: dict, vocab_size: int, base: ModelConfig) -> ModelConfig:
-    """megajax's GPT for a Megatron-LM run's arguments; what megajax does not implement is refused."""
-    refuse = {"swiglu": "SwiGLU", "untie_embeddings_and_output_weights": "an output layer untied from the embedding",
-              "apply_residual_connection_post_layernorm": "residuals taken after the LayerNorm",
-              "group_query_attention": "grouped-query attention", "qk_layernorm": "LayerNorm of queries and keys",
-              "num_experts": "mixture of experts"}
-    for key, what in refuse.items():
-        if args.get(key):
-            raise UserError(f"the checkpoint's run has {key} = {args[key]!r} ({what}), which megajax does not implement")
-    for key, want in (("position_embedding_type", "learned_absolute"), ("normalization", "LayerNorm")):
-        if args.get(key, want) != want:
-            raise UserError(f"the checkpoint's run has {key} = {args[key]!r}; megajax implements {want}")
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
-               if not isinstance(args.get(k), int)]
-    if missing:
-        raise UserError(f"the checkpoint's arguments lack {', '.join(missing)}: not a Megatron-LM GPT run's")
-    h, heads = args["hidden_size"], args["num_attention_heads"]
-    if args.get("kv_channels") not in (None, h // heads):
-        raise UserError(f"the checkpoint's heads are {args['kv_channels']} wide, not hidden / heads = {h // heads}")
-    tanh = (args.get("bias_gelu_fusion") or args.get("bias_activation_fusion") or args.get("openai_gelu")) \
-        and not args.get("onnx_safe")
-    cfg = dataclasses.replace(
-        base, kind="gpt", task="pretrain", ln_placement="pre", num_layers=args["num_layers"], hidden=h,
-        num_heads=heads, ffn_hidden=args.get("ffn_hidden_size") or 4 * h, seq_len=args["max_position_embeddings"],
-        vocab_size=vocab_size, ln_eps=args.get("layernorm_epsilon", 1e-5), gelu="tanh" if tanh else "exact",
-        hidden_dropout=args.get("hidden_dropout", 0.1), attention_dropout=args.get("attention_dropout", 0.1),
-        init_std=args.get("init_method_std", 0.02))
-    cfg.validate()
-    return cfg
-
-
 # --- the state dict -----------------------------------------------------------------------------
 def _normalized(shard: dict) -> dict:
     """The earliest Megatron-LM names (`transformer`, `attention`) as the later ones."""
@@ -233,12 +208,19 @@ def to_params(shards: list[dict], version: float, cfg: ModelConfig) -> tuple[dic
     if table.shape[0] < cfg.vocab_size:
         raise UserError(f"the tokenizer has {cfg.vocab_size} tokens but the checkpoint's embedding only {table.shape[0]} rows")
     pad = np.zeros((cfg.padded_vocab - cfg.vocab_size, table.shape[1]), np.float32)
-    flat = {"embed.table": np.concatenate([table[:cfg.vocab_size], pad]), "pos": s.same(top["pos"]),
-            "ln_f.scale": s.same(f"{top['ln_f']}.weight"), "ln_f.bias": s.same(f"{top['ln_f']}.bias")}
-    # The output layer's own copy of the embedding, where a run keeps one (the last pipeline stage's).
-    for output in ("output_layer.weight", "language_model.output_layer.weight", "word_embeddings_for_head.weight"):
+    flat = {"embed.table": np.concatenate([table[:cfg.vocab_size], pad]), "ln_f.scale": s.same(f"{top['ln_f']}.weight")}
+    if cfg.positions == "learned":
+        flat["pos"] = s.same(top["pos"])
+    if cfg.norm == "layernorm":
+        flat["ln_f.bias"] = s.same(f"{top['ln_f']}.bias")
+    outputs = ("output_layer.weight", "language_model.output_layer.weight", "word_embeddings_for_head.weight")
+    if not cfg.tie_embeddings:
+        name = next((o for o in outputs if s.has(o)), outputs[0])
+        flat["head.table"] = np.concatenate([s.joined(name, 0)[:cfg.vocab_size], pad])
+    # A tied run's output layer copy of the embedding, where it keeps one (the last pipeline stage's).
+    for output in outputs if cfg.tie_embeddings else ():
         if s.has(output) and not np.array_equal(s.joined(output, 0)[:cfg.vocab_size], table[:cfg.vocab_size]):
-            raise UserError(f"'{output}' differs from the input embedding: megajax ties the output layer to it")
+            raise UserError(f"'{output}' differs from the input embedding, and the run's arguments tie them")
     layers = [_layer(s, prefix.format(i=i), naming, cfg) for i in range(cfg.num_layers)]
     if extra := s.unused():
         raise UserError(f"the checkpoint has tensors megajax's GPT does not: {', '.join(extra[:4])}"
@@ -252,16 +234,53 @@ def _layer(s: _Shards, prefix: str, naming: int, cfg: ModelConfig) -> dict:
         norm = prefix + LAYER_NAMES[ours][naming] + "."
         if not s.has(norm + "weight") and s.has(prefix + TE_NORMS[ours] + "weight"):
             norm = prefix + TE_NORMS[ours]          # Transformer Engine's fused LayerNorm
-        out[f"{ours}.scale"], out[f"{ours}.bias"] = s.same(norm + "weight"), s.same(norm + "bias")
+        out[f"{ours}.scale"] = s.same(norm + "weight")
+        if cfg.norm == "layernorm":
+            out[f"{ours}.bias"] = s.same(norm + "bias")
     for ours in COLUMN + ROW:
         name = prefix + LAYER_NAMES[ours][naming]
         column, qkv = ours in COLUMN, ours == "attention.qkv"
-        out[f"{ours}.kernel"] = s.joined(f"{name}.weight", 0 if column else 1, qkv).T
-        width = out[f"{ours}.kernel"].shape[1]
-        if not s.has(f"{name}.bias"):                # add_bias_linear = False: a zero bias is the same layer
-            out[f"{ours}.bias"] = np.zeros(width, np.float32)
-        else:
-            out[f"{ours}.bias"] = s.joined(f"{name}.bias", 0, qkv) if column else s.same(f"{name}.bias")
+        biased = cfg.bias == "all" or (cfg.bias == "qkv" and qkv)
+        if ours == "mlp.fc1" and cfg.mlp == "swiglu":
+            out.update(_gated(s, name, biased))
+            continue
+        kernel = s.joined(f"{name}.weight", 0 if column else 1, qkv)
+        bias = None if not biased else s.joined(f"{name}.bias", 0, qkv) if column else s.same(f"{name}.bias")
+        if qkv and cfg.kv_heads < cfg.num_heads:
+            out.update(_grouped_qkv(kernel, bias, cfg))
+            continue
+        out[f"{ours}.kernel"] = kernel.T
+        if biased:
+            out[f"{ours}.bias"] = bias
+        elif cfg.bias == "all":                       # add_bias_linear = False in a GPT-2: a zero bias is the same layer
+            out[f"{ours}.bias"] = np.zeros(kernel.shape[0], np.float32)
+    return out
+
+
+def _gated(s: _Shards, name: str, biased: bool) -> dict:
+    """SwiGLU's fc1: each rank's rows are its slice of the gate, then its slice of up."""
+    out = {}
+    for suffix, ours in (("weight", "kernel"), ("bias", "bias")):
+        if ours == "bias" and not biased:
+            continue
+        halves = [np.split(a, 2, axis=0) for a in s._arrays(f"{name}.{suffix}")]
+        gate, up = (np.concatenate([h[i] for h in halves], axis=0) for i in (0, 1))
+        out[f"mlp.fc1.gate_{ours}"], out[f"mlp.fc1.up_{ours}"] = (gate.T, up.T) if ours == "kernel" else (gate, up)
+    return out
+
+
+def _grouped_qkv(kernel: np.ndarray, bias, cfg: ModelConfig) -> dict:
+    """Megatron's QKV rows per query group (its query heads, one key, one value head) as
+    megajax's query kernel and (kv head, k|v, head_dim) key/value kernel."""
+    groups, d = cfg.kv_heads, cfg.head_dim
+    per = cfg.num_heads // groups
+    out = {}
+    for ours, x in (("kernel", kernel), ("bias", bias)):
+        if x is None:
+            continue
+        rows = x.reshape(groups, per + 2, d, *x.shape[1:])
+        q, kv = rows[:, :per].reshape(-1, *x.shape[1:]), rows[:, per:].reshape(-1, *x.shape[1:])
+        out[f"attention.qkv.q_{ours}"], out[f"attention.qkv.kv_{ours}"] = (q.T, kv.T) if ours == "kernel" else (q, kv)
     return out
 
 
