@@ -7,7 +7,8 @@
 It installs nothing and reaches no network. It prints the device, then checks the fused
 attention core against megajax's own on this device (loss and gradients of a small GPT, and
 whether the compiled program calls cuDNN's flash attention). Then, for each row below (the
-paper's GPT-2 355M and 1.2B shapes, bfloat16, one GPU: through cuDNN's flash attention without
+paper's GPT-2 355M and 1.2B shapes and Llama 3.2 1B's at sequence 1024, bfloat16, one GPU: through
+cuDNN's flash attention (which takes grouped-query heads as they are) without
 attention dropout, and beside it the paper's attention dropout with megajax's own core, the
 paper's full remat, the unrolled stack, the step as one program per layer (train.layer_programs)
 and model.recompute_norm_gelu), it picks the first (remat, batch)
@@ -38,6 +39,8 @@ FAST = [("none", 16), ("none", 8), ("full", 16), ("full", 8), ("full", 4)]
 PROGRAMS = [*FUSED, "train.layer_programs=true"]    # the scanned weights, one compiled program per layer
 ROWS = [("gpt2_355m", "gpt2_355m", FUSED, FAST),
         ("gpt2_1.2b", "gpt2_1.2b", FUSED, FAST),
+        # Today's decoder at the paper's sequence length: GQA through cuDNN, SwiGLU, RoPE, RMSNorm.
+        ("llama3.2_1b shape, seq 1024", "llama3.2_1b", [*FUSED, "model.seq_len=1024"], FAST),
         ("gpt2_1.2b, layer programs", "gpt2_1.2b", PROGRAMS, FAST),
         ("gpt2_355m, layer programs", "gpt2_355m", PROGRAMS, FAST),
         ("gpt2_1.2b, megajax attention core, dropout 0.1 (the paper's)", "gpt2_1.2b", PAPER, FAST),
@@ -54,6 +57,7 @@ STACK_BATCH = 16
 # --smoke: the same configs shrunk until a CPU runs them in seconds.
 SMOKE = ["model.num_layers=2", "model.hidden=128", "model.num_heads=4", "model.seq_len=64",
          "model.vocab_size=512", "model.vocab_multiple=128"]
+SMOKE_ARCHITECTURE = {"llama3.2_1b": ["model.num_kv_heads=2", "model.ffn_hidden=256"]}   # 4 heads need fewer kv heads
 # The attention check's model: head dim 64 and sequence 256, shapes cuDNN's kernel takes.
 CHECK = ["model.num_layers=2", "model.hidden=256", "model.num_heads=4", "model.seq_len=256",
          "model.vocab_size=1024", "model.vocab_multiple=128", "model.hidden_dropout=0",
@@ -71,7 +75,7 @@ def pick(name: str, overrides, options, mesh, smoke: bool):
     why = "no option"
     for remat, batch in options:
         cfg = load_config(name, [f"train.batch_size={batch}", "train.microbatches=1", f"model.remat={remat}",
-                                 *overrides, *(SMOKE if smoke else [])])
+                                 *overrides, *(SMOKE + SMOKE_ARCHITECTURE.get(name, []) if smoke else [])])
         compiled = make_trainer(cfg, mesh).compiled_step()   # layer programs: an estimate, first programs compiled
         peak = step_memory(compiled).get("step_peak_bytes")
         if peak is None or limit is None or peak <= FITS_FRACTION * limit:

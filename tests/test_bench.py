@@ -27,8 +27,8 @@ def test_gpu_check_smoke_writes_its_table(tmp_path):
     assert [r["config"] for r in result["rows"]] == [row[0] for row in ROWS]
     assert all(r["fits"] for r in result["rows"]), [r.get("why") for r in result["rows"]]
     assert [(r["remat"], r["attention"]) for r in result["rows"]] == [
-        ("none", "fused"), ("none", "fused"), ("none", "fused"), ("none", "fused"), ("none", "megajax"),
-        ("full", "fused"), ("none", "fused"), ("none", "fused"), ("none", "fused")]
+        ("none", "fused"), ("none", "fused"), ("none", "fused"), ("none", "fused"), ("none", "fused"),
+        ("none", "megajax"), ("full", "fused"), ("none", "fused"), ("none", "fused"), ("none", "fused")]
     check = result["attention_check"]      # the fused core (XLA's here) against megajax's, in bf16
     assert not check["cudnn_flash_attention"] and check["loss_rel_diff"] < BF16_U
     assert check["grad_max_rel_diff"] < 2 * BF16_ELEMENT   # two bf16 paths, each within BF16_ELEMENT

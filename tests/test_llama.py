@@ -7,6 +7,7 @@ loss for every weight, and 32 greedy tokens. Here, without PyTorch, each is impo
 meshes that split its key/value heads (tp divides them) and that replicate them (tp a multiple
 of them), exported, and imported again.
 """
+import dataclasses
 import json
 
 import jax
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, mesh_for, tiny_config
 from helpers import exact_model_axis_elements
-from tolerances import F32, assert_close
+from tolerances import BF16_ELEMENT, BF16_NORM, F32, assert_close, assert_tree_close
 
 from megajax.config import ConfigError, load_config
 from megajax.convert import export_hf, import_hf
@@ -27,6 +28,7 @@ from megajax.models.registry import ModelDef
 from megajax.runs.workdir import load_workdir
 from megajax.tasks import param_count
 from megajax.tools.audit import audit
+from megajax.training.step import make_trainer
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 NAMES = ("llama", "llama_tied", "mistral", "qwen2")
@@ -212,3 +214,54 @@ def test_audit_finds_megatrons_collectives_and_the_copied_kv_gradients(spec, sp)
     recompute = r.regathered_elements if sp else 0
     assert exact_model_axis_elements(r) == r.analytic_min_elements + recompute
     assert r.data_axis_ratio == pytest.approx(1.0) if mesh.shape["data"] > 1 else True
+
+
+@pytest.mark.parametrize("remat,scan,sp", [("selective", True, False), ("full", False, True), ("full", True, False)])
+def test_remat_recomputes_the_same_numbers(remat, scan, sp):
+    """None, selective and full recomputation, scanned and unrolled, with and without sequence
+    parallelism: the loss and every gradient of no recomputation, dropout on, on 2x4."""
+    from test_equivalence import KEY, TOKENS
+
+    def loss_and_grads(mode):
+        trainer = make_trainer(tiny_config(**LLAMA, remat=mode, scan_layers=scan, sequence_parallel=sp), mesh_for("2x4"))
+        params, _ = trainer.init_state(seed=0)
+        return jax.device_get(jax.jit(jax.value_and_grad(trainer.loss_fn))(
+            params, jax.device_put(TOKENS, trainer.batch_sharding), KEY))
+
+    (want_loss, want), (loss, got) = loss_and_grads("none"), loss_and_grads(remat)
+    assert_close(loss, want_loss, what="loss")
+    assert_tree_close(want, got, what=f"gradient with {remat} remat")
+
+
+def test_layer_programs_give_the_single_program_step():
+    from test_layer_programs import _programs, _two_steps
+    cfg = tiny_config(**LLAMA, num_layers=3)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2)).validate()
+    want = _two_steps(cfg, mesh_for("2x4"), lambda tr: tr.jit_step(donate=False))
+    got = _two_steps(_programs(cfg), mesh_for("2x4"), lambda tr: tr.compiled_step())
+    assert_tree_close(want[0], got[0], F32, what="params")
+    assert_close([m["loss"] for m in got[2]], [m["loss"] for m in want[2]], what="losses")
+
+
+def test_fused_attention_takes_the_grouped_heads_directly(imported, tmp_path):
+    """model.attention = "fused" (jax.nn.dot_product_attention, given the key/value heads as
+    they are): transformers' logits, on a mesh that copies the key/value heads."""
+    ref = reference("llama")
+    cfg = import_hf(FIXTURES / "llama", tmp_path / "w", [*SETTINGS, "model.attention=fused"])
+    assert cfg.model.attention == "fused"
+    model = load_workdir(tmp_path / "w", mesh_for("1x8")).model
+    logits = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ref["ids"])))
+    assert_close(logits[..., :cfg.model.vocab_size], ref["logits"], what="fused attention's logits")
+
+
+def test_mixed_precision_stays_within_bfloat16_of_one_device():
+    cfg = tiny_config(**LLAMA, compute_dtype="mixed", hidden_dropout=0.0, attention_dropout=0.0)
+    from test_equivalence import TOKENS
+    results = {}
+    for spec in ("1x1", "2x4"):
+        trainer = make_trainer(cfg, mesh_for(spec))
+        params, _ = trainer.init_state(seed=0)
+        results[spec] = jax.device_get(jax.jit(jax.value_and_grad(trainer.loss_fn))(
+            params, jax.device_put(TOKENS, trainer.batch_sharding), None))
+    assert_close(results["2x4"][0], results["1x1"][0], BF16_NORM, what="loss")
+    assert_tree_close(results["1x1"][1], results["2x4"][1], BF16_ELEMENT, "gradient", norm_tol=BF16_NORM)
