@@ -70,6 +70,14 @@ def test_parse_explicit_iota_and_mesh_groups():
     assert parse_replica_groups(shardy, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert parse_replica_groups(shardy_ids, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert parse_replica_groups("replica_groups={}, to_apply", 8) == [list(range(8))]
+    # Sub-axes (jax 0.12's Shardy): 'model':(2)2 is the minor half of a model axis of 4, split 2 x 2.
+    sub = "replica_groups=mesh['data'=2,'model'=4] {'model':(2)2}, use"
+    assert parse_replica_groups(sub, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert parse_replica_groups("replica_groups=mesh['data'=2,'model'=4] {'model':(1)2}, use", 8) == \
+        [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert parse_replica_groups("replica_groups=mesh['data'=1,'model'=8] {'model':(2)4}, use", 8) == \
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups_axis([[0, 1], [2, 3], [4, 5], [6, 7]], mesh_shape) == "model"
     assert groups_axis([[0, 1, 2, 3], [4, 5, 6, 7]], mesh_shape) == "model"
     assert groups_axis([[0, 4], [1, 5], [2, 6], [3, 7]], mesh_shape) == "data"
     assert groups_axis([list(range(8))], mesh_shape) == "data+model"

@@ -62,18 +62,12 @@ def _device_list(spec: str) -> np.ndarray:
 def parse_replica_groups(line: str, num_devices: int) -> list[list[int]]:
     """Device groups of a collective, from any HLO spelling:
     explicit lists {{0,1,2,3},{4,5,6,7}}, iota forms [2,4]<=[8] or [4,2]<=[2,4]T(1,0),
-    Shardy's mesh form mesh['axis_0'=2,'axis_1'=4] {'axis_1'} (optionally with device_ids=(...)),
-    and collective-permute's source_target_pairs."""
+    Shardy's mesh form mesh['axis_0'=2,'axis_1'=4] {'axis_1'} (optionally with device_ids=(...);
+    a sub-axis 'axis_1':(2)2 is the part of size 2 after a major part of 2), and
+    collective-permute's source_target_pairs."""
     m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}", line)
     if m:
-        axes = [(a.split("=")[0].strip("' "), int(a.split("=")[1])) for a in m.group(1).split(",")]
-        names, sizes = [a for a, _ in axes], [s for _, s in axes]
-        ids = _device_list(m.group(2)) if m.group(2) else np.arange(math.prod(sizes))
-        ids = ids.reshape(sizes)
-        reduced = [names.index(a.strip("' ")) for a in m.group(3).split(",") if a.strip()]
-        kept = [i for i in range(len(names)) if i not in reduced]
-        ids = ids.transpose(kept + reduced).reshape(-1, math.prod(sizes[i] for i in reduced) if reduced else 1)
-        return ids.tolist()
+        return _mesh_groups(m.group(1), m.group(2), m.group(3))
     m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", line)
     if m:
         ids = _iota(m.group(1))
@@ -85,6 +79,28 @@ def parse_replica_groups(line: str, num_devices: int) -> list[list[int]]:
             return groups
         return groups or [list(range(num_devices))]
     return [list(range(num_devices))]
+
+
+def _mesh_groups(axes_text: str, device_ids: str | None, reduced_text: str) -> list[list[int]]:
+    """Shardy's mesh form: every axis split into (major, sub-axis, minor) where a reduced
+    sub-axis names a part of it, the reduced parts moved last, one group per the rest."""
+    axes = [(a.split("=")[0].strip("' "), int(a.split("=")[1])) for a in axes_text.split(",")]
+    ids = _device_list(device_ids) if device_ids else np.arange(math.prod(n for _, n in axes))
+    parts = {}    # axis name -> (major size, reduced size), a whole axis being (1, its size)
+    for token in (t.strip() for t in reduced_text.split(",") if t.strip()):
+        sub = re.fullmatch(r"'?([^':]+)'?(?::\((\d+)\)(\d+))?", token)
+        name = sub.group(1)
+        size = dict(axes)[name]
+        parts[name] = (int(sub.group(2)), int(sub.group(3))) if sub.group(2) else (1, size)
+    shape, reduced = [], []
+    for name, size in axes:
+        major, part = parts.get(name, (size, 1))
+        if name in parts:
+            reduced.append(len(shape) + 1)
+        shape += [major, part, size // (major * part)]
+    ids = ids.reshape(shape)
+    kept = [i for i in range(len(shape)) if i not in reduced]
+    return ids.transpose(kept + reduced).reshape(-1, math.prod(shape[i] for i in reduced) if reduced else 1).tolist()
 
 
 def groups_axis(groups, mesh_shape: tuple[int, int], axis_names=AXES) -> str:
