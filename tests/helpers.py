@@ -1,6 +1,6 @@
 """What several test files share: the committed corpus and the tiny run the command-line tests
-start, running train.py as a user does, reading back its losses, and the audit's model-axis
-count without the optimizer's scalars. (conftest.py holds the session's setup: simulated
+start, running train.py as a user does, reading back its losses, the audit's model-axis
+count without the optimizer's scalars, and the Hugging Face fixtures imported once a module. (conftest.py holds the session's setup: simulated
 devices, the compilation cache, tiny_config and mesh_for.)"""
 import json
 import os
@@ -14,6 +14,19 @@ SHAKESPEARE = ROOT / "data" / "tinyshakespeare.txt"
 RUN_ARGS = ["--config", "tiny", "--data", f"text:{SHAKESPEARE}", "--tokenizer", "chars",
             "--sample-tokens", "0", "--log-every", "1"]
 BASE = [*RUN_ARGS, "--host-devices", "8"]
+HF_FIXTURES = ROOT / "tests" / "fixtures" / "hf"
+
+
+def import_hf_fixtures(root: Path, names, settings) -> dict:
+    """{name: (its imported config, its workdir under root)} for the tests/fixtures/hf/ models."""
+    from megajax.convert import import_hf
+    return {name: (import_hf(HF_FIXTURES / name, root / name, settings), root / name) for name in names}
+
+
+def hf_reference(name: str):
+    """What transformers computed for a fixture (tests/make_hf_fixtures.py, make_llama_fixtures.py)."""
+    import numpy as np
+    return np.load(HF_FIXTURES / name / "reference.npz")
 
 
 def env():

@@ -163,42 +163,66 @@ def run_args(tp: int) -> argparse.Namespace:
         tokenizer_type="BertWordPieceLowerCase", vocab_file=str(VOCAB), iteration=7)
 
 
-def save_rank(rank: int, tp: int, out: str, port: int):
-    """One tensor-parallel rank: its slice of the weights, Megatron's forward pass, torch.save."""
+def start_rank(rank: int, world: int, port: int, **parallel):
+    """This process as one rank of a gloo group, megatron-core's parallel state set up on the CPU."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=tp)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(**parallel)
     patch_for_cpu()
-    model, full = gpt(tp), full_weights()
+    return parallel_state
+
+
+def rank_slices(model, full: dict, t: int, tp: int, source=lambda name: name) -> dict:
+    """Tensor-parallel rank t's slice of each full weight, as Megatron splits it: replicated
+    whole, column-parallel (and the vocabulary) by rows, row-parallel by columns; SwiGLU's fc1
+    as its slice of the gate, then its slice of up. `source`: the full weight a name reads."""
     mine = {}
-    for name, t in model.state_dict().items():
+    for name, tensor in model.state_dict().items():
         if name.endswith("_extra_state"):
             continue
-        w = full[name]
-        if w.shape == t.shape:                      # replicated
+        w = full[source(name)]
+        if name.endswith("linear_fc1.weight") and model.config.gated_linear_unit:
+            gate, up = w.chunk(2)
+            n = gate.shape[0] // tp
+            mine[name] = torch.cat([gate[t * n:(t + 1) * n], up[t * n:(t + 1) * n]])
+        elif w.shape == tensor.shape:
             mine[name] = w
-        elif w.shape[0] != t.shape[0]:              # column-parallel (and the vocabulary): rows
-            mine[name] = w[rank * t.shape[0]:(rank + 1) * t.shape[0]]
-        else:                                       # row-parallel: columns
-            mine[name] = w[:, rank * t.shape[1]:(rank + 1) * t.shape[1]]
-    model.load_state_dict(mine, strict=False)
+        elif w.shape[0] != tensor.shape[0]:
+            mine[name] = w[t * tensor.shape[0]:(t + 1) * tensor.shape[0]]
+        else:
+            mine[name] = w[:, t * tensor.shape[1]:(t + 1) * tensor.shape[1]]
+    return mine
+
+
+# kind -> (the model, its full weights, its run's arguments, the iteration saved, the tokens' seed)
+KINDS = {"gpt": (lambda tp: gpt(tp), lambda: full_weights(), lambda tp: run_args(tp), 7, 99),
+         "llama": (lambda tp: llama_gpt(tp), lambda: llama_weights(), lambda tp: llama_args(tp), 3, 98)}
+
+
+def save_rank(rank: int, tp: int, out: str, port: int, kind: str = "gpt"):
+    """One tensor-parallel rank: its slice of the weights, Megatron's forward pass, torch.save."""
+    make_model, make_weights, make_args, iteration, seed = KINDS[kind]
+    start_rank(rank, tp, port, tensor_model_parallel_size=tp)
+    model = make_model(tp)
+    missing, unexpected = model.load_state_dict(rank_slices(model, make_weights(), rank, tp), strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
     model.eval()
-    tokens = torch.randint(0, REAL_VOCAB, (2, 12), generator=torch.Generator().manual_seed(99))
+    tokens = torch.randint(0, REAL_VOCAB, (2, 12), generator=torch.Generator().manual_seed(seed))
     positions = torch.arange(12).unsqueeze(0).expand(2, 12)
     causal = torch.triu(torch.ones(1, 1, 12, 12, dtype=torch.bool), diagonal=1)
     with torch.no_grad():
         logits = model(tokens, positions, causal)
-    state = {"args": run_args(tp), "checkpoint_version": 3.0, "iteration": 7,
+    state = {"args": make_args(tp), "checkpoint_version": 3.0, "iteration": iteration,
              "model": model.state_dict_for_save_checkpoint(),
              "rng_state": [{"np_rng_state": np.random.get_state(), "torch_rng_state": torch.get_rng_state()}],
              "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}}}
-    directory = Path(out) / "iter_0000007" / f"mp_rank_{rank:02d}"
+    directory = Path(out) / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}"
     directory.mkdir(parents=True, exist_ok=True)
     torch.save(state, directory / "model_optim_rng.pt")
     if rank == 0:
-        (Path(out) / "latest_checkpointed_iteration.txt").write_text("7")
+        (Path(out) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
         np.savez(Path(out) / "reference.npz", tokens=tokens.numpy(), logits=logits.numpy()[..., :REAL_VOCAB])
     torch.distributed.destroy_process_group()
 
@@ -207,30 +231,19 @@ def save_stage(rank: int, tp: int, pp: int, out: str, port: int):
     """One rank of a tensor- and pipeline-parallel run: its stage's layers (named from 0 within
     the stage, as Megatron saves them), its slice of each, and the last stage's copy of the
     embedding as the output layer. Saved only; the logits are those of the same weights unsplit."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=tp * pp)
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    patch_for_cpu()
+    parallel_state = start_rank(rank, tp * pp, port, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     t, stage = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     model, full = gpt(tp, stage == 0, stage == pp - 1, pp), full_weights()
     per_stage = SIZES["num_layers"] // pp
-    mine = {}
-    for name, tensor in model.state_dict().items():
-        if name.endswith("_extra_state"):
-            continue
-        source = name
+
+    def source(name):   # each stage numbers its layers from 0; its output layer is the embedding
+        if name == "output_layer.weight":
+            return "embedding.word_embeddings.weight"
         if name.startswith("decoder.layers."):
             local, rest = name.removeprefix("decoder.layers.").split(".", 1)
-            source = f"decoder.layers.{stage * per_stage + int(local)}.{rest}"
-        w = full["embedding.word_embeddings.weight" if name == "output_layer.weight" else source]
-        if w.shape == tensor.shape:
-            mine[name] = w
-        elif w.shape[0] != tensor.shape[0]:
-            mine[name] = w[t * tensor.shape[0]:(t + 1) * tensor.shape[0]]
-        else:
-            mine[name] = w[:, t * tensor.shape[1]:(t + 1) * tensor.shape[1]]
+            return f"decoder.layers.{stage * per_stage + int(local)}.{rest}"
+        return name
+    mine = rank_slices(model, full, t, tp, source)
     model.load_state_dict(mine, strict=False)
     args = run_args(tp)
     args.pipeline_model_parallel_size = pp
@@ -296,53 +309,9 @@ def llama_args(tp: int) -> argparse.Namespace:
         vocab_file=str(VOCAB), iteration=3)
 
 
-def save_llama_rank(rank: int, tp: int, out: str, port: int):
-    """One tensor-parallel rank of the Llama-style GPT: its slice of each weight as Megatron
-    splits it (query groups by rows; SwiGLU's fc1 as its gate's and its up's slices, stacked)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=tp)
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    patch_for_cpu()
-    model, full = llama_gpt(tp), llama_weights()
-    mine = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("_extra_state"):
-            continue
-        w = full[name]
-        if name.endswith("linear_fc1.weight"):
-            gate, up = w.chunk(2)
-            n = gate.shape[0] // tp
-            mine[name] = torch.cat([gate[rank * n:(rank + 1) * n], up[rank * n:(rank + 1) * n]])
-        elif w.shape == t.shape:
-            mine[name] = w
-        elif w.shape[0] != t.shape[0]:
-            mine[name] = w[rank * t.shape[0]:(rank + 1) * t.shape[0]]
-        else:
-            mine[name] = w[:, rank * t.shape[1]:(rank + 1) * t.shape[1]]
-    missing, unexpected = model.load_state_dict(mine, strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
-    model.eval()
-    tokens = torch.randint(0, REAL_VOCAB, (2, 12), generator=torch.Generator().manual_seed(98))
-    positions = torch.arange(12).unsqueeze(0).expand(2, 12)
-    causal = torch.triu(torch.ones(1, 1, 12, 12, dtype=torch.bool), diagonal=1)
-    with torch.no_grad():
-        logits = model(tokens, positions, causal)
-    state = {"args": llama_args(tp), "checkpoint_version": 3.0, "iteration": 3,
-             "model": model.state_dict_for_save_checkpoint()}
-    directory = Path(out) / "iter_0000003" / f"mp_rank_{rank:02d}"
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.save(state, directory / "model_optim_rng.pt")
-    if rank == 0:
-        (Path(out) / "latest_checkpointed_iteration.txt").write_text("3")
-        np.savez(Path(out) / "reference.npz", tokens=tokens.numpy(), logits=logits.numpy()[..., :REAL_VOCAB])
-    torch.distributed.destroy_process_group()
-
-
 def llama_checkpoints():
     for tp in (1, 2):
-        torch.multiprocessing.spawn(save_llama_rank, args=(tp, str(OUT / f"llama_tp{tp}"), 29620 + tp), nprocs=tp)
+        torch.multiprocessing.spawn(save_rank, args=(tp, str(OUT / f"llama_tp{tp}"), 29620 + tp, "llama"), nprocs=tp)
     one, two = (np.load(OUT / f"llama_tp{tp}" / "reference.npz") for tp in (1, 2))
     gap = np.abs(one["logits"] - two["logits"]).max()
     assert np.array_equal(one["tokens"], two["tokens"]) and gap < 1e-5, gap

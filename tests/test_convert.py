@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, handles_signal, mesh_for
 from safetensors.numpy import load_file
+from helpers import HF_FIXTURES, hf_reference, import_hf_fixtures
 from tolerances import F32, assert_close
 
 from megajax.cli.convert import convert_main
@@ -31,7 +32,7 @@ from megajax.runs.checkpoint import Checkpoints
 from megajax.runs.workdir import load_workdir
 from megajax.training.loop import train
 
-FIXTURES = ROOT / "tests" / "fixtures" / "hf"
+FIXTURES = HF_FIXTURES
 NAMES = ("gpt2", "bert", "megatron_bert")
 SAMPLE = "A single man, in want of a WATERY fortune: 42 foxes!"   # as in make_hf_fixtures.py
 # float32 throughout; a padding multiple of 128 keeps padded rows (300 -> 384) on every mesh here.
@@ -40,12 +41,10 @@ IMPORT_SETTINGS = ["model.compute_dtype=float32", "model.vocab_multiple=128"]
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("imported")
-    return {name: (import_hf(FIXTURES / name, root / name, IMPORT_SETTINGS), root / name) for name in NAMES}
+    return import_hf_fixtures(tmp_path_factory.mktemp("imported"), NAMES, IMPORT_SETTINGS)
 
 
-def reference(name):
-    return np.load(FIXTURES / name / "reference.npz")
+reference = hf_reference
 
 
 def flat_params(workdir, mesh_spec="1x1"):

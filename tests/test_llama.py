@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, mesh_for, tiny_config
-from helpers import exact_model_axis_elements
+from conftest import mesh_for, tiny_config
+from helpers import HF_FIXTURES, exact_model_axis_elements, hf_reference, import_hf_fixtures
 from tolerances import BF16_ELEMENT, BF16_NORM, F32, assert_close, assert_tree_close
 
 from megajax.config import ConfigError, load_config
@@ -30,7 +30,7 @@ from megajax.tasks import param_count
 from megajax.tools.audit import audit
 from megajax.training.step import make_trainer
 
-FIXTURES = ROOT / "tests" / "fixtures" / "hf"
+FIXTURES = HF_FIXTURES
 NAMES = ("llama", "llama_tied", "mistral", "qwen2")
 SETTINGS = ["model.compute_dtype=float32", "model.vocab_multiple=128"]    # vocab 320 -> 384
 # (fixture, mesh): every fixture on one device; 1x8 and 2x4 replicate the key/value heads
@@ -41,12 +41,10 @@ CASES = [(n, "1x1") for n in NAMES] + [("llama", "2x4"), ("llama", "1x8"), ("lla
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("imported")
-    return {name: (import_hf(FIXTURES / name, root / name, SETTINGS), root / name) for name in NAMES}
+    return import_hf_fixtures(tmp_path_factory.mktemp("imported"), NAMES, SETTINGS)
 
 
-def reference(name):
-    return np.load(FIXTURES / name / "reference.npz")
+reference = hf_reference
 
 
 def test_configs_come_from_the_hf_config(imported):
@@ -184,10 +182,16 @@ def test_three_adamw_steps_match_one_device(spec, extra, train):
     computes on one device: weights, logits, loss, gradients and three optimizer steps."""
     from test_equivalence import assert_matches_reference, run
     model = {**LLAMA, **extra}
-    base = tiny_config(**{k: v for k, v in model.items() if k != "sequence_parallel"})
+    base = {k: v for k, v in model.items() if k != "sequence_parallel"}   # one device: nothing to split
+    key = tuple(sorted(base.items()))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run(mesh_for("1x1"), tiny_config(**base))
     cfg = tiny_config(**model)
     cfg.train.shard_optimizer, cfg.train.shard_params = train.get("shard_optimizer", False), train.get("shard_params", False)
-    assert_matches_reference(run(mesh_for("1x1"), base), run(mesh_for(spec), cfg.validate()))
+    assert_matches_reference(_REFERENCES[key], run(mesh_for(spec), cfg.validate()))
+
+
+_REFERENCES = {}   # one device's run of each model, shared by the meshes compared with it
 
 
 @pytest.mark.parametrize("spec,sp", [("2x4", False), ("1x8", False), ("2x4", True)])
