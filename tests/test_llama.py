@@ -128,8 +128,8 @@ def test_the_chat_template_and_tokenizer_config_are_kept(imported):
 
 @pytest.mark.parametrize("name,change,says", [
     ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope scaling 'yarn'"),
-    ("mistral", dict(sliding_window=16), "sliding_window = 16"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=32), "sliding_window = 32"),
+    ("mistral", dict(sliding_window=16, settings=["model.seq_len=32"]), "model.seq_len = 32 is longer than"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, settings=["model.seq_len=64"]), "sliding_window = 16"),
     ("llama", dict(attention_bias=True), "attention_bias = true"),
     ("llama", dict(mlp_bias=True), "mlp_bias = true"),
     ("mistral", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
@@ -141,10 +141,28 @@ def test_unsupported_options_are_one_line_and_nothing_is_written(tmp_path, name,
     for f in (FIXTURES / name).iterdir():
         (src / f.name).write_bytes(f.read_bytes())
     config = json.loads((src / "config.json").read_text())
+    settings = change.pop("settings", [])
     (src / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(UserError, match=says.replace("(", r"\(")) as e:
-        import_hf(src, tmp_path / "out", SETTINGS)
+        import_hf(src, tmp_path / "out", [*SETTINGS, *settings])
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_a_sliding_window_as_long_as_the_sequence_is_full_attention(tmp_path, imported):
+    """Mistral 7B v0.1's window (4,096 of 32,768 positions), in small: imported with its context
+    cut to the window, where the model's attention is megajax's; its logits are the fixture's."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in (FIXTURES / "mistral").iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    cfg = import_hf(src, tmp_path / "w", SETTINGS).model
+    assert (cfg.seq_len, cfg.max_positions, cfg.context) == (16, 16, 16)
+    ref = reference("mistral")     # 16 tokens a row: within the window, full attention
+    model = load_workdir(tmp_path / "w", mesh_for("1x1")).model
+    logits = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ref["ids"])))
+    assert_close(logits[..., :cfg.vocab_size], ref["logits"], what="logits within the window")
 
 
 @pytest.mark.parametrize("name,published", [

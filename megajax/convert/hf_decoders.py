@@ -6,8 +6,9 @@ rope theta and scaling, and whether the output layer is tied.
 Both spellings of the rotary settings are read: `rope_theta` with `rope_scaling` (the files the
 models were released with) and transformers 5's `rope_parameters`. What megajax does not
 implement is one line naming the option: another rope scaling (yarn, dynamic, longrope), a
-sliding window shorter than the context, biases Llama's files can switch on (attention_bias,
-mlp_bias), another activation.
+training length longer than a sliding window (up to the window it is full attention: the model
+is imported with its context cut to the window), biases Llama's files can switch on
+(attention_bias, mlp_bias), another activation.
 """
 from __future__ import annotations
 
@@ -42,14 +43,18 @@ def _rope(hf: dict) -> dict:
                     f"(it has default, linear and llama3)")
 
 
-def _refuse_windows(model_type: str, hf: dict, context: int):
+def _window(model_type: str, hf: dict, seq_len: int | None) -> int | None:
+    """A sliding window the model attends within (Mistral's `sliding_window`, Qwen2's with
+    `use_sliding_window`), or None. Over sequences no longer than the window it is full
+    attention, which megajax computes: a longer training length is refused."""
     window = hf.get("sliding_window")
-    uses_window = model_type == "mistral" or hf.get("use_sliding_window", False)
-    if uses_window and window is not None and window < context:
-        raise UserError(f"config.json has sliding_window = {window}, shorter than the model's {context} "
-                        f"positions: sliding-window attention, which megajax does not implement")
-    if any(t != "full_attention" for t in hf.get("layer_types") or []) and uses_window:
-        raise UserError("config.json's layer_types include sliding-window attention, which megajax does not implement")
+    if not (model_type == "mistral" or hf.get("use_sliding_window", False)) or window is None:
+        return None
+    if seq_len is not None and seq_len > window:
+        raise UserError(f"model.seq_len = {seq_len} is longer than config.json's sliding_window = {window}: "
+                        f"sliding-window attention, which megajax does not implement (up to the window it is "
+                        f"full attention)")
+    return int(window)
 
 
 def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
@@ -63,7 +68,8 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
                             f"which megajax's bias patterns (all, none, qkv) do not include")
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     context = hf["max_position_embeddings"]
-    _refuse_windows(model_type, hf, context)
+    if (window := _window(model_type, hf, seq_len)) is not None:
+        context = min(context, window)     # sampling and training stay within the window
     head_dim = hf.get("head_dim") or hidden // heads
     return dict(num_layers=hf["num_hidden_layers"], hidden=hidden, num_heads=heads,
                 num_kv_heads=hf.get("num_key_value_heads") or heads,
