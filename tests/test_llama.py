@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import mesh_for, tiny_config
 from helpers import HF_FIXTURES, exact_model_axis_elements, hf_reference, import_hf_fixtures
-from tolerances import BF16_ELEMENT, BF16_NORM, F32, assert_close, assert_tree_close
+from tolerances import BF16_ELEMENT, BF16_NORM, BF16_U, F16_U, F32, assert_close, assert_tree_close
 
 from megajax.config import ConfigError, load_config
 from megajax.convert import export_hf, import_hf
@@ -287,3 +287,23 @@ def test_mixed_precision_stays_within_bfloat16_of_one_device():
             params, jax.device_put(TOKENS, trainer.batch_sharding), None))
     assert_close(results["2x4"][0], results["1x1"][0], BF16_NORM, what="loss")
     assert_tree_close(results["1x1"][1], results["2x4"][1], BF16_ELEMENT, "gradient", norm_tol=BF16_NORM)
+
+
+@pytest.mark.parametrize("dtype,u", [("float16", F16_U), ("bfloat16", BF16_U)])
+def test_16_bit_activations_give_float32s_gradients_within_their_roundoff(dtype, u):
+    """float16 (with its loss scale, 2^16) and bfloat16 activations: each weight's gradient
+    norm against float32's, within the bounds tests/test_loss_scale.py states for the GPT, in
+    units u of the dtype: every weight within 32 u, the median within 4 u."""
+    def gradients(compute, scale):
+        cfg = tiny_config(**LLAMA, compute_dtype=compute, seq_len=128, hidden_dropout=0.0, attention_dropout=0.0)
+        tr = make_trainer(cfg, mesh_for("1x1"))
+        params, _ = tr.init_state(seed=0)
+        batch = jax.device_put(tr.task.synthetic_batch(cfg, 64, np.random.default_rng(0)), tr.batch_sharding)
+        g = jax.jit(lambda p, b: tr.gradients(p, b, jax.random.key(0), scale)[1])(params, batch)
+        return jax.device_get(g if scale is None else jax.tree.map(lambda x: x / scale, g))
+
+    want = gradients("float32", None)
+    got = gradients(dtype, jnp.float32(2.0 ** 16) if dtype == "float16" else None)
+    errors = [np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w)
+              for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got))]
+    assert max(errors) <= 32 * u and np.median(errors) <= 4 * u, errors
