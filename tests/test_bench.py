@@ -42,7 +42,8 @@ def test_gpu_check_smoke_writes_its_table(tmp_path):
         assert set(r["best_ms"]) == set(ways) and min(r["best_ms"].values()) > 0
         assert r["grad_rel_diff"]["per_layer"] < BF16_ELEMENT    # the same bf16 layer, run another way
     table = (tmp_path / "gpu_check.md").read_text()
-    assert table.count("| gpt2_") == len(ROWS) + len(STACKS) and "[smoke]" in table and "megajax-plan on h200" in table
+    rows = table.count("| gpt2_") + table.count("| llama3.2_1b")
+    assert rows == len(ROWS) + len(STACKS) and "[smoke]" in table and "megajax-plan on h200" in table
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
