@@ -5,7 +5,8 @@ from pathlib import Path
 
 if __name__ == "__main__":
     # Before megajax (and jax) is imported: may restart this process once (megajax/host/env.py).
-    runpy.run_path(str(Path(__file__).resolve().parent / "megajax" / "host" / "env.py"))["restart_with_malloc_tuning"]()
+    runpy.run_path(str(Path(__file__).resolve().parent / "megajax" / "host" / "env.py"))[
+        "restart_with_malloc_tuning"]()
     from megajax.cli import train_main
     from megajax.cli.common import end
 

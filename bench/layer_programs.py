@@ -7,7 +7,8 @@ activations cost and whether one compiled program per layer avoids it.
 
   scan       jax.lax.scan over the stacked weights (model.scan_layers = true): one compiled
              layer, but the activations the backward pass needs are stacked over layers:
-             zero-filled, written in and copied out again (README, "Performance of the big-model path");
+             zero-filled, written in and copied out again (README, "Performance of the big-model
+             path");
   unrolled   the layers inlined into one program (model.scan_layers = false): no copies, but
              the compile time grows with the depth;
   per_layer  a Python loop over two compiled programs, a layer's forward (which returns
@@ -58,7 +59,8 @@ def stack_gradients(cfg, mesh) -> tuple[dict, object]:
         """One layer as the model builds it for this kind of stack (Precision.of differs: a
         scanned layer saves some activations in the form a stacked buffer takes best)."""
         precision = Precision.of(model_cfg)
-        graph = nnx.split(nnx.eval_shape(lambda: TransformerLayer(model_cfg, layout=layout, precision=precision,
+        graph = nnx.split(
+            nnx.eval_shape(lambda: TransformerLayer(model_cfg, layout=layout, precision=precision,
                                                                   rngs=nnx.Rngs(params=0))))[0]
 
         def layer(p, h, k):
@@ -66,7 +68,8 @@ def stack_gradients(cfg, mesh) -> tuple[dict, object]:
         return jax.checkpoint(layer) if m.remat == "full" else layer
 
     scan_layer, layer = layer_fn(scan_cfg), layer_fn(loop_cfg)
-    take = lambda tree, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)  # noqa: E731
+    take = lambda tree, i: jax.tree.map(
+        lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)  # noqa: E731
     key_at = lambda keys, i: None if keys is None else keys[i]  # noqa: E731
 
     def scanned(s, x, keys):
@@ -91,7 +94,8 @@ def stack_gradients(cfg, mesh) -> tuple[dict, object]:
 
     def backward(pullback, grads, i, g):
         dp, dh = pullback(g)
-        return jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(a, d, i, 0), grads, dp), dh
+        return jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(a, d, i, 0), grads,
+                            dp), dh
 
     backward = jax.jit(backward, donate_argnums=(1,))
     zeros = jax.jit(lambda s: jax.tree.map(jnp.zeros_like, s))
@@ -103,14 +107,17 @@ def stack_gradients(cfg, mesh) -> tuple[dict, object]:
             pullbacks.append(pullback)
         grads, g = zeros(s), ct
         for i in reversed(range(m.num_layers)):
-            grads, g = backward(pullbacks.pop(), grads, i, g)   # each layer's activations freed as it goes
+            # each layer's activations freed as it goes
+            grads, g = backward(pullbacks.pop(), grads, i, g)
         return grads, g
 
-    return {"scan": whole_program(scanned), "unrolled": whole_program(unrolled), "per_layer": per_layer}, state
+    return {"scan": whole_program(scanned), "unrolled": whole_program(unrolled),
+            "per_layer": per_layer}, state
 
 
 def inputs(cfg, seed: int = 0):
-    """The stack's input, an output cotangent and the layers' dropout keys (None without dropout)."""
+    """The stack's input, an output cotangent and the layers' dropout keys (None without
+    dropout)."""
     import jax
 
     from megajax.core.precision import Precision
@@ -130,8 +137,9 @@ def max_rel_diff(got, want) -> float:
     import numpy as np
 
     got, want = (jax.tree.leaves(jax.device_get(t)) for t in (got, want))
-    return max(float(np.abs(np.float64(a) - np.float64(b)).max() / max(np.abs(np.float64(b)).max(), 1e-30))
-               for a, b in zip(got, want))
+    return max(
+        float(np.abs(np.float64(a) - np.float64(b)).max() / max(np.abs(np.float64(b)).max(), 1e-30))
+        for a, b in zip(got, want))
 
 
 def time_ways(fns: dict, args, ways, reps: int) -> dict:
@@ -153,7 +161,8 @@ def time_ways(fns: dict, args, ways, reps: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", help="a config name or path (default: step_mfu's mid-size model)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config overrides")
     p.add_argument("--batch", type=int, help="train.batch_size (the stack's batch)")
     p.add_argument("--ways", default=",".join(WAYS))
     p.add_argument("--reps", type=int, default=5)
@@ -168,21 +177,28 @@ def main() -> int:
     from megajax.config import load_config
     from megajax.core.mesh import make_mesh
 
-    overrides = ([] if a.config else MID_SIZE) + a.set + ([f"train.batch_size={a.batch}"] if a.batch else [])
+    overrides = (([] if a.config else MID_SIZE) + a.set
+                 + ([f"train.batch_size={a.batch}"] if a.batch else []))
     cfg = load_config(a.config or "default", overrides)
     mesh = make_mesh("model=1", devices=jax.devices()[:1])
     fns, state = stack_gradients(cfg, mesh)
     x, ct, keys = inputs(cfg)
     args = (state, x, keys, ct)
     m = cfg.model
-    print(f"{jax.devices()[0].device_kind}: {m.num_layers} layers, hidden {m.hidden}, seq {m.seq_len}, "
-          f"batch {cfg.train.batch_size}, {m.compute_dtype}, remat {m.remat}, attention {m.attention}")
+    print(
+        f"{jax.devices()[0].device_kind}: {m.num_layers} layers, hidden {m.hidden}, seq "
+        f"{m.seq_len}, "
+        f"batch {cfg.train.batch_size}, {m.compute_dtype}, remat {m.remat}, attention "
+        f"{m.attention}")
     reference = fns["scan"](*args) if "scan" in ways else None
     for w in ways:
         if w != "scan" and reference is not None:
-            print(f"  {w}: gradients {max_rel_diff(fns[w](*args), reference):.1e} from the scan's (relative to scale)")
+            print(
+                f"  {w}: gradients {max_rel_diff(fns[w](*args), reference):.1e} from the scan's "
+                f"(relative to scale)")
     for w, (best, median) in time_ways(fns, args, ways, a.reps).items():
-        print(f"  {w:9s} forward+backward: best {best * 1000:.1f} ms, median {median * 1000:.1f} ms")
+        print(
+            f"  {w:9s} forward+backward: best {best * 1000:.1f} ms, median {median * 1000:.1f} ms")
     return 0
 
 

@@ -28,7 +28,8 @@ try:
     import torch.nn as nn
     from torch.nn import functional as F
 except ImportError:
-    print("error: bench/nanogpt_reference.py needs PyTorch (pip install torch numpy)", file=sys.stderr)
+    print("error: bench/nanogpt_reference.py needs PyTorch (pip install torch numpy)",
+          file=sys.stderr)
     sys.exit(2)
 
 N_LAYER, N_HEAD, N_EMBD, BLOCK, BATCH = 4, 4, 128, 64, 12
@@ -56,7 +57,8 @@ class Block(nn.Module):
 
     def attn(self, x):
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, N_HEAD, c // N_HEAD).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        q, k, v = (z.view(b, t, N_HEAD, c // N_HEAD).transpose(1, 2)
+                   for z in self.c_attn(x).split(c, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.attn_proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
@@ -105,9 +107,10 @@ def run(seed, train, val, vocab, steps, bias, eval_batches):
 
     model = GPT(vocab, bias)
     params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS)
+        lr=LR, betas=BETAS)
     x, y = random_batch(train)
     t0 = time.perf_counter()
     for it in range(steps):
@@ -125,7 +128,8 @@ def run(seed, train, val, vocab, steps, bias, eval_batches):
         n_windows = (len(val) - 1) // BLOCK
         count = max(1, min(eval_batches, n_windows // BATCH)) * BATCH
         starts = np.arange(count) * n_windows // count * BLOCK
-        sweep = np.mean([model(*batch(val, starts[i:i + BATCH])).item() for i in range(0, count, BATCH)])
+        sweep = np.mean(
+            [model(*batch(val, starts[i:i + BATCH])).item() for i in range(0, count, BATCH)])
     return tokens_per_s, estimate, sweep
 
 
@@ -133,7 +137,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0")
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--bias", action="store_true", help="biases in the linear layers and LayerNorms, as GPT-2")
+    p.add_argument("--bias", action="store_true",
+                   help="biases in the linear layers and LayerNorms, as GPT-2")
     p.add_argument("--eval-batches", type=int, default=200)
     p.add_argument("--data", default=str(ROOT / "data" / "tinyshakespeare.txt"))
     a = p.parse_args()
@@ -143,18 +148,23 @@ def main():
     text = Path(a.data).read_text(encoding="utf-8")
     stoi = {c: i for i, c in enumerate(sorted(set(text)))}
     data = np.array([stoi[c] for c in text], dtype=np.uint16)
-    n_val = int(len(data) * 0.1)                        # megajax's split; nanoGPT's differs by < 1 token
+    # megajax's split; nanoGPT's differs by < 1 token
+    n_val = int(len(data) * 0.1)
     train, val = data[:len(data) - n_val], data[len(data) - n_val:]
     results = []
     for seed in map(int, a.seeds.split(",")):
         tps, estimate, sweep = run(seed, train, val, len(stoi), a.steps, a.bias, a.eval_batches)
         results.append((estimate, sweep))
-        print(f"seed {seed}: {tps:,.0f} tokens/s; val loss {estimate:.4f} ({a.eval_batches} random batches), "
-              f"{sweep:.4f} (disjoint windows spread over the split)", flush=True)
+        print(
+            f"seed {seed}: {tps:,.0f} tokens/s; val loss {estimate:.4f} ({a.eval_batches} random "
+            f"batches), "
+            f"{sweep:.4f} (disjoint windows spread over the split)", flush=True)
     if len(results) > 1:
         est, swp = np.array(results).T
-        print(f"mean over {len(results)} seeds: {est.mean():.4f} ± {est.std(ddof=1):.4f} (random batches), "
-              f"{swp.mean():.4f} ± {swp.std(ddof=1):.4f} (disjoint windows)")
+        print(
+            f"mean over {len(results)} seeds: {est.mean():.4f} ± {est.std(ddof=1):.4f} (random "
+            f"batches), "
+            f"{swp.mean():.4f} ± {swp.std(ddof=1):.4f} (disjoint windows)")
 
 
 if __name__ == "__main__":

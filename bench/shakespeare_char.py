@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """nanoGPT's shakespeare-char baseline through megajax's training loop, on one device.
 
-    python bench/shakespeare_char.py [--mesh 1x1] [--host-devices N] [--steps 2000] [--set KEY=VALUE ...]
+    python bench/shakespeare_char.py [--mesh 1x1] [--host-devices N] [--steps 2000] [--set
+    KEY=VALUE ...]
 
 Prints the median training throughput (tokens/s, compile and evaluation excluded) and the
 final validation loss over the whole held-out split. Targets: val loss <= 1.89 after 2000
@@ -28,7 +29,8 @@ def main():
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. --set model.compute_dtype=float32 to compare")
     a = p.parse_args()
-    # as train.py does: restart once so that XLA:CPU's step temporaries are reused (megajax/host/env.py)
+    # as train.py does: restart once so that XLA:CPU's step temporaries are reused
+    # (megajax/host/env.py)
     import runpy
     runpy.run_path(str(ROOT / "megajax" / "host" / "env.py"))["restart_with_malloc_tuning"]()
     if a.host_devices:

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Train-step speed and MFU of a mid-size GPT on one device, against a measured matmul peak.
 
-    python bench/step_mfu.py [--layers 8 --hidden 512 --heads 8 --seq 512 --batch 8] [--host-devices N --mesh SPEC]
-                             [--dtypes float32,mixed] [--rounds 6] [--compile-layers 4,48] [--profile DIR]
-                             [--dropout 0.1] [--remat none|selective|full]
+    python bench/step_mfu.py [--layers 8 --hidden 512 --heads 8 --seq 512 --batch 8]
+    [--host-devices N --mesh SPEC]
+                             [--dtypes float32,mixed] [--rounds 6] [--compile-layers 4,48]
+                             [--profile DIR] [--dropout 0.1] [--remat none|selective|full]
 
 Prints step time, tokens/s, model TFLOP/s per device and MFU = model FLOP/s / peak, where the
 peak is the best rate of a large matmul of the same precision measured in the same run (float32;
@@ -12,14 +13,15 @@ time goes (forward, forward+backward, optimizer) for the scanned and the unrolle
 and the step of the scanned weights run as one compiled program per layer (`train.layer_programs`),
 each one's step against the unrolled one's, each timed alone, and again with the two
 run in turn (`--rounds` each), and the MFU of the Llama shape of the same size (RMSNorm, rotary
-positions, SwiGLU, a quarter of the key/value heads, untied) against the GPT shape's. In turn both see the same minutes of a shared VM, but XLA:CPU's
-unrolled step runs slower when another program runs between its steps (README: up to 1.2x),
-so that ratio flatters the scan. Last, how long the train step takes to compile at two depths. With --profile DIR it also traces
-one forward+backward call of each stack (jax.profiler, Perfetto JSON under DIR; on the CPU with
-XLA's per-op trace events turned on) and prints the time by kind of compiled op, the kernels'
-numeric suffixes dropped: where the scanned stack spends what the unrolled one does not.
-Like train.py it restarts itself once with megajax/host/env.py's glibc malloc settings;
-MEGAJAX_MALLOC_TUNING=0 measures without them.
+positions, SwiGLU, a quarter of the key/value heads, untied) against the GPT shape's. In turn both
+see the same minutes of a shared VM, but XLA:CPU's unrolled step runs slower when another program
+runs between its steps (README: up to 1.2x), so that ratio flatters the scan. Last, how long the
+train step takes to compile at two depths. With --profile DIR it also traces one forward+backward
+call of each stack (jax.profiler, Perfetto JSON under DIR; on the CPU with XLA's per-op trace
+events turned on) and prints the time by kind of compiled op, the kernels' numeric suffixes
+dropped: where the scanned stack spends what the unrolled one does not. Like train.py it restarts
+itself once with megajax/host/env.py's glibc malloc settings; MEGAJAX_MALLOC_TUNING=0 measures
+without them.
 """
 import argparse
 import os
@@ -31,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 STACKS = {"scanned": "scanned stack", "unrolled": "unrolled stack",
-          "programs": "layer programs (train.layer_programs: the scanned weights, one program per layer)"}
+          "programs": "layer programs (train.layer_programs: the scanned weights, one program per "
+                      "layer)"}
 
 
 def timed(fn, *args, reps=3):
@@ -60,8 +63,10 @@ def alternating_ratio(scanned, unrolled, rounds: int) -> str:
             jax.block_until_ready(fn())
             times[fn].append(time.perf_counter() - t)
     med = {fn: statistics.median(ts) for fn, ts in times.items()}
-    return (f"{med[scanned] / med[unrolled]:.3f} (medians of {rounds} rounds, {med[scanned] * 1000:.0f} / "
-            f"{med[unrolled] * 1000:.0f} ms; best {min(times[scanned]) / min(times[unrolled]):.3f})")
+    return (
+        f"{med[scanned] / med[unrolled]:.3f} (medians of {rounds} rounds, "
+        f"{med[scanned] * 1000:.0f} / "
+        f"{med[unrolled] * 1000:.0f} ms; best {min(times[scanned]) / min(times[unrolled]):.3f})")
 
 
 def matmul_peak(dtype: str) -> float:
@@ -90,13 +95,15 @@ def op_time_by_kind(trace_dir: str) -> dict[str, float]:
     import json
     import re
 
-    newest = max(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda f: f.stat().st_mtime)   # DIR may hold older runs
+    # DIR may hold older runs
+    newest = max(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda f: f.stat().st_mtime)
     trace = json.load(gzip.open(newest))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     kinds = collections.Counter()
     for e in events:
         name = e.get("name", "")
-        if e.get("ph") == "X" and not name.startswith(("$", "ThunkExecutor", "SlinkyThreadPool", "PjitFunction",
+        if e.get("ph") == "X" and not name.startswith(
+            ("$", "ThunkExecutor", "SlinkyThreadPool", "PjitFunction",
                                                          "CommonPjRt")):
             kinds[re.sub(r"\.\d+$", "", name)] += e.get("dur", 0) / 1e6
     return dict(kinds.most_common())
@@ -116,15 +123,17 @@ def profile(fn, args, trace_dir: str, top: int = 8) -> str:
 LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", tie_embeddings=False)
 
 
-def model_config(a, layers: int, scan: bool, dtype: str, layer_programs: bool = False, llama: bool = False):
+def model_config(a, layers: int, scan: bool, dtype: str, layer_programs: bool = False,
+                 llama: bool = False):
     from megajax.config import Config, ModelConfig, TrainConfig
 
     arch = dict(LLAMA, num_kv_heads=max(a.heads // 4, 1)) if llama else {}
-    return Config(model=ModelConfig(num_layers=layers, hidden=a.hidden, num_heads=a.heads, seq_len=a.seq,
+    return Config(
+        model=ModelConfig(num_layers=layers, hidden=a.hidden, num_heads=a.heads, seq_len=a.seq,
                                     vocab_size=256, vocab_multiple=256, hidden_dropout=a.dropout,
-                                    attention_dropout=a.dropout, scan_layers=scan, compute_dtype=dtype, remat=a.remat,
-                                    **arch),
-                  train=TrainConfig(batch_size=a.batch, steps=100, layer_programs=layer_programs)).validate()
+                                    attention_dropout=a.dropout, scan_layers=scan,
+                                    compute_dtype=dtype, remat=a.remat, **arch),
+        train=TrainConfig(batch_size=a.batch, steps=100, layer_programs=layer_programs)).validate()
 
 
 def architecture_rows(a, mesh, dtype: str, peak: float):
@@ -142,16 +151,20 @@ def architecture_rows(a, mesh, dtype: str, peak: float):
         cfg = model_config(a, a.layers, True, dtype, llama=name == "Llama")
         tr = make_trainer(cfg, mesh)
         params, opt = tr.init_state()
-        tokens = jax.device_put(jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, 256), tr.batch_sharding)
+        tokens = jax.device_put(jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, 256),
+                                tr.batch_sharding)
         flops = flops_per_token(cfg) * a.batch * a.seq / mesh.devices.size
         step = stepper(tr, params, opt, tokens)
         runs[name] = (step, flops, timed(step, reps=a.reps))
         m = cfg.model
-        print(f"  {name:5s} {m.num_heads} heads / {m.kv_heads} kv, ffn {m.ffn} ({m.mlp}), {m.norm}, {m.positions}: "
-              f"step {runs[name][2] * 1000:.0f} ms, {flops_per_token(cfg) / 1e6:.0f} MFLOP/token, "
-              f"MFU {flops / runs[name][2] / 1e12 / peak:.3f}")
+        print(
+            f"  {name:5s} {m.num_heads} heads / {m.kv_heads} kv, ffn {m.ffn} ({m.mlp}), {m.norm}, "
+            f"{m.positions}: "
+            f"step {runs[name][2] * 1000:.0f} ms, {flops_per_token(cfg) / 1e6:.0f} MFLOP/token, "
+            f"MFU {flops / runs[name][2] / 1e12 / peak:.3f}")
     (gpt, gpt_flops, gpt_t), (llama, llama_flops, llama_t) = runs["GPT"], runs["Llama"]
-    print(f"  Llama / GPT MFU, each timed alone: {(llama_flops / llama_t) / (gpt_flops / gpt_t):.3f}")
+    print(
+        f"  Llama / GPT MFU, each timed alone: {(llama_flops / llama_t) / (gpt_flops / gpt_t):.3f}")
     if a.rounds:
         import statistics
         times = {gpt: [], llama: []}
@@ -160,7 +173,8 @@ def architecture_rows(a, mesh, dtype: str, peak: float):
                 t = time.perf_counter()
                 jax.block_until_ready(fn())
                 times[fn].append(time.perf_counter() - t)
-        ratio = (llama_flops / statistics.median(times[llama])) / (gpt_flops / statistics.median(times[gpt]))
+        ratio = (llama_flops / statistics.median(times[llama])) / (
+            gpt_flops / statistics.median(times[gpt]))
         print(f"  Llama / GPT MFU, run in turn (medians of {a.rounds} rounds): {ratio:.3f}")
 
 
@@ -196,22 +210,27 @@ def main():
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout (the paper's: 0.1)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="hidden and attention dropout (the paper's: 0.1)")
     p.add_argument("--remat", default="none", choices=("none", "selective", "full"))
     p.add_argument("--mesh", default="1x1")
     p.add_argument("--host-devices", type=int)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=6, help="rounds of the scanned and unrolled steps run in turn, "
+    p.add_argument("--rounds", type=int, default=6,
+                   help="rounds of the scanned and unrolled steps run in turn, "
                                                          "for their ratio (0: skip)")
     p.add_argument("--dtypes", default="float32,mixed", help="model.compute_dtype values to run")
-    p.add_argument("--compile-layers", default="4,48", help="depths whose train-step compile time is reported")
-    p.add_argument("--profile", metavar="DIR", help="trace one forward+backward call per stack into DIR and "
+    p.add_argument("--compile-layers", default="4,48",
+                   help="depths whose train-step compile time is reported")
+    p.add_argument("--profile", metavar="DIR",
+                   help="trace one forward+backward call per stack into DIR and "
                                                     "print the time by kind of compiled op")
     a = p.parse_args()
     if a.rounds < 0:
         p.error(f"--rounds must be 0 (skip) or more, got {a.rounds}")
     # as train.py does: restart once with glibc settings that keep each step's large blocks in the
-    # heap instead of page-faulting them in afresh (megajax/host/env.py; MEGAJAX_MALLOC_TUNING=0: off)
+    # heap instead of page-faulting them in afresh (megajax/host/env.py; MEGAJAX_MALLOC_TUNING=0:
+    # off)
     from megajax.host.env import restart_with_malloc_tuning
     restart_with_malloc_tuning()
     flags = [os.environ.get("XLA_FLAGS", "")]
@@ -230,13 +249,16 @@ def main():
     mesh = make_mesh(a.mesh, devices=jax.devices()[:1] if a.mesh == "1x1" else None)
     dtypes = a.dtypes.split(",")
     peaks = {d: matmul_peak(d) for d in dtypes}
-    print(f"device: {jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {dict(mesh.shape)}; measured matmul "
-          f"peak per device: " + ", ".join(f"{d} {p * 1000:.0f} GFLOP/s" for d, p in peaks.items())
-          + f"; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(none)')}")
+    print(
+        f"device: {jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {dict(mesh.shape)}; "
+        f"measured matmul "
+        f"peak per device: " + ", ".join(f"{d} {p * 1000:.0f} GFLOP/s" for d, p in peaks.items())
+        + f"; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(none)')}")
     steps, alone = {}, {}
     for dtype, stack in ((d, s) for d in dtypes for s in STACKS):
         peak = peaks[dtype]
-        cfg = model_config(a, a.layers, stack != "unrolled", dtype, layer_programs=stack == "programs")
+        cfg = model_config(a, a.layers, stack != "unrolled", dtype,
+                           layer_programs=stack == "programs")
         tr = make_trainer(cfg, mesh)
         params, opt = tr.init_state()
         tokens = jax.device_put(jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, 256),
@@ -250,17 +272,21 @@ def main():
         steps[dtype, stack] = stepper(tr, params, opt, tokens)
         t_step = alone[dtype, stack] = timed(steps[dtype, stack], reps=a.reps)
         print(f"  step {t_step * 1000:.0f} ms | {tokens_per_step / t_step:,.0f} tokens/s | "
-              f"{flops / t_step / 1e12 * 1000:.0f} GFLOP/s per device | MFU {flops / t_step / 1e12 / peak:.2f}")
-        if stack == "programs":     # its forward and backward are the same layer programs, called in turn
+              f"{flops / t_step / 1e12 * 1000:.0f} GFLOP/s per device | MFU "
+              f"{flops / t_step / 1e12 / peak:.2f}")
+        # its forward and backward are the same layer programs, called in turn
+        if stack == "programs":
             continue
         loss = jax.jit(lambda p, t: tr.loss_fn(p, t, key))
         grad = jax.jit(jax.grad(lambda p, t: tr.loss_fn(p, t, key)))
         g = grad(params, tokens)
         upd = jax.jit(lambda g, o, p: tr.tx.update(g, o, p))
-        t_fwd, t_grad = timed(loss, params, tokens, reps=a.reps), timed(grad, params, tokens, reps=a.reps)
+        t_fwd, t_grad = timed(loss, params, tokens, reps=a.reps), timed(grad, params, tokens,
+                                                                        reps=a.reps)
         t_opt = timed(upd, g, opt, params, reps=a.reps)
         print(f"  forward {t_fwd * 1000:.0f} ms, forward+backward {t_grad * 1000:.0f} ms "
-              f"(backward/forward {(t_grad - t_fwd) / t_fwd:.2f}; ideal 2.0), optimizer {t_opt * 1000:.0f} ms")
+              f"(backward/forward {(t_grad - t_fwd) / t_fwd:.2f}; ideal 2.0), optimizer "
+              f"{t_opt * 1000:.0f} ms")
         if a.profile:
             where = os.path.join(a.profile, f"{dtype}_{stack}")
             print(f"  forward+backward by op kind: {profile(grad, (params, tokens), where)}")
@@ -271,7 +297,9 @@ def main():
             print(f"\n{dtype}, {other} / unrolled train step, each timed alone: "
                   f"{alone[dtype, other] / alone[dtype, 'unrolled']:.3f}")
             if a.rounds:
-                print(f"  run in turn: {alternating_ratio(steps[dtype, other], steps[dtype, 'unrolled'], a.rounds)}")
+                print(
+                    f"  run in turn: "
+                    f"{alternating_ratio(steps[dtype, other], steps[dtype, 'unrolled'], a.rounds)}")
     depths = [int(x) for x in a.compile_layers.split(",") if x]
     for scan in (True, False) if depths else ():
         times = [compile_seconds(a, mesh, n, scan, dtypes[0]) for n in depths]

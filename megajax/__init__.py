@@ -37,7 +37,8 @@ _API = {
     "train": "megajax.training.loop",
     "audit": "megajax.tools.audit",
     "plan": "megajax.plan",
-    "import_hf": "megajax.convert", "export_hf": "megajax.convert", "import_megatron": "megajax.convert",
+    "import_hf": "megajax.convert", "export_hf": "megajax.convert",
+    "import_megatron": "megajax.convert",
 }
 
 __all__ = sorted(_API)

@@ -38,7 +38,8 @@ class StepShape:
     microbatches: int = 1
     head_rows: int = 0              # positions per sequence through the output layer (GPT: seq)
     heads_read_rows: bool = False   # the heads take their rows (BERT), not the whole sequence (GPT)
-    extra_embedding_rows: int = 0   # replicated embedding rows besides the positions (BERT's token types)
+    # replicated embedding rows besides the positions (BERT's token types)
+    extra_embedding_rows: int = 0
     sequence_parallel: bool = False
     remat: str = "none"
     kv_heads: int = 0               # grouped-query attention's key/value heads (0: heads)
@@ -51,11 +52,13 @@ class StepShape:
     def of(cls, cfg, task, dp: int = 1, tp: int = 1) -> "StepShape":
         """A config's step on a dp x tp mesh; `task` is megajax.tasks.task_for(cfg)."""
         m, t = cfg.model, cfg.train
-        return cls(m.num_layers, t.batch_size // t.microbatches // dp * task.sequences_per_example, m.seq_len,
+        return cls(m.num_layers, t.batch_size // t.microbatches // dp * task.sequences_per_example,
+                   m.seq_len,
                    m.hidden, m.num_heads, m.ffn, m.head_dim, m.padded_vocab, tp, t.microbatches,
-                   task.head_rows(cfg), task.heads_read_rows, task.extra_embedding_rows, m.sequence_parallel,
-                   m.remat, m.kv_heads, m.mlp == "swiglu", 2 if m.norm == "layernorm" else 1, m.bias == "all",
-                   m.positions == "learned")
+                   task.head_rows(cfg), task.heads_read_rows, task.extra_embedding_rows,
+                   m.sequence_parallel,
+                   m.remat, m.kv_heads, m.mlp == "swiglu", 2 if m.norm == "layernorm" else 1,
+                   m.bias == "all", m.positions == "learned")
 
     @property
     def bsh(self) -> int:
@@ -114,8 +117,8 @@ def layer_matmuls(x: StepShape) -> list[Matmul]:
     n, h, f, s, d, t = x.rows * x.seq, x.hidden, x.ffn, x.seq, x.head_dim, x.tp
     heads = x.rows * x.heads // t
     fc1 = (2 if x.gated else 1) * f // t
-    return [Matmul(n, h, x.qkv_columns), Matmul(n, x.heads * d // t, h), Matmul(n, h, fc1), Matmul(n, f // t, h),
-            Matmul(s, d, s, heads), Matmul(s, s, d, heads)]
+    return [Matmul(n, h, x.qkv_columns), Matmul(n, x.heads * d // t, h), Matmul(n, h, fc1),
+            Matmul(n, f // t, h), Matmul(s, d, s, heads), Matmul(s, s, d, heads)]
 
 
 def head_matmul(x: StepShape) -> Matmul:
@@ -134,7 +137,8 @@ def step_flops(x: StepShape, remat: str | None = None) -> float:
     remat = x.remat if remat is None else remat
     mms = layer_matmuls(x)
     layer, core = sum(mm.flops for mm in mms), sum(mm.flops for mm in mms[4:])
-    per_microbatch = x.layers * ((3 + recompute_passes(remat)) * layer + (core if remat == "selective" else 0))
+    per_microbatch = x.layers * ((3 + recompute_passes(remat)) * layer
+                                 + (core if remat == "selective" else 0))
     return x.microbatches * (per_microbatch + 3 * head_matmul(x).flops)
 
 
@@ -200,15 +204,18 @@ def _model_axis_forms(x: StepShape) -> dict[str, int]:
     b, L, h, r, t, bsh, mb = x.rows, x.layers, x.hidden, x.head_rows, x.tp, x.bsh, x.microbatches
     full, kv = x.remat == "full", kv_copies_grad_elements(x)
     if not x.sequence_parallel:
-        per = 4 * L * bsh + bsh + b * r * h + 3 * b * r + (L * bsh if full else 0) + kv["all-reduce"]
+        per = (4 * L * bsh + bsh + b * r * h + 3 * b * r + (L * bsh if full else 0)
+               + kv["all-reduce"])
         return {"all-reduce": mb * per, "all-gather": mb * kv["all-gather"], "reduce-scatter": 0}
     if x.heads_read_rows:
         gather, scatter, reduce = b * (r + 1) * h, 0, b * r * h
     else:
         gather, scatter, reduce = (bsh, bsh // t, 0) if r else (0, 0, 0)
     return {"all-gather": mb * ((4 + 2) * L * bsh + bsh + gather + kv["all-gather"]),
-            "reduce-scatter": mb * (4 * L * bsh // t + bsh // t + scatter + (L * bsh // t if full else 0)),
-            "all-reduce": mb * (3 * b * r + reduce + replicated_grad_elements(x) + kv["all-reduce"])}
+            "reduce-scatter": mb
+            * (4 * L * bsh // t + bsh // t + scatter + (L * bsh // t if full else 0)),
+            "all-reduce": mb
+            * (3 * b * r + reduce + replicated_grad_elements(x) + kv["all-reduce"])}
 
 
 def regathered_elements(x: StepShape) -> int:
@@ -235,8 +242,8 @@ def model_axis_minimum(x: StepShape) -> int:
 
 
 # --- communication over "data" ----------------------------------------------------------------
-def data_axis_minimum(scheme: str, n: int, microbatches: int, split: int, whole: int, layers: int = 0,
-                      layers_read: int = 0) -> dict[str, float]:
+def data_axis_minimum(scheme: str, n: int, microbatches: int, split: int, whole: int,
+                      layers: int = 0, layers_read: int = 0) -> dict[str, float]:
     """Elements each device sends over "data" per step (ring algorithms) at the minimum of its
     data-parallel scheme, from the elements of its model shard of the parameters: `split` over
     "data" by ZeRO/FSDP (a dimension divides), `whole` (none does), and of the split ones those
@@ -247,25 +254,30 @@ def data_axis_minimum(scheme: str, n: int, microbatches: int, split: int, whole:
              reduce-scattered; the other split weights gathered once per step; `regather`:
              the gathers again of the weights the backward pass reads, per layer and microbatch."""
     if scheme not in DATA_SCHEMES:
-        raise ValueError(f"a data-parallel scheme is one of {', '.join(DATA_SCHEMES)}, got {scheme!r}")
+        raise ValueError(
+            f"a data-parallel scheme is one of {', '.join(DATA_SCHEMES)}, got {scheme!r}")
     if n == 1:
         return {"gradients": 0.0, "params": 0.0, "regather": 0.0}
     gather, reduce, mb = (n - 1) / n, 2 * (n - 1) / n, microbatches
     if scheme == "plain":
         return {"gradients": reduce * (split + whole), "params": 0.0, "regather": 0.0}
     if scheme == "zero":
-        return {"gradients": gather * split + reduce * whole, "params": gather * split, "regather": 0.0}
-    return {"gradients": mb * gather * split + reduce * whole, "params": mb * gather * layers + gather * (split - layers),
+        return {"gradients": gather * split + reduce * whole, "params": gather * split,
+                "regather": 0.0}
+    return {"gradients": mb * gather * split + reduce * whole,
+            "params": mb * gather * layers + gather * (split - layers),
             "regather": mb * gather * layers_read}
 
 
 # --- activation memory -------------------------------------------------------------------------
-def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 1, ffn: int | None = None,
-                               sequence_parallel: bool = False, remat: str = "none", dtype: str = "bfloat16",
+def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 1,
+                               ffn: int | None = None,
+                               sequence_parallel: bool = False, remat: str = "none",
+                               dtype: str = "bfloat16",
                                hidden_dropout: bool = True, attention_dropout: bool = True,
                                recompute_norm_gelu: bool = False, fused_attention: bool = False,
-                               head_dim: int | None = None, kv_heads: int | None = None, gated: bool = False,
-                               rms_norm: bool = False) -> int:
+                               head_dim: int | None = None, kv_heads: int | None = None,
+                               gated: bool = False, rms_norm: bool = False) -> int:
     """Bytes one device keeps for one layer's backward pass, for b sequences of s tokens.
 
     For 16-bit activations with dropout it is the paper's, term for term (bytes per layer):
@@ -300,19 +312,22 @@ def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 
     sp = tp if sequence_parallel else 1          # what the between-blocks tensors are split by
     if remat == "full":
         return s * b * h * act // sp
-    kept_inputs, kept_ffn, stats = (2, 1, 0) if recompute_norm_gelu else (4, 2, 2 * (1 if rms_norm else 2) * 4 * s * b // sp)
+    kept_inputs, kept_ffn, stats = (2, 1, 0) if recompute_norm_gelu else (
+        4, 2, 2 * (1 if rms_norm else 2) * 4 * s * b // sp)
     kept_ffn += 1 if gated else 0                # gate and up, where GeLU has one input
     between = (kept_inputs * act + (2 if hidden_dropout else 0)) * s * b * h // sp + stats
     width = heads * (head_dim or h // heads)
-    kv = 2 * width if not fused_attention or kv_heads is None else 2 * kv_heads * (head_dim or h // heads)
+    kv = (2 * width if not fused_attention or kv_heads is None
+          else 2 * kv_heads * (head_dim or h // heads))
     inside = act * s * b * (2 * width + kv + kept_ffn * ffn) // tp
-    core = 0 if remat == "selective" else (act + (act + 1 if attention_dropout else 0)) * b * heads * s * s // tp
+    core = 0 if remat == "selective" else (
+        act + (act + 1 if attention_dropout else 0)) * b * heads * s * s // tp
     core = 4 * b * heads * s // tp if fused_attention else core
     return between + inside + core
 
 
-def paper_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 1, sequence_parallel: bool = False,
-                          remat: str = "none") -> float:
+def paper_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 1,
+                          sequence_parallel: bool = False, remat: str = "none") -> float:
     """The paper's closed forms (16-bit activations, dropout, ffn = 4h), for comparison."""
     sbh, a, t = s * b * h, heads, tp
     if remat == "full":

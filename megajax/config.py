@@ -36,10 +36,14 @@ MAX_LOSS_SCALE = 2.0 ** 32
 class TrainConfig:
     batch_size: int = 16              # global, over all data-parallel replicas
     microbatches: int = 1             # gradient accumulation steps per optimizer step
-    unroll_microbatches: bool = False # True: microbatches as independent branches XLA can run at once (CPU cores)
-    shard_optimizer: bool = False     # ZeRO-1: optimizer state split over "data", gradients reduce-scattered once per step
-    shard_params: bool = False        # FSDP (implies shard_optimizer): parameters split over "data" too, gathered per layer
-    layer_programs: bool = False      # the step as one compiled program per layer, called from Python (README)
+    # True: microbatches as independent branches XLA can run at once (CPU cores)
+    unroll_microbatches: bool = False
+    # ZeRO-1: optimizer state split over "data", gradients reduce-scattered once per step
+    shard_optimizer: bool = False
+    # FSDP (implies shard_optimizer): parameters split over "data" too, gathered per layer
+    shard_params: bool = False
+    # the step as one compiled program per layer, called from Python (README)
+    layer_programs: bool = False
     steps: int = 1000
     lr: float = 6e-4
     min_lr: float = 6e-5
@@ -51,11 +55,15 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    loss_scale: float = 65536.0       # float16 activations: the first dynamic loss scale (training/loss_scale.py),
-    loss_scale_window: int = 1000     # doubled after this many steps without overflow, halved from the
-    loss_scale_hysteresis: int = 2    # hysteresis-th overflow on (Megatron-LM's rule and defaults but 2^32)
+    # float16 activations: the first dynamic loss scale (training/loss_scale.py),
+    loss_scale: float = 65536.0
+    # doubled after this many steps without overflow, halved from the
+    loss_scale_window: int = 1000
+    # hysteresis-th overflow on (Megatron-LM's rule and defaults but 2^32)
+    loss_scale_hysteresis: int = 2
     seed: int = 0
-    init_from: str = ""               # a workdir whose weights start this run (BERT fine-tuning: its encoder)
+    # a workdir whose weights start this run (BERT fine-tuning: its encoder)
+    init_from: str = ""
     log_every: int = 10
     eval_every: int = 200
     eval_batches: int = 8
@@ -63,13 +71,16 @@ class TrainConfig:
     keep_checkpoints: int = 3
 
     def validate(self):
-        for name in ("batch_size", "microbatches", "steps", "log_every", "eval_every", "eval_batches",
-                     "save_every", "keep_checkpoints", "lr", "eps", "grad_clip", "loss_scale", "loss_scale_window",
-                     "loss_scale_hysteresis"):
+        for name in ("batch_size", "microbatches", "steps", "log_every", "eval_every",
+                     "eval_batches",
+                     "save_every", "keep_checkpoints", "lr", "eps", "grad_clip", "loss_scale",
+                     "loss_scale_window", "loss_scale_hysteresis"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
         if self.loss_scale > MAX_LOSS_SCALE:
-            raise ConfigError(f"train.loss_scale must be at most 2^32 (where the dynamic scale stops growing), got {self.loss_scale:g}")
+            raise ConfigError(
+                f"train.loss_scale must be at most 2^32 (where the dynamic scale stops growing), "
+                f"got {self.loss_scale:g}")
         for name in ("warmup_steps", "decay_steps", "seed", "min_lr", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be 0 or more, got {getattr(self, name)}")
@@ -80,19 +91,27 @@ class TrainConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.min_lr > self.lr:   # Megatron-LM refuses it too: the "decay" would raise the rate
-            raise ConfigError(f"train.min_lr ({self.min_lr:g}) must not exceed train.lr ({self.lr:g})")
+            raise ConfigError(
+                f"train.min_lr ({self.min_lr:g}) must not exceed train.lr ({self.lr:g})")
         one_of(self, "train", schedule=("cosine", "linear"))
 
 
 @dataclasses.dataclass(slots=True)
 class DataConfig:
-    source: str = "builtin"           # builtin | text:PATH[,GLOB] | bin:PATH | tfds:NAME[/CONFIG] | bin:DIR, pairs:DIR (megajax-prepare's) | megatron:PREFIX; fine-tuning: the task's dir
-    tokenizer: str = "bytes"          # bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME | wordpiece:PATH/vocab.txt | wordpiece[:SIZE] (trained on the corpus)
+    # builtin | text:PATH[,GLOB] | bin:PATH | tfds:NAME[/CONFIG] | bin:DIR, pairs:DIR
+    # (megajax-prepare's) | megatron:PREFIX; fine-tuning: the task's dir
+    source: str = "builtin"
+    # bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME | wordpiece:PATH/vocab.txt |
+    # wordpiece[:SIZE] (trained on the corpus)
+    tokenizer: str = "bytes"
     val_fraction: float = 0.1
     bin_dtype: str = "uint16"         # for bin: sources
-    mask_prob: float = 0.15           # BERT pretraining: fraction of tokens to predict (80% [MASK], 10% random, 10% kept)
-    masking: str = "whole_word"       # whole_word (Megatron-LM: whole words in n-gram spans) | token (independent tokens)
-    max_ngram: int = 3                # whole_word: spans of 1..max_ngram words, n drawn with probability ~ 1/n
+    # BERT pretraining: fraction of tokens to predict (80% [MASK], 10% random, 10% kept)
+    mask_prob: float = 0.15
+    # whole_word (Megatron-LM: whole words in n-gram spans) | token (independent tokens)
+    masking: str = "whole_word"
+    # whole_word: spans of 1..max_ngram words, n drawn with probability ~ 1/n
+    max_ngram: int = 3
 
     def validate(self):
         for name in ("val_fraction", "mask_prob"):
@@ -115,16 +134,19 @@ class Config:
         Values set from Python (cfg.train.lr = "3e-4") are typed as a file's or --set's would be."""
         for section in (self.model, self.train, self.data):
             for f in dataclasses.fields(section):
-                set_value(self, f"{SECTION_NAMES[type(section)]}.{f.name}", getattr(section, f.name))
+                set_value(self, f"{SECTION_NAMES[type(section)]}.{f.name}",
+                          getattr(section, f.name))
         self.model.validate()
         self.train.validate()
         self.data.validate()
         if self.train.layer_programs and not self.model.scan_layers:
-            raise ConfigError("train.layer_programs runs the stacked layers of model.scan_layers = true one at a "
-                              "time; set model.scan_layers = true (or train.layer_programs = false)")
+            raise ConfigError(
+                "train.layer_programs runs the stacked layers of model.scan_layers = true one at a "
+                "time; set model.scan_layers = true (or train.layer_programs = false)")
         if self.train.layer_programs and (self.train.shard_optimizer or self.train.shard_params):
             raise ConfigError("train.layer_programs works with plain data parallelism only: unset "
-                              "train.shard_optimizer and train.shard_params (or train.layer_programs)")
+                              "train.shard_optimizer and train.shard_params (or "
+                              "train.layer_programs)")
         return self
 
     def to_dict(self) -> dict:
@@ -135,9 +157,12 @@ class Config:
 
 
 def _check_representable(key: str, value):
-    """`value`, which the run keeps in float32 and int32 arrays: a value neither can hold is refused."""
+    """`value`, which the run keeps in float32 and int32 arrays: a value neither can hold is
+    refused."""
     if isinstance(value, float) and not (value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX):
-        raise ConfigError(f"{key} must be a finite number in float32's range (0, or 1.2e-38 to 3.4e+38 in magnitude), got {value}")
+        raise ConfigError(
+            f"{key} must be a finite number in float32's range (0, or 1.2e-38 to 3.4e+38 in "
+            f"magnitude), got {value}")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**31:
         raise ConfigError(f"{key} must be below 2^31 (the run counts in int32), got {value}")
     return value
@@ -145,13 +170,15 @@ def _check_representable(key: str, value):
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
 SECTION_NAMES = {cls: name for name, cls in SECTIONS.items()}
-_field_types = functools.cache(typing.get_type_hints)   # of a section's class: validate() asks for each value
+# of a section's class: validate() asks for each value
+_field_types = functools.cache(typing.get_type_hints)
 
 
 def _unknown(key: str) -> ConfigError:
     keys = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    return ConfigError(f"unknown config key '{key}'" + (f"; did you mean '{close[0]}'?" if close else ""))
+    return ConfigError(f"unknown config key '{key}'"
+                       + (f"; did you mean '{close[0]}'?" if close else ""))
 
 
 def _coerce(key: str, value, typ):
@@ -188,7 +215,8 @@ def set_value(cfg: Config, key: str, value) -> None:
         raise _unknown(key)
     if key == "model.remat" and isinstance(value, (bool, str)):
         value = REMAT_ALIASES.get(value.lower() if isinstance(value, str) else value, value)
-    setattr(getattr(cfg, section), field, _check_representable(key, _coerce(key, value, _field_types(cls)[field])))
+    setattr(getattr(cfg, section), field,
+            _check_representable(key, _coerce(key, value, _field_types(cls)[field])))
 
 
 def with_values(cfg: Config, values: dict) -> Config:
@@ -200,7 +228,8 @@ def with_values(cfg: Config, values: dict) -> Config:
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    for item in [overrides] if isinstance(overrides, str) else overrides or []:   # one "key=value" too
+    # one "key=value" too
+    for item in [overrides] if isinstance(overrides, str) else overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got '{item}'")
         key, value = item.split("=", 1)
@@ -214,10 +243,13 @@ def find_config(name_or_path: str) -> Path:
     if found := [c for c in [p] * suffixed + named if c.is_file()]:
         return found[0]
     if suffixed or len(p.parts) > 1:     # meant as a file, not a name
-        what = "not found" if not p.exists() else "is not a .toml or .json file" if p.is_file() else "is not a file"
-        raise ConfigError(f"config {name_or_path} {what} (give a name in configs/, or a .toml or .json file)")
+        what = ("not found" if not p.exists() else "is not a .toml or .json file" if p.is_file()
+                else "is not a file")
+        raise ConfigError(
+            f"config {name_or_path} {what} (give a name in configs/, or a .toml or .json file)")
     close = difflib.get_close_matches(name_or_path, known := available_configs(), n=1)
-    raise ConfigError(f"no config named '{name_or_path}'" + (f"; did you mean '{close[0]}'?" if close else
+    raise ConfigError(f"no config named '{name_or_path}'"
+                      + (f"; did you mean '{close[0]}'?" if close else
                                                              f"; available: {', '.join(known)}"))
 
 
@@ -230,13 +262,15 @@ def _read(path: Path) -> dict:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot parse {path}: {e}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a table of sections at the top, got {type(raw).__name__}")
+        raise ConfigError(
+            f"{path}: expected a table of sections at the top, got {type(raw).__name__}")
     return raw
 
 
 def load_config(name_or_path: str = "default", overrides: list[str] | None = None,
                 _seen: tuple[Path, ...] = ()) -> Config:
-    """Load a config by name (configs/NAME.toml) or path (.toml or a saved .json), then apply `overrides`."""
+    """Load a config by name (configs/NAME.toml) or path (.toml or a saved .json), then apply
+    `overrides`."""
     path = find_config(name_or_path)
     if path.resolve() in _seen:
         chain = " -> ".join(p.stem for p in (*_seen, path.resolve()))

@@ -115,9 +115,9 @@ class WorkdirLock:
         self.workdir, self.what = Path(workdir), what
         self.fd = None
         self.created = False
-        self.busy = busy or (f"another megajax process holds {self.workdir} (a run training there, or a "
-                             f"megajax-prepare writing to it); wait for it to finish (or stop it), or give this "
-                             f"one another --workdir")
+        self.busy = busy or (f"another megajax process holds {self.workdir} (a run training "
+                             f"there, or a megajax-prepare writing to it); wait for it to finish "
+                             f"(or stop it), or give this one another --workdir")
 
     def __enter__(self):
         self.created = not self.workdir.exists()

@@ -18,20 +18,23 @@ class ConfigError(UserError, ValueError):
     """A mistake in a config file or override that the user can fix."""
 
 
-REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}   # the boolean it once was
+# the boolean it once was
+REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}
 ROPE_SCALINGS = ("none", "linear", "llama3")
 # The fields of today's decoders: with the sizes they fix a model's weights and its function, so
 # a workdir's model (--init-from) and an imported checkpoint decide them, never an override.
-ARCHITECTURE = ("norm", "positions", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-                "rope_high_freq_factor", "rope_original_context", "max_positions", "mlp", "num_kv_heads",
-                "kv_channels", "bias", "tie_embeddings")
+ARCHITECTURE = ("norm", "positions", "rope_theta", "rope_scaling", "rope_factor",
+                "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_context", "max_positions", "mlp",
+                "num_kv_heads", "kv_channels", "bias", "tie_embeddings")
 
 
 def one_of(section_config, section: str, **choices):
     for name, allowed in choices.items():
         if getattr(section_config, name) not in allowed:
-            raise ConfigError(f"{section}.{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
-                              f"got '{getattr(section_config, name)}'")
+            raise ConfigError(
+                f"{section}.{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
+                f"got '{getattr(section_config, name)}'")
 
 
 def swiglu_ffn(hidden: int) -> int:
@@ -43,52 +46,74 @@ def swiglu_ffn(hidden: int) -> int:
 @dataclasses.dataclass(slots=True)   # slots: a misspelt field set from Python is an error
 class ModelConfig:
     kind: str = "gpt"                 # gpt | bert
-    task: str = "pretrain"            # pretrain (GPT: next token; BERT: MLM + SOP) | BERT: race | mnli | qqp (shapes.py)
+    # pretrain (GPT: next token; BERT: MLM + SOP) | BERT: race | mnli | qqp (shapes.py)
+    task: str = "pretrain"
     num_layers: int = 4
     hidden: int = 256
     num_heads: int = 4
     ffn_hidden: int = 0               # 0 -> 4 * hidden
     seq_len: int = 256
     vocab_size: int = 256             # the tokenizer's size; padded below, never by the mesh
-    vocab_multiple: int = 1024        # padded vocab = vocab_size rounded up to this (50257 -> 51200)
+    # padded vocab = vocab_size rounded up to this (50257 -> 51200)
+    vocab_multiple: int = 1024
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     ln_placement: str = "pre"         # pre (GPT-2, the paper's BERT) | post (original BERT)
     ln_eps: float = 1e-5
     init_std: float = 0.02
-    compute_dtype: str = "auto"       # auto (16-bit on GPU/TPU, float32 on CPU) | float32 | bfloat16 | float16 | mixed
-                                      # (mixed: bfloat16 matmul operands, float32 accumulation and activations)
-    gelu: str = "tanh"                # tanh (Megatron-LM's fused bias-GeLU and openai_gelu, GPT-2) | exact (erf; HF's BERT)
-    remat: str = "none"               # none | selective (recompute the attention core: scores, softmax, dropout,
-                                      # probabilities x values) | full (recompute each layer); true/false: full/none
+    # auto (16-bit on GPU/TPU, float32 on CPU) | float32 | bfloat16 | float16 | mixed
+    compute_dtype: str = "auto"
+                                      # (mixed: bfloat16 matmul operands, float32 accumulation and
+                                      # activations)
+    # tanh (Megatron-LM's fused bias-GeLU and openai_gelu, GPT-2) | exact (erf; HF's BERT)
+    gelu: str = "tanh"
+    # none | selective (recompute the attention core: scores, softmax, dropout,
+    remat: str = "none"
+                                      # probabilities x values) | full (recompute each layer);
+                                      # true/false: full/none
     scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
-    recompute_norm_gelu: bool = False # a scanned stack without full remat recomputes LayerNorm's and GeLU's outputs
-                                      # in the backward pass instead of keeping them: a third fewer bytes (not "mixed")
-    sequence_parallel: bool = False   # between blocks, activations split over "model" along the sequence
-                                      # (Korthikanti et al. 2022); model.seq_len must divide by the model axis
+    # a scanned stack without full remat recomputes LayerNorm's and GeLU's outputs
+    recompute_norm_gelu: bool = False
+                                      # in the backward pass instead of keeping them: a third fewer
+                                      # bytes (not "mixed")
+    # between blocks, activations split over "model" along the sequence
+    sequence_parallel: bool = False
+                                      # (Korthikanti et al. 2022); model.seq_len must divide by the
+                                      # model axis
     norm: str = "layernorm"           # layernorm | rmsnorm (Llama, Mistral, Qwen2); epsilon: ln_eps
-    positions: str = "learned"        # learned (a table of seq_len rows) | rope (rotary, on each device's heads)
+    # learned (a table of seq_len rows) | rope (rotary, on each device's heads)
+    positions: str = "learned"
     rope_theta: float = 10000.0       # rope: the base of the rotary frequencies
-    rope_scaling: str = "none"        # none | linear (positions / rope_factor) | llama3 (Llama 3.1's
+    # none | linear (positions / rope_factor) | llama3 (Llama 3.1's
+    rope_scaling: str = "none"
     rope_factor: float = 1.0          # long-context rule: low frequencies / factor, high ones kept,
     rope_low_freq_factor: float = 1.0     # a smooth blend between, over wavelengths relative to
     rope_high_freq_factor: float = 4.0    # rope_original_context)
     rope_original_context: int = 8192
     max_positions: int = 0            # rope: the longest sequence the model is made for (HF's
                                       # max_position_embeddings; sampling stops there); 0 -> seq_len
-    mlp: str = "gelu"                 # gelu | swiglu (silu(x Wg) * (x Wu), then Wd; ffn_hidden 0 -> swiglu_ffn)
-    num_kv_heads: int = 0             # key/value heads: 0 -> num_heads; fewer: grouped-query (1: multi-query)
-    kv_channels: int = 0              # the head dimension: 0 -> hidden / num_heads (Megatron-LM's name)
-    bias: str = "all"                 # the layers' linear biases: all (GPT-2, BERT) | none (Llama, Mistral) |
+    # gelu | swiglu (silu(x Wg) * (x Wu), then Wd; ffn_hidden 0 -> swiglu_ffn)
+    mlp: str = "gelu"
+    # key/value heads: 0 -> num_heads; fewer: grouped-query (1: multi-query)
+    num_kv_heads: int = 0
+    # the head dimension: 0 -> hidden / num_heads (Megatron-LM's name)
+    kv_channels: int = 0
+    # the layers' linear biases: all (GPT-2, BERT) | none (Llama, Mistral) |
+    bias: str = "all"
                                       # qkv (Qwen2: the query, key and value projections only)
-    tie_embeddings: bool = True       # the output layer is the input embedding (GPT-2) or its own weight
-    attention: str = "auto"           # the attention core: megajax (its own; core/blocked_attention.py on the CPU without
-                                      # attention dropout) | fused (jax.nn.dot_product_attention: cuDNN's flash attention on
-                                      # NVIDIA GPUs, XLA elsewhere; no attention dropout) | auto (fused on GPUs where it can)
+    # the output layer is the input embedding (GPT-2) or its own weight
+    tie_embeddings: bool = True
+    # the attention core: megajax (its own; core/blocked_attention.py on the CPU without
+    attention: str = "auto"
+                                      # attention dropout) | fused (jax.nn.dot_product_attention:
+                                      # cuDNN's flash attention on
+                                      # NVIDIA GPUs, XLA elsewhere; no attention dropout) | auto
+                                      # (fused on GPUs where it can)
 
     @property
     def ffn(self) -> int:
-        return self.ffn_hidden or (swiglu_ffn(self.hidden) if self.mlp == "swiglu" else 4 * self.hidden)
+        return (self.ffn_hidden
+                or (swiglu_ffn(self.hidden) if self.mlp == "swiglu" else 4 * self.hidden))
 
     @property
     def head_dim(self) -> int:
@@ -111,9 +136,12 @@ class ModelConfig:
     def validate(self):
         self.remat = REMAT_ALIASES.get(self.remat, self.remat)
         if self.remat not in REMAT_MODES:
-            raise ConfigError(f"model.remat must be none, selective or full (true/false: full/none), got {self.remat!r}")
+            raise ConfigError(
+                f"model.remat must be none, selective or full (true/false: full/none), got "
+                f"{self.remat!r}")
         if self.kind not in MODEL_TASKS:
-            raise ConfigError(f"model.kind must be one of {', '.join(MODEL_TASKS)}, got '{self.kind}'")
+            raise ConfigError(
+                f"model.kind must be one of {', '.join(MODEL_TASKS)}, got '{self.kind}'")
         if self.task not in MODEL_TASKS[self.kind]:
             other = [k for k, tasks in MODEL_TASKS.items() if self.task in tasks]
             hint = f"; it is a {other[0]} task: set model.kind = \"{other[0]}\"" if other else ""
@@ -122,62 +150,83 @@ class ModelConfig:
         one_of(self, "model", ln_placement=("pre", "post"), gelu=("exact", "tanh"),
                attention=("auto", "megajax", "fused"),
                compute_dtype=("auto", "float32", "bfloat16", "float16", "mixed"),
-               norm=("layernorm", "rmsnorm"), positions=("learned", "rope"), rope_scaling=ROPE_SCALINGS,
-               mlp=("gelu", "swiglu"), bias=("all", "none", "qkv"))
-        for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size", "vocab_multiple", "ln_eps", "init_std"):
+               norm=("layernorm", "rmsnorm"), positions=("learned", "rope"),
+               rope_scaling=ROPE_SCALINGS, mlp=("gelu", "swiglu"), bias=("all", "none", "qkv"))
+        for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size", "vocab_multiple",
+                     "ln_eps", "init_std"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.hidden % self.num_heads and not self.kv_channels:
-            raise ConfigError(f"model.hidden={self.hidden} is not divisible by model.num_heads={self.num_heads}: "
-                              f"set model.kv_channels, the head dimension")
+            raise ConfigError(
+                f"model.hidden={self.hidden} is not divisible by model.num_heads={self.num_heads}: "
+                f"set model.kv_channels, the head dimension")
         self.validate_architecture()
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.ffn_hidden < 0:
-            raise ConfigError(f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}")
+            raise ConfigError(
+                f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}")
         if self.attention == "fused" and self.attention_dropout:
-            raise ConfigError(f"model.attention = \"fused\" has no attention dropout: set model.attention_dropout=0 "
-                              f"(it is {self.attention_dropout}) or model.attention = \"megajax\"")
+            raise ConfigError(
+                f"model.attention = \"fused\" has no attention dropout: set "
+                f"model.attention_dropout=0 "
+                f"(it is {self.attention_dropout}) or model.attention = \"megajax\"")
 
     def validate_architecture(self):
         """The fields of today's decoders, each against the others."""
         for name in ("num_kv_heads", "kv_channels", "max_positions"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"model.{name} must be 0 (the default) or positive, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"model.{name} must be 0 (the default) or positive, got {getattr(self, name)}")
         if self.num_heads % self.kv_heads:
-            raise ConfigError(f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads="
-                              f"{self.kv_heads}: each key/value head serves a whole group of query heads")
-        if self.kind != "gpt" and (self.positions != "learned" or not self.tie_embeddings or self.norm != "layernorm"):
-            raise ConfigError(f"model.positions = \"rope\", model.norm = \"rmsnorm\" and model.tie_embeddings = false "
-                              f"are for GPT-style decoders; model.kind = \"{self.kind}\" learns its positions, "
-                              f"normalises with LayerNorm and ties its output layer")
+            raise ConfigError(
+                f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads="
+                f"{self.kv_heads}: each key/value head serves a whole group of query heads")
+        if self.kind != "gpt" and (self.positions != "learned" or not self.tie_embeddings
+                                   or self.norm != "layernorm"):
+            raise ConfigError(
+                f"model.positions = \"rope\", model.norm = \"rmsnorm\" and model.tie_embeddings = "
+                f"false "
+                f"are for GPT-style decoders; model.kind = \"{self.kind}\" learns its positions, "
+                f"normalises with LayerNorm and ties its output layer")
         if self.positions == "rope":
             if self.head_dim % 2:
-                raise ConfigError(f"rotary positions rotate pairs of features: the head dimension ({self.head_dim}) "
-                                  f"must be even")
+                raise ConfigError(
+                    f"rotary positions rotate pairs of features: the head dimension "
+                    f"({self.head_dim}) "
+                    f"must be even")
             if self.rope_theta <= 1:
-                raise ConfigError(f"model.rope_theta must be greater than 1, got {self.rope_theta:g}")
+                raise ConfigError(
+                    f"model.rope_theta must be greater than 1, got {self.rope_theta:g}")
         elif self.rope_scaling != "none":
-            raise ConfigError(f"model.rope_scaling = \"{self.rope_scaling}\" scales rotary positions: set "
-                              f"model.positions = \"rope\" (or model.rope_scaling = \"none\")")
+            raise ConfigError(
+                f"model.rope_scaling = \"{self.rope_scaling}\" scales rotary positions: set "
+                f"model.positions = \"rope\" (or model.rope_scaling = \"none\")")
         if self.rope_scaling != "none" and self.rope_factor < 1:
             raise ConfigError(f"model.rope_factor must be at least 1, got {self.rope_factor:g}")
-        if self.rope_scaling == "llama3" and not (0 < self.rope_low_freq_factor < self.rope_high_freq_factor
-                                                  and self.rope_original_context > 0):
+        if self.rope_scaling == "llama3" and not (
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            and self.rope_original_context > 0):
             raise ConfigError(f"llama3 rope scaling needs 0 < model.rope_low_freq_factor "
                               f"({self.rope_low_freq_factor:g}) < model.rope_high_freq_factor "
-                              f"({self.rope_high_freq_factor:g}) and model.rope_original_context > 0 "
+                              f"({self.rope_high_freq_factor:g}) and model.rope_original_context > "
+                              f"0 "
                               f"({self.rope_original_context})")
 
     def describe(self) -> str:
         """One line: the kind, its architecture and sizes."""
         traits = [f"{self.ln_placement}-{'RMSNorm' if self.norm == 'rmsnorm' else 'LayerNorm'}"]
-        traits += ["rotary positions"] * (self.positions == "rope") + [f"SwiGLU {self.ffn}"] * (self.mlp == "swiglu")
+        traits += ["rotary positions"] * (self.positions == "rope") + [f"SwiGLU {self.ffn}"] * (
+            self.mlp == "swiglu")
         traits += ["untied output layer"] * (not self.tie_embeddings)
-        heads = f"{self.num_heads} heads" + (f" / {self.kv_heads} key-value" if self.kv_heads < self.num_heads else "")
-        return (f"{self.kind} ({', '.join(traits)}), {self.num_layers} layers, hidden {self.hidden}, {heads}, "
-                f"vocabulary {self.vocab_size} (padded to {self.padded_vocab}), {self.context} positions")
+        heads = (f"{self.num_heads} heads"
+                 + (f" / {self.kv_heads} key-value" if self.kv_heads < self.num_heads else ""))
+        return (
+            f"{self.kind} ({', '.join(traits)}), {self.num_layers} layers, hidden {self.hidden}, "
+            f"{heads}, "
+            f"vocabulary {self.vocab_size} (padded to {self.padded_vocab}), {self.context} "
+            f"positions")
 
     @property
     def layer_params(self) -> int:

@@ -10,7 +10,8 @@ class Progress:
     """Training steps (`update` with the step's record) or evaluated rows (`advance`). Disabled
     (on every process but the first) it shows nothing."""
 
-    def __init__(self, total: int | None = None, start: int = 0, unit: str = "step", enabled: bool = True):
+    def __init__(self, total: int | None = None, start: int = 0, unit: str = "step",
+                 enabled: bool = True):
         self.enabled = enabled
         self.bar = None
         if enabled and sys.stderr.isatty():
@@ -21,15 +22,17 @@ class Progress:
             return
         if self.bar is not None:
             self.bar.n = step
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:,.0f}",
-                                 refresh=False)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}",
+                                 tok_s=f"{record['tokens_per_sec']:,.0f}", refresh=False)
             self.bar.refresh()
         else:
-            norm = "skipped (overflow)" if record["grad_norm"] is None else f"{record['grad_norm']:.3f}"
+            norm = "skipped (overflow)" if record[
+                "grad_norm"] is None else f"{record['grad_norm']:.3f}"
             print(f"step {step:>6}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
                   f"grad_norm {norm}  {record['tokens_per_sec']:,.0f} tok/s  "
                   f"{record['step_time_s'] * 1000:.1f} ms/step"
-                  + "".join(f"  {k} {record[k]:.3f}" for k in ("mlm_accuracy", "sop_accuracy", "accuracy") if k in record)
+                  + "".join(f"  {k} {record[k]:.3f}"
+                            for k in ("mlm_accuracy", "sop_accuracy", "accuracy") if k in record)
                   + (f"  loss_scale {record['loss_scale']:g} ({record['skipped_steps']} skipped)"
                      if "loss_scale" in record else ""),
                   flush=True)

@@ -1,9 +1,11 @@
 """What a data source and a tokenizer are named by (`--data`, `--tokenizer`, data.source,
 data.tokenizer), parsed once, here, into small typed specs that the loaders take.
 
-    DataSpec       builtin | text:PATH[,PATH|GLOB] | bin:PATH | bin:DIR | pairs:DIR | megatron:PREFIX
+    DataSpec       builtin | text:PATH[,PATH|GLOB] | bin:PATH | bin:DIR | pairs:DIR |
+    megatron:PREFIX
                    | tfds:NAME[/CONFIG][:SPLIT]; fine-tuning: the task's directory
-    TokenizerSpec  bytes | chars | hf:PATH | tiktoken:NAME | wordpiece:PATH/vocab.txt | wordpiece[:SIZE]
+    TokenizerSpec  bytes | chars | hf:PATH | tiktoken:NAME | wordpiece:PATH/vocab.txt |
+    wordpiece[:SIZE]
 
 Each kind has its loader in one registry (megajax/data/tokens.py for sources, megajax/data/
 tokenizer.py for tokenizers), and its own error there. No jax: the command lines parse their
@@ -26,7 +28,8 @@ def split_kind(text: str) -> tuple[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
-    kind: str       # one of SOURCE_KINDS, or what a user wrote (refused by the loader that reads it)
+    # one of SOURCE_KINDS, or what a user wrote (refused by the loader that reads it)
+    kind: str
     arg: str = ""   # paths, a prefix, a dataset name; "" for builtin
 
     @classmethod
@@ -73,4 +76,5 @@ class TokenizerSpec:
     @property
     def built_from_corpus(self) -> bool:
         """chars and wordpiece[:SIZE] build their vocabulary from the training text itself."""
-        return self.kind == "chars" or (self.kind == "wordpiece" and (not self.arg or self.arg.isdigit()))
+        return (self.kind == "chars"
+                or (self.kind == "wordpiece" and (not self.arg or self.arg.isdigit())))

@@ -24,8 +24,9 @@ def corpus(n_docs: int = 300, seed: int = 0) -> str:
     docs = []
     for _ in range(n_docs):
         a, t = rng.choice(ANIMALS), lambda: rng.choice(THINGS)  # noqa: E731
-        docs.append(f"first the {a} {rng.choice(VERBS)}. finally the {a} {rng.choice(VERBS)} the {t()} "
-                    f"with the {t()} near the {t()}.")
+        docs.append(
+            f"first the {a} {rng.choice(VERBS)}. finally the {a} {rng.choice(VERBS)} the {t()} "
+            f"with the {t()} near the {t()}.")
     return "\n\n".join(docs) + "\n"
 
 
@@ -36,17 +37,20 @@ WORDS = sorted(set(ANIMALS + VERBS + THINGS + FRUITS + TOOLS + [
 
 def write_corpus(directory: Path) -> tuple[Path, Path]:
     """corpus.txt and a WordPiece vocab.txt written out here: BERT's specials, punctuation, the
-    fixtures' words and single-letter pieces (a fixed vocabulary, so every run sees the same ids)."""
+    fixtures' words and single-letter pieces (a fixed vocabulary, so every run sees the same
+    ids)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "corpus.txt").write_text(corpus())
     letters = "abcdefghijklmnopqrstuvwxyz"
-    vocab = list(BERT_SPECIALS) + list(".,?!_") + WORDS + list(letters) + [f"##{c}" for c in letters]
+    vocab = (list(BERT_SPECIALS) + list(".,?!_") + WORDS + list(letters)
+             + [f"##{c}" for c in letters])
     (directory / "vocab.txt").write_text("\n".join(vocab) + "\n")
     return directory / "corpus.txt", directory / "vocab.txt"
 
 
 def write_race(root: Path, per_split: dict | None = None, seed: int = 0) -> Path:
-    """RACE layout: root/{train,dev,test}/{middle,high}/N.txt; the answer is the (thrice said) fruit."""
+    """RACE layout: root/{train,dev,test}/{middle,high}/N.txt; the answer is the (thrice said)
+    fruit."""
     rng = random.Random(seed)
     per_split = per_split or {"train": 40, "dev": 10, "test": 10}
     for split, n_files in per_split.items():
@@ -59,12 +63,15 @@ def write_race(root: Path, per_split: dict | None = None, seed: int = 0) -> Path
                     fruit = rng.choice(FRUITS)
                     opts = rng.sample(TOOLS, 3) + [f"{fruit} {fruit} {fruit}"]
                     rng.shuffle(opts)
-                    questions.append("which one is it ?" if rng.random() < 0.5 else "the story is about _ .")
+                    questions.append("which one is it ?" if rng.random() < 0.5
+                                     else "the story is about _ .")
                     options.append(opts)
-                    answers.append("ABCD"[next(j for j, o in enumerate(opts) if o.split()[0] in FRUITS)])
+                    answers.append(
+                        "ABCD"[next(j for j, o in enumerate(opts) if o.split()[0] in FRUITS)])
                 a = rng.choice(ANIMALS)
                 doc = {"article": f"first the {a} {rng.choice(VERBS)} the {rng.choice(THINGS)}.",
-                       "questions": questions, "options": options, "answers": answers, "id": f"{level}{i}.txt"}
+                       "questions": questions, "options": options, "answers": answers,
+                       "id": f"{level}{i}.txt"}
                 (d / f"{i}.txt").write_text(json.dumps(doc))
     return root
 
@@ -79,8 +86,10 @@ def _tsv(path: Path, header: list[str], rows: list[list[str]]):
 def write_mnli(root: Path, n_train: int = 240, n_dev: int = 60, seed: int = 0) -> Path:
     """MNLI layout; the label follows the hypothesis' adverb (always x1, never x2, maybe x3)."""
     rng = random.Random(seed)
-    header = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
-              "sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1", "gold_label"]
+    header = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse",
+              "sentence2_binary_parse",
+              "sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1",
+              "gold_label"]
     cue = {"entailment": "always", "contradiction": "never never", "neutral": "maybe maybe maybe"}
     root.mkdir(parents=True, exist_ok=True)
     for name, n in (("train.tsv", n_train), ("dev_matched.tsv", n_dev)):
@@ -89,7 +98,8 @@ def write_mnli(root: Path, n_train: int = 240, n_dev: int = 60, seed: int = 0) -
             label = rng.choice(list(cue))
             a, v, t = rng.choice(ANIMALS), rng.choice(VERBS), rng.choice(THINGS)
             p, h = f"the {a} {v} the {t}.", f"the {a} {cue[label]} {v} the {rng.choice(THINGS)}."
-            rows.append([str(i), str(i), f"{i}e", "fiction", "( x )", "( y )", "(ROOT x)", "(ROOT y)", p, h,
+            rows.append(
+                [str(i), str(i), f"{i}e", "fiction", "( x )", "( y )", "(ROOT x)", "(ROOT y)", p, h,
                          label, label])
         _tsv(root / name, header, rows)
     return root

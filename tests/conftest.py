@@ -19,7 +19,8 @@ from pathlib import Path
 # XLA's HLO passes (fusion, layouts, the collectives the audit reads) are unaffected; the
 # processes the tests start inherit the flag (TEST_XLA_FLAGS), so their numbers stay comparable.
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0"
-                  if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") else "")
+                  if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
+                  else "")
 os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS,
                                                  "--xla_force_host_platform_device_count=8")))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -31,7 +32,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-# The glibc malloc settings train.py restarts itself with (megajax/host/env.py), for the pytest-xdist
+# The glibc malloc settings train.py restarts itself with (megajax/host/env.py), for the
+# pytest-xdist
 # workers and the processes the tests start: glibc reads them when a process starts, and this
 # module is imported before the workers are.
 from megajax.host.env import tuned_env  # noqa: E402
@@ -47,11 +49,12 @@ from megajax.core.mesh import make_mesh  # noqa: E402
 
 def tiny_config(**model) -> Config:
     """A model every test mesh divides: 8 heads, hidden 64, ffn 256, vocab 100 -> 128."""
-    fields = dict(num_layers=2, hidden=64, num_heads=8, seq_len=16, vocab_size=100, vocab_multiple=128,
-                  hidden_dropout=0.1, attention_dropout=0.1)
+    fields = dict(num_layers=2, hidden=64, num_heads=8, seq_len=16, vocab_size=100,
+                  vocab_multiple=128, hidden_dropout=0.1, attention_dropout=0.1)
     fields.update(model)
     return Config(model=ModelConfig(**fields),
-                  train=TrainConfig(batch_size=8, lr=1e-2, warmup_steps=1, steps=10, min_lr=1e-3)).validate()
+                  train=TrainConfig(batch_size=8, lr=1e-2, warmup_steps=1, steps=10,
+                                    min_lr=1e-3)).validate()
 
 
 def mesh_for(spec: str):
@@ -71,7 +74,8 @@ def file_size_limited(*args: str, kib: int = 64) -> list[str]:
     write fails as a full disk or a quota makes it fail (EFBIG), without needing either. The
     child sets the limit itself: forking a process that runs JAX's threads is unsafe."""
     code = ("import os, resource, sys; "
-            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({kib * 1024}, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({kib * 1024}, "
+            f"resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
             "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
     return [sys.executable, "-c", code, *args]
 

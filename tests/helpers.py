@@ -1,7 +1,8 @@
 """What several test files share: the committed corpus and the tiny run the command-line tests
 start, running train.py as a user does, reading back its losses, the audit's model-axis
-count without the optimizer's scalars, and the Hugging Face fixtures imported once a module. (conftest.py holds the session's setup: simulated
-devices, the compilation cache, tiny_config and mesh_for.)"""
+count without the optimizer's scalars, and the Hugging Face fixtures imported once a module.
+(conftest.py holds the session's setup: simulated devices, the compilation cache, tiny_config and
+mesh_for.)"""
 import json
 import os
 import subprocess
@@ -20,11 +21,13 @@ HF_FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 def import_hf_fixtures(root: Path, names, settings) -> dict:
     """{name: (its imported config, its workdir under root)} for the tests/fixtures/hf/ models."""
     from megajax.convert import import_hf
-    return {name: (import_hf(HF_FIXTURES / name, root / name, settings), root / name) for name in names}
+    return {name: (import_hf(HF_FIXTURES / name, root / name, settings), root / name)
+            for name in names}
 
 
 def hf_reference(name: str):
-    """What transformers computed for a fixture (tests/make_hf_fixtures.py, make_llama_fixtures.py)."""
+    """What transformers computed for a fixture (tests/make_hf_fixtures.py,
+    make_llama_fixtures.py)."""
     import numpy as np
     return np.load(HF_FIXTURES / name / "reference.npz")
 
@@ -39,10 +42,11 @@ def env():
 
 
 def run(*args, check=True, timeout=240):
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
-                       env=env(), timeout=timeout, cwd=ROOT)
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True,
+                       text=True, env=env(), timeout=timeout, cwd=ROOT)
     if check and p.returncode != 0:
-        raise AssertionError(f"train.py {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+        raise AssertionError(
+            f"train.py {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
 
 

@@ -38,12 +38,14 @@ SAMPLE = "A single man, in want of a WATERY fortune: 42 foxes!"
 
 
 def randomize(model, seed: int):
-    """Non-trivial values everywhere: weights N(0, 0.1), biases N(0, 0.1), LayerNorm scales 1 + N(0, 0.1)."""
+    """Non-trivial values everywhere: weights N(0, 0.1), biases N(0, 0.1), LayerNorm scales 1 +
+    N(0, 0.1)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g) * 0.1
-            p.copy_(1.0 + noise if ("ln" in name.lower() or "layernorm" in name.lower()) and name.endswith("weight")
+            p.copy_(1.0 + noise if ("ln" in name.lower() or "layernorm" in name.lower())
+                    and name.endswith("weight")
                     else noise)
     return model.eval()
 
@@ -54,13 +56,18 @@ def gpt2():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.model.save(str(out))                                   # vocab.json + merges.txt, as GPT-2 ships them
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=alphabet)
+    tok.train_from_iterator([TEXT], trainer)
+    # vocab.json + merges.txt, as GPT-2 ships them
+    tok.model.save(str(out))
     hf_tok = transformers.GPT2Tokenizer(str(out / "vocab.json"), str(out / "merges.txt"))
-    cfg = transformers.GPT2Config(vocab_size=tok.get_vocab_size(), n_positions=32, n_embd=32, n_layer=2, n_head=8,
+    cfg = transformers.GPT2Config(vocab_size=tok.get_vocab_size(), n_positions=32, n_embd=32,
+                                  n_layer=2, n_head=8,
                                   activation_function="gelu_new", layer_norm_epsilon=1e-5,
-                                  bos_token_id=tok.token_to_id("<|endoftext|>"), eos_token_id=tok.token_to_id("<|endoftext|>"))
+                                  bos_token_id=tok.token_to_id("<|endoftext|>"),
+                                  eos_token_id=tok.token_to_id("<|endoftext|>"))
     model = randomize(transformers.GPT2LMHeadModel(cfg), 1)
     model.save_pretrained(out, safe_serialization=True)
     g = np.random.default_rng(0)
@@ -72,7 +79,8 @@ def gpt2():
                              output_scores=True, return_dict_in_generate=True)
     gaps = [np.diff(np.sort(s[0].numpy())[-2:])[0] for s in gen.scores]
     assert min(gaps) > 1e-3, f"a greedy step is a near tie ({min(gaps)}): pick another prompt"
-    np.savez_compressed(out / "reference.npz", ids=ids, logits=o.logits.numpy(), hidden=o.hidden_states[-1].numpy(),
+    np.savez_compressed(out / "reference.npz", ids=ids, logits=o.logits.numpy(),
+                        hidden=o.hidden_states[-1].numpy(),
                         prompt=prompt.numpy(), greedy=gen.sequences[:, prompt.shape[1]:].numpy(),
                         sample_ids=np.array(hf_tok.encode(SAMPLE)))
 
@@ -95,15 +103,19 @@ def bert(name: str, model_cls, config_cls, seed: int, lowercase: bool, vocab_pad
     if name == "bert":
         hf_tok = transformers.BertTokenizer(str(out / "vocab.txt"), do_lower_case=lowercase)
         hf_tok.save_pretrained(out)
-        (out / "tokenizer.json").unlink(missing_ok=True)      # this one is read from vocab.txt + tokenizer_config.json
+        # this one is read from vocab.txt + tokenizer_config.json
+        (out / "tokenizer.json").unlink(missing_ok=True)
     else:
         vocab = {t: i for i, t in enumerate((out / "vocab.txt").read_text().splitlines())}
         hf_tok = transformers.BertTokenizerFast(vocab=vocab, do_lower_case=lowercase)
-        hf_tok.save_pretrained(out)                           # tokenizer.json (read first) + its config
-    # The model's vocabulary may be larger than the tokenizer's (Megatron pads it): vocab_pad rows more.
-    cfg = config_cls(vocab_size=tok.get_vocab_size() + vocab_pad, hidden_size=32, num_hidden_layers=2,
-                     num_attention_heads=8, intermediate_size=72, max_position_embeddings=32, hidden_act="gelu",
-                     layer_norm_eps=1e-12)
+        # tokenizer.json (read first) + its config
+        hf_tok.save_pretrained(out)
+    # The model's vocabulary may be larger than the tokenizer's (Megatron pads it): vocab_pad rows
+    # more.
+    cfg = config_cls(vocab_size=tok.get_vocab_size() + vocab_pad, hidden_size=32,
+                     num_hidden_layers=2,
+                     num_attention_heads=8, intermediate_size=72, max_position_embeddings=32,
+                     hidden_act="gelu", layer_norm_eps=1e-12)
     model = randomize(model_cls(cfg), seed)
     model.save_pretrained(out, safe_serialization=True)
     g = np.random.default_rng(seed)
@@ -113,11 +125,12 @@ def bert(name: str, model_cls, config_cls, seed: int, lowercase: bool, vocab_pad
     mask = np.ones_like(ids)
     mask[1, 11:] = 0
     with torch.no_grad():
-        o = model(torch.tensor(ids), attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(types),
-                  output_hidden_states=True)
+        o = model(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                  token_type_ids=torch.tensor(types), output_hidden_states=True)
         hidden = model.bert(torch.tensor(ids), attention_mask=torch.tensor(mask),
                             token_type_ids=torch.tensor(types)).last_hidden_state
-    np.savez_compressed(out / "reference.npz", ids=ids, types=types, mask=mask, mlm_logits=o.prediction_logits.numpy(),
+    np.savez_compressed(out / "reference.npz", ids=ids, types=types, mask=mask,
+                        mlm_logits=o.prediction_logits.numpy(),
                         sentence_logits=o.seq_relationship_logits.numpy(), hidden=hidden.numpy(),
                         sample_ids=np.array(hf_tok.encode(SAMPLE, add_special_tokens=False)))
 
@@ -144,8 +157,10 @@ if __name__ == "__main__":
         sys.exit(0)
     torch.manual_seed(0)
     gpt2()
-    bert("bert", transformers.BertForPreTraining, transformers.BertConfig, 2, lowercase=True, vocab_pad=0)
-    bert("megatron_bert", transformers.MegatronBertForPreTraining, transformers.MegatronBertConfig, 3,
-         lowercase=False, vocab_pad=36)
+    bert("bert", transformers.BertForPreTraining, transformers.BertConfig, 2, lowercase=True,
+         vocab_pad=0)
+    bert("megatron_bert", transformers.MegatronBertForPreTraining, transformers.MegatronBertConfig,
+         3, lowercase=False, vocab_pad=36)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}:",
-          ", ".join(f"{p.relative_to(OUT)} {p.stat().st_size // 1024} KiB" for p in sorted(OUT.rglob("*")) if p.is_file()))
+          ", ".join(f"{p.relative_to(OUT)} {p.stat().st_size // 1024} KiB"
+                    for p in sorted(OUT.rglob("*")) if p.is_file()))

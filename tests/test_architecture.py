@@ -10,9 +10,10 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "megajax"
 # Lowest first; a module may import from its own layer and the ones before it.
-LAYERS = [("errors", "files", "shapes", "model_config", "config", "progress", "analytic", "specs"), ("host",), ("core",), ("data",),
-          ("models",), ("tasks",), ("runs",), ("training", "evaluation"), ("tools", "plan", "convert", "prepare"),
-          ("cli",)]
+LAYERS = [("errors", "files", "shapes", "model_config", "config", "progress", "analytic", "specs"),
+          ("host",), ("core",), ("data",),
+          ("models",), ("tasks",), ("runs",), ("training", "evaluation"),
+          ("tools", "plan", "convert", "prepare"), ("cli",)]
 # Imports inside functions that are there on purpose (module -> what it imports there).
 DEFERRED = {
     "cli.common": {"jax", "megajax.host.distributed"},
@@ -35,7 +36,8 @@ def modules():
 
 
 def layer(module: str) -> int:
-    if module.endswith("__main__"):   # `python -m megajax.X`: an entry point, like the command lines
+    # `python -m megajax.X`: an entry point, like the command lines
+    if module.endswith("__main__"):
         return len(LAYERS) - 1
     top = module.split(".")[0]
     return next(i for i, names in enumerate(LAYERS) if top in names)
@@ -49,31 +51,51 @@ def test_modules_and_functions_are_small():
                 assert node.end_lineno - node.lineno + 1 <= 60, f"{name}.{node.name}"
 
 
+def test_lines_are_at_most_100_characters():
+    """Every Python file of the repository (the package, the tests, the benches, the scripts),
+    tracked by git: read side by side in a review, none needs a horizontal scroll."""
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert files
+    long = [f"{f}:{i}" for f in files
+            for i, line in enumerate((ROOT / f).read_text("utf-8").splitlines(), 1)
+            if len(line) > 100]
+    assert not long, long[:10]
+
+
 def test_imports_point_down_and_stay_at_the_top():
     for name, _, tree in modules():
         if name == "":   # megajax/__init__.py: the lazy public API
             continue
-        in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        in_function = {id(n) for f in ast.walk(tree)
+                       if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                        for n in ast.walk(f)}
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
-            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            targets = [a.name for a in node.names] if isinstance(node,
+                                                                 ast.Import) else [node.module]
             if id(node) in in_function:
-                assert set(targets) <= DEFERRED.get(name, set()), f"{name} imports {targets} inside a function"
+                assert set(targets) <= DEFERRED.get(
+                    name, set()), f"{name} imports {targets} inside a function"
             for target in targets:
                 if target.startswith("megajax."):
-                    assert layer(target.removeprefix("megajax.")) <= layer(name), f"{name} imports {target}"
+                    assert layer(target.removeprefix("megajax.")) <= layer(
+                        name), f"{name} imports {target}"
 
 
 def test_command_lines_import_jax_only_after_their_flags():
-    code = "import sys, megajax.cli, megajax; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    code = (
+        "import sys, megajax.cli, megajax; print(sorted(m for m in ('jax', 'flax', 'optax') if m "
+        "in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_eval_task_choices_are_the_table():
-    """eval.py's --task choices (its parser cannot import jax) are exactly the tasks of the table."""
+    """eval.py's --task choices (its parser cannot import jax) are exactly the tasks of the
+    table."""
     from megajax.cli.eval import TASK_CHOICES
     from megajax.evaluation.tasks import EVAL_TASKS
 
@@ -86,7 +108,8 @@ def test_no_file_reads_data_from_beside_the_checkout():
     does not name it either)."""
     beside = ("..", "/", "shared")
     needles = ("".join(beside), '"' + beside[2] + '" / "data"', beside[2] + "/data/")
-    tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, text=True, cwd=ROOT, check=True)
+    tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, text=True, cwd=ROOT,
+                             check=True)
     offenders = []
     for name in filter(None, tracked.stdout.split("\0")):
         path = ROOT / name
@@ -105,11 +128,13 @@ def test_the_closed_forms_have_one_home():
     for name, path, tree in modules():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module in ("megajax.analytic", "megajax"):
-                if node.module == "megajax.analytic" or any(a.name == "analytic" for a in node.names):
+                if node.module == "megajax.analytic" or any(a.name == "analytic"
+                                                            for a in node.names):
                     importers.add(name)
         if name != "analytic":
             text = path.read_text()
-            assert not re.search(r"\b(96|72) \* B\b|4 \* L \* bsh|12\.0 \* m\.num_layers", text), name
+            assert not re.search(r"\b(96|72) \* B\b|4 \* L \* bsh|12\.0 \* m\.num_layers",
+                                 text), name
     assert {"tools.audit", "plan.volumes", "plan.memory", "plan.timing", "training.mfu",
             "tools.step_figures"} <= importers, importers
 
@@ -117,7 +142,8 @@ def test_the_closed_forms_have_one_home():
 def test_data_and_tokenizer_specs_are_parsed_in_one_place():
     """A source or tokenizer spec ("text:a.txt", "hf:DIR") is split into kind and argument only
     by megajax/specs.py; every other module takes its DataSpec or TokenizerSpec."""
-    splitting = [name for name, path, _ in modules() if name != "specs" and '.partition(":")' in path.read_text()]
+    splitting = [name for name, path, _ in modules() if name != "specs"
+                 and '.partition(":")' in path.read_text()]
     assert splitting == []
 
 

@@ -20,21 +20,24 @@ from megajax.training.step import make_trainer
 
 
 def config(attention: str, **model):
-    return tiny_config(attention_dropout=0.0, attention=attention, **model)   # hidden dropout stays on
+    # hidden dropout stays on
+    return tiny_config(attention_dropout=0.0, attention=attention, **model)
 
 
 def loss_and_grads(cfg, spec):
     trainer = make_trainer(cfg, mesh_for(spec))
     params, _ = trainer.init_state(seed=0)
-    batch = jax.device_put(trainer.task.synthetic_batch(cfg, cfg.train.batch_size, np.random.default_rng(0)),
-                           trainer.batch_sharding)
+    batch = jax.device_put(
+        trainer.task.synthetic_batch(cfg, cfg.train.batch_size, np.random.default_rng(0)),
+        trainer.batch_sharding)
     metrics, grads = jax.jit(trainer.gradients)(params, batch, jax.random.key(1))
     return jax.device_get((metrics["loss"], grads))
 
 
 @pytest.mark.parametrize("kind,spec", [("gpt", "1x1"), ("gpt", "2x4"), ("bert", "2x4")])
 def test_fused_attention_matches_megajax_core(kind, spec):
-    """Causal (GPT) and padding (BERT) masks; float32, so within F32 of each scale (tests/tolerances.py)."""
+    """Causal (GPT) and padding (BERT) masks; float32, so within F32 of each scale
+    (tests/tolerances.py)."""
     model = {} if kind == "gpt" else {"kind": "bert"}
     want_loss, want = loss_and_grads(config("megajax", **model), spec)
     got_loss, got = loss_and_grads(config("fused", **model), spec)
@@ -45,7 +48,8 @@ def test_fused_attention_matches_megajax_core(kind, spec):
 def test_fused_attention_adds_no_collective():
     def collectives(attention):
         r = audit(config(attention), mesh_for("2x4"))
-        return r, Counter((c.kind, c.axis, c.origin, c.direction, c.shape, c.count) for c in r.collectives)
+        return r, Counter((c.kind, c.axis, c.origin, c.direction, c.shape, c.count)
+                          for c in r.collectives)
     (fused, got), (_, want) = collectives("fused"), collectives("megajax")
     assert got == want
     assert fused.ratio == pytest.approx(1.0, abs=0.005)
@@ -57,7 +61,8 @@ def test_auto_picks_fused_only_on_gpus_without_attention_dropout():
     assert fused_attention(config("fused").model, cpu)
     assert not fused_attention(tiny_config(attention="megajax").model, cpu)
     with pytest.raises(ConfigError, match="attention_dropout=0"):
-        tiny_config(attention="fused")                                          # attention dropout 0.1
+        # attention dropout 0.1
+        tiny_config(attention="fused")
 
 
 # The fused core's own choices: cuDNN's kernel asked for by name on GPUs (jax would give XLA's),
@@ -94,18 +99,21 @@ def test_fused_core_asks_gpus_for_cudnn_in_bf16_and_fp16_only():
 @pytest.mark.parametrize("causal,padded", [(True, False), (False, True), (True, True)])
 def test_cudnn_call_carries_the_masks(monkeypatch, causal, padded):
     """What cuDNN is handed (the causal flag, padding as a (b, 1, q, k) mask) computes the masked
-    attention: here XLA's attention evaluates that very call, in float32, against a hand reference."""
+    attention: here XLA's attention evaluates that very call, in float32, against a hand
+    reference."""
     real, calls = jax.nn.dot_product_attention, []
 
     def as_cudnn_would(q, k, v, *, mask=None, is_causal=False, scale=None, implementation=None):
         calls.append((implementation, is_causal, None if mask is None else mask.shape))
         f32 = lambda t: t.astype(jnp.float32)   # noqa: E731
-        return real(f32(q), f32(k), f32(v), mask=mask, is_causal=is_causal, scale=scale, implementation="xla")
+        return real(f32(q), f32(k), f32(v), mask=mask, is_causal=is_causal, scale=scale,
+                    implementation="xla")
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", as_cudnn_would)
     q, k, v, key_mask = attention_inputs()
     key_mask = key_mask if padded else None
-    got = fused_attention_core(q, k, v, key_mask, causal=causal, scale=1 / np.sqrt(8), platform="gpu")
+    got = fused_attention_core(q, k, v, key_mask, causal=causal, scale=1 / np.sqrt(8),
+                               platform="gpu")
     b, _, s, _ = q.shape
     assert calls == [("cudnn", causal, (b, 1, s, s) if padded else None)]
     f64 = lambda t: np.asarray(t, np.float64)   # noqa: E731
@@ -117,6 +125,7 @@ def test_where_cudnn_refuses_xla_attention_runs_with_a_warning():
     same result, within bf16 rounding of its output (4 u of its scale)."""
     q, k, v, key_mask = attention_inputs(seed=1)
     with pytest.warns(UserWarning, match="XLA's attention runs instead"):
-        got = fused_attention_core(q, k, v, key_mask, causal=True, scale=1 / np.sqrt(8), platform="gpu")
+        got = fused_attention_core(q, k, v, key_mask, causal=True, scale=1 / np.sqrt(8),
+                                   platform="gpu")
     f64 = lambda t: np.asarray(t, np.float64)   # noqa: E731
     assert_close(got, reference_attention(f64(q), f64(k), f64(v), key_mask, True), tol=BF16_ELEMENT)

@@ -19,37 +19,45 @@ from layer_programs import inputs, stack_gradients  # noqa: E402
 def test_gpu_check_smoke_writes_its_table(tmp_path):
     e = env()
     e["XLA_FLAGS"] += " --xla_force_host_platform_device_count=1"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--out", str(tmp_path)],
-                       capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["smoke"] and result["backend"] == "cpu"
     assert [r["config"] for r in result["rows"]] == [row[0] for row in ROWS]
     assert all(r["fits"] for r in result["rows"]), [r.get("why") for r in result["rows"]]
     assert [(r["remat"], r["attention"]) for r in result["rows"]] == [
-        ("none", "fused"), ("none", "fused"), ("none", "fused"), ("none", "fused"), ("none", "fused"),
-        ("none", "megajax"), ("full", "fused"), ("none", "fused"), ("none", "fused"), ("none", "fused")]
+        ("none", "fused"), ("none", "fused"), ("none", "fused"), ("none", "fused"),
+        ("none", "fused"),
+        ("none", "megajax"), ("full", "fused"), ("none", "fused"), ("none", "fused"),
+        ("none", "fused")]
     check = result["attention_check"]      # the fused core (XLA's here) against megajax's, in bf16
     assert not check["cudnn_flash_attention"] and check["loss_rel_diff"] < BF16_U
-    assert check["grad_max_rel_diff"] < 2 * BF16_ELEMENT   # two bf16 paths, each within BF16_ELEMENT
+    # two bf16 paths, each within BF16_ELEMENT
+    assert check["grad_max_rel_diff"] < 2 * BF16_ELEMENT
     for r in result["rows"]:
         assert r["fits"] and r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_bytes"] > 0
-        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq_len"] * 1000 / r["step_ms"], rel=1e-9)
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq_len"] * 1000 / r["step_ms"],
+                                                  rel=1e-9)
         assert 3.0 < r["loss"] < 8.0            # ln(512) = 6.2 at initialisation: a real step ran
         assert r["predicted_ms"] > 0 and r["predicted_bytes"] > 0    # the planner's, for an H200
     assert [r["config"] for r in result["stacks"]] == [name for name, _ in STACKS]
     for r, (_, ways) in zip(result["stacks"], STACKS):
         assert set(r["best_ms"]) == set(ways) and min(r["best_ms"].values()) > 0
-        assert r["grad_rel_diff"]["per_layer"] < BF16_ELEMENT    # the same bf16 layer, run another way
+        # the same bf16 layer, run another way
+        assert r["grad_rel_diff"]["per_layer"] < BF16_ELEMENT
     table = (tmp_path / "gpu_check.md").read_text()
     rows = table.count("| gpt2_") + table.count("| llama3.2_1b")
-    assert rows == len(ROWS) + len(STACKS) and "[smoke]" in table and "megajax-plan on h200" in table
+    assert rows == len(ROWS) + len(
+        STACKS) and "[smoke]" in table and "megajax-plan on h200" in table
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_layer_programs_ways_give_the_scans_gradients(remat):
     """bench/layer_programs.py's three ways compute one thing: with dropout, the stacked weights'
-    and the input's gradients of the unrolled stack and of one program per layer equal the scan's."""
+    and the input's gradients of the unrolled stack and of one program per layer equal the
+    scan's."""
     cfg = tiny_config(num_layers=3, remat=remat)
     fns, state = stack_gradients(cfg, mesh_for("1x1"))
     x, ct, keys = inputs(cfg)
@@ -63,8 +71,9 @@ def test_layer_programs_ways_give_the_scans_gradients(remat):
 def test_gpu_check_refuses_a_machine_without_gpus(tmp_path):
     e = env()
     e["XLA_FLAGS"] += " --xla_force_host_platform_device_count=1"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(tmp_path)],
-                       capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(tmp_path)],
+        capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
     assert p.returncode == 2 and p.stderr.strip().startswith("error: jax sees no GPU")
     assert not (tmp_path / "gpu_check.json").exists()
 
@@ -74,14 +83,18 @@ def test_step_mfu_runs_with_the_papers_dropout_and_remat():
     backward timings draw the masks too) and full remat."""
     e = env()
     e["XLA_FLAGS"] += " --xla_force_host_platform_device_count=1"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "step_mfu.py"), "--layers", "2", "--hidden", "64",
-                        "--heads", "4", "--seq", "32", "--batch", "2", "--dtypes", "float32", "--rounds", "1",
-                        "--reps", "1", "--compile-layers", "2,4", "--dropout", "0.1", "--remat", "full"],
-                       capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step_mfu.py"), "--layers", "2", "--hidden", "64",
+                        "--heads", "4", "--seq", "32", "--batch", "2", "--dtypes", "float32",
+                        "--rounds", "1",
+                        "--reps", "1", "--compile-layers", "2,4", "--dropout", "0.1", "--remat",
+                        "full"],
+        capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     for stack in ("scanned stack", "unrolled stack", "layer programs"):
         assert f"float32, {stack}" in p.stdout and p.stdout.count("2 layers, hidden 64") == 3
     assert p.stdout.count("backward/forward") == 2 and p.stdout.count("| MFU") == 3
     assert "Llama 4 heads / 1 kv" in p.stdout and "Llama / GPT MFU, run in turn" in p.stdout
-    assert "scanned / unrolled train step" in p.stdout and "programs / unrolled train step" in p.stdout
+    assert ("scanned / unrolled train step" in p.stdout
+            and "programs / unrolled train step" in p.stdout)
     assert "compile, scanned train step (float32): 2 layers" in p.stdout

@@ -38,7 +38,8 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bert")
     corpus, vocab = write_corpus(d)
     return {"dir": d, "corpus": corpus, "vocab": vocab, "tok": WordPieceTokenizer.from_file(vocab),
-            "race": write_race(d / "RACE"), "mnli": write_mnli(d / "MNLI"), "qqp": write_qqp(d / "QQP")}
+            "race": write_race(d / "RACE"), "mnli": write_mnli(d / "MNLI"),
+            "qqp": write_qqp(d / "QQP")}
 
 
 def bert_config(tok, task="pretrain", **model):
@@ -62,22 +63,25 @@ def metrics_and_grads(cfg, files, spec):
     params, _ = trainer.init_state(seed=0)
     make = pretrain_batch if cfg.model.task == "pretrain" else task_batch
     batch = make(files, cfg, trainer.batch_sharding)
-    (_, metrics), grads = jax.jit(jax.value_and_grad(trainer.objective, has_aux=True))(params, batch, KEY)
+    (_, metrics), grads = jax.jit(jax.value_and_grad(trainer.objective, has_aux=True))(params,
+                                                                                       batch, KEY)
     # Predictions each accuracy averages over: the masked tokens (MLM) or the rows.
-    counts = {"mlm_accuracy": int(np.sum(batch.get("mlm_weights", 0))), "sop_accuracy": cfg.train.batch_size,
-              "accuracy": cfg.train.batch_size}
+    counts = {"mlm_accuracy": int(np.sum(batch.get("mlm_weights", 0))),
+              "sop_accuracy": cfg.train.batch_size, "accuracy": cfg.train.batch_size}
     return (*jax.device_get((metrics, grads)), counts)
 
 
-@pytest.mark.parametrize("task,spec,sp", [("pretrain", "2x4", False), ("pretrain", "1x8", False), ("race", "2x4", False),
-                                          ("mnli", "1x8", False), ("pretrain", "2x4", True), ("race", "1x8", True),
-                                          ("qqp", "2x4", True)])
+@pytest.mark.parametrize(
+    "task,spec,sp", [("pretrain", "2x4", False), ("pretrain", "1x8", False), ("race", "2x4", False),
+                                          ("mnli", "1x8", False), ("pretrain", "2x4", True),
+                                          ("race", "1x8", True), ("qqp", "2x4", True)])
 def test_bert_matches_single_device(files, task, spec, sp):
     """Loss, every metric and every gradient equal one device's (without sequence
     parallelism), dropout on; `sp`: the multi-device run is sequence parallel."""
     cfg = bert_config(files["tok"], task)
     ref_metrics, ref_grads, counts = metrics_and_grads(cfg, files, "1x1")
-    metrics, grads, _ = metrics_and_grads(bert_config(files["tok"], task, sequence_parallel=sp), files, spec)
+    metrics, grads, _ = metrics_and_grads(bert_config(files["tok"], task, sequence_parallel=sp),
+                                          files, spec)
     assert set(metrics) == set(ref_metrics)
     # float32: losses and gradients within F32 of their scale; an accuracy may differ by one
     # prediction whose two best scores tie within rounding (tests/tolerances.py). RACE's
@@ -102,7 +106,8 @@ def test_bert_sharded_data_parallel_matches_plain(files, task, spec, mode, sp):
     microbatches, dropout on. Metrics and gradients as the plain data-parallel step's."""
     def config(**train):
         cfg = bert_config(files["tok"], task, sequence_parallel=sp)
-        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2, **train))
+        return dataclasses.replace(cfg,
+                                   train=dataclasses.replace(cfg.train, microbatches=2, **train))
     make = pretrain_batch if task == "pretrain" else task_batch
     out = []
     for cfg in (config(), config(**{mode: True})):
@@ -113,11 +118,14 @@ def test_bert_sharded_data_parallel_matches_plain(files, task, spec, mode, sp):
     (ref_metrics, ref_grads), (metrics, grads) = out
     # One flipped prediction moves the mean of the 2 microbatch accuracies by 1 / (2 n_j), n_j
     # the predictions microbatch j averages over (rows j, j+2, ...).
-    rows = np.asarray(jax.device_get(batch["mlm_weights"] if task == "pretrain" else batch["label"]))
-    fewest = {"mlm_accuracy": min(int(np.sum(rows[j::2])) for j in range(2)) if task == "pretrain" else 0,
+    rows = np.asarray(
+        jax.device_get(batch["mlm_weights"] if task == "pretrain" else batch["label"]))
+    fewest = {"mlm_accuracy": min(int(np.sum(rows[j::2])) for j in range(2)) if task == "pretrain"
+              else 0,
               "sop_accuracy": cfg.train.batch_size // 2, "accuracy": cfg.train.batch_size // 2}
     assert set(metrics) == set(ref_metrics)
-    for k in ref_metrics:   # an accuracy may flip one prediction tied within rounding (tests/tolerances.py)
+    # an accuracy may flip one prediction tied within rounding (tests/tolerances.py)
+    for k in ref_metrics:
         if "accuracy" in k:
             assert abs(metrics[k] - ref_metrics[k]) <= 1 / (2 * max(fewest[k], 1)) + F32, k
         else:
@@ -169,31 +177,40 @@ def test_bert_sequence_parallel_collectives(files, task, spec):
         r = audit(cfg, mesh)
         t, L = mesh.shape["model"], cfg.model.num_layers
         b, s, h = cfg.train.batch_size // mesh.shape["data"], cfg.model.seq_len, cfg.model.hidden
-        for kind in ("all-gather", "reduce-scatter"):   # (+ 2 all-gathers again in a scanned stack's backward)
+        # (+ 2 all-gathers again in a scanned stack's backward)
+        for kind in ("all-gather", "reduce-scatter"):
             want = 4 + 2 * (kind == "all-gather" and cfg.model.scan_layers)
-            assert all(sum(c.values()) == want for c in r.model_axis_layer_counts(kind).values()), kind
+            assert all(sum(c.values()) == want
+                       for c in r.model_axis_layer_counts(kind).values()), kind
         assert r.model_axis_layer_counts("all-reduce") == {}
         p = r.head_rows
         outside = sorted((c.kind, c.origin, c.direction, c.elements) for c in r.collectives
-                         if c.axis == "model" and c.layer == "" and c.origin in ("embedding", "logits", "loss"))
-        want = [("all-gather", "embedding", "backward", b * s * h), ("reduce-scatter", "embedding", "forward", b * s * h // t),
+                         if c.axis == "model" and c.layer == ""
+                         and c.origin in ("embedding", "logits", "loss"))
+        want = [("all-gather", "embedding", "backward", b * s * h),
+                ("reduce-scatter", "embedding", "forward", b * s * h // t),
                 ("all-reduce", "logits", "forward", b * (p + 1) * h)]
         if task == "pretrain":
-            want += [("all-reduce", "logits", "backward", b * p * h)] + [("all-reduce", "loss", "forward", b * p)] * 3
+            want += [("all-reduce", "logits", "backward", b * p * h)] + [
+                ("all-reduce", "loss", "forward", b * p)] * 3
         assert outside == sorted(want), placement
         pair = b * s * h + b * s * h // t
-        replicated_grads = L * 6 * h + 2 * h + (s + 2) * h    # LNs, row biases, one more LN, positions, types
+        # LNs, row biases, one more LN, positions, types
+        replicated_grads = L * 6 * h + 2 * h + (s + 2) * h
         heads = b * (p + 1) * h + b * p * h + 3 * b * p
         assert r.analytic_min_elements == (4 * L + 1) * pair + heads + replicated_grads
-        regather = 2 * L * b * s * h                          # each block's input, again for the backward pass
-        assert r.regathered_elements == regather and exact_model_axis_elements(r) == r.analytic_min_elements + regather
+        # each block's input, again for the backward pass
+        regather = 2 * L * b * s * h
+        assert r.regathered_elements == regather and exact_model_axis_elements(
+            r) == r.analytic_min_elements + regather
         assert f"the minimum is {r.analytic_min_elements + regather:,}: ratio 1.000" in r.table()
 
 
 def test_pre_and_post_layernorm_differ_and_both_train(files):
     losses, params = {}, {}
     for placement in ("pre", "post"):
-        cfg = bert_config(files["tok"], ln_placement=placement, hidden_dropout=0.0, attention_dropout=0.0)
+        cfg = bert_config(files["tok"], ln_placement=placement, hidden_dropout=0.0,
+                          attention_dropout=0.0)
         trainer = make_trainer(cfg, mesh_for("1x1"))
         p, o = trainer.init_state(seed=0)
         params[placement] = set(p)
@@ -203,8 +220,10 @@ def test_pre_and_post_layernorm_differ_and_both_train(files):
         for i in range(25):   # one fixed batch: the loss must fall
             p, o, m = step(p, o, batch, jnp.int32(i))
             losses[placement].append(float(m["loss"]))
-    assert params["pre"] - params["post"] == {"ln_f"} and params["post"] - params["pre"] == {"ln_embed"}
-    assert abs(losses["pre"][0] - losses["post"][0]) > 1e-3   # different computations from the same weights
+    assert params["pre"] - params["post"] == {"ln_f"} and params["post"] - params["pre"] == {
+        "ln_embed"}
+    # different computations from the same weights
+    assert abs(losses["pre"][0] - losses["post"][0]) > 1e-3
     for placement, ls in losses.items():
         assert np.mean(ls[-5:]) < 0.6 * np.mean(ls[:3]), (placement, ls)
 
@@ -212,7 +231,8 @@ def test_pre_and_post_layernorm_differ_and_both_train(files):
 def test_sentence_pairs_are_consecutive_text(files):
     text = "One two three. Four five six! Seven eight?\n\nNine ten. Eleven.\n\nLonely."
     docs = split_documents(text)
-    assert docs == [["One two three.", "Four five six!", "Seven eight?"], ["Nine ten.", "Eleven."], ["Lonely."]]
+    assert docs == [["One two three.", "Four five six!", "Seven eight?"], ["Nine ten.", "Eleven."],
+                    ["Lonely."]]
     tok = files["tok"]
     ids = [[tok.encode(s) for s in d] for d in split_documents(files["corpus"].read_text())]
     for seq_len in (5, 16, 32):   # 5: one token of A and one of B
@@ -255,7 +275,8 @@ def _words(ids: np.ndarray, n: int, sep: int, vocab: list[str]) -> np.ndarray:
 @pytest.mark.parametrize("masking", ["whole_word", "token"])
 def test_masking_statistics(pieces, masking):
     """15% of the non-special tokens are predicted; of those 80% [MASK], 10% random, 10% kept.
-    Whole-word masking (Megatron's, the default) never masks part of a word; per-token masking does."""
+    Whole-word masking (Megatron's, the default) never masks part of a word; per-token masking
+    does."""
     tok, text = pieces
     cfg = bert_config(tok, seq_len=64)
     cfg.data.masking = masking
@@ -270,7 +291,8 @@ def test_masking_statistics(pieces, masking):
         w = e["mlm_weights"].astype(bool)
         pos, orig = e["mlm_positions"][w], e["mlm_ids"][w]
         specials = {0, n - 1, int(np.flatnonzero(e["tokens"][:n] == sp.sep)[0])}
-        assert not specials & set(pos.tolist()) and (pos < n).all() and len(set(pos.tolist())) == len(pos)
+        assert not specials & set(pos.tolist()) and (pos < n).all() and len(
+            set(pos.tolist())) == len(pos)
         assert not np.isin(orig, [sp.cls, sp.sep, sp.pad, sp.mask]).any()
         ids = e["tokens"].copy()
         ids[pos] = orig
@@ -311,7 +333,8 @@ def test_ngram_spans_follow_megatrons_distribution():
     first = []
     for seed in range(4000):
         spans = choose_ngrams(words, budget=30, max_ngram=3, rng=np.random.default_rng(seed))
-        assert sum(map(len, spans)) <= 30 and len({q for s in spans for q in s}) == sum(map(len, spans))
+        assert sum(map(len, spans)) <= 30 and len({q for s in spans for q in s}) == sum(
+            map(len, spans))
         for span in spans:
             starts = [k for k, w in enumerate(words) if w[0] == span[0]]
             assert len(starts) == 1
@@ -320,7 +343,8 @@ def test_ngram_spans_follow_megatrons_distribution():
                 assert span[j:j + len(words[k])] == words[k]
                 j, k = j + len(words[k]), k + 1
         k = next(k for k, w in enumerate(words) if w[0] == spans[0][0])
-        first.append(next(m for m in (1, 2, 3) if sum(len(w) for w in words[k:k + m]) == len(spans[0])))
+        first.append(
+            next(m for m in (1, 2, 3) if sum(len(w) for w in words[k:k + m]) == len(spans[0])))
     share = np.bincount(first, minlength=4)[1:] / len(first)
     # 4000 draws: one standard error is at most 0.008; 0.04 is 5 of them (the last two start
     # words, 2% of draws, can only take shorter spans).
@@ -329,17 +353,21 @@ def test_ngram_spans_follow_megatrons_distribution():
 
 def test_wordpiece_vocab_file(files, tmp_path):
     tok = files["tok"]
-    assert [tok.token_id(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")] == [0, 1, 2, 3, 4]
+    assert [tok.token_id(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")] == [0, 1, 2, 3,
+                                                                                         4]
     assert tok.decode(tok.encode("First the Fox saw the ball.")) == "first the fox saw the ball."
     trained = WordPieceTokenizer.train(files["corpus"].read_text(), vocab_size=200)
-    assert trained.vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] and "finally" in trained.vocab
+    assert trained.vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]",
+                                 "[MASK]"] and "finally" in trained.vocab
     tok.save(tmp_path)
     again = load_tokenizer(tmp_path)
-    assert again.vocab == tok.vocab and (tmp_path / "vocab.txt").read_text().splitlines() == tok.vocab
+    assert again.vocab == tok.vocab and (
+        tmp_path / "vocab.txt").read_text().splitlines() == tok.vocab
     # The same WordPiece as a Hugging Face tokenizer.json serves BERT too.
     tok.tok.save(str(tmp_path / "tokenizer.json"))
     hf = make_tokenizer(f"hf:{tmp_path / 'tokenizer.json'}")
-    assert Specials.of(hf) == Specials.of(tok) and hf.encode("the fox saw.") == tok.encode("the fox saw.")
+    assert Specials.of(hf) == Specials.of(tok) and hf.encode("the fox saw.") == tok.encode(
+        "the fox saw.")
     with pytest.raises(ConfigError, match="model.task must be one of"):
         load_config("bert_tiny", ["model.task=squad"])
 
@@ -348,12 +376,14 @@ def test_wordpiece_training_is_reproducible_across_processes(tmp_path):
     """The same corpus and size give a byte-identical vocab.txt in separate processes, whatever
     the hash seed and thread count (the `tokenizers` trainer gave a different one each run)."""
     script = ("import sys; from megajax.data.tokenizer import WordPieceTokenizer; "
-              "WordPieceTokenizer.train(open(sys.argv[1]).read()[:300_000], 1000).save(sys.argv[2])")
+              "WordPieceTokenizer.train(open(sys.argv[1]).read()[:300_000], "
+              "1000).save(sys.argv[2])")
     files = []
     for seed, threads in (("1", "1"), ("2", "2")):
         out = tmp_path / seed
         out.mkdir()
-        subprocess.run([sys.executable, "-c", script, str(SHAKESPEARE), str(out)], check=True, cwd=ROOT,
+        subprocess.run([sys.executable, "-c", script, str(SHAKESPEARE), str(out)], check=True,
+                       cwd=ROOT,
                        env={**env(), "PYTHONHASHSEED": seed, "RAYON_NUM_THREADS": threads})
         files.append((out / "vocab.txt").read_bytes())
     assert files[0] == files[1] and len(files[0].splitlines()) == 1000
@@ -362,8 +392,8 @@ def test_wordpiece_training_is_reproducible_across_processes(tmp_path):
 def test_wordpiece_merges_by_hand():
     """Pairs by count ('##u ##g' 5, then 'h ##ug' 4, '##u ##n' 2), ties by the tokens' text."""
     vocab = train_vocab("Hug hug hug pug pun bun hugs", 20, ("[PAD]", "[UNK]"))
-    assert vocab == ["[PAD]", "[UNK]", "b", "g", "h", "n", "p", "s", "u", "##g", "##n", "##s", "##u",
-                     "##ug", "hug", "##un", "bun", "hugs", "pug", "pun"]
+    assert vocab == ["[PAD]", "[UNK]", "b", "g", "h", "n", "p", "s", "u", "##g", "##n", "##s",
+                     "##u", "##ug", "hug", "##un", "bun", "hugs", "pug", "pun"]
 
 
 def test_task_files_and_encoding(files, tmp_path):
@@ -372,12 +402,17 @@ def test_task_files_and_encoding(files, tmp_path):
     tok = files["tok"]
     race = read_task("race", files["race"], "test")
     assert len(race) == 30 and {e.group for e in race} == {"middle", "high"}
-    blank = next(e for e in race if e.second[0].startswith("the story is about"))   # "... about _ ."
-    assert all("_" not in t and t.endswith(" .") for t in blank.second) and len(set(blank.second)) == 4
-    plain = next(e for e in race if e.second[0].startswith("which one is it ?"))     # option appended
-    assert all(t.startswith("which one is it ? ") for t in plain.second) and len(set(plain.second)) == 4
+    # "... about _ ."
+    blank = next(e for e in race if e.second[0].startswith("the story is about"))
+    assert all("_" not in t and t.endswith(" .")
+               for t in blank.second) and len(set(blank.second)) == 4
+    # option appended
+    plain = next(e for e in race if e.second[0].startswith("which one is it ?"))
+    assert all(t.startswith("which one is it ? ")
+               for t in plain.second) and len(set(plain.second)) == 4
     long = Example(["first the cat saw the ball near the stone with the rope"] * 4,
-                   [f"which one is it ? {o}" for o in ("apple", "hammer", "saw", "rake")], 0, "high")
+                   [f"which one is it ? {o}" for o in ("apple", "hammer", "saw", "rake")], 0,
+                   "high")
     arrays = encode([long], tok, seq_len=16)
     assert arrays["tokens"].shape == (1, 4, 16) and arrays["label"].tolist() == [0]
     row = arrays["tokens"][0, 1].tolist()
@@ -397,11 +432,15 @@ def test_task_files_and_encoding(files, tmp_path):
 
 
 RACE_DAMAGE = {
-    "not a RACE file": {"article": "a", "questions": ["q"], "options": [["a", "b", "c", "d"]]},       # no answers
-    "equally long lists": {"article": "a", "questions": ["q", "r"], "options": [["a", "b", "c", "d"]], "answers": ["A"]},
+    # no answers
+    "not a RACE file": {"article": "a", "questions": ["q"], "options": [["a", "b", "c", "d"]]},
+    "equally long lists": {"article": "a", "questions": ["q", "r"],
+                           "options": [["a", "b", "c", "d"]], "answers": ["A"]},
     "needs 4 options": {"article": "a", "questions": ["q"], "options": ["abcd"], "answers": ["A"]},
-    "an answer A-D, got 'E'": {"article": "a", "questions": ["q"], "options": [["a", "b", "c", "d"]], "answers": ["E"]},
-    "an answer A-D, got 1": {"article": "a", "questions": ["q"], "options": [["a", "b", "c", "d"]], "answers": [1]},
+    "an answer A-D, got 'E'": {"article": "a", "questions": ["q"],
+                               "options": [["a", "b", "c", "d"]], "answers": ["E"]},
+    "an answer A-D, got 1": {"article": "a", "questions": ["q"], "options": [["a", "b", "c", "d"]],
+                             "answers": [1]},
     "is not UTF-8 text": b'{"article": "caf\xe9"}',
 }
 
@@ -417,7 +456,8 @@ def test_task_files_of_another_layout_are_one_line(tmp_path, message):
     with pytest.raises(UserError, match=re.escape(message)):
         read_task("race", tmp_path / "RACE", "dev")
     (tmp_path / "QQP").mkdir()
-    (tmp_path / "QQP" / "dev.tsv").write_bytes(b"question1\tquestion2\tis_duplicate\ncaf\xe9\tb\t1\n")
+    (tmp_path / "QQP" / "dev.tsv").write_bytes(
+        b"question1\tquestion2\tis_duplicate\ncaf\xe9\tb\t1\n")
     with pytest.raises(UserError, match="dev.tsv is not UTF-8 text"):
         read_task("qqp", tmp_path / "QQP", "dev")
 
@@ -428,7 +468,8 @@ def test_task_files_of_another_layout_are_one_line(tmp_path, message):
 def pretrained(files):
     """A tiny BERT pretrained through train.py on the fixture corpus (2x2 mesh)."""
     workdir = files["dir"] / "pretrained"
-    run("--config", "bert_tiny", "--data", f"text:{files['corpus']}", "--tokenizer", f"wordpiece:{files['vocab']}",
+    run("--config", "bert_tiny", "--data", f"text:{files['corpus']}", "--tokenizer",
+        f"wordpiece:{files['vocab']}",
         "--set", "model.seq_len=32", "--set", "train.batch_size=32", "--set", "train.lr=2e-3",
         "--set", "train.warmup_steps=20", "--set", "train.eval_batches=4", "--steps", "150",
         "--log-every", "10", "--eval-every", "50", "--host-devices", "4", "--mesh", "2x2",
@@ -440,10 +481,13 @@ def test_pretraining_lowers_mlm_and_sop_losses(pretrained):
     records = [json.loads(line) for line in (pretrained / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "mlm_loss" in r]
     val = [r for r in records if "val_mlm_loss" in r]
-    assert {"mlm_loss", "sop_loss", "mlm_accuracy", "sop_accuracy", "tokens_per_sec", "mfu"} <= set(train[0])
-    first = lambda k: train[0][k]                           # noqa: E731  step 1: the untrained model
+    assert {"mlm_loss", "sop_loss", "mlm_accuracy", "sop_accuracy", "tokens_per_sec",
+            "mfu"} <= set(train[0])
+    # step 1: the untrained model
+    first = lambda k: train[0][k]                           # noqa: E731
     last = lambda k: np.mean([r[k] for r in train[-3:]])    # noqa: E731
-    assert first("mlm_loss") > 0.8 * np.log(128) and first("sop_loss") > 0.6   # ~ chance: ln V, ln 2
+    # ~ chance: ln V, ln 2
+    assert first("mlm_loss") > 0.8 * np.log(128) and first("sop_loss") > 0.6
     assert last("mlm_loss") < 0.5 * first("mlm_loss")
     assert last("sop_loss") < 0.5 * first("sop_loss")
     assert val[-1]["val_sop_accuracy"] > 0.9 and val[-1]["val_mlm_accuracy"] > 0.4
@@ -455,7 +499,8 @@ def test_init_from_restores_the_encoder_exactly(pretrained, files):
     from megajax.runs.workdir import with_pretrained_shape
 
     cfg, _ = with_pretrained_shape(cfg)
-    assert (cfg.model.seq_len, cfg.model.hidden, cfg.model.vocab_size) == (32, 64, files["tok"].vocab_size)
+    assert (cfg.model.seq_len, cfg.model.hidden, cfg.model.vocab_size) == (32, 64,
+                                                                           files["tok"].vocab_size)
     mesh = mesh_for("2x2")   # not the mesh it was trained on
     trainer = make_trainer(cfg, mesh)
     fresh, _ = trainer.init_state()
@@ -480,15 +525,17 @@ def test_mlm_evaluation(pretrained, files):
     got = evaluate_pretraining(loaded.model, pairs, loaded.cfg, data.specials, loaded.tokenizer,
                                batch_size=8)   # 8 + 8 + 4 real rows
     builder = PretrainBatches(pairs, loaded.cfg, data.specials, loaded.tokenizer, None)
-    examples = [builder.encode(p, np.random.default_rng([loaded.cfg.train.seed, 2, i])) for i, p in enumerate(pairs)]
+    examples = [builder.encode(p, np.random.default_rng([loaded.cfg.train.seed, 2, i]))
+                for i, p in enumerate(pairs)]
     batch = {k: jnp.asarray(np.stack([e[k] for e in examples])) for k in examples[0]}
     _, want = loaded.model.objective(batch)
     for k in ("mlm_loss", "mlm_accuracy", "sop_loss", "sop_accuracy"):
         assert got[k] == pytest.approx(float(want[k]), rel=1e-5), k
     assert got["pairs"] == 20 and got["masked_tokens"] == int(batch["mlm_weights"].sum())
-    e = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--workdir", str(pretrained), "--task", "mlm",
+    e = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), "--workdir", str(pretrained), "--task", "mlm",
                         "--data", str(files["corpus"]), "--host-devices", "8", "--mesh", "2x4"],
-                       capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
     assert e.returncode == 0, e.stderr
     result = json.loads((pretrained / "eval_mlm.json").read_text())
     assert result["pairs"] > 250 and result["sop_accuracy"] > 0.9 and result["mlm_accuracy"] > 0.4
@@ -496,14 +543,18 @@ def test_mlm_evaluation(pretrained, files):
 
 def test_finetune_race_through_the_cli(pretrained, files):
     workdir = files["dir"] / "race"
-    p = run("--config", "finetune_race", "--init-from", str(pretrained), "--data", str(files["race"]),
-            "--set", "train.batch_size=8", "--set", "train.lr=1e-3", "--set", "train.warmup_steps=10",
-            "--steps", "80", "--log-every", "20", "--eval-every", "80", "--set", "train.eval_batches=2",
+    p = run("--config", "finetune_race", "--init-from", str(pretrained), "--data",
+            str(files["race"]),
+            "--set", "train.batch_size=8", "--set", "train.lr=1e-3", "--set",
+            "train.warmup_steps=10",
+            "--steps", "80", "--log-every", "20", "--eval-every", "80", "--set",
+            "train.eval_batches=2",
             "--host-devices", "2", "--mesh", "1x2", "--workdir", str(workdir))
     assert "initialised from" in p.stdout and "new: classifier" in p.stdout
-    e = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--workdir", str(workdir), "--task", "race",
+    e = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), "--workdir", str(workdir), "--task", "race",
                         "--data", str(files["race"]), "--host-devices", "8", "--mesh", "2x4"],
-                       capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
     assert e.returncode == 0, e.stderr
     result = json.loads((workdir / "eval_race.json").read_text())
     assert result["split"] == "test" and result["examples"] == 30
@@ -513,10 +564,12 @@ def test_finetune_race_through_the_cli(pretrained, files):
 
 @pytest.mark.parametrize("task,chance", [("mnli", 1 / 3), ("qqp", 1 / 2)])
 def test_finetune_sentence_pairs(pretrained, files, task, chance):
-    cfg = load_config(f"finetune_{task}", [f"train.init_from={pretrained}", f"data.source={files[task]}",
-                                           "train.batch_size=16", "train.lr=5e-4", "train.warmup_steps=10",
-                                           "train.steps=200", "train.log_every=50", "train.eval_every=200",
-                                           "train.eval_batches=2"])
+    cfg = load_config(f"finetune_{task}",
+                      [f"train.init_from={pretrained}", f"data.source={files[task]}",
+                                           "train.batch_size=16", "train.lr=5e-4",
+                                           "train.warmup_steps=10",
+                                           "train.steps=200", "train.log_every=50",
+                                           "train.eval_every=200", "train.eval_batches=2"])
     workdir = files["dir"] / task
     mesh = mesh_for("1x2")
     train(cfg, mesh, workdir, out=None)     # no log (it was a TypeError)
@@ -529,12 +582,16 @@ def test_finetune_sentence_pairs(pretrained, files, task, chance):
 def test_bert_user_errors(pretrained, files, tmp_path):
     p = run("--config", "bert_tiny", "--tokenizer", "bytes", "--data", f"text:{files['corpus']}",
             "--workdir", str(tmp_path / "w"), check=False)
-    assert p.returncode == 2 and "BERT needs a tokenizer with" in p.stderr and "Traceback" not in p.stderr
-    p = run("--config", "finetune_race", "--data", str(files["race"]), "--workdir", str(tmp_path / "x"), check=False)
+    assert (p.returncode == 2 and "BERT needs a tokenizer with" in p.stderr
+            and "Traceback" not in p.stderr)
+    p = run("--config", "finetune_race", "--data", str(files["race"]), "--workdir",
+            str(tmp_path / "x"), check=False)
     assert p.returncode == 2 and "--init-from" in p.stderr
-    p = run("--config", "finetune_race", "--init-from", str(pretrained), "--data", str(tmp_path / "nope"),
-            "--workdir", str(tmp_path / "y"), check=False)
+    p = run("--config", "finetune_race", "--init-from", str(pretrained), "--data",
+            str(tmp_path / "nope"), "--workdir", str(tmp_path / "y"), check=False)
     assert p.returncode == 2 and "race data directory not found" in p.stderr
-    e = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--workdir", str(pretrained), "--task", "race",
-                        "--data", str(files["race"])], capture_output=True, text=True, env=env(), cwd=ROOT)
+    e = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), "--workdir", str(pretrained), "--task", "race",
+                        "--data", str(files["race"])], capture_output=True, text=True, env=env(),
+                        cwd=ROOT)
     assert e.returncode == 2 and "fine-tuned on race" in e.stderr

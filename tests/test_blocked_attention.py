@@ -45,22 +45,25 @@ def grads(f, q, k, v):
     ((2, 3, 24, 16), (1, 1), 1 << 30, (1, 1)),     # one block
     ((2, 3, 24, 16), (1, 1), 1, (2, 3)),           # one pair per block: 3 heads do not pair
     ((4, 4, 16, 8), (2, 1), 8 * 16 * 16 * 4, (1, 1)),   # a device's 2 x 4 pairs, all in one block
-    ((8, 4, 16, 8), (2, 2), 4 * 16 * 16 * 4, (2, 1)),   # 4 x 2 pairs a device, 4 a block: batch rows
+    # 4 x 2 pairs a device, 4 a block: batch rows
+    ((8, 4, 16, 8), (2, 2), 4 * 16 * 16 * 4, (2, 1)),
     ((2, 8, 16, 8), (1, 2), 2 * 16 * 16 * 4, (2, 2)),   # 2 x 4 a device, 2 a block: heads
 ])
 @pytest.mark.parametrize("causal,padding", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("query_tile", [256, 10], ids=["one_tile", "tiles_of_10"])
-def test_blocked_attention_matches_autodiff_of_the_plain_formula(shape, ways, block_bytes, blocks, causal, padding,
+def test_blocked_attention_matches_autodiff_of_the_plain_formula(shape, ways, block_bytes, blocks,
+                                                                 causal, padding,
                                                                 query_tile, monkeypatch):
     """The blocks chosen (checked against the hand count) and the numbers, for every cut, with
-    the queries in one tile or (causal, no key mask) in tiles of 10, the last one shorter; padding leaves
-    sequence 1 no key at all, so its queries attend to every key uniformly."""
+    the queries in one tile or (causal, no key mask) in tiles of 10, the last one shorter; padding
+    leaves sequence 1 no key at all, so its queries attend to every key uniformly."""
     monkeypatch.setattr(blocked_module, "BLOCK_BYTES", block_bytes)
     monkeypatch.setattr(blocked_module, "QUERY_TILE", query_tile)
     assert _blocks(shape, ways) == blocks
     q, k, v = (jnp.asarray(RNG.normal(size=shape), jnp.float32) for _ in range(3))
     key_mask = jnp.asarray(RNG.random(shape[::2]) > 0.3).at[1].set(False) if padding else None
-    ours = lambda q, k, v: blocked_attention(q, k, v, key_mask, causal=causal, scale=0.25, ways=ways)  # noqa: E731
+    ours = lambda q, k, v: blocked_attention(q, k, v, key_mask, causal=causal, scale=0.25,
+                                             ways=ways)  # noqa: E731
     plain = lambda q, k, v: plain_attention(q, k, v, key_mask, causal, 0.25)   # noqa: E731
     assert_close(ours(q, k, v), plain(q, k, v), what="forward")
     assert_tree_close(grads(plain, q, k, v), grads(ours, q, k, v), what="gradients")
@@ -82,7 +85,8 @@ def test_blocked_attention_keeps_q_k_v_its_output_and_two_numbers_a_query(capsys
     capsys.readouterr()
     ad_checkpoint.print_saved_residuals(
         lambda *a: blocked_attention(*a, key_mask, causal=True, scale=0.25).sum(), q, k, v)
-    saved = sorted(line.split(" ")[0] for line in capsys.readouterr().out.splitlines() if "[" in line)
+    saved = sorted(line.split(" ")[0] for line in capsys.readouterr().out.splitlines()
+                   if "[" in line)
     # one block (1 x 3 pairs of 2.3 KiB): the row statistics as (blocks, pairs a block, q)
     assert saved == sorted(["f32[2,3,24,16]"] * 4 + ["bool[2,24]"] + ["f32[1,6,24]"] * 2), saved
 
@@ -100,23 +104,30 @@ def test_blocked_attention_is_the_cpus_float32_core_for_scores_larger_than_a_blo
 def loss_grads_and_residuals(cfg, spec, capsys):
     trainer = make_trainer(cfg, mesh_for(spec))
     params, _ = trainer.init_state(seed=0)
-    batch = jax.device_put(trainer.task.synthetic_batch(cfg, cfg.train.batch_size, np.random.default_rng(0)),
-                           trainer.batch_sharding)
+    batch = jax.device_put(
+        trainer.task.synthetic_batch(cfg, cfg.train.batch_size, np.random.default_rng(0)),
+        trainer.batch_sharding)
     metrics, grads = jax.jit(trainer.gradients)(params, batch, jax.random.key(1))
     capsys.readouterr()
-    ad_checkpoint.print_saved_residuals(lambda p: trainer.loss_fn(p, batch, jax.random.key(1)), params)
+    ad_checkpoint.print_saved_residuals(lambda p: trainer.loss_fn(p, batch, jax.random.key(1)),
+                                        params)
     saved = [line.split(" ")[0] for line in capsys.readouterr().out.splitlines() if "[" in line]
     return jax.device_get((metrics["loss"], grads)), saved
 
 
-@pytest.mark.parametrize("kind,spec,scan", [("gpt", "1x1", False), ("gpt", "1x1", True), ("bert", "2x4", True)])
-def test_models_get_the_same_numbers_and_keep_no_probabilities(kind, spec, scan, monkeypatch, capsys):
-    """GPT (causal, queries in tiles) unrolled and scanned, BERT (padding) scanned on 2x4: loss and gradients equal
-    to those through the core that keeps the probabilities, and none of the (b, heads, s, s)
-    arrays (stacked per layer when scanned) that that core keeps for the backward pass."""
-    cfg = tiny_config(attention_dropout=0.0, scan_layers=scan, **({} if kind == "gpt" else {"kind": "bert"}))
+@pytest.mark.parametrize("kind,spec,scan",
+                         [("gpt", "1x1", False), ("gpt", "1x1", True), ("bert", "2x4", True)])
+def test_models_get_the_same_numbers_and_keep_no_probabilities(kind, spec, scan, monkeypatch,
+                                                               capsys):
+    """GPT (causal, queries in tiles) unrolled and scanned, BERT (padding) scanned on 2x4: loss and
+    gradients equal to those through the core that keeps the probabilities, and none of the (b,
+    heads, s, s) arrays (stacked per layer when scanned) that that core keeps for the backward
+    pass."""
+    cfg = tiny_config(attention_dropout=0.0, scan_layers=scan,
+                      **({} if kind == "gpt" else {"kind": "bert"}))
     s = cfg.model.seq_len
-    monkeypatch.setattr(blocked_module, "QUERY_TILE", s // 2 - 1)    # GPT: 3 tiles of queries, the last short
+    # GPT: 3 tiles of queries, the last short
+    monkeypatch.setattr(blocked_module, "QUERY_TILE", s // 2 - 1)
     monkeypatch.setattr(blocked_module, "BLOCK_BYTES", 1)            # blocked, 2 pairs a block
     scores_size = cfg.train.batch_size * cfg.model.num_heads * s * s
 
@@ -140,14 +151,16 @@ def test_blocked_attention_adds_no_collective(monkeypatch):
     keeps the probabilities."""
     cfg = tiny_config(attention_dropout=0.0)
     monkeypatch.setattr(blocked_module, "BLOCK_BYTES", 1)
-    collectives = lambda: Counter((c.kind, c.axis, c.origin, c.direction, c.shape, c.count)   # noqa: E731
+    collectives = lambda: Counter((c.kind, c.axis, c.origin, c.direction, c.shape,  # noqa: E731
+                                   c.count)
                                   for c in audit(cfg, mesh_for("2x4")).collectives)
     got = collectives()
     monkeypatch.setattr(attention_module, "blocked_attention_pays", lambda q, ways: False)
     assert got == collectives()
 
 
-@pytest.mark.parametrize("train,model", [({"shard_params": True}, {}), ({}, {"sequence_parallel": True})],
+@pytest.mark.parametrize("train,model",
+                         [({"shard_params": True}, {}), ({}, {"sequence_parallel": True})],
                          ids=["fsdp", "sequence_parallel"])
 def test_blocked_attention_with_fsdp_and_sequence_parallelism(train, model, monkeypatch):
     """GPT on 2x4 with FSDP (inside its data-manual shard_map the batch is each device's own
@@ -159,13 +172,15 @@ def test_blocked_attention_with_fsdp_and_sequence_parallelism(train, model, monk
     def loss_and_grads():
         trainer = make_trainer(cfg, mesh_for("2x4"))
         params, _ = trainer.init_state(seed=0)
-        batch = jax.device_put(trainer.task.synthetic_batch(cfg, cfg.train.batch_size, np.random.default_rng(0)),
-                               trainer.batch_sharding)
+        batch = jax.device_put(
+            trainer.task.synthetic_batch(cfg, cfg.train.batch_size, np.random.default_rng(0)),
+            trainer.batch_sharding)
         metrics, grads = jax.jit(trainer.gradients)(params, batch, jax.random.key(1))
         return jax.device_get((metrics["loss"], grads))
 
     calls = []
-    monkeypatch.setattr(attention_module, "blocked_attention", lambda *a, **k: calls.append(k["ways"])
+    monkeypatch.setattr(attention_module, "blocked_attention",
+                        lambda *a, **k: calls.append(k["ways"])
                         or blocked_module.blocked_attention(*a, **k))
     got_loss, got = loss_and_grads()
     assert set(calls) == {(1, 4) if train else (2, 4)}

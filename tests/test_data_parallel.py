@@ -24,8 +24,8 @@ TOKENS = np.asarray(jax.random.randint(jax.random.key(7), (16, 17), 0, 100))
 def config(mode: str = "plain", microbatches: int = 1, **model):
     cfg = tiny_config(**model)   # dropout on (0.1 hidden and attention)
     return dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, batch_size=16, microbatches=microbatches, shard_optimizer=mode == "shard_optimizer",
-        shard_params=mode == "shard_params")).validate()
+        cfg.train, batch_size=16, microbatches=microbatches,
+        shard_optimizer=mode == "shard_optimizer", shard_params=mode == "shard_params")).validate()
 
 
 def run(spec: str, microbatches: int, mode: str):
@@ -55,7 +55,8 @@ def test_sharded_data_parallel_matches_plain(spec, microbatches):
         got = run(spec, microbatches, mode)
         assert_close(got["losses"], ref["losses"], what=f"{mode}: losses of 3 steps")
         assert_close(got["norms"], ref["norms"], what=f"{mode}: gradient norms of 3 steps")
-        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(ref["final"])[0], jax.tree.leaves(got["final"])):
+        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(ref["final"])[0],
+                                jax.tree.leaves(got["final"])):
             g = np.asarray(functools.reduce(lambda t, k: t[k.key], path, ref["grads"]))
             bound = adam_tolerance(g, np.abs(g).max(), 1e-2, steps=3) + F32 * np.abs(x).max()
             assert (np.abs(y - x) <= bound).all(), f"{mode} {jax.tree_util.keystr(path)}"
@@ -74,11 +75,14 @@ def test_zero_reduces_gradients_once_per_step(spec, microbatches):
     microbatches: exactly the bytes of one all-reduce (ratio 1.000); no gradient all-reduce
     remains, and the model axis keeps Megatron's collectives exactly."""
     results = {m: audit(config("shard_optimizer", m), mesh_for(spec)) for m in microbatches}
-    n_params = len(jax.tree.leaves(make_trainer(config(), mesh_for(spec)).modeldef.abstract_params()))
+    n_params = len(
+        jax.tree.leaves(make_trainer(config(), mesh_for(spec)).modeldef.abstract_params()))
     for m, r in results.items():
         assert not _data(r, origin="gradients", kind="all-reduce")
-        scatters, gathers = _data(r, origin="gradients", kind="reduce-scatter"), _data(r, origin="params")
-        assert len(scatters) == len(gathers) == n_params and all(c.count == 1 for c in scatters + gathers)
+        scatters, gathers = _data(r, origin="gradients",
+                                  kind="reduce-scatter"), _data(r, origin="params")
+        assert len(scatters) == len(gathers) == n_params and all(c.count == 1 for c in scatters
+                                                                 + gathers)
         assert {c.kind for c in gathers} == {"all-gather"}
         assert r.data_scheme == "zero" and r.data_axis_ratio == pytest.approx(1.0, abs=1e-9)
         _model_axis_as_megatron(r)
@@ -113,7 +117,8 @@ def test_fsdp_gathers_each_layer_forward_and_backward(spec, microbatches):
 
 
 def _model_axis_as_megatron(r):
-    """The model axis exactly as without ZeRO / FSDP (tests/test_audit.py); nothing on a 1-wide one."""
+    """The model axis exactly as without ZeRO / FSDP (tests/test_audit.py); nothing on a 1-wide
+    one."""
     if r.mesh_shape[1] == 1:
         assert not r.select(axis="model")
     else:
@@ -126,10 +131,13 @@ def test_sharded_states_are_one_nth(spec):
     FSDP, at most 1/N + 2% of plain data parallelism's."""
     mesh = mesh_for(spec)
     n = mesh.shape["data"]
-    sizes = {mode: [per_device_bytes(x) for x in make_trainer(config(mode), mesh).abstract_state()] for mode in MODES}
+    sizes = {mode: [per_device_bytes(x) for x in make_trainer(config(mode), mesh).abstract_state()]
+             for mode in MODES}
     (params, opt) = sizes["plain"]
-    assert sizes["shard_optimizer"][0] == params and sizes["shard_optimizer"][1] <= (1 / n + 0.02) * opt
-    assert sizes["shard_params"][0] <= (1 / n + 0.02) * params and sizes["shard_params"][1] <= (1 / n + 0.02) * opt
+    assert sizes["shard_optimizer"][0] == params and sizes["shard_optimizer"][1] <= (1 / n
+                                                                                     + 0.02) * opt
+    assert sizes["shard_params"][0] <= (1 / n + 0.02) * params and sizes["shard_params"][1] <= (
+        1 / n + 0.02) * opt
 
 
 def test_checkpoints_move_between_modes_and_meshes(tmp_path):
@@ -138,18 +146,22 @@ def test_checkpoints_move_between_modes_and_meshes(tmp_path):
     for mode, spec in (("shard_params", "2x4"), ("plain", "4x2")):
         trainer = make_trainer(config(mode, 2), mesh_for(spec))
         p, o = trainer.init_state(seed=0)
-        p, o, _ = trainer.jit_step()(p, o, jax.device_put(TOKENS, trainer.batch_sharding), jnp.int32(0))
+        p, o, _ = trainer.jit_step()(p, o, jax.device_put(TOKENS, trainer.batch_sharding),
+                                     jnp.int32(0))
         ckpt = Checkpoints(tmp_path / mode, async_save=False)
         assert ckpt.save(1, p, o, {"step": 1}) is None
         ckpt.close()
         saved[mode] = jax.device_get((p, o))
-    for source, (mode, spec) in (("shard_params", ("plain", "1x8")), ("shard_params", ("shard_optimizer", "4x2")),
-                                 ("plain", ("shard_params", "8x1")), ("plain", ("shard_optimizer", "2x4"))):
+    for source, (mode, spec) in (("shard_params", ("plain", "1x8")),
+                                 ("shard_params", ("shard_optimizer", "4x2")),
+                                 ("plain", ("shard_params", "8x1")),
+                                 ("plain", ("shard_optimizer", "2x4"))):
         trainer = make_trainer(config(mode, 2), mesh_for(spec))
         ckpt = Checkpoints(tmp_path / source, async_save=False)
         p, o, _ = ckpt.restore(1, *trainer.abstract_state())
         ckpt.close()
-        for want, got in zip(jax.tree.leaves(saved[source]), jax.tree.leaves(jax.device_get((p, o)))):
+        for want, got in zip(jax.tree.leaves(saved[source]),
+                             jax.tree.leaves(jax.device_get((p, o)))):
             np.testing.assert_array_equal(got, want)
         shardings = jax.tree.leaves(trainer.abstract_state())
         assert [x.sharding for x in jax.tree.leaves((p, o))] == [x.sharding for x in shardings]

@@ -13,7 +13,8 @@ from megajax.training.step import make_trainer
 # Every (data, model) factorisation of the 8 devices: pure data, pure model, and both mixes.
 MESHES = ["2x4", "4x2", "1x8", "8x1"]
 CFG = tiny_config()
-TOKENS = np.asarray(jax.random.randint(jax.random.key(7), (8, CFG.model.seq_len + 1), 0, CFG.model.vocab_size))
+TOKENS = np.asarray(
+    jax.random.randint(jax.random.key(7), (8, CFG.model.seq_len + 1), 0, CFG.model.vocab_size))
 KEY = jax.random.key(3)
 
 
@@ -74,7 +75,8 @@ def assert_matches_reference(reference, got):
         g = _get(reference["grads"], path)
         bound = adam_tolerance(g, np.abs(g).max(), CFG.train.lr, steps=3) + F32 * np.abs(x).max()
         err = np.abs(_get(got["final"], path) - x)
-        assert (err <= bound).all(), f"params after 3 steps {jax.tree_util.keystr(path)}: {err.max()}"
+        assert (
+            err <= bound).all(), f"params after 3 steps {jax.tree_util.keystr(path)}: {err.max()}"
 
 
 def _get(tree, path):
@@ -123,21 +125,25 @@ def test_gradient_accumulation_equals_one_big_batch():
         tokens = jax.device_put(np.concatenate([TOKENS, TOKENS[::-1]]), trainer.batch_sharding)
         p, o, m = trainer.jit_step()(p, o, tokens, jnp.int32(0))
         results.append((float(m["loss"]), float(m["grad_norm"]), jax.device_get(p)))
-    grads = jax.device_get(jax.jit(jax.grad(trainer.loss_fn))(trainer.init_state(seed=0)[0], tokens, None))
+    grads = jax.device_get(
+        jax.jit(jax.grad(trainer.loss_fn))(trainer.init_state(seed=0)[0], tokens, None))
     for accumulated in results[1:]:
         assert_close(accumulated[0], results[0][0], what="loss")
         assert_close(accumulated[1], results[0][1], what="grad norm")
         # One Adam step moves an entry by lr * sign(g): only entries whose gradient is within
         # rounding of zero (the key bias) can differ, by up to 2 lr.
-        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(results[0][2])[0], jax.tree.leaves(accumulated[2])):
+        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(results[0][2])[0],
+                                jax.tree.leaves(accumulated[2])):
             g = _get(grads, path)
-            bound = adam_tolerance(g, np.abs(g).max(), base.train.lr, steps=1) + F32 * np.abs(x).max()
+            bound = (adam_tolerance(g, np.abs(g).max(), base.train.lr, steps=1)
+                     + F32 * np.abs(x).max())
             assert (np.abs(y - x) <= bound).all(), jax.tree_util.keystr(path)
     assert results[2][:2] == results[1][:2]
 
 
 @pytest.mark.parametrize("remat,scan,sp", [("selective", True, False), ("full", True, False),
-                                          ("selective", False, False), ("selective", True, True), ("full", False, True)])
+                                          ("selective", False, False), ("selective", True, True),
+                                          ("full", False, True)])
 def test_remat_recomputes_the_same_numbers(remat, scan, sp):
     """Selective (the attention core) and full (each layer) recomputation give the loss and
     every gradient of no recomputation, dropout on, on 2x4: only the backward pass's schedule

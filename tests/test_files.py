@@ -57,7 +57,8 @@ def test_metrics_with_a_cut_short_last_line_resume_and_plot(tmp_path):
     assert [r["step"] for r in read_jsonl(log.path)] == [1, 2, 3]
     plot_workdir(tmp_path)
     log.truncate_after(2)                          # resuming from the checkpoint of step 2
-    assert log.path.read_text() == "".join(json.dumps({"step": s, "loss": 4.0 - s}) + "\n" for s in (1, 2))
+    assert log.path.read_text() == "".join(json.dumps({"step": s, "loss": 4.0 - s}) + "\n"
+                                           for s in (1, 2))
     before = log.path.stat().st_mtime_ns
     log.truncate_after(2)                          # nothing to drop: the file is not rewritten
     assert log.path.stat().st_mtime_ns == before
@@ -72,46 +73,58 @@ def test_megajax_plot_refuses_an_output_it_cannot_write_in_one_line(tmp_path, ca
     for out in (tmp_path, tmp_path / "absent" / "x.png"):      # before: a traceback after drawing
         assert plot_main([str(tmp_path), "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"error: {out}: give the picture's file name") and err.count("\n") == 1
+        assert err.startswith(f"error: {out}: give the picture's file name") and err.count(
+            "\n") == 1
     assert plot_main([str(tmp_path), "--out", str(tmp_path / "curve.png")]) == 0
     assert (tmp_path / "curve.png").stat().st_size > 0
     # From a checkout (no console script): a workdir without metrics is one line (before, with
     # python -m megajax.runs.metrics: a traceback).
-    p = subprocess.run([sys.executable, "-m", "megajax.cli.plot", str(tmp_path / "absent")], capture_output=True,
-                       text=True, cwd=ROOT, timeout=120)
-    assert p.returncode == 2 and p.stderr == f"error: no metrics.jsonl in {tmp_path / 'absent'}\n", p.stderr
-    p = subprocess.Popen([sys.executable, "-m", "megajax.cli.plot", str(tmp_path), "--out", str(tmp_path / "s.png")],
-                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-m", "megajax.cli.plot", str(tmp_path / "absent")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert (p.returncode == 2
+            and p.stderr == f"error: no metrics.jsonl in {tmp_path / 'absent'}\n"), p.stderr
+    p = subprocess.Popen(
+        [sys.executable, "-m", "megajax.cli.plot", str(tmp_path), "--out", str(tmp_path / "s.png")],
+        stderr=subprocess.PIPE, text=True, cwd=ROOT)
     while p.poll() is None and not handles_signal(p.pid, signal.SIGTERM):
         time.sleep(0.01)
     p.send_signal(signal.SIGTERM)   # one line, and the picture whole or not at all
-    assert p.wait(timeout=120) == 128 + signal.SIGTERM and p.stderr.read().startswith("stopped by SIGTERM: the picture")
-    assert {x.name for x in tmp_path.iterdir()} <= {"metrics.jsonl", "curve.png", "s.png"}   # no temporary left
-    assert not (tmp_path / "s.png").exists() or (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
+    assert p.wait(timeout=120) == 128 + signal.SIGTERM and p.stderr.read().startswith(
+        "stopped by SIGTERM: the picture")
+    # no temporary left
+    assert {x.name for x in tmp_path.iterdir()} <= {"metrics.jsonl", "curve.png", "s.png"}
+    assert not (tmp_path / "s.png").exists() or (tmp_path / "s.png").read_bytes().startswith(
+        b"\x89PNG")
 
 
-def test_megajax_plot_writes_the_format_its_name_asks_for_and_refuses_a_log_without_losses(tmp_path, capsys):
+def test_megajax_plot_writes_the_format_its_name_asks_for_and_refuses_a_log_without_losses(tmp_path,
+                                                                                           capsys):
     from megajax.cli.plot import plot_main
 
     log = MetricsLog(tmp_path)
     log.path.write_text("")                       # a run that has logged nothing yet
-    assert plot_main([str(tmp_path)]) == 2        # before: an empty picture and matplotlib's warning
-    assert capsys.readouterr().err == f"error: {log.path} holds no loss yet: a run logs one every train.log_every steps\n"
+    # before: an empty picture and matplotlib's warning
+    assert plot_main([str(tmp_path)]) == 2
+    assert (capsys.readouterr().err
+            == f"error: {log.path} holds no loss yet: a run logs one every train.log_every steps\n")
     log.path.write_bytes(bytes(range(256)) * 4 + b"\n")   # nothing that parses
     assert plot_main([str(tmp_path)]) == 2 and "holds no loss yet" in capsys.readouterr().err
     log.write({"step": 1, "val_loss": 3.0})       # a validation loss alone is a curve
-    magic = {"curve.pdf": b"%PDF", "curve.SVG": b"<?xml", "curve": b"\x89PNG", "curve.jpg": b"\xff\xd8"}
+    magic = {"curve.pdf": b"%PDF", "curve.SVG": b"<?xml", "curve": b"\x89PNG",
+             "curve.jpg": b"\xff\xd8"}
     for name, start in magic.items():             # before: a PNG whatever the name said
         assert plot_main([str(tmp_path), "--out", str(tmp_path / name)]) == 0
         assert (tmp_path / name).read_bytes().startswith(start), name
     capsys.readouterr()
     assert plot_main([str(tmp_path), "--out", str(tmp_path / "curve.v2")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {tmp_path / 'curve.v2'}: matplotlib writes no '.v2' picture; end the name in ")
+    assert err.startswith(
+        f"error: {tmp_path / 'curve.v2'}: matplotlib writes no '.v2' picture; end the name in ")
     assert ".pdf" in err and err.count("\n") == 1 and not (tmp_path / "curve.v2").exists()
 
 
-def test_a_signal_removes_a_half_staged_directory_and_never_denies_a_written_one(tmp_path, monkeypatch):
+def test_a_signal_removes_a_half_staged_directory_and_never_denies_a_written_one(tmp_path,
+                                                                                 monkeypatch):
     """abandon_staged is what megajax-convert's signal handler calls before it ends the process
     without unwinding: at every moment, what it says was written is what exists."""
     monkeypatch.setattr(files, "_STAGED", {})
@@ -123,7 +136,8 @@ def test_a_signal_removes_a_half_staged_directory_and_never_denies_a_written_one
     renamed = staged_directory(tmp_path / "renamed")
     tmp = renamed.__enter__()
     (tmp / "config.json").write_text("{}")
-    os.replace(tmp, tmp_path / "renamed")       # ... an instant after the rename, before the block ends
+    # ... an instant after the rename, before the block ends
+    os.replace(tmp, tmp_path / "renamed")
     assert abandon_staged() == [tmp_path / "renamed"]
     with staged_directory(tmp_path / "done") as tmp:
         (tmp / "config.json").write_text("{}")
@@ -136,12 +150,14 @@ def test_staged_copies_of_dead_processes_are_removed(tmp_path):
     of processes of this host that are gone, and no other."""
     dead = _a_finished_pid()
     left = {name: tmp_path / f".out.{name}.partial" for name in
-            (f"{files._HOST}-{dead}-0a0b", f"{files._HOST}-{os.getpid()}-0c0d", f"otherhost-{dead}-0e0f")}
+            (f"{files._HOST}-{dead}-0a0b", f"{files._HOST}-{os.getpid()}-0c0d",
+             f"otherhost-{dead}-0e0f")}
     for d in left.values():
         (d / "units").mkdir(parents=True)
     with staged_directory(tmp_path / "out") as tmp:
         (tmp / "config.json").write_text("{}")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([left[n].name for n in list(left)[1:]] + ["out"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [left[n].name for n in list(left)[1:]] + ["out"])
 
 
 def _a_finished_pid() -> int:

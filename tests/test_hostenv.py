@@ -16,20 +16,24 @@ WANT = ":".join(f"{k}={v}" for k, v in MALLOC_TUNABLES.items())
 
 def test_tuned_env_adds_only_what_is_missing_and_respects_the_user():
     assert tuned_env({})["GLIBC_TUNABLES"] == WANT
-    assert tuned_env({"GLIBC_TUNABLES": "glibc.rtld.nns=2"})["GLIBC_TUNABLES"] == "glibc.rtld.nns=2:" + WANT
+    assert tuned_env({"GLIBC_TUNABLES": "glibc.rtld.nns=2"})[
+        "GLIBC_TUNABLES"] == "glibc.rtld.nns=2:" + WANT
     # a value the user chose is kept; only the other tunables are added
     mine = "glibc.malloc.mmap_threshold=65536"
     assert tuned_env({"GLIBC_TUNABLES": mine})["GLIBC_TUNABLES"] == \
-        mine + ":" + ":".join(f"{k}={v}" for k, v in MALLOC_TUNABLES.items() if k != "glibc.malloc.mmap_threshold")
+        mine + ":" + ":".join(f"{k}={v}" for k, v in MALLOC_TUNABLES.items()
+                              if k != "glibc.malloc.mmap_threshold")
     assert tuned_env({"GLIBC_TUNABLES": WANT}) is None            # already tuned: no restart
     assert tuned_env({"MEGAJAX_MALLOC_TUNING": "0"}) is None      # turned off
 
 
 def test_entry_point_restarts_once_in_the_same_process():
+    env_py = str(ROOT / "megajax" / "host" / "env.py")
     code = ("import os, runpy, sys; print('start', os.getpid(), flush=True); "
-            f"runpy.run_path({str(ROOT / 'megajax' / 'host' / 'env.py')!r})['restart_with_malloc_tuning'](); "
+            f"runpy.run_path({env_py!r})['restart_with_malloc_tuning'](); "
             "print('main', os.getpid(), os.environ.get('GLIBC_TUNABLES'), sys.argv[1:])")
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MEGAJAX_MALLOC_TUNING")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GLIBC_TUNABLES", "MEGAJAX_MALLOC_TUNING")}
     out = subprocess.run([sys.executable, "-c", code, "--flag", "x"], env=env, capture_output=True,
                          text=True, check=True).stdout.split("\n")
     starts = [line for line in out if line.startswith("start")]
@@ -42,7 +46,8 @@ def test_entry_point_restarts_once_in_the_same_process():
 
 FAULTS_PER_CALL = """
 import resource, jax, jax.numpy as jnp
-x = jnp.ones((64, 512, 512))                  # a 64 MiB output, allocated by one of XLA's worker threads
+# a 64 MiB output, allocated by one of XLA's worker threads
+x = jnp.ones((64, 512, 512))
 f = jax.jit(lambda x: x + 1)
 for _ in range(3):
     jax.block_until_ready(f(x))
@@ -65,7 +70,8 @@ def glibc_version() -> tuple[int, ...]:
     return tuple(int(x) for x in platform.libc_ver()[1].split("."))
 
 
-@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc" or glibc_version() < (2, 35)
+@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc"
+                    or glibc_version() < (2, 35)
                     or transparent_huge_pages() not in ("madvise", "always"),
                     reason="needs glibc 2.35+ (glibc.malloc.hugetlb) and transparent huge pages")
 def test_tuned_process_maps_large_blocks_with_huge_pages():
@@ -75,6 +81,6 @@ def test_tuned_process_maps_large_blocks_with_huge_pages():
     busy machine's memory, hence the bound at a quarter."""
     pages = 64 * 2 ** 20 // resource.getpagesize()
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    tuned = float(subprocess.run([sys.executable, "-c", FAULTS_PER_CALL], env=tuned_env(env), capture_output=True,
-                                 text=True, check=True).stdout.split()[-1])
+    tuned = float(subprocess.run([sys.executable, "-c", FAULTS_PER_CALL], env=tuned_env(env),
+                                 capture_output=True, text=True, check=True).stdout.split()[-1])
     assert tuned < pages / 4, f"{tuned:.0f} page faults per call of a {pages}-page output"

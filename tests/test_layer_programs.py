@@ -15,7 +15,8 @@ from megajax.training.step import make_trainer
 
 
 def _programs(cfg):
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, layer_programs=True)).validate()
+    return dataclasses.replace(cfg,
+                               train=dataclasses.replace(cfg.train, layer_programs=True)).validate()
 
 
 def _two_steps(cfg, mesh, step_fn_of):
@@ -26,7 +27,8 @@ def _two_steps(cfg, mesh, step_fn_of):
     rng = np.random.default_rng(0)
     metrics = []
     for i in range(2):
-        batch = jax.device_put(tr.task.synthetic_batch(cfg, cfg.train.batch_size, rng), tr.batch_sharding)
+        batch = jax.device_put(tr.task.synthetic_batch(cfg, cfg.train.batch_size, rng),
+                               tr.batch_sharding)
         params, opt, m = step(params, opt, batch, np.int32(i))
         metrics.append(jax.device_get(m))
     return jax.device_get(params), jax.device_get(opt), metrics
@@ -34,9 +36,11 @@ def _two_steps(cfg, mesh, step_fn_of):
 
 @pytest.mark.parametrize("kind, mesh, model", [
     ("gpt", "1x1", {}),
-    ("gpt", "2x4", {}),                                   # tensor and data parallel, microbatches, dropout
+    # tensor and data parallel, microbatches, dropout
+    ("gpt", "2x4", {}),
     ("gpt", "1x4", {"remat": "full", "sequence_parallel": True}),
-    ("bert", "2x2", {"remat": "selective"}),              # the stack's padding mask and BERT's heads
+    # the stack's padding mask and BERT's heads
+    ("bert", "2x2", {"remat": "selective"}),
     ("gpt", "2x2", {"compute_dtype": "float16"}),         # the loss scale reaches the programs
 ])
 def test_layer_programs_give_the_single_program_step(kind, mesh, model):
@@ -77,7 +81,8 @@ def test_each_layer_program_holds_two_of_the_four_all_reduces():
     step = make_trainer(cfg, mesh).compiled_step()
     tr = step.tr
     params, _ = tr.init_state(seed=0)
-    batch = jax.device_put(tr.task.synthetic_batch(cfg, 8, np.random.default_rng(0)), tr.batch_sharding)
+    batch = jax.device_put(tr.task.synthetic_batch(cfg, 8, np.random.default_rng(0)),
+                           tr.batch_sharding)
     x, aux, _ = step._pre(params, batch, np.int32(0), np.int32(0))
     fwd_hlo = step._forward.lower(params, np.int32(0), x, aux).compile().as_text()
     _, pullback = step._forward(params, np.int32(0), x, aux)
@@ -85,7 +90,8 @@ def test_each_layer_program_holds_two_of_the_four_all_reduces():
     bwd_hlo = step._backward.lower(params, pullback, grads, np.int32(0), x).compile().as_text()
     # the forward program keeps no copy of the layer's weights: the backward slices them again
     layer_weight_shapes = {w.shape[1:] for w in jax.tree.leaves(params["layers"]["stacked"])}
-    assert jax.tree.leaves(pullback) and not {a.shape for a in jax.tree.leaves(pullback)} & layer_weight_shapes
+    assert jax.tree.leaves(pullback) and not {
+        a.shape for a in jax.tree.leaves(pullback)} & layer_weight_shapes
     assert _model_axis(fwd_hlo, (1, 4)) == [("all-reduce", 1)] * 2
     assert _model_axis(bwd_hlo, (1, 4)) == [("all-reduce", 1)] * 2
 

@@ -51,9 +51,11 @@ def test_configs_come_from_the_hf_config(imported):
     llama, tied, mistral, qwen = (imported[n][0].model for n in NAMES)
     assert (llama.norm, llama.positions, llama.mlp, llama.bias, llama.tie_embeddings) == \
         ("rmsnorm", "rope", "swiglu", "none", False)
-    assert (llama.num_heads, llama.kv_heads, llama.head_dim, llama.ffn, llama.seq_len, llama.max_positions) == \
+    assert (llama.num_heads, llama.kv_heads, llama.head_dim, llama.ffn, llama.seq_len,
+            llama.max_positions) == \
         (8, 2, 8, 96, 64, 64)
-    assert (llama.rope_scaling, llama.rope_theta, llama.rope_factor, llama.rope_original_context) == \
+    assert (llama.rope_scaling, llama.rope_theta, llama.rope_factor,
+            llama.rope_original_context) == \
         ("llama3", 500000.0, 8.0, 16)
     assert (tied.tie_embeddings, tied.kv_heads, tied.rope_scaling) == (True, 8, "none")
     assert (mistral.kv_heads, mistral.rope_theta, qwen.bias, qwen.kv_heads) == (4, 1e6, "qkv", 2)
@@ -68,7 +70,8 @@ def test_logits_and_every_gradient_match_transformers(imported, name, spec):
     loaded = load_workdir(workdir, mesh_for(spec))
     modeldef = ModelDef(loaded.model)
     params = modeldef.params(loaded.model)
-    assert (kv_copies(cfg.model, loaded.model.layout.tp) > 1) == (cfg.model.kv_heads < loaded.model.layout.tp)
+    assert (kv_copies(cfg.model, loaded.model.layout.tp) > 1) == (
+        cfg.model.kv_heads < loaded.model.layout.tp)
 
     @jax.jit
     def run(params, ids):
@@ -78,10 +81,12 @@ def test_logits_and_every_gradient_match_transformers(imported, name, spec):
         return logits, loss, grads
 
     logits, loss, grads = run(params, jnp.asarray(ref["ids"]))
-    assert_close(np.asarray(logits)[..., :cfg.model.vocab_size], ref["logits"], what=f"{name} {spec} logits")
+    assert_close(np.asarray(logits)[..., :cfg.model.vocab_size], ref["logits"],
+                 what=f"{name} {spec} logits")
     assert_close(loss, ref["loss"], what="loss")
     hf_grads = to_hf_tensors(name.removesuffix("_tied"), jax.tree.map(np.asarray, grads), cfg.model)
-    assert set(hf_grads) == {k.removeprefix("grad/") for k in ref.files if k.startswith("grad/")} - \
+    assert set(hf_grads) == {k.removeprefix("grad/") for k in ref.files
+                             if k.startswith("grad/")} - \
         ({"lm_head.weight"} if cfg.model.tie_embeddings else set())
     for hf_name, grad in hf_grads.items():
         assert_close(grad, ref[f"grad/{hf_name}"], tol=F32, what=f"{name} {spec} d/d{hf_name}")
@@ -110,7 +115,8 @@ def test_export_then_import_is_bitwise(imported, name, tmp_path):
     cfg, workdir = imported[name]
     notes = export_hf(workdir, tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
-    expected = "Qwen2ForCausalLM" if name == "qwen2" else "LlamaForCausalLM"   # Mistral without a window is a Llama
+    # Mistral without a window is a Llama
+    expected = "Qwen2ForCausalLM" if name == "qwen2" else "LlamaForCausalLM"
     assert written["architectures"] == [expected] and expected in notes[0]
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     again = import_hf(tmp_path / "hf", tmp_path / "again", SETTINGS)
@@ -127,13 +133,17 @@ def test_the_chat_template_and_tokenizer_config_are_kept(imported):
 
 
 @pytest.mark.parametrize("name,change,says", [
-    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope scaling 'yarn'"),
-    ("mistral", dict(sliding_window=16, settings=["model.seq_len=32"]), "model.seq_len = 32 is longer than"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16, settings=["model.seq_len=64"]), "sliding_window = 16"),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+     "rope scaling 'yarn'"),
+    ("mistral", dict(sliding_window=16, settings=["model.seq_len=32"]),
+     "model.seq_len = 32 is longer than"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, settings=["model.seq_len=64"]),
+     "sliding_window = 16"),
     ("llama", dict(attention_bias=True), "attention_bias = true"),
     ("llama", dict(mlp_bias=True), "mlp_bias = true"),
     ("mistral", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
-    ("mistral", dict(architectures=["MixtralForCausalLM"], model_type="mixtral"), "unsupported architecture"),
+    ("mistral", dict(architectures=["MixtralForCausalLM"], model_type="mixtral"),
+     "unsupported architecture"),
 ])
 def test_unsupported_options_are_one_line_and_nothing_is_written(tmp_path, name, change, says):
     src = tmp_path / "src"
@@ -166,8 +176,8 @@ def test_a_sliding_window_as_long_as_the_sequence_is_full_attention(tmp_path, im
 
 
 @pytest.mark.parametrize("name,published", [
-    ("llama3.2_1b", 1_235_814_400), ("llama3.1_8b", 8_030_261_248), ("llama3.1_70b", 70_553_706_496),
-    ("mistral_7b", 7_241_732_096), ("qwen2_7b", 7_615_616_512)])
+    ("llama3.2_1b", 1_235_814_400), ("llama3.1_8b", 8_030_261_248),
+    ("llama3.1_70b", 70_553_706_496), ("mistral_7b", 7_241_732_096), ("qwen2_7b", 7_615_616_512)])
 def test_shipped_shapes_have_the_published_parameter_counts(name, published):
     assert param_count(load_config(name)) == published
 
@@ -184,28 +194,34 @@ def test_architecture_fields_are_validated_together():
         load_config("bert_tiny", ["model.positions=rope"])
 
 
-LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", num_kv_heads=2, ffn_hidden=128,
+LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", num_kv_heads=2,
+             ffn_hidden=128,
              tie_embeddings=False, rope_scaling="llama3", rope_factor=8.0, rope_original_context=8)
 
 
 @pytest.mark.parametrize("spec,extra,train", [
     ("1x8", {}, {}),                                      # key/value heads in 4 copies each
-    ("2x4", dict(sequence_parallel=True), {}),            # in 2 copies, activations split along the sequence
+    # in 2 copies, activations split along the sequence
+    ("2x4", dict(sequence_parallel=True), {}),
     ("2x4", {}, dict(shard_optimizer=True)),              # ZeRO-1
-    ("2x4", dict(sequence_parallel=True), dict(shard_params=True)),   # FSDP with sequence parallelism
-    ("4x2", dict(num_kv_heads=4, scan_layers=False), {}),  # key/value heads split, an unrolled stack
+    # FSDP with sequence parallelism
+    ("2x4", dict(sequence_parallel=True), dict(shard_params=True)),
+    # key/value heads split, an unrolled stack
+    ("4x2", dict(num_kv_heads=4, scan_layers=False), {}),
 ])
 def test_three_adamw_steps_match_one_device(spec, extra, train):
     """A Llama-shaped model (dropout on) computes on every mesh and data-parallel scheme what it
     computes on one device: weights, logits, loss, gradients and three optimizer steps."""
     from test_equivalence import assert_matches_reference, run
     model = {**LLAMA, **extra}
-    base = {k: v for k, v in model.items() if k != "sequence_parallel"}   # one device: nothing to split
+    # one device: nothing to split
+    base = {k: v for k, v in model.items() if k != "sequence_parallel"}
     key = tuple(sorted(base.items()))
     if key not in _REFERENCES:
         _REFERENCES[key] = run(mesh_for("1x1"), tiny_config(**base))
     cfg = tiny_config(**model)
-    cfg.train.shard_optimizer, cfg.train.shard_params = train.get("shard_optimizer", False), train.get("shard_params", False)
+    cfg.train.shard_optimizer, cfg.train.shard_params = train.get(
+        "shard_optimizer", False), train.get("shard_params", False)
     assert_matches_reference(_REFERENCES[key], run(mesh_for(spec), cfg.validate()))
 
 
@@ -226,26 +242,30 @@ def test_audit_finds_megatrons_collectives_and_the_copied_kv_gradients(spec, sp)
     assert sorted(per_layer) == ["0", "1"]
     for counts in per_layer.values():
         assert {k: v for k, v in counts.items() if k[1] != "recompute"} == \
-            {("attention", "forward"): 1, ("mlp", "forward"): 1, ("attention", "backward"): 1, ("mlp", "backward"): 1}
+            {("attention", "forward"): 1, ("mlp", "forward"): 1, ("attention", "backward"): 1,
+             ("mlp", "backward"): 1}
     m, t = cfg.model, mesh.shape["model"]
     kv = [c for c in r.select(axis="model", origin="gradients")]
     one_head = m.hidden * 2 * m.head_dim
     assert sorted((c.kind, c.elements, c.count) for c in kv) == \
-        [("all-gather", one_head * m.kv_heads, m.num_layers), ("all-reduce", one_head, m.num_layers)]
+        [("all-gather", one_head * m.kv_heads, m.num_layers),
+         ("all-reduce", one_head, m.num_layers)]
     assert kv_copies(m, t) == t // m.kv_heads
     recompute = r.regathered_elements if sp else 0
     assert exact_model_axis_elements(r) == r.analytic_min_elements + recompute
     assert r.data_axis_ratio == pytest.approx(1.0) if mesh.shape["data"] > 1 else True
 
 
-@pytest.mark.parametrize("remat,scan,sp", [("selective", True, False), ("full", False, True), ("full", True, False)])
+@pytest.mark.parametrize("remat,scan,sp",
+                         [("selective", True, False), ("full", False, True), ("full", True, False)])
 def test_remat_recomputes_the_same_numbers(remat, scan, sp):
     """None, selective and full recomputation, scanned and unrolled, with and without sequence
     parallelism: the loss and every gradient of no recomputation, dropout on, on 2x4."""
     from test_equivalence import KEY, TOKENS
 
     def loss_and_grads(mode):
-        trainer = make_trainer(tiny_config(**LLAMA, remat=mode, scan_layers=scan, sequence_parallel=sp), mesh_for("2x4"))
+        trainer = make_trainer(tiny_config(**LLAMA, remat=mode, scan_layers=scan,
+                                           sequence_parallel=sp), mesh_for("2x4"))
         params, _ = trainer.init_state(seed=0)
         return jax.device_get(jax.jit(jax.value_and_grad(trainer.loss_fn))(
             params, jax.device_put(TOKENS, trainer.batch_sharding), KEY))
@@ -286,7 +306,8 @@ def test_mixed_precision_stays_within_bfloat16_of_one_device():
         results[spec] = jax.device_get(jax.jit(jax.value_and_grad(trainer.loss_fn))(
             params, jax.device_put(TOKENS, trainer.batch_sharding), None))
     assert_close(results["2x4"][0], results["1x1"][0], BF16_NORM, what="loss")
-    assert_tree_close(results["1x1"][1], results["2x4"][1], BF16_ELEMENT, "gradient", norm_tol=BF16_NORM)
+    assert_tree_close(results["1x1"][1], results["2x4"][1], BF16_ELEMENT, "gradient",
+                      norm_tol=BF16_NORM)
 
 
 @pytest.mark.parametrize("dtype,u", [("float16", F16_U), ("bfloat16", BF16_U)])
@@ -295,10 +316,12 @@ def test_16_bit_activations_give_float32s_gradients_within_their_roundoff(dtype,
     norm against float32's, within the bounds tests/test_loss_scale.py states for the GPT, in
     units u of the dtype: every weight within 32 u, the median within 4 u."""
     def gradients(compute, scale):
-        cfg = tiny_config(**LLAMA, compute_dtype=compute, seq_len=128, hidden_dropout=0.0, attention_dropout=0.0)
+        cfg = tiny_config(**LLAMA, compute_dtype=compute, seq_len=128, hidden_dropout=0.0,
+                          attention_dropout=0.0)
         tr = make_trainer(cfg, mesh_for("1x1"))
         params, _ = tr.init_state(seed=0)
-        batch = jax.device_put(tr.task.synthetic_batch(cfg, 64, np.random.default_rng(0)), tr.batch_sharding)
+        batch = jax.device_put(tr.task.synthetic_batch(cfg, 64, np.random.default_rng(0)),
+                               tr.batch_sharding)
         g = jax.jit(lambda p, b: tr.gradients(p, b, jax.random.key(0), scale)[1])(params, batch)
         return jax.device_get(g if scale is None else jax.tree.map(lambda x: x / scale, g))
 

@@ -44,7 +44,8 @@ def test_per_token_values_and_no_logits_all_gather():
     logits = jax.random.normal(jax.random.key(1), (4, 6, PADDED)) * 10
     targets = jnp.arange(24).reshape(4, 6) * 41 % VOCAB
     fn = jax.jit(lambda lg, t: vocab_parallel_cross_entropy(lg, t, layout, VOCAB),
-                 in_shardings=(NamedSharding(mesh, P("data", None, "model")), NamedSharding(mesh, P("data", None))))
+                 in_shardings=(NamedSharding(mesh, P("data", None, "model")),
+                               NamedSharding(mesh, P("data", None))))
     got = fn(logits, targets)
     ref = optax.softmax_cross_entropy_with_integer_labels(logits[..., :VOCAB], targets)
     assert_close(got, ref)
@@ -61,5 +62,6 @@ def test_vocab_parallel_lookup_equals_take():
     table = jax.random.normal(jax.random.key(2), (PADDED, 16))
     ids = jax.random.randint(jax.random.key(3), (4, 10), 0, PADDED)
     got = jax.jit(lambda t, i: vocab_parallel_lookup(t, i, Layout(mesh)),
-                  in_shardings=(NamedSharding(mesh, P("model", None)), NamedSharding(mesh, P("data", None))))(table, ids)
+                  in_shardings=(NamedSharding(mesh, P("model", None)),
+                                NamedSharding(mesh, P("data", None))))(table, ids)
     np.testing.assert_array_equal(got, jnp.take(table, ids, axis=0))

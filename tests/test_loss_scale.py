@@ -29,7 +29,8 @@ def _params():
 
 
 def test_finite_gradients_update_as_adamw_and_the_scale_grows_after_its_window():
-    params, tx, ref = _params(), loss_scaled(_inner(), dynamic=True, initial=2.0 ** 10, window=2), _inner()
+    params, tx, ref = _params(), loss_scaled(_inner(), dynamic=True, initial=2.0 ** 10,
+                                             window=2), _inner()
     state, ref_state = tx.init(params), ref.init(params)
     assert float(state.scale) == 2.0 ** 10
     for n in range(2):
@@ -38,13 +39,15 @@ def test_finite_gradients_update_as_adamw_and_the_scale_grows_after_its_window()
         want, ref_state = ref.update(grads, ref_state, params)
         jax.tree.map(np.testing.assert_array_equal, updates, want)
         jax.tree.map(np.testing.assert_array_equal, state.inner, ref_state)
-    assert float(state.scale) == 2.0 ** 11 and int(state.good_steps) == 0 and int(state.skipped) == 0
+    assert float(state.scale) == 2.0 ** 11 and int(state.good_steps) == 0 and int(
+        state.skipped) == 0
 
 
 def test_an_overflowed_step_changes_nothing_but_halves_the_scale():
     params, tx = _params(), loss_scaled(_inner(), dynamic=True, initial=2.0 ** 10, window=100)
     state = tx.init(params)
-    _, state = tx.update(jax.tree.map(jnp.cos, params), state, params)      # one good step: Adam's count is 1
+    # one good step: Adam's count is 1
+    _, state = tx.update(jax.tree.map(jnp.cos, params), state, params)
     for bad in (jnp.inf, jnp.nan):
         grads = {"w": jnp.zeros((2, 3)).at[1, 2].set(bad), "b": jnp.ones(3)}
         before = state
@@ -59,13 +62,16 @@ def test_megatrons_hysteresis_tolerates_overflows_until_the_scale_grows():
     """Megatron-LM's DynamicGradScaler with hysteresis 2: the first overflow keeps the scale,
     a later one halves it even after good steps (only growth restores the tolerance), every
     one after that halves it too, and `window` good steps in a row double it."""
-    params, tx = _params(), loss_scaled(_inner(), dynamic=True, initial=2.0 ** 10, window=3, hysteresis=2)
-    state, good, bad = tx.init(params), jax.tree.map(jnp.cos, params), {"w": jnp.full((2, 3), jnp.inf), "b": jnp.ones(3)}
+    params, tx = _params(), loss_scaled(_inner(), dynamic=True, initial=2.0 ** 10, window=3,
+                                        hysteresis=2)
+    state, good, bad = tx.init(params), jax.tree.map(jnp.cos, params), {
+        "w": jnp.full((2, 3), jnp.inf), "b": jnp.ones(3)}
     scales = []
     for grads in (bad, good, bad, bad, good, good, good, bad):
         _, state = tx.update(grads, state, params)
         scales.append(float(state.scale))
-    assert scales == [2.0 ** 10, 2.0 ** 10, 2.0 ** 9, 2.0 ** 8, 2.0 ** 8, 2.0 ** 8, 2.0 ** 9, 2.0 ** 9]
+    assert scales == [2.0 ** 10, 2.0 ** 10, 2.0 ** 9, 2.0 ** 8, 2.0 ** 8, 2.0 ** 8, 2.0 ** 9,
+                      2.0 ** 9]
     assert int(state.skipped) == 4 and int(state.tolerance) == 1
 
 
@@ -77,7 +83,8 @@ def test_the_scale_stops_growing_at_its_cap_and_waits_unused_without_float16():
     plain = loss_scaled(_inner(), dynamic=False, initial=2.0 ** 16, window=1)
     state = plain.init(params)
     assert isinstance(state, LossScaleState) and float(state.scale) == 2.0 ** 16     # kept, unused
-    grads = {"w": jnp.full((2, 3), jnp.nan), "b": jnp.ones(3)}        # passed on: the run's NaN check stops it
+    # passed on: the run's NaN check stops it
+    grads = {"w": jnp.full((2, 3), jnp.nan), "b": jnp.ones(3)}
     updates, state = plain.update(grads, state, params)
     assert np.isnan(np.asarray(updates["w"])).all() and int(state.skipped) == 0
 
@@ -85,9 +92,12 @@ def test_the_scale_stops_growing_at_its_cap_and_waits_unused_without_float16():
 def test_an_overflow_stops_the_run_only_at_a_scale_of_one_or_a_non_finite_loss():
     inf, nan = float("inf"), float("nan")
     assert fatal_non_finite({"loss": 2.0, "grad_norm": inf, "loss_scale": 8.0}) == []      # skipped
-    assert fatal_non_finite({"loss": 2.0, "grad_norm": nan, "loss_scale": 1.0}) != []      # diverged
-    assert fatal_non_finite({"loss": inf, "grad_norm": inf, "loss_scale": 8.0}) != []      # the forward pass
-    assert fatal_non_finite({"loss": 2.0, "grad_norm": inf}) != []                         # no loss scaling
+    # diverged
+    assert fatal_non_finite({"loss": 2.0, "grad_norm": nan, "loss_scale": 1.0}) != []
+    # the forward pass
+    assert fatal_non_finite({"loss": inf, "grad_norm": inf, "loss_scale": 8.0}) != []
+    # no loss scaling
+    assert fatal_non_finite({"loss": 2.0, "grad_norm": inf}) != []
     assert fatal_non_finite({"loss": 2.0, "grad_norm": 3.0, "loss_scale": 1.0}) == []
 
 
@@ -106,7 +116,8 @@ def _gradients(dtype, scales):
     cfg = tiny_config(compute_dtype=dtype, seq_len=128, hidden_dropout=0.0, attention_dropout=0.0)
     tr = make_trainer(cfg, mesh_for("1x1"))
     params, _ = tr.init_state(seed=0)
-    batch = jax.device_put(tr.task.synthetic_batch(cfg, 64, np.random.default_rng(0)), tr.batch_sharding)
+    batch = jax.device_put(tr.task.synthetic_batch(cfg, 64, np.random.default_rng(0)),
+                           tr.batch_sharding)
     grads = jax.jit(lambda p, b, s: tr.gradients(p, b, jax.random.key(0), s)[1])
     out = []
     for scale in scales:
@@ -116,8 +127,10 @@ def _gradients(dtype, scales):
 
 
 def _relative_errors(got, want) -> dict:
-    return {jax.tree_util.keystr(path): np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w)
-            for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got))}
+    return {jax.tree_util.keystr(path): np.linalg.norm(np.asarray(g, np.float64) - w)
+            / np.linalg.norm(w)
+            for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(want)[0],
+                                    jax.tree.leaves(got))}
 
 
 def test_float16_gradients_need_the_loss_scale():
@@ -126,7 +139,8 @@ def test_float16_gradients_need_the_loss_scale():
     2^-24. Scaled by 2^16 every such number is normal again. Bounds in float16 units u = 2^-11,
     of each weight's gradient norm against float32's: scaled, every one within 32 u (a few dozen
     roundings of u in random directions, some gradients sums that cancel) and the median within
-    4 u; unscaled, the median is at least 8 u off (about 35 u on the machine this was written on)."""
+    4 u; unscaled, the median is at least 8 u off (about 35 u on the machine this was written
+    on)."""
     (want,) = _gradients("float32", [None])
     scaled, unscaled = (_relative_errors(g, want) for g in _gradients("float16", [2.0 ** 16, 1.0]))
     assert max(scaled.values()) <= 32 * F16_U, scaled
@@ -140,13 +154,16 @@ def test_the_data_parallel_schemes_scale_the_loss_too(scheme):
     loss is multiplied by the scale (float32, where 2^10 times the loss is 2^10 times every
     gradient up to the order of the sums)."""
     cfg = tiny_config(hidden_dropout=0.0, attention_dropout=0.0)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{scheme: True})).validate()
+    cfg = dataclasses.replace(cfg,
+                              train=dataclasses.replace(cfg.train, **{scheme: True})).validate()
     tr = make_trainer(cfg, mesh_for("2x2"))
     params, _ = tr.init_state(seed=0)
-    batch = jax.device_put(tr.task.synthetic_batch(cfg, 8, np.random.default_rng(0)), tr.batch_sharding)
+    batch = jax.device_put(tr.task.synthetic_batch(cfg, 8, np.random.default_rng(0)),
+                           tr.batch_sharding)
     grads = jax.jit(lambda p, b, s: tr.gradients(p, b, jax.random.key(0), s)[1])
     plain, scaled = (grads(params, batch, jnp.float32(s)) for s in (1.0, 2.0 ** 10))
-    assert_tree_close(jax.device_get(plain), jax.device_get(jax.tree.map(lambda g: g / 2.0 ** 10, scaled)), F32)
+    assert_tree_close(jax.device_get(plain),
+                      jax.device_get(jax.tree.map(lambda g: g / 2.0 ** 10, scaled)), F32)
 
 
 def test_a_checkpoint_from_before_the_loss_scale_resumes_and_another_optimizer_is_refused(tmp_path):
@@ -158,31 +175,37 @@ def test_a_checkpoint_from_before_the_loss_scale_resumes_and_another_optimizer_i
     ckpts = Checkpoints(tmp_path / "old", async_save=False)
     assert ckpts.save(3, params, opt.inner, {"step": 3}) is None
     restored = ckpts.restore_newest_intact(
-        lambda s: ckpts.restore(s, *trainer.abstract_state(), trainer.legacy_opt_state()), warn=print)
+        lambda s: ckpts.restore(s, *trainer.abstract_state(), trainer.legacy_opt_state()),
+        warn=print)
     step, (_, got, _) = restored
-    assert step == 3 and isinstance(got, LossScaleState) and float(got.scale) == 2.0 ** 16 and int(got.skipped) == 0
-    for want, have in zip(jax.tree.leaves(jax.device_get(opt.inner)), jax.tree.leaves(jax.device_get(got.inner))):
+    assert step == 3 and isinstance(got, LossScaleState) and float(got.scale) == 2.0 ** 16 and int(
+        got.skipped) == 0
+    for want, have in zip(jax.tree.leaves(jax.device_get(opt.inner)),
+                          jax.tree.leaves(jax.device_get(got.inner))):
         np.testing.assert_array_equal(have, want)
     ckpts.close()
     other = Checkpoints(tmp_path / "other", async_save=False)
     assert other.save(3, params, {"mu": params}, {"step": 3}) is None
     with pytest.raises(UserError, match="another optimizer's state"):
-        other.restore_newest_intact(lambda s: other.restore(s, *trainer.abstract_state(), trainer.legacy_opt_state()),
-                                    warn=print)
+        other.restore_newest_intact(
+            lambda s: other.restore(s, *trainer.abstract_state(), trainer.legacy_opt_state()),
+            warn=print)
     assert other.all_steps() == [3] and not (tmp_path / "other" / "damaged").exists()
     other.close()
 
 
 def _records(workdir):
-    return [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
 
 
 def test_a_float16_run_skips_overflowing_steps_recovers_and_resumes_bitwise(tmp_path):
     """Started at 2^19, the tiny model's float16 gradients overflow: those steps are skipped
     (grad_norm null, weights unchanged) and the scale halves (from the second overflow on:
-    Megatron's hysteresis) until they fit; after 3 good steps it doubles again. Stopped at step 6 and resumed, the run logs bitwise what a straight run does."""
-    args = [*RUN_ARGS, "--mesh", "2x4", "--log-every", "1", "--eval-every", "100", "--save-every", "6",
-            "--set", "model.compute_dtype=float16", "--set", "train.loss_scale=524288",
+    Megatron's hysteresis) until they fit; after 3 good steps it doubles again. Stopped at step 6
+    and resumed, the run logs bitwise what a straight run does."""
+    args = [*RUN_ARGS, "--mesh", "2x4", "--log-every", "1", "--eval-every", "100", "--save-every",
+            "6", "--set", "model.compute_dtype=float16", "--set", "train.loss_scale=524288",
             "--set", "train.loss_scale_window=3", "--set", "train.decay_steps=12"]
     run(*args, "--host-devices", "8", "--workdir", str(tmp_path / "straight"), "--steps", "12")
     run(*args, "--host-devices", "8", "--workdir", str(tmp_path / "cut"), "--steps", "6")

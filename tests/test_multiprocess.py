@@ -35,7 +35,8 @@ def two_processes(*args, timeout=240):
 
 
 # Runs of 6 steps on a 2x4 mesh; the schedule is pinned so that 3 + 3 equals 6 straight.
-ARGS = [*RUN_ARGS, "--mesh", "2x4", "--save-every", "3", "--eval-every", "100", "--set", "train.decay_steps=6"]
+ARGS = [*RUN_ARGS, "--mesh", "2x4", "--save-every", "3", "--eval-every", "100", "--set",
+        "train.decay_steps=6"]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,8 @@ def test_killing_one_process_ends_the_other(tmp_path):
     assert any(m in err for m in ("another process has probably died", "another task died",
                                   "one has probably frozen or died")), err[-2000:]
     # The last complete checkpoint is still readable.
-    p = run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", "7", "--save-every", "100")
+    p = run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", "7", "--save-every",
+            "100")
     assert "resuming from step" in p.stdout
 
 
@@ -137,16 +139,20 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, who):
     assert f"{name}: saved a checkpoint at step" in outs[0][0]
     step = int(outs[0][0].split("saved a checkpoint at step ")[1].split()[0])
     assert (wd / "checkpoints" / str(step)).is_dir()
-    assert sorted(int(d.name) for d in (wd / "checkpoints").iterdir() if d.name.isdigit())[-1] == step
-    p = run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", str(step + 1), "--save-every", "100")
+    assert sorted(int(d.name) for d in (wd / "checkpoints").iterdir()
+                  if d.name.isdigit())[-1] == step
+    p = run(*ARGS, "--host-devices", "8", "--workdir", str(wd), "--steps", str(step + 1),
+            "--save-every", "100")
     assert f"resuming from step {step}" in p.stdout
 
 
 @pytest.mark.parametrize("other,field", [(["--save-every", "5"], "config.train.save_every"),
-                                         (["--mesh", "4x2"], "mesh.axes.data")])   # before: Gloo failed 51 s later
+                                         # before: Gloo failed 51 s later
+                                         (["--mesh", "4x2"], "mesh.axes.data")])
 def test_processes_with_different_settings_are_refused_naming_the_field(tmp_path, other, field):
     port = free_port()
-    base = [sys.executable, str(ROOT / "train.py"), *ARGS, "--workdir", str(tmp_path / "w"), "--steps", "6",
+    base = [sys.executable, str(ROOT / "train.py"), *ARGS, "--workdir", str(tmp_path / "w"),
+            "--steps", "6",
             "--host-devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
     procs = [subprocess.Popen(base + ["--process-id", "0"], env=env(), cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE),
@@ -163,7 +169,8 @@ def test_a_frozen_process_ends_the_other_in_one_line(tmp_path):
     a collective: it says so in one line and exits 1, before the runtime's heartbeat check would
     abort it from C++ (exit 134)."""
     wd = tmp_path / "frozen"
-    procs = _start_two([*ARGS, "--workdir", str(wd), "--steps", "100000", "--heartbeat-timeout", "10"], free_port())
+    procs = _start_two([*ARGS, "--workdir", str(wd), "--steps", "100000", "--heartbeat-timeout",
+                        "10"], free_port())
     deadline = time.time() + 180
     while time.time() < deadline and not (wd / "checkpoints" / "3").is_dir():
         time.sleep(0.1)
@@ -174,7 +181,8 @@ def test_a_frozen_process_ends_the_other_in_one_line(tmp_path):
         procs[1].kill()
         procs[1].communicate()
     assert procs[0].returncode == 1, err[-2000:]
-    assert err.strip().splitlines()[-1].startswith("error: process 0 of 2: no progress for"), err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: process 0 of 2: no progress for"), err[
+        -2000:]
     assert "one has probably frozen or died" in err and "Check failure" not in err
 
 
@@ -200,19 +208,24 @@ def test_a_peer_that_skips_the_shutdown_leaves_one_line_not_an_abort():
     aborted it from C++ three heartbeat timeouts later (exit 134 and a stack dump; 180 s at the
     default 60: the hang CI saw once). Now it leaves after two, with its run's own status."""
     address = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-c", ENDS_ALONE, address, str(i)], env=env(), cwd=ROOT, text=True,
+    procs = [subprocess.Popen([sys.executable, "-c", ENDS_ALONE, address, str(i)], env=env(),
+                              cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     _, err = procs[0].communicate(timeout=120)
     procs[1].communicate(timeout=30)
     assert procs[0].returncode == 3, err[-3000:]
-    assert err.endswith("warning: process 0 of 2: the other processes did not reach the shutdown within 8 s (one "
-                        "probably ended without it); leaving with the run's status 3\n"), err[-3000:]
+    assert err.endswith(
+        "warning: process 0 of 2: the other processes did not reach the shutdown within 8 s (one "
+        "probably ended without it); leaving with the run's status 3\n"), err[-3000:]
 
 
 @pytest.mark.parametrize("args,message", [
-    ((None, None, None, 0), "--heartbeat-timeout must be at least 1 second, got 0"),   # before: ignored in one
-    (("127.0.0.1:1234", 2, 0, -5), "--heartbeat-timeout must be at least 1 second"),   # process; a watchdog at -4 s
-    (("127.0.0.1:1234", 0, 0, 60), "--num-processes must be at least 1, got 0"),      # "must be in 0..-1"
+    # before: ignored in one
+    ((None, None, None, 0), "--heartbeat-timeout must be at least 1 second, got 0"),
+    # process; a watchdog at -4 s
+    (("127.0.0.1:1234", 2, 0, -5), "--heartbeat-timeout must be at least 1 second"),
+    # "must be in 0..-1"
+    (("127.0.0.1:1234", 0, 0, 60), "--num-processes must be at least 1, got 0"),
     (("127.0.0.1:1234", 2, 2, 60), "--process-id must be in 0..1, got 2")])
 def test_multi_process_arguments_are_checked_before_anything_starts(args, message):
     with pytest.raises(UserError, match=message):

@@ -11,7 +11,8 @@ def test_quickstart_notebook_executes():
     nb = nbformat.read(path, as_version=4)
     env_flags = os.environ.pop("XLA_FLAGS", None)  # the notebook sets its own device count
     os.environ["XLA_FLAGS"] = " ".join(f for f in (env_flags or "").split()
-                                       if not f.startswith("--xla_force_host_platform_device_count"))
+                                       if not f.startswith(
+                                           "--xla_force_host_platform_device_count"))
     try:
         NotebookClient(nb, timeout=300, kernel_name="python3",
                        resources={"metadata": {"path": str(path.parent)}}).execute()
@@ -19,7 +20,8 @@ def test_quickstart_notebook_executes():
         os.environ.pop("XLA_FLAGS")
         if env_flags is not None:
             os.environ["XLA_FLAGS"] = env_flags
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                     for o in c.get("outputs", []))
     assert "8 devices: cpu" in text
     assert "share 0.250" in text and "share 1.000" in text  # split weights hold 1/4, LayerNorms all
     assert "forward [2], backward [2]" in text

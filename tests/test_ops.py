@@ -7,15 +7,16 @@ from jax import ad_checkpoint
 from jax.extend.random import threefry_2x32
 from tolerances import assert_tree_close
 
-from megajax.core.ops import (apply_dropout, attention_context, attention_scores, keep_mask, layer_norm,
-                              masked_softmax)
+from megajax.core.ops import (apply_dropout, attention_context, attention_scores, keep_mask,
+                              layer_norm, masked_softmax)
 
 RNG = np.random.default_rng(0)
 
 
 def plain_layer_norm(x, scale, bias, eps):
     mean = x.mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + eps) * scale + bias
+    return ((x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + eps) * scale
+            + bias)
 
 
 def plain_masked_softmax(scores, keep):
@@ -24,7 +25,8 @@ def plain_masked_softmax(scores, keep):
 
 def grads(f, *args):
     """Gradients of a random projection of f's output (every output element weighs in)."""
-    w = jnp.asarray(np.random.default_rng(1).normal(size=jax.eval_shape(f, *args).shape), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=jax.eval_shape(f, *args).shape),
+                    jnp.float32)
     return jax.grad(lambda *a: (f(*a) * w).sum(), argnums=tuple(range(len(args))))(*args)
 
 
@@ -46,7 +48,8 @@ def test_masked_softmax_matches_autodiff_and_masks():
         probs = ours(scores)
         assert float(jnp.abs(jnp.where(keep, 0.0, probs)).max()) == 0.0
         assert_tree_close(plain_masked_softmax(scores, keep), probs, what="forward")
-        assert_tree_close(grads(lambda s: plain_masked_softmax(s, keep), scores), grads(ours, scores), what="gradients")
+        assert_tree_close(grads(lambda s: plain_masked_softmax(s, keep), scores),
+                          grads(ours, scores), what="gradients")
 
 
 def test_dropout_matches_autodiff_and_keeps_only_the_mask():
@@ -56,7 +59,8 @@ def test_dropout_matches_autodiff_and_keeps_only_the_mask():
     ours = lambda x: apply_dropout(x, keep, 0.1).astype(jnp.float32)   # noqa: E731
     # one bfloat16 rounding of the exactly scaled value
     np.testing.assert_allclose(ours(x), plain(x), rtol=2 ** -8, atol=0)
-    np.testing.assert_array_equal(grads(ours, x)[0], grads(lambda x: apply_dropout(x, keep, 0.1), x)[0])
+    np.testing.assert_array_equal(grads(ours, x)[0],
+                                  grads(lambda x: apply_dropout(x, keep, 0.1), x)[0])
     expected = jnp.where(keep, jnp.ones_like(x, jnp.float32) / 0.9, 0.0).astype(jnp.bfloat16)
     np.testing.assert_allclose(jax.grad(lambda x: ours(x).sum())(x).astype(jnp.float32),
                                expected.astype(jnp.float32), rtol=2 ** -8)
@@ -67,17 +71,23 @@ def test_residuals_are_what_megatron_keeps(capsys):
     output and the (broadcast, not materialised) mask; dropout its boolean mask."""
     x = jnp.ones((4, 16, 32), jnp.bfloat16)
     scale = bias = jnp.ones((32,), jnp.float32)
-    ad_checkpoint.print_saved_residuals(lambda x, s, b: layer_norm(x, s, b, 1e-5).sum(), x, scale, bias)
+    ad_checkpoint.print_saved_residuals(lambda x, s, b: layer_norm(x, s, b, 1e-5).sum(), x, scale,
+                                        bias)
     scores = jnp.ones((4, 2, 16, 16), jnp.float32)
     keep = jnp.tril(jnp.ones((16, 16), bool))[None, None]
-    ad_checkpoint.print_saved_residuals(lambda s: masked_softmax(s, keep, jnp.bfloat16).astype(jnp.float32).sum(),
-                                        scores)
-    ad_checkpoint.print_saved_residuals(lambda x: apply_dropout(x, keep[0, 0][None].repeat(4, 0)[..., :16], 0.1)
-                                        .astype(jnp.float32).sum(), jnp.ones((4, 16, 16), jnp.bfloat16))
-    shapes = sorted(line.split(" ")[0] for line in capsys.readouterr().out.splitlines() if "[" in line)
-    assert shapes == sorted(["bf16[4,16,32]", "f32[4,16,1]", "f32[4,16,1]", "f32[32]",    # LayerNorm (+ scale)
-                             "bf16[4,2,16,16]", "bool[1,1,16,16]",                           # softmax
-                             "bool[4,16,16]"]), shapes                                       # dropout
+    ad_checkpoint.print_saved_residuals(
+        lambda s: masked_softmax(s, keep, jnp.bfloat16).astype(jnp.float32).sum(), scores)
+    ad_checkpoint.print_saved_residuals(
+        lambda x: apply_dropout(x, keep[0, 0][None].repeat(4, 0)[..., :16], 0.1)
+        .astype(jnp.float32).sum(), jnp.ones((4, 16, 16), jnp.bfloat16))
+    shapes = sorted(line.split(" ")[0] for line in capsys.readouterr().out.splitlines()
+                    if "[" in line)
+    # LayerNorm (+ scale)
+    assert shapes == sorted(["bf16[4,16,32]", "f32[4,16,1]", "f32[4,16,1]", "f32[32]",
+                             # softmax
+                             "bf16[4,2,16,16]", "bool[1,1,16,16]",
+                             # dropout
+                             "bool[4,16,16]"]), shapes
 
 
 def test_attention_matmuls_match_autodiff_and_avoid_the_strided_dot():
@@ -88,13 +98,15 @@ def test_attention_matmuls_match_autodiff_and_avoid_the_strided_dot():
     p = jax.nn.softmax(jnp.asarray(RNG.normal(size=(2, 3, 24, 24)), jnp.float32), axis=-1)
     plain_scores = lambda q, k: jnp.einsum("bhqd,bhkd->bhqk", q, k)   # noqa: E731
     plain_context = lambda p, v: jnp.einsum("bhqk,bhkd->bhqd", p, v)   # noqa: E731
-    for ours, plain, args in ((attention_scores, plain_scores, (q, k)), (attention_context, plain_context, (p, v))):
+    for ours, plain, args in ((attention_scores, plain_scores, (q, k)),
+                              (attention_context, plain_context, (p, v))):
         assert_tree_close(plain(*args), ours(*args), what="forward")
         assert_tree_close(grads(plain, *args), grads(ours, *args), what="gradients")
         # A dot whose left operand is contracted over its rows (dimension 2 of (b, h, rows, cols)):
         # autodiff's backward has one, ours has none on the CPU.
         row_dots = [sum(" dot(" in line and "lhs_contracting_dims={2}" in line
-                        for line in jax.jit(lambda *a, f=f: grads(f, *a)).lower(*args).compile().as_text().splitlines())
+                        for line in jax.jit(lambda *a, f=f: grads(f, *a)).lower(
+                            *args).compile().as_text().splitlines())
                     for f in (plain, ours)]
         assert row_dots == [1, 0] or jax.default_backend() != "cpu", row_dots
 

@@ -36,10 +36,12 @@ MEMORY_TOLERANCE = 0.10     # the issue's bound on predicted against compiled pe
 F32 = "model.compute_dtype=float32"
 RECOMPUTE = "model.recompute_norm_gelu=true"
 LOCAL_POINTS = [("gpt2_8.3b", 1, 8, [F32]),
-                ("gpt2_355m", 2, 4, [F32, RECOMPUTE, "train.microbatches=16", "model.remat=selective",
+                ("gpt2_355m", 2, 4,
+                 [F32, RECOMPUTE, "train.microbatches=16", "model.remat=selective",
                                      "model.sequence_parallel=true"]),
                 ("gpt2_355m", 2, 4, [F32, RECOMPUTE, "train.microbatches=64", "model.remat=none"]),
-                ("gpt2_355m", 2, 4, [F32, "model.recompute_norm_gelu=false", "train.microbatches=64",
+                ("gpt2_355m", 2, 4,
+                 [F32, "model.recompute_norm_gelu=false", "train.microbatches=64",
                                      "model.remat=none"]),
                 ("bert_336m", 2, 4, [F32])]
 WIDE_POINTS = [("gpt2_8.3b", 8, 8, [F32, "train.microbatches=8"]),
@@ -54,13 +56,15 @@ from megajax.training.memory import per_device_bytes, step_memory
 from megajax.training.step import make_trainer
 for name, dp, tp, sets in json.loads(sys.argv[1]):
     mesh = make_mesh(f"data={dp},model={tp}", jax.devices()[:dp * tp])
-    print(step_memory(make_trainer(load_config(name, sets), mesh).lower_step().compile())["step_peak_bytes"])
+    compiled = make_trainer(load_config(name, sets), mesh).lower_step().compile()
+    print(step_memory(compiled)["step_peak_bytes"])
 """
 
 
 def compiled_peak(name, dp, tp, sets) -> int:
     cfg = load_config(name, sets)
-    return step_memory(make_trainer(cfg, mesh_for(f"{dp}x{tp}")).lower_step().compile())["step_peak_bytes"]
+    return step_memory(make_trainer(cfg, mesh_for(f"{dp}x{tp}")).lower_step().compile())[
+        "step_peak_bytes"]
 
 
 @pytest.mark.parametrize("name,dp,tp,sets", LOCAL_POINTS)
@@ -72,8 +76,8 @@ def test_memory_within_ten_percent_of_the_compiled_step(name, dp, tp, sets):
 def test_memory_within_ten_percent_on_64_devices():
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=64 {TEST_XLA_FLAGS}",
            "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", WIDE_SCRIPT, json.dumps(WIDE_POINTS)], env=env, cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", WIDE_SCRIPT, json.dumps(WIDE_POINTS)], env=env,
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for (name, dp, tp, sets), peak in zip(WIDE_POINTS, map(int, out), strict=True):
         predicted = memory_bytes(load_config(name, sets), dp, tp, backend="cpu")["total"]
         assert predicted == pytest.approx(peak, rel=MEMORY_TOLERANCE), (name, sets)
@@ -101,7 +105,8 @@ STEP_TOLERANCE, STEP_KNOWN_MISSES = 0.10, {2: 0.20}
 def test_h200_step_times_predicted():
     assert measured.calibrate() == pytest.approx(timing.XLA_MATMUL_EFFICIENCY, rel=1e-3)
     for i, run in enumerate(measured.H200):
-        assert measured.predicted_ms(run) == pytest.approx(run.step_ms, rel=STEP_KNOWN_MISSES.get(i, STEP_TOLERANCE)), i
+        assert measured.predicted_ms(run) == pytest.approx(
+            run.step_ms, rel=STEP_KNOWN_MISSES.get(i, STEP_TOLERANCE)), i
     # the paper's stack on the same machine would be 2-3x slow: what the planner said before
     paper_stack = dataclasses.replace(BUILTIN["h200"], stack="megatron-2019")
     run = measured.CALIBRATED_ON
@@ -110,7 +115,8 @@ def test_h200_step_times_predicted():
 
 def test_gradient_copies_and_logit_bytes_by_backend():
     """The two rules that differ between XLA:GPU's and XLA:CPU's plans, by hand."""
-    cfg = load_config("gpt2_355m", ["model.compute_dtype=bfloat16", "train.microbatches=1", "model.remat=none"])
+    cfg = load_config("gpt2_355m",
+                      ["model.compute_dtype=bfloat16", "train.microbatches=1", "model.remat=none"])
     gpu, cpu = memory_bytes(cfg, 1, 1), memory_bytes(cfg, 1, 1, backend="cpu")
     assert gpu["gradients"] == gpu["params"] and cpu["gradients"] == 2 * cpu["params"]
     rows = cfg.train.batch_size * cfg.model.seq_len * cfg.model.padded_vocab
@@ -132,8 +138,10 @@ def test_parameters_and_optimizer_state_are_the_dry_runs_exactly():
 
 
 # Every option for GPT; for BERT (whose heads read only their rows) the forms that differ.
-COMM_CASES = [("gpt", "2x4", {}), ("gpt", "2x4", {"sequence_parallel": True}), ("gpt", "2x4", {"remat": "full"}),
-              ("gpt", "2x4", {"sequence_parallel": True, "remat": "full"}), ("gpt", "2x4", {"remat": "selective"}),
+COMM_CASES = [("gpt", "2x4", {}), ("gpt", "2x4", {"sequence_parallel": True}),
+              ("gpt", "2x4", {"remat": "full"}),
+              ("gpt", "2x4", {"sequence_parallel": True, "remat": "full"}),
+              ("gpt", "2x4", {"remat": "selective"}),
               ("gpt", "2x4", {"shard_optimizer": True}), ("gpt", "2x4", {"shard_params": True}),
               ("gpt", "1x8", {}), ("gpt", "1x8", {"sequence_parallel": True, "remat": "full"}),
               ("bert", "2x4", {}), ("bert", "2x4", {"sequence_parallel": True, "remat": "full"}),
@@ -150,18 +158,21 @@ def test_communication_volumes_are_the_audits(kind, mesh, options):
     cfg = cfg.validate()
     m = mesh_for(mesh)
     trainer = make_trainer(cfg, m)
-    audit = audit_hlo(trainer.lower_step().compile().as_text(), cfg, (m.shape["data"], m.shape["model"]), trainer=trainer)
+    audit = audit_hlo(trainer.lower_step().compile().as_text(), cfg,
+                      (m.shape["data"], m.shape["model"]), trainer=trainer)
     dp, tp = m.shape["data"], m.shape["model"]
     # the audit's analytic forms, and what it found compiled but the optimizer's and the
     # metrics' scalar reductions (the gradient norm's partial sums), exactly
     planned = sum(model_axis_elements(cfg, dp, tp).values())
-    assert planned == audit.analytic_min_elements + audit.remat_extra_elements + audit.regathered_elements
+    assert (planned == audit.analytic_min_elements + audit.remat_extra_elements
+            + audit.regathered_elements)
     scalars = sum(c.elements * c.count for c in audit.collectives
                   if MODEL in c.axis and c.origin in ("optimizer", "metrics"))
     assert planned == audit.model_axis_elements - scalars
     sent, least = data_axis_sent(cfg, dp, tp), audit.data_axis_minimum
     if audit.data_scheme == "plain":
-        # once per microbatch, as compiled (the tied embedding's two contributions apart: a little more)
+        # once per microbatch, as compiled (the tied embedding's two contributions apart: a little
+        # more)
         assert sent["gradients"] == cfg.train.microbatches * least.get("gradients", 0)
         assert sent["gradients"] <= audit.data_axis_sent("gradients") <= 1.1 * sent["gradients"]
         return
@@ -169,7 +180,8 @@ def test_communication_volumes_are_the_audits(kind, mesh, options):
     assert sent["params"] == pytest.approx(least["params"], rel=1e-12)
     assert sent["regather"] == pytest.approx(least.get("regather", 0), rel=1e-12)
     assert sent["gradients"] + sent["params"] == pytest.approx(
-        audit.data_axis_sent("gradients") + audit.data_axis_sent("params") - audit.data_axis_regathered, rel=1e-9)
+        audit.data_axis_sent("gradients") + audit.data_axis_sent("params")
+        - audit.data_axis_regathered, rel=1e-9)
 
 
 def test_flops_are_the_papers_formula():
@@ -211,9 +223,11 @@ def test_two_data_parallel_figures_cannot_both_be_met():
     assert big["low"] * big["node_bytes_lower"] / big["node_bytes"] > hw.inter_node_bandwidth
     for name, tp in zip(paper.CONFIGS, paper.MODEL_PARALLEL):
         cfg = paper.study_config(name, paper.DATA_PARALLEL)
-        seconds = timing.communication_seconds(cfg, paper.DATA_PARALLEL, tp, hw, paper.PAPER_GRADIENT_BYTES)
+        seconds = timing.communication_seconds(cfg, paper.DATA_PARALLEL, tp, hw,
+                                               paper.PAPER_GRADIENT_BYTES)
         # The ring's 126 steps of InfiniBand latency are the only other term (1.3 ms).
-        assert seconds["data_axis"] == pytest.approx(windows[name]["node_bytes"] / hw.inter_node_bandwidth, abs=2e-3)
+        assert seconds["data_axis"] == pytest.approx(
+            windows[name]["node_bytes"] / hw.inter_node_bandwidth, abs=2e-3)
         inside = windows[name]["low"] <= hw.inter_node_bandwidth <= windows[name]["high"]
         assert inside == (name in ("gpt2_1.2b", "gpt2_4.2b")), name
 
@@ -230,7 +244,8 @@ def test_best_plan_for_8_3b_on_8_v100s_is_model_parallel():
     plans = plan("gpt2_8.3b", 8, "v100-dgx2h", schemes=("plain",))
     best = plans[0]
     assert best.fits and best.model > 1 and best.data * best.model == 8
-    assert not any(p.fits for p in plans if p.model == 1)      # whole on one GPU: 8.3B x 16 bytes > 32 GiB
+    # whole on one GPU: 8.3B x 16 bytes > 32 GiB
+    assert not any(p.fits for p in plans if p.model == 1)
     least = min((p for p in plans if not p.fits), key=lambda p: p.memory["total"])
     over = (least.memory["total"] - least.device_bytes) / 2**30
     over_text = f"{over:.1f}" if over >= 1 else f"{over:.2f}"     # report.py's two precisions
@@ -238,13 +253,15 @@ def test_best_plan_for_8_3b_on_8_v100s_is_model_parallel():
 
 
 def test_command_line_json_and_errors(tmp_path, capsys):
-    out = subprocess.run([sys.executable, "-m", "megajax.plan", "--config", "gpt2_1.2b", "--devices", "8",
+    out = subprocess.run(
+        [sys.executable, "-m", "megajax.plan", "--config", "gpt2_1.2b", "--devices", "8",
                           "--hardware", "h200", "--json"], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     plans = json.loads(out.stdout)["plans"]
     assert plans[0]["fits"] and plans[0]["mesh"].startswith("data=")
-    assert {"memory_bytes", "step_seconds", "tokens_per_s", "mfu", "scaling_efficiency"} <= set(plans[0])
+    assert {"memory_bytes", "step_seconds", "tokens_per_s", "mfu",
+            "scaling_efficiency"} <= set(plans[0])
     toml = tmp_path / "gpus.toml"
     toml.write_text("[tiny-gpu]\npeak_flops = 1e12\nmemory_bytes = 1e9\nhbm_bandwidth = 1e11\n"
                     "gpus_per_node = 4\nintra_node_bandwidth = 1e10\ninter_node_bandwidth = 1e9\n")
@@ -252,27 +269,34 @@ def test_command_line_json_and_errors(tmp_path, capsys):
     assert "No plan fits" in capsys.readouterr().out
     assert pick_hardware(str(toml)).gpus_per_node == 4
     toml.write_text("[bad]\npeak_flops = -1\n")
-    for args in (["--hardware", "tpu-v9"], ["--hardware", str(toml)], ["--devices", "0"], ["--config", "nope"],
-                 ["--schemes", "zero3"], ["--top", "0"], ["--devices", str(10**14)]):   # (the last: at once)
+    for args in (["--hardware", "tpu-v9"], ["--hardware", str(toml)], ["--devices", "0"],
+                 ["--config", "nope"],
+                 # (the last: at once)
+                 ["--schemes", "zero3"], ["--top", "0"], ["--devices", str(10**14)]):
         assert plan_main(["--config", "tiny", "--devices", "8"] + args) == 2, args
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error:"), (args, err)
     for devices in ("8", 8.0, True):    # from Python: a TypeError deep in the search before
-        with pytest.raises(UserError, match=f"--devices must be an integer of at least 1, got {devices!r}"):
+        with pytest.raises(UserError,
+                           match=f"--devices must be an integer of at least 1, got {devices!r}"):
             plan("tiny", devices, "h100-80g")
 
 
 def test_ctrl_c_stops_the_planner_in_one_line():
     """Ctrl-C while megajax-plan searches (512 devices: a few seconds): one line and 128 + SIGINT,
     not a KeyboardInterrupt traceback."""
-    p = subprocess.Popen([sys.executable, "-m", "megajax.plan", "--config", "gpt2_8.3b", "--devices", "512",
-                          "--hardware", "h100-80g"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    while p.poll() is None and not handles_signal(p.pid, signal.SIGTERM):   # (Python handles SIGINT from its start)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "megajax.plan", "--config", "gpt2_8.3b", "--devices", "512",
+                          "--hardware", "h100-80g"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # (Python handles SIGINT from its start)
+    while p.poll() is None and not handles_signal(p.pid, signal.SIGTERM):
         time.sleep(0.01)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 128 + signal.SIGINT and err == "stopped by SIGINT: nothing was planned\n", err
+    assert (p.returncode == 128 + signal.SIGINT
+            and err == "stopped by SIGINT: nothing was planned\n"), err
 
 
 def test_microbatches_cost_their_weight_traffic():
@@ -280,14 +304,16 @@ def test_microbatches_cost_their_weight_traffic():
     and writing (accumulating) its gradient. By hand: splitting a batch in two adds exactly that
     traffic (the matmuls, the activations' passes and the scan's copies scale with the rows)."""
     hw = BUILTIN["h200"]
-    one = load_config("gpt2_355m", ["train.batch_size=16", "train.microbatches=1", "model.remat=none"])
+    one = load_config("gpt2_355m",
+                      ["train.batch_size=16", "train.microbatches=1", "model.remat=none"])
     two = with_values(one, {"train.microbatches": 2})
     t1, t2 = (timing.compute_seconds(c, 1, 1, hw) for c in (one, two))
     shard = state_split(one, 1, 1).model_shard
     extra = (2 * (timing.WEIGHT_BYTES_PER_PARAM + timing.ACCUMULATE_BYTES_PER_PARAM)
              - timing.WEIGHT_BYTES_PER_PARAM) * shard / hw.hbm_bandwidth
     assert t2["elementwise"] - t1["elementwise"] == pytest.approx(extra, rel=1e-9)
-    assert t2["matmuls"] == pytest.approx(t1["matmuls"], rel=1e-9) and t2["overhead"] == t1["overhead"] == 0
+    assert t2["matmuls"] == pytest.approx(t1["matmuls"],
+                                          rel=1e-9) and t2["overhead"] == t1["overhead"] == 0
 
 
 def test_layer_programs_save_the_scans_copies_and_take_plain_data_parallelism():
@@ -295,7 +321,8 @@ def test_layer_programs_save_the_scans_copies_and_take_plain_data_parallelism():
     step is the scan's less its copies of the kept activations, and only plain data-parallel
     plans are made (asked for with ZeRO-1 or FSDP alone: one error line)."""
     hw = BUILTIN["h200"]
-    scan = load_config("gpt2_355m", ["train.batch_size=16", "train.microbatches=1", "model.remat=none"])
+    scan = load_config("gpt2_355m",
+                       ["train.batch_size=16", "train.microbatches=1", "model.remat=none"])
     programs = with_values(scan, {"train.layer_programs": True})
     t_scan, t_programs = (timing.compute_seconds(c, 1, 1, hw) for c in (scan, programs))
     copies = timing.SCAN_COPY_PASSES * kept_activation_bytes(scan, 1, 1) / hw.hbm_bandwidth
@@ -315,30 +342,35 @@ def test_hardware_files_name_their_stack(tmp_path, capsys):
     toml.write_text(f"[ours]\n{gpu}[theirs]\n{gpu}stack = \"megatron-2019\"\n")
     ours, theirs = (pick_hardware(f"{toml}:{n}") for n in ("ours", "theirs"))
     assert (ours.stack, theirs.stack) == ("megajax", "megatron-2019")
-    assert timing.stack_constants(theirs)[:2] == (timing.MATMUL_EFFICIENCY, timing.LAYER_OVERHEAD_SECONDS)
+    assert timing.stack_constants(theirs)[:2] == (timing.MATMUL_EFFICIENCY,
+                                                  timing.LAYER_OVERHEAD_SECONDS)
     assert timing.stack_constants(ours).matmul_efficiency == timing.XLA_MATMUL_EFFICIENCY
     toml.write_text(f"[bad]\n{gpu}stack = \"pytorch\"\n")
     assert plan_main(["--config", "tiny", "--devices", "8", "--hardware", str(toml)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "stack must be one of megajax, megatron-2019" in err
-    toml.write_bytes(b"[ours]\nname = \"caf\xe9\"\n")     # not UTF-8: a UnicodeDecodeError traceback before
+    # not UTF-8: a UnicodeDecodeError traceback before
+    toml.write_bytes(b"[ours]\nname = \"caf\xe9\"\n")
     assert plan_main(["--config", "tiny", "--devices", "8", "--hardware", str(toml)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"hardware file {toml} is not valid TOML" in err
 
 
 @pytest.mark.parametrize("line,message", [
-    ("peak_flops = nan", "[gpu] peak_flops must be a finite number, got nan"),   # before: a table of NaN, exit 0
+    # before: a table of NaN, exit 0
+    ("peak_flops = nan", "[gpu] peak_flops must be a finite number, got nan"),
     ("hbm_bandwidth = inf", "[gpu] hbm_bandwidth must be a finite number, got inf"),
-    ("gpus_per_node = 0.5", "[gpu] gpus_per_node counts whole GPUs, got 0.5"),    # before: ZeroDivisionError
-    ("peak_flops = 1e-300", "[gpu] peak_flops = 1e-300 is outside 1e+09..1e+18"),  # before: ZeroDivisionError
+    # before: ZeroDivisionError
+    ("gpus_per_node = 0.5", "[gpu] gpus_per_node counts whole GPUs, got 0.5"),
+    # before: ZeroDivisionError
+    ("peak_flops = 1e-300", "[gpu] peak_flops = 1e-300 is outside 1e+09..1e+18"),
     ("inter_node_latency = 0.0", "[gpu] inter_node_latency = 0 is outside"),
     ("memory_bytes = 1e300", "[gpu] memory_bytes = 1e+300 is outside")])
 def test_a_hardware_file_holds_finite_physical_numbers(tmp_path, capsys, line, message):
     """Every field finite, whole where it counts GPUs, and within bounds no accelerator is near;
     the JSON output is JSON (no bare NaN) because no such number reaches the arithmetic."""
-    fields = {"peak_flops": "1e15", "memory_bytes": "8e10", "hbm_bandwidth": "3e12", "gpus_per_node": "8",
-              "intra_node_bandwidth": "4e11", "inter_node_bandwidth": "4e11"}
+    fields = {"peak_flops": "1e15", "memory_bytes": "8e10", "hbm_bandwidth": "3e12",
+              "gpus_per_node": "8", "intra_node_bandwidth": "4e11", "inter_node_bandwidth": "4e11"}
     key, value = (s.strip() for s in line.split("="))
     fields[key] = value
     toml = tmp_path / "gpus.toml"

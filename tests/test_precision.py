@@ -84,10 +84,13 @@ def test_every_linear_matmul_runs_in_bfloat16_forward_and_backward():
     assert _lowered_bf16_dots(lowered.as_text()) == 4 * 3 * layers
     if _cpu_keeps_bf16_matmuls():
         assert _bf16_dots(lowered.compile().as_text()) == 4 * 3 * layers
-    float32 = make_trainer(tiny_config(num_layers=layers, scan_layers=False), mesh_for("1x1")).lower_step()
-    assert _lowered_bf16_dots(float32.as_text()) == 0 and _bf16_dots(float32.compile().as_text()) == 0
+    float32 = make_trainer(tiny_config(num_layers=layers, scan_layers=False),
+                           mesh_for("1x1")).lower_step()
+    assert _lowered_bf16_dots(float32.as_text()) == 0 and _bf16_dots(
+        float32.compile().as_text()) == 0
     # The scanned stack (the paper configs') has one layer body, whose 12 matmuls stay bf16 too.
-    scanned = make_trainer(tiny_config(num_layers=layers, compute_dtype="mixed"), mesh_for("1x1")).lower_step()
+    scanned = make_trainer(tiny_config(num_layers=layers, compute_dtype="mixed"),
+                           mesh_for("1x1")).lower_step()
     assert _lowered_bf16_dots(scanned.as_text()) == 4 * 3
     if _cpu_keeps_bf16_matmuls():
         assert _bf16_dots(scanned.compile().as_text()) == 4 * 3
@@ -95,7 +98,8 @@ def test_every_linear_matmul_runs_in_bfloat16_forward_and_backward():
 
 def test_mixed_precision_is_mesh_invariant_with_megatron_collectives():
     cfg = tiny_config(compute_dtype="mixed", hidden_dropout=0.0, attention_dropout=0.0)
-    tokens = np.asarray(jax.random.randint(jax.random.key(7), (8, cfg.model.seq_len + 1), 0, cfg.model.vocab_size))
+    tokens = np.asarray(
+        jax.random.randint(jax.random.key(7), (8, cfg.model.seq_len + 1), 0, cfg.model.vocab_size))
     # Sequence parallelism runs the linear layers inside shard_map, where the weight gradient
     # of the mixed matmul's own VJP must be summed over "data" as a plain dot's is.
     sp = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sequence_parallel=True))
@@ -104,7 +108,8 @@ def test_mixed_precision_is_mesh_invariant_with_megatron_collectives():
         trainer = make_trainer(run_cfg, mesh_for(spec))
         params, _ = trainer.init_state(seed=0)
         batch = jax.device_put(tokens, trainer.batch_sharding)
-        results[name] = jax.device_get(jax.jit(jax.value_and_grad(trainer.loss_fn))(params, batch, None))
+        results[name] = jax.device_get(
+            jax.jit(jax.value_and_grad(trainer.loss_fn))(params, batch, None))
     loss1, g1 = results["1x1"]
     for name in ("2x4", "2x4 SP"):
         # The mesh changes float32 partial sums, which can flip bfloat16 roundings downstream:
@@ -117,7 +122,8 @@ def test_mixed_precision_is_mesh_invariant_with_megatron_collectives():
     f32 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype="float32"))
     trainer = make_trainer(f32, mesh_for("1x1"))
     params, _ = trainer.init_state(seed=0)
-    loss32 = float(jax.jit(trainer.loss_fn)(params, jax.device_put(tokens, trainer.batch_sharding), None))
+    loss32 = float(
+        jax.jit(trainer.loss_fn)(params, jax.device_put(tokens, trainer.batch_sharding), None))
     assert loss32 != loss1 and loss32 == pytest.approx(float(loss1), rel=4 * BF16_U)
 
     counts = audit(cfg, mesh_for("2x4")).model_axis_layer_counts()
@@ -129,7 +135,8 @@ def _widened_slice_writes(hlo: str) -> list[str]:
     """dynamic-update-slices whose buffer operand is a convert: XLA widened a 16-bit buffer to
     write one slice into it, which rewrites the whole buffer, not the slice, each time."""
     converts = set(re.findall(r"%([\w.\-]+) = \S+ convert\(", hlo))
-    return [m.group(0) for m in re.finditer(r"dynamic-update-slice\(%([\w.\-]+)", hlo) if m.group(1) in converts]
+    return [m.group(0) for m in re.finditer(r"dynamic-update-slice\(%([\w.\-]+)", hlo)
+            if m.group(1) in converts]
 
 
 def test_scanned_stack_writes_its_saved_bfloat16_activations_in_place():
@@ -138,7 +145,8 @@ def test_scanned_stack_writes_its_saved_bfloat16_activations_in_place():
     turns that one-slice write into a rewrite of the whole buffer at every layer (time
     quadratic in depth: 1.52x the unrolled step at 24 layers, against 1.11x written in place).
     The mixed matmul saves its bfloat16 operand as uint16 bits instead."""
-    lowered = make_trainer(tiny_config(num_layers=3, compute_dtype="mixed"), mesh_for("1x1")).lower_step()
+    lowered = make_trainer(tiny_config(num_layers=3, compute_dtype="mixed"),
+                           mesh_for("1x1")).lower_step()
     hlo = lowered.compile().as_text()
     assert "dynamic-update-slice" in hlo and _widened_slice_writes(hlo) == []
     assert re.search(r"u16\[3,\d+,\d+\]\S* \S*dynamic-update-slice", hlo)    # the saves, as bits
@@ -170,7 +178,8 @@ def test_logits_product_and_its_gradients_match_a_float64_reference(x_dtype):
     dx, dtable = vjp(g)
     assert (y.dtype, dx.dtype, dtable.dtype) == (jnp.float32, x_dtype, jnp.float32)
 
-    x2, g2, t = np.asarray(x, np.float32).reshape(-1, 48), np.asarray(g).reshape(-1, 64), np.asarray(table)
+    x2, g2, t = np.asarray(x, np.float32).reshape(-1, 48), np.asarray(g).reshape(
+        -1, 64), np.asarray(table)
     cases = [(y, _bf16(x2) @ _bf16(t).T, (x2, t.T)), (dtable, _bf16(g2).T @ _bf16(x2), (g2.T, x2))]
     if x_dtype == jnp.float32:    # a bf16 dx is rounded once more, to its own dtype
         cases.append((dx, _bf16(g2) @ _bf16(t), (g2, t)))

@@ -40,15 +40,19 @@ runpy.run_path("train.py", run_name="__main__")
 
 
 def test_a_save_that_cannot_finish_ends_the_process_with_its_line(tmp_path):
-    e = {**env(), "MEGAJAX_EXIT_GRACE_S": "3", "MEGAJAX_MALLOC_TUNING": "0"}   # (the patch lives in this process)
+    # (the patch lives in this process)
+    e = {**env(), "MEGAJAX_EXIT_GRACE_S": "3", "MEGAJAX_MALLOC_TUNING": "0"}
     p = subprocess.run([sys.executable, "-c", STUCK_SAVE, *BASE, "--mesh", "2x4", "--steps", "2",
-                        "--workdir", str(tmp_path / "w")], capture_output=True, text=True, env=e, cwd=ROOT,
+                        "--workdir", str(tmp_path / "w")], capture_output=True, text=True, env=e,
+                        cwd=ROOT,
                        timeout=200)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2, p.stderr[-2000:]
-    assert lines[-2].startswith("error: saving step 2 failed (RuntimeError: can't start new thread)"), lines
-    assert lines[-1] == ("warning: background threads did not end within 3 s of the program's end (a checkpoint "
-                         "writer that cannot finish); leaving with status 2")
+    assert lines[-2].startswith(
+        "error: saving step 2 failed (RuntimeError: can't start new thread)"), lines
+    assert lines[-1] == (
+        "warning: background threads did not end within 3 s of the program's end (a checkpoint "
+        "writer that cannot finish); leaving with status 2")
 
 
 def test_what_a_killed_start_leaves_is_megajaxs_own(tmp_path):
@@ -63,7 +67,8 @@ def test_what_a_killed_start_leaves_is_megajaxs_own(tmp_path):
     foreign = tmp_path / "foreign"
     (foreign / "checkpoints").mkdir(parents=True)
     (foreign / "checkpoints" / "model.bin").write_bytes(b"")
-    with pytest.raises(UserError, match="is not a megajax workdir: it holds another program's files"):
+    with pytest.raises(UserError,
+                       match="is not a megajax workdir: it holds another program's files"):
         check_layout(foreign)
     p = run(*BASE, "--mesh", "1x8", "--steps", "2", "--workdir", str(half))
     assert "done: 2 steps" in p.stdout and (half / "checkpoints" / "2").is_dir()
@@ -82,18 +87,24 @@ def test_diverged_weights_are_set_aside_and_the_last_good_checkpoint_named(tmp_p
     bad = next(s for s in range(1, 11) if all(r["step"] != s for r in logged if "loss" in r))
     assert p.returncode == 2 and bad >= 3, p.stderr[-2000:]
     assert p.stderr.strip().endswith(
-        f"at step {bad}; stopped, nothing of step {bad} or later saved; checkpoint step {bad - 1}, the weights step "
-        f"{bad} started from, moved to {wd / 'diverged' / str(bad - 1)}; last good checkpoint: step {bad - 2} in "
+        f"at step {bad}; stopped, nothing of step {bad} or later saved; checkpoint step {bad - 1}, "
+        f"the weights step "
+        f"{bad} started from, moved to {wd / 'diverged' / str(bad - 1)}; last good checkpoint: "
+        f"step {bad - 2} in "
         f"{wd / 'checkpoints'}"), p.stderr[-2000:]
     assert max(int(d.name) for d in (wd / "checkpoints").iterdir()) == bad - 2
     assert (wd / "diverged" / str(bad - 1)).is_dir()
     text = tmp_path / "play.txt"
-    text.write_text((ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:3000], encoding="utf-8")
-    e = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--workdir", str(wd), "--task", "ppl", "--data",
-                        str(text), "--step", str(bad - 2)], capture_output=True, text=True, env=env(), cwd=ROOT,
-                       timeout=200)
+    text.write_text((ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:3000],
+                    encoding="utf-8")
+    e = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), "--workdir", str(wd), "--task", "ppl", "--data",
+                        str(text), "--step", str(bad - 2)], capture_output=True, text=True,
+                        env=env(), cwd=ROOT,
+        timeout=200)
     assert e.returncode == 2 and not (wd / "eval_ppl.json").exists(), e.stderr[-2000:]
-    assert e.stderr.startswith(f"error: checkpoint step {bad - 2} of {wd} gives ppl inf on this data")
+    assert e.stderr.startswith(
+        f"error: checkpoint step {bad - 2} of {wd} gives ppl inf on this data")
 
 
 def test_eval_checks_where_it_writes_before_it_starts(tmp_path, monkeypatch):
@@ -106,7 +117,8 @@ def test_eval_checks_where_it_writes_before_it_starts(tmp_path, monkeypatch):
     wd.mkdir()
     monkeypatch.setattr(eval_cli.os, "access", lambda path, mode: str(path) != str(wd))
     args = eval_cli.eval_parser().parse_args(["--workdir", str(wd), "--task", "sample"])
-    with pytest.raises(UserError, match=f"{wd} is not writable, and the result goes to {wd / 'eval_sample.json'}"):
+    with pytest.raises(
+        UserError, match=f"{wd} is not writable, and the result goes to {wd / 'eval_sample.json'}"):
         eval_cli.check_eval_args(args)
     args = eval_cli.eval_parser().parse_args(["--workdir", str(wd), "--task", "sample", "--out",
                                               str(tmp_path / "r.json")])
@@ -117,7 +129,8 @@ def test_a_byte_order_mark_opens_a_file_it_is_not_text(tmp_path):
     """Windows editors start UTF-8 files with U+FEFF. Before: a LAMBADA file's first line was
     "expected a JSON object", and a text corpus trained on the mark as text."""
     tok = make_tokenizer("bytes")
-    lines = [json.dumps({"text": "the cat sat on the mat"}), json.dumps({"text": "a dog ran far away"})]
+    lines = [json.dumps({"text": "the cat sat on the mat"}),
+             json.dumps({"text": "a dog ran far away"})]
     plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
     plain.write_text("\n".join(lines), encoding="utf-8")
     marked.write_text("\n".join(lines), encoding="utf-8-sig")
@@ -139,7 +152,8 @@ def test_non_finite_weights_are_not_imported(tmp_path):
     tensors[name] = tensors[name].copy()
     tensors[name].flat[7] = np.nan
     save_file(tensors, str(bad / "model.safetensors"))
-    with pytest.raises(UserError, match=f"tensor '.*{name.split('.', 1)[1]}' holds 1 non-finite value"):
+    with pytest.raises(UserError,
+                       match=f"tensor '.*{name.split('.', 1)[1]}' holds 1 non-finite value"):
         import_hf(bad, tmp_path / "w")
     assert not (tmp_path / "w").exists()
 
@@ -158,15 +172,18 @@ def test_an_exception_ending_one_of_orbaxs_threads_is_left_to_the_one_line(tmp_p
     inner = checkpoint._orbax_threads_reported(seen.append)
 
     def raised_in(filename: str):
-        code = compile("def write():\n    raise OSError(28, 'No space left on device')\n", filename, "exec")
+        code = compile("def write():\n    raise OSError(28, 'No space left on device')\n", filename,
+                       "exec")
         space = {}
         exec(code, space)
         try:
             space["write"]()
         except OSError as e:
-            return threading.ExceptHookArgs([type(e), e, e.__traceback__, threading.current_thread()])
+            return threading.ExceptHookArgs(
+                [type(e), e, e.__traceback__, threading.current_thread()])
 
-    inner(raised_in(f"{os.sep}site-packages{os.sep}orbax{os.sep}checkpoint{os.sep}async_checkpointer.py"))
+    inner(raised_in(
+        f"{os.sep}site-packages{os.sep}orbax{os.sep}checkpoint{os.sep}async_checkpointer.py"))
     assert seen == []
     inner(raised_in(f"{os.sep}site-packages{os.sep}mine{os.sep}writer.py"))
     assert len(seen) == 1 and isinstance(seen[0].exc_value, OSError)

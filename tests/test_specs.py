@@ -12,7 +12,8 @@ EXPECTED = {
     ("attention", "out", "kernel"): P("model", None), ("attention", "out", "bias"): P(None),
     ("mlp", "fc1", "kernel"): P(None, "model"), ("mlp", "fc1", "bias"): P("model"),
     ("mlp", "fc2", "kernel"): P("model", None), ("mlp", "fc2", "bias"): P(None),
-    ("ln1", "scale"): P(None), ("ln1", "bias"): P(None), ("ln2", "scale"): P(None), ("ln2", "bias"): P(None),
+    ("ln1", "scale"): P(None), ("ln1", "bias"): P(None), ("ln2", "scale"): P(None),
+    ("ln2", "bias"): P(None),
 }
 
 

@@ -24,7 +24,8 @@ def _reference(flat: np.ndarray, offset, shape, stride):
     elements than the storage holds (overlapping strides)."""
     if offset < 0 or min(shape, default=0) < 0 or min(stride, default=0) < 0:
         return None
-    if np.prod([max(n, 1) for n in shape], dtype=object) >= 2**62:   # more than any array holds, even empty
+    # more than any array holds, even empty
+    if np.prod([max(n, 1) for n in shape], dtype=object) >= 2**62:
         return None
     count = int(np.prod(shape, dtype=object)) if shape else 1
     if count == 0:
@@ -44,8 +45,10 @@ def _random_view(rng: random.Random, length: int):
     sizes = [0, 1, 2, 3, 5, 2**31, 2**62, -1]
     strides = [0, 1, 2, 3, 7, length, 2**40, 2**63, -1, -2]
     ndim = rng.randint(0, 3)
-    shape = tuple(rng.choice(sizes[:5]) if rng.random() < 0.8 else rng.choice(sizes) for _ in range(ndim))
-    stride = tuple(rng.choice(strides[:6]) if rng.random() < 0.8 else rng.choice(strides) for _ in range(ndim))
+    shape = tuple(rng.choice(sizes[:5]) if rng.random() < 0.8 else rng.choice(sizes)
+                  for _ in range(ndim))
+    stride = tuple(rng.choice(strides[:6]) if rng.random() < 0.8 else rng.choice(strides)
+                   for _ in range(ndim))
     offset = rng.choice([0, 1, rng.randrange(length + 3), length - 1, length, -1, -length, 2**62])
     return offset, shape, stride
 
@@ -72,7 +75,8 @@ def test_any_claimed_view_reads_what_indexing_reads_or_is_refused():
 @pytest.mark.parametrize("offset,shape,stride,message", [
     (-1, (4,), (1,), "negative offset, size or stride"),                 # the sweep's offset -1
     (100, (2**31, 2**31), (-1, -1), "negative offset, size or stride"),  # the sweep's SIGSEGV
-    (0, (2**40,), (0,), "elements over a storage"),                       # a small file claiming any size
+    # a small file claiming any size
+    (0, (2**40,), (0,), "elements over a storage"),
     (0, (0, 2**62), (1, 1), "claims an impossible size"),
     (0, (2, 2), (1,), "is not a view torch.save writes"),
     (0.5, (2,), (1,), "is not a view torch.save writes"),
@@ -97,7 +101,8 @@ def _tensors(value):
         yield from _tensors(vars(value))
 
 
-@pytest.mark.parametrize("fixture", FIXTURES, ids=lambda p: str(p.relative_to(ROOT / "tests/fixtures/megatron")))
+@pytest.mark.parametrize("fixture", FIXTURES,
+                         ids=lambda p: str(p.relative_to(ROOT / "tests/fixtures/megatron")))
 def test_truncated_or_damaged_files_are_read_or_refused_in_one_line(fixture, tmp_path):
     data = fixture.read_bytes()
     rng = random.Random(fixture.name)

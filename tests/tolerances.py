@@ -71,7 +71,8 @@ def assert_tree_close(want, got, tol: float = F32, what: str = "", norm_tol: flo
             assert np.linalg.norm(y - x) <= norm_tol * np.linalg.norm(x), name
 
 
-def adam_tolerance(grad: np.ndarray, grad_scale: float, lr: float, steps: int, tol: float = F32) -> np.ndarray:
+def adam_tolerance(grad: np.ndarray, grad_scale: float, lr: float, steps: int,
+                   tol: float = F32) -> np.ndarray:
     """Per-entry bound on parameters after `steps` Adam updates from gradients known within
     tol * grad_scale: each step moves an entry by lr * (relative error of its gradient), at
     most 2 lr. Entries with large gradients get tight bounds, vanishing ones lr-sized."""

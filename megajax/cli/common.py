@@ -18,7 +18,8 @@ from megajax.host.signals import STOP_SIGNALS
 from megajax.specs import split_kind
 
 
-MAX_HOST_DEVICES = 4096   # each simulated device holds host memory and threads: 100,000 exhausted 24 GiB
+# each simulated device holds host memory and threads: 100,000 exhausted 24 GiB
+MAX_HOST_DEVICES = 4096
 
 
 def set_host_devices(n: int | None):
@@ -51,7 +52,8 @@ def given(text: str) -> str:
 
 
 def spec_paths(text: str) -> tuple[str, list[str]]:
-    """A path argument's KIND: prefix, if any (`text:`, `bin:`, `hf:`), and its comma-separated paths."""
+    """A path argument's KIND: prefix, if any (`text:`, `bin:`, `hf:`), and its comma-separated
+    paths."""
     kind, paths = split_kind(text)
     return (f"{kind}:" if kind else ""), paths.split(",")
 
@@ -68,7 +70,8 @@ def lost_peer(e: Exception):
     if (count := process_count()) > 1:
         jax = sys.modules["jax"]
         exit_now(f"error: process {jax.process_index()} of {count}: {type(e).__name__}: "
-                 f"{first_line(e, 300)} (another process has probably died; completed checkpoints are intact)", 1)
+                 f"{first_line(e, 300)} (another process has probably died; completed checkpoints "
+                 f"are intact)", 1)
 
 
 def process_count() -> int:
@@ -82,9 +85,10 @@ def process_count() -> int:
 
 # What the machine's file systems, not megajax, make an OS call fail with: a full disk or quota,
 # a read-only, lost or unreadable file system, a path someone changed while the program ran.
-FILE_SYSTEM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES,
-                                errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
-                                errno.ESTALE})
+FILE_SYSTEM_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES,
+                                errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
+                                errno.ENAMETOOLONG, errno.ESTALE})
 
 
 def failed(e: Exception, memory_hint: str) -> int:
@@ -94,7 +98,8 @@ def failed(e: Exception, memory_hint: str) -> int:
     one line; anything else is a bug: raised."""
     device = isinstance(e, RuntimeError) and str(e).startswith("RESOURCE_EXHAUSTED")
     if device or isinstance(e, MemoryError):
-        status = fail(f"out of {'device' if device else 'host'} memory ({first_line(e, 200)}): {memory_hint}")
+        status = fail(
+            f"out of {'device' if device else 'host'} memory ({first_line(e, 200)}): {memory_hint}")
     elif (code := os_error_code(e)) in FILE_SYSTEM_ERRNOS:
         where = (f": {e.filename}" if getattr(e, "filename", None) else
                  "" if isinstance(e, OSError) else f" ({type(e).__name__}: {first_line(e, 160)})")
@@ -102,13 +107,15 @@ def failed(e: Exception, memory_hint: str) -> int:
     else:
         lost_peer(e)
         raise e
-    if process_count() > 1:   # as in lost_peer: the peers' shutdown barrier would wait for processes still stepping
+    # as in lost_peer: the peers' shutdown barrier would wait for processes still stepping
+    if process_count() > 1:
         sys.stderr.flush()
         os._exit(status)
     return status
 
 
-EXIT_GRACE_S = 30.0   # a program's interpreter shutdown takes well under a second when nothing is stuck
+# a program's interpreter shutdown takes well under a second when nothing is stuck
+EXIT_GRACE_S = 30.0
 
 
 def end(status: int):
@@ -119,8 +126,9 @@ def end(status: int):
     environment's MEGAJAX_EXIT_GRACE_S). A multi-process run is bounded by bound_shutdown."""
     if process_count() == 1:
         grace = float(os.environ.get("MEGAJAX_EXIT_GRACE_S", EXIT_GRACE_S))
-        line = (f"warning: background threads did not end within {grace:g} s of the program's end (a "
-                f"checkpoint writer that cannot finish); leaving with status {status}")
+        line = (
+            f"warning: background threads did not end within {grace:g} s of the program's end (a "
+            f"checkpoint writer that cannot finish); leaving with status {status}")
         timer = threading.Timer(grace, exit_now, (line, status))
         timer.daemon = True
         timer.start()
@@ -135,7 +143,8 @@ def bound_shutdown(status: int) -> int:
 
 
 def add_distributed_args(p):
-    g = p.add_argument_group("multi-process (jax.distributed; on SLURM/Open MPI/... detected automatically)")
+    g = p.add_argument_group(
+        "multi-process (jax.distributed; on SLURM/Open MPI/... detected automatically)")
     g.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
     g.add_argument("--num-processes", type=int)
     g.add_argument("--process-id", type=int)
@@ -154,9 +163,10 @@ def start_jax(args=None):
     import jax
 
     if jax.config.jax_disable_jit:
-        raise UserError("JAX_DISABLE_JIT is set: megajax compiles its steps ahead of time and cannot run them "
-                        "uncompiled; unset it (to step through a model eagerly, call it from Python under "
-                        "jax.disable_jit())")
+        raise UserError(
+            "JAX_DISABLE_JIT is set: megajax compiles its steps ahead of time and cannot run them "
+            "uncompiled; unset it (to step through a model eagerly, call it from Python under "
+            "jax.disable_jit())")
     # The programs compute in the dtypes their configs name; JAX_ENABLE_X64 (from a notebook's or
     # a cluster's environment) would move some host-side means to float64 and change last digits.
     jax.config.update("jax_enable_x64", False)
@@ -165,9 +175,11 @@ def start_jax(args=None):
     except (RuntimeError, AssertionError) as e:
         asked = os.environ.get("JAX_PLATFORMS", "").strip()
         why = first_line(e, 300) if str(e).strip() else f"this jax has no {asked or 'such'} backend"
-        raise UserError(f"jax could not start its backend{f' (JAX_PLATFORMS={asked})' if asked else ''}: {why}. "
-                        "Install the jax built for this machine (NVIDIA GPUs: the jax[cuda] extra), "
-                        "or unset JAX_PLATFORMS to use what it has") from None
+        raise UserError(
+            f"jax could not start its backend{f' (JAX_PLATFORMS={asked})' if asked else ''}: "
+            f"{why}. "
+            "Install the jax built for this machine (NVIDIA GPUs: the jax[cuda] extra), "
+            "or unset JAX_PLATFORMS to use what it has") from None
 
 
 class Stopped(BaseException):   # not an Exception: nothing on the way may swallow it
@@ -175,8 +187,8 @@ class Stopped(BaseException):   # not an Exception: nothing on the way may swall
 
 
 def stop_with_a_line(message: str):
-    """A tool's stop signals (SIGTERM, SIGINT, SIGHUP, a scheduler's warnings: host/signals.py) raise
-    Stopped("SIGNAL: message"), which its main prints as one line (`stopped`) instead of a
+    """A tool's stop signals (SIGTERM, SIGINT, SIGHUP, a scheduler's warnings: host/signals.py)
+    raise Stopped("SIGNAL: message"), which its main prints as one line (`stopped`) instead of a
     traceback; what it writes is atomic, so nothing is half done."""
     def handler(signum, frame):
         raise Stopped(f"{signal.Signals(signum).name}: {message}", signum)
@@ -192,7 +204,8 @@ def exit_on_signal(message, status=lambda signum: 128 + signum):
     or a function of the signal's name that returns the line (and may clean up first)."""
     def handler(signum, frame):
         name = signal.Signals(signum).name
-        exit_now(message(name) if callable(message) else message.format(signal=name), status(signum))
+        exit_now(message(name) if callable(message) else message.format(signal=name),
+                 status(signum))
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
 
@@ -205,16 +218,18 @@ def stopped(e: "Stopped") -> int:
 def stop_during_startup(signum, frame):
     """train.py's handler until train() takes the signals over (megajax/host/signals.py):
     nothing is written before training starts, so leave at once (see exit_on_signal)."""
-    exit_now(f"error: {signal.Signals(signum).name} during start-up: stopped before training any step", 2)
+    exit_now(
+        f"error: {signal.Signals(signum).name} during start-up: stopped before training any step",
+        2)
 
 
 def guard_stdout(on_close=None, to_stderr: bool = False):
     """A reader that goes away (`train.py | head`, `megajax-plan | less` quit early) closes the
     pipe under stdout (or stderr: `2>&1 | head`), and the next write anywhere raises
-    BrokenPipeError; a closed terminal (SSH gone) makes it raise EIO. From then on stdout goes to stderr (`to_stderr`: a run's last lines, where
-    it says it stopped and saved) or, as stderr does, to /dev/null (Python's own recipe: then
-    not even the flush at exit fails), and `on_close` is called once (train.py: stop as on
-    SIGTERM, saving a checkpoint)."""
+    BrokenPipeError; a closed terminal (SSH gone) makes it raise EIO. From then on stdout goes to
+    stderr (`to_stderr`: a run's last lines, where it says it stopped and saved) or, as stderr
+    does, to /dev/null (Python's own recipe: then not even the flush at exit fails), and `on_close`
+    is called once (train.py: stop as on SIGTERM, saving a checkpoint)."""
     open_standard_streams()
     for stream in (sys.stdout, sys.stderr):
         # A terminal or PYTHONIOENCODING that cannot encode a character (a sample's U+FFFD, a
@@ -249,7 +264,8 @@ class _PipeGuard:
 
     def _reader_gone(self, e: OSError):
         if e.errno not in (errno.EPIPE, errno.EIO):   # a closed pipe; a closed terminal (EIO)
-            raise OSError(e.errno, e.strerror, self._name) from e   # a full disk: failed() names what it could not write
+            # a full disk: failed() names what it could not write
+            raise OSError(e.errno, e.strerror, self._name) from e
         target = self._targets.pop(0)
         fd = sys.stderr.fileno() if target == "stderr" else os.open(os.devnull, os.O_WRONLY)
         os.dup2(fd, self._stream.fileno())

@@ -11,30 +11,44 @@ from megajax.files import abandon_staged
 
 def convert_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="megajax-convert", description="Convert between Hugging Face model directories (GPT2LMHeadModel, "
-                                            "BertForPreTraining, MegatronBertForPreTraining) and megajax workdirs, "
+        prog="megajax-convert",
+        description="Convert between Hugging Face model directories (GPT2LMHeadModel, "
+                                            "BertForPreTraining, MegatronBertForPreTraining) and "
+                                            "megajax workdirs, "
                                             "and import Megatron-LM's own GPT checkpoints.",
         epilog="examples:\n  megajax-convert import --hf ~/models/gpt2 --workdir runs/gpt2\n"
-               "  megajax-convert import --megatron checkpoints/gpt2_345m --tokenizer tiktoken:gpt2 --workdir runs/345m\n"
+               "  megajax-convert import --megatron checkpoints/gpt2_345m --tokenizer "
+               "tiktoken:gpt2 --workdir runs/345m\n"
                "  python eval.py --workdir runs/gpt2 --task wikitext --mesh model=2\n"
                "  megajax-convert export --workdir runs/bert --out exported/bert",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="direction", required=True)
-    imp = sub.add_parser("import", help="an HF directory (config.json, model.safetensors, tokenizer), or a "
+    imp = sub.add_parser("import",
+                         help="an HF directory (config.json, model.safetensors, tokenizer), or a "
                                         "Megatron-LM GPT checkpoint with --tokenizer -> a workdir")
     source = imp.add_mutually_exclusive_group(required=True)
-    source.add_argument("--hf", type=given, metavar="DIR", help="a local Hugging Face model directory")
-    source.add_argument("--megatron", type=given, metavar="DIR", help="a Megatron-LM checkpoint directory (its "
-                        "latest_checkpointed_iteration.txt, or one iter_N/release directory), torch format")
-    imp.add_argument("--tokenizer", help="--megatron: the tokenizer it was trained with (tiktoken:gpt2, hf:PATH, "
-                                         "wordpiece:PATH/vocab.txt, bytes); a checkpoint records none")
-    imp.add_argument("--workdir", type=given, required=True, help="the new megajax workdir (must not exist, or be empty)")
+    source.add_argument("--hf", type=given, metavar="DIR",
+                        help="a local Hugging Face model directory")
+    source.add_argument("--megatron", type=given, metavar="DIR",
+                        help="a Megatron-LM checkpoint directory (its "
+                        "latest_checkpointed_iteration.txt, or one iter_N/release directory), "
+                        "torch format")
+    imp.add_argument("--tokenizer",
+                     help="--megatron: the tokenizer it was trained with (tiktoken:gpt2, hf:PATH, "
+                                         "wordpiece:PATH/vocab.txt, bytes); a checkpoint records "
+                                         "none")
+    imp.add_argument("--workdir", type=given, required=True,
+                     help="the new megajax workdir (must not exist, or be empty)")
     imp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="a field HF does not decide, e.g. model.vocab_multiple=128 or model.scan_layers=false")
-    exp = sub.add_parser("export", help="a workdir's checkpoint -> an HF directory that from_pretrained loads")
+                     help="a field HF does not decide, e.g. model.vocab_multiple=128 or "
+                          "model.scan_layers=false")
+    exp = sub.add_parser(
+        "export", help="a workdir's checkpoint -> an HF directory that from_pretrained loads")
     exp.add_argument("--workdir", type=given, required=True)
-    exp.add_argument("--out", type=given, required=True, metavar="DIR", help="the new HF directory (must not exist, or be empty)")
-    exp.add_argument("--step", type=int, help="the checkpoint to export (default: the newest that reads back)")
+    exp.add_argument("--out", type=given, required=True, metavar="DIR",
+                     help="the new HF directory (must not exist, or be empty)")
+    exp.add_argument("--step", type=int,
+                     help="the checkpoint to export (default: the newest that reads back)")
     return p
 
 
@@ -49,7 +63,8 @@ def convert_main(argv=None) -> int:
         start_jax()
         if args.direction == "import":
             cfg = _import(args)
-            print(f"imported {args.hf or args.megatron} into {args.workdir}: {cfg.model.describe()}")
+            print(
+                f"imported {args.hf or args.megatron} into {args.workdir}: {cfg.model.describe()}")
         else:
             for line in export_hf(args.workdir, args.out, args.step):
                 print(line)
@@ -66,11 +81,14 @@ def _import(args):
 
     if args.hf:
         if args.tokenizer:
-            raise UserError("--tokenizer is for --megatron: a Hugging Face directory brings its own")
+            raise UserError(
+                "--tokenizer is for --megatron: a Hugging Face directory brings its own")
         return import_hf(args.hf, args.workdir, args.set)
     if not args.tokenizer:
-        raise UserError("--megatron needs --tokenizer: a Megatron-LM checkpoint records no tokenizer (tiktoken:gpt2 "
-                        "for GPT2BPETokenizer, wordpiece:PATH/vocab.txt for BertWordPieceLowerCase)")
+        raise UserError(
+            "--megatron needs --tokenizer: a Megatron-LM checkpoint records no tokenizer "
+            "(tiktoken:gpt2 "
+            "for GPT2BPETokenizer, wordpiece:PATH/vocab.txt for BertWordPieceLowerCase)")
     return import_megatron(args.megatron, args.workdir, args.tokenizer, args.set)
 
 
@@ -79,4 +97,6 @@ def _stopped_line(signal_name: str) -> str:
     written = abandon_staged()
     if written:
         return f"stopped by {signal_name} after {written[0]} was written whole"
-    return f"stopped by {signal_name}: nothing was written (the output appears in one rename, or not at all)"
+    return (
+        f"stopped by {signal_name}: nothing was written (the output appears in one rename, or not "
+        f"at all)")

@@ -9,7 +9,8 @@ import os
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, exit_on_signal, fail, failed, given,
+from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, exit_on_signal, fail,
+                                failed, given,
                                 guard_stdout, set_host_devices, spec_paths, start_jax)
 from megajax.errors import UserError
 from megajax.files import write_atomic
@@ -20,28 +21,39 @@ TASK_CHOICES = ["ppl", "wikitext", "lambada", "sample", "mlm", "race", "mnli", "
 
 def eval_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="eval.py", description="Evaluate or sample a train.py workdir (GPT or BERT) on any mesh.",
+        prog="eval.py",
+        description="Evaluate or sample a train.py workdir (GPT or BERT) on any mesh.",
         epilog="examples:\n"
                "  python eval.py --workdir runs/default --task ppl --data text:notes.txt\n"
-               "  python eval.py --workdir runs/gpt --task wikitext --data data/wikitext-2/test.txt\n"
+               "  python eval.py --workdir runs/gpt --task wikitext --data "
+               "data/wikitext-2/test.txt\n"
                "  python eval.py --workdir runs/gpt --task lambada --data lambada_test.jsonl\n"
-               "  python eval.py --workdir runs/default --task sample --prompt 'def main(' --host-devices 8 --mesh 2x4\n"
+               "  python eval.py --workdir runs/default --task sample --prompt 'def main(' "
+               "--host-devices 8 --mesh 2x4\n"
                "  python eval.py --workdir runs/bert_race --task race --data RACE",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", type=given, required=True)
     p.add_argument("--task", required=True, choices=TASK_CHOICES)
-    p.add_argument("--data", type=given, help="ppl: text:PATH | bin:PATH | megatron:PREFIX | PATH; wikitext: the .txt file; lambada: the .jsonl file; "
-                                   "mlm: text:PATH | PATH | builtin | megatron:PREFIX; race/mnli/qqp: the task's directory")
-    p.add_argument("--split", help="race: dev | test (default test); mnli: dev_matched | dev_mismatched; qqp: dev")
+    p.add_argument("--data",
+                   type=given,
+                   help="ppl: text:PATH | bin:PATH | megatron:PREFIX | PATH; wikitext: the .txt "
+                        "file; lambada: the .jsonl file; "
+                                   "mlm: text:PATH | PATH | builtin | megatron:PREFIX; "
+                                   "race/mnli/qqp: the task's directory")
+    p.add_argument("--split",
+                   help="race: dev | test (default test); mnli: dev_matched | dev_mismatched; qqp: "
+                        "dev")
     p.add_argument("--mesh", default="auto")
     p.add_argument("--host-devices", type=int)
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", type=given, help="JSON result file (default: WORKDIR/eval_TASK.json)")
-    p.add_argument("--stride", type=int, help="ppl, wikitext: overlapping-window stride (default 32, the paper's)")
+    p.add_argument("--stride", type=int,
+                   help="ppl, wikitext: overlapping-window stride (default 32, the paper's)")
     p.add_argument("--batch-size", type=int, help="rows a step (default 8)")
     p.add_argument("--prompt", help="sample: the text to continue")
     p.add_argument("--max-new-tokens", type=int,
-                   help="sample (default 200): streamed as generated, any number; Ctrl-C stops it, writing no result")
+                   help="sample (default 200): streamed as generated, any number; Ctrl-C stops it, "
+                        "writing no result")
     p.add_argument("--temperature", type=float, help="sample (default 0.8; 0 is greedy)")
     p.add_argument("--top-k", type=int, help="sample (default 40; 0 is no limit)")
     p.add_argument("--seed", type=int, help="sample (default 0)")
@@ -52,9 +64,12 @@ def eval_parser() -> argparse.ArgumentParser:
 READS_DATA = tuple(task for task in TASK_CHOICES if task != "sample")
 # An argument only some tasks read -> (those tasks, its default). Given to another task it is
 # refused (before: silently unused, e.g. --task wikitext --split dev scored the whole file).
-TASK_ARGS = {"data": (READS_DATA, None), "split": (("race", "mnli", "qqp"), None), "batch_size": (READS_DATA, 8),
-             "stride": (("ppl", "wikitext"), 32), "prompt": (("sample",), ""), "max_new_tokens": (("sample",), 200),
-             "temperature": (("sample",), 0.8), "top_k": (("sample",), 40), "seed": (("sample",), 0)}
+TASK_ARGS = {"data": (READS_DATA, None), "split": (("race", "mnli", "qqp"), None),
+             "batch_size": (READS_DATA, 8),
+             "stride": (("ppl", "wikitext"), 32), "prompt": (("sample",), ""),
+             "max_new_tokens": (("sample",), 200),
+             "temperature": (("sample",), 0.8), "top_k": (("sample",), 40),
+             "seed": (("sample",), 0)}
 
 
 def check_eval_args(args):
@@ -79,12 +94,15 @@ def check_eval_args(args):
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     out = Path(args.out) if args.out else None
     if out is not None and not (out.parent.is_dir() and os.access(out.parent, os.W_OK | os.X_OK)):
-        raise UserError(f"--out {out}: the directory {out.parent} does not exist or is not writable")
+        raise UserError(
+            f"--out {out}: the directory {out.parent} does not exist or is not writable")
     workdir = Path(args.workdir)
-    result = out or workdir / f"eval_{args.task}.json"     # where the result goes: checked before anything runs
+    # where the result goes: checked before anything runs
+    result = out or workdir / f"eval_{args.task}.json"
     if out is None and workdir.is_dir() and not os.access(workdir, os.W_OK | os.X_OK):
-        raise UserError(f"{workdir} is not writable, and the result goes to {result} by default: give --out "
-                        f"elsewhere")
+        raise UserError(
+            f"{workdir} is not writable, and the result goes to {result} by default: give --out "
+            f"elsewhere")
     if out is not None and out.is_dir():
         raise UserError(f"--out {out} is a directory: give the JSON file's path")
     _refuse_replacing_data(result, args.data)
@@ -99,19 +117,22 @@ def _refuse_replacing_data(out: Path, data: str | None):
         return
     kind, paths = spec_paths(data)
     if kind == "megatron:":      # PREFIX names PREFIX.bin and PREFIX.idx
-        paths = [f"{p.removesuffix('.bin').removesuffix('.idx')}{end}" for p in paths for end in (".bin", ".idx")]
+        paths = [f"{p.removesuffix('.bin').removesuffix('.idx')}{end}" for p in paths
+                 for end in (".bin", ".idx")]
     for path in map(Path, filter(None, paths)):
         if not path.exists():
             continue
         if out.samefile(path) or (path.is_dir() and path.resolve() in out.resolve().parents):
-            raise UserError(f"--out {out} would replace the data it evaluates ({path}): give another file")
+            raise UserError(
+                f"--out {out} would replace the data it evaluates ({path}): give another file")
 
 
 def eval_main(argv=None) -> int:
     guard_stdout()
     args = eval_parser().parse_args(argv)
     set_host_devices(args.host_devices)
-    exit_on_signal("stopped by {signal}: no result was written")   # it appears whole at the end, or not at all
+    # it appears whole at the end, or not at all
+    exit_on_signal("stopped by {signal}: no result was written")
     return bound_shutdown(_evaluate(args))
 
 

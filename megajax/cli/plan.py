@@ -10,21 +10,29 @@ from megajax.errors import UserError
 
 def plan_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="megajax-plan", description="Predict memory, step time, MFU and scaling for every way to run a "
-                                         "config on N devices, the fastest plan that fits first. Nothing is compiled.",
+        prog="megajax-plan",
+        description="Predict memory, step time, MFU and scaling for every way to run a "
+                                         "config on N devices, the fastest plan that fits first. "
+                                         "Nothing is compiled.",
         epilog="examples:\n  megajax-plan --config gpt2_8.3b --devices 512 --hardware v100-dgx2h\n"
                "  megajax-plan --config gpt2_1.2b --devices 8 --hardware h200 --json\n"
-               "  megajax-plan --config gpt2_8.3b --devices 64 --hardware my_gpus.toml:my-gpu --baseline gpt2_1.2b",
+               "  megajax-plan --config gpt2_8.3b --devices 64 --hardware my_gpus.toml:my-gpu "
+               "--baseline gpt2_1.2b",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=given, default="default", help="a name from configs/ or a path to a .toml/.json")
+    p.add_argument("--config", type=given, default="default",
+                   help="a name from configs/ or a path to a .toml/.json")
     p.add_argument("--devices", type=int, required=True, help="how many GPUs")
     p.add_argument("--hardware", default="h100-80g",
-                   help="v100-dgx2h | a100-80g | h100-80g | h200 | t4, or FILE.toml[:NAME] (default: h100-80g)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    p.add_argument("--baseline", help="the config whose one-device run scaling efficiency is measured against "
+                   help="v100-dgx2h | a100-80g | h100-80g | h200 | t4, or FILE.toml[:NAME] "
+                        "(default: h100-80g)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field")
+    p.add_argument("--baseline",
+                   help="the config whose one-device run scaling efficiency is measured against "
                                       "(default: this config)")
     p.add_argument("--schemes", default="plain,zero,fsdp",
-                   help="data-parallel schemes to consider: plain, zero (ZeRO-1), fsdp (default: all three)")
+                   help="data-parallel schemes to consider: plain, zero (ZeRO-1), fsdp (default: "
+                        "all three)")
     p.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
     p.add_argument("--json", action="store_true", help='print {"plans": [...]}, best first')
     return p

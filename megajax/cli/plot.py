@@ -1,4 +1,5 @@
-"""megajax-plot / python -m megajax.cli.plot WORKDIR: redraw a run's loss curve from its metrics.jsonl."""
+"""megajax-plot / python -m megajax.cli.plot WORKDIR: redraw a run's loss curve from its
+metrics.jsonl."""
 from __future__ import annotations
 
 import sys
@@ -12,10 +13,12 @@ def plot_main(argv=None) -> int:
     guard_stdout()
     p = Parser(prog="megajax-plot", description="Draw WORKDIR/loss.png from metrics.jsonl")
     p.add_argument("workdir", type=given)
-    p.add_argument("--out", type=given, help="the picture (default WORKDIR/loss.png); its suffix picks the format: "
+    p.add_argument("--out", type=given,
+                   help="the picture (default WORKDIR/loss.png); its suffix picks the format: "
                    ".png, .pdf, .svg, .jpg, ...")
     args = p.parse_args(argv)
-    from megajax.runs.metrics import plot_workdir   # imports jax: after the arguments, as everywhere
+    # imports jax: after the arguments, as everywhere
+    from megajax.runs.metrics import plot_workdir
     from megajax.runs.workdir import refuse_run_file
 
     try:
@@ -30,7 +33,8 @@ def plot_main(argv=None) -> int:
 
 
 def plot_command() -> int:
-    """megajax-plot: a signal ends it in one line; the picture appears whole (os.replace) or not at all."""
+    """megajax-plot: a signal ends it in one line; the picture appears whole (os.replace) or not at
+    all."""
     exit_on_signal("stopped by {signal}: the picture is written whole or not at all")
     return plot_main()
 

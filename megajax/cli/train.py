@@ -5,8 +5,8 @@ import argparse
 import signal
 from pathlib import Path
 
-from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, fail, failed, given, guard_stdout,
-                                set_host_devices, start_jax, stop_during_startup)
+from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, fail, failed, given,
+                                guard_stdout, set_host_devices, start_jax, stop_during_startup)
 from megajax.config import load_config
 from megajax.errors import UserError
 from megajax.host.signals import STOP_SIGNALS, StopRequested, stdout_closed
@@ -16,39 +16,56 @@ def train_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="train.py", description="Train a tensor-parallel GPT or BERT with megajax.",
         epilog="examples:\n  python train.py\n  python train.py --host-devices 8 --mesh 2x4\n"
-               "  python train.py --config shakespeare_char --mesh model=2 --workdir runs/shakespeare\n"
+               "  python train.py --config shakespeare_char --mesh model=2 --workdir "
+               "runs/shakespeare\n"
                "  python train.py --config gpt2_8.3b --mesh model=8 --host-devices 8 --dry-run\n"
                "  python train.py --config bert_small --workdir runs/bert\n"
-               "  python train.py --config finetune_race --init-from runs/bert --data RACE --workdir runs/bert_race",
+               "  python train.py --config finetune_race --init-from runs/bert --data RACE "
+               "--workdir runs/bert_race",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=given, default="default", help="a name from configs/ or a path to a .toml/.json (default: default)")
-    p.add_argument("--mesh", default="auto", help="data=2,model=4 | 2x4 | model=8 | auto (all devices on data)")
+    p.add_argument("--config", type=given, default="default",
+                   help="a name from configs/ or a path to a .toml/.json (default: default)")
+    p.add_argument("--mesh", default="auto",
+                   help="data=2,model=4 | 2x4 | model=8 | auto (all devices on data)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set model.num_layers=4 --set train.lr=3e-4")
-    p.add_argument("--data", type=given, help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | bin:DIR | megatron:PREFIX | tfds:NAME[/CONFIG]")
-    p.add_argument("--tokenizer", type=given, help="bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME")
-    p.add_argument("--workdir", type=given, help="where checkpoints, metrics and the config go (default: runs/CONFIG)")
-    p.add_argument("--init-from", type=given, metavar="DIR", help="start from this workdir's weights (BERT fine-tuning: its encoder; "
-                                                          "a GPT: all of them; e.g. one made by megajax-convert import)")
+                   help="override a config field, e.g. --set model.num_layers=4 --set "
+                        "train.lr=3e-4")
+    p.add_argument("--data",
+                   type=given,
+                   help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | bin:DIR | megatron:PREFIX | "
+                        "tfds:NAME[/CONFIG]")
+    p.add_argument("--tokenizer", type=given,
+                   help="bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME")
+    p.add_argument("--workdir", type=given,
+                   help="where checkpoints, metrics and the config go (default: runs/CONFIG)")
+    p.add_argument("--init-from", type=given, metavar="DIR",
+                   help="start from this workdir's weights (BERT fine-tuning: its encoder; "
+                                                          "a GPT: all of them; e.g. one made by "
+                                                          "megajax-convert import)")
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     p.add_argument("--host-devices", type=int, help="simulate N devices on the CPU")
     p.add_argument("--log-every", type=int)
     p.add_argument("--eval-every", type=int)
     p.add_argument("--save-every", type=int)
-    p.add_argument("--sample-tokens", type=int, help="GPT: tokens to generate at the end (default 200; 0: none)")
+    p.add_argument("--sample-tokens", type=int,
+                   help="GPT: tokens to generate at the end (default 200; 0: none)")
     p.add_argument("--dry-run", action="store_true",
-                   help="compile abstractly; print sizes, per-device memory and the collective audit")
+                   help="compile abstractly; print sizes, per-device memory and the collective "
+                        "audit")
     p.add_argument("--costs", action="store_true",
-                   help="with --dry-run: compile variants of the step too, for activation bytes per sequence and "
-                        "per layer (compiled and modelled) and the step's FLOPs with recomputation's share")
+                   help="with --dry-run: compile variants of the step too, for activation bytes "
+                        "per sequence and "
+                        "per layer (compiled and modelled) and the step's FLOPs with "
+                        "recomputation's share")
     add_distributed_args(p)
     return p
 
 
 # Flags that are shorthands for config keys.
-FLAG_KEYS = (("steps", "train.steps"), ("log_every", "train.log_every"), ("eval_every", "train.eval_every"),
-             ("save_every", "train.save_every"), ("data", "data.source"), ("tokenizer", "data.tokenizer"),
-             ("init_from", "train.init_from"))
+FLAG_KEYS = (("steps", "train.steps"), ("log_every", "train.log_every"),
+             ("eval_every", "train.eval_every"),
+             ("save_every", "train.save_every"), ("data", "data.source"),
+             ("tokenizer", "data.tokenizer"), ("init_from", "train.init_from"))
 
 
 def train_main(argv=None) -> int:
@@ -99,11 +116,14 @@ def _train_main(args) -> int:
         elif args.costs:
             raise UserError("--costs goes with --dry-run")
         else:
-            train(cfg, mesh, workdir, sample_tokens=_sample_tokens(args.sample_tokens, cfg))   # handles the signals itself
+            # handles the signals itself
+            train(cfg, mesh, workdir, sample_tokens=_sample_tokens(args.sample_tokens, cfg))
     except UserError as e:
         return fail(str(e))
     except Exception as e:  # noqa: BLE001
-        return failed(e, "lower train.batch_size or model.seq_len, raise train.microbatches, set model.remat, or use "
+        return failed(e,
+                      "lower train.batch_size or model.seq_len, raise train.microbatches, set "
+                      "model.remat, or use "
                          "a larger model axis (checkpoints already saved are intact)")
     return 0
 
@@ -114,6 +134,7 @@ def _sample_tokens(given: int | None, cfg) -> int:
     from megajax.tasks import task_for
 
     if given and not task_for(cfg).sample_after_training:
-        raise UserError(f"--sample-tokens is for a GPT run, which ends with a sample; this run trains a "
-                        f"{cfg.model.kind} ({cfg.model.task}), which writes none")
+        raise UserError(
+            f"--sample-tokens is for a GPT run, which ends with a sample; this run trains a "
+            f"{cfg.model.kind} ({cfg.model.task}), which writes none")
     return 200 if given is None else given

@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 
 import jax
-import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: safetensors reads bf16 weights through it)
+# Registers bfloat16 with NumPy: safetensors reads bf16 weights through it.
+import ml_dtypes  # noqa: F401
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
@@ -40,8 +41,8 @@ WEIGHTS = "model.safetensors"
 TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 INDEX = "model.safetensors.index.json"
 # Model fields the HF config decides: a --set of one of them would contradict the weights.
-FROM_HF = ("kind", "task", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len", "vocab_size",
-           "ln_placement", "ln_eps", "gelu", *ARCHITECTURE)
+FROM_HF = ("kind", "task", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len",
+           "vocab_size", "ln_placement", "ln_eps", "gelu", *ARCHITECTURE)
 
 
 def _read_json(path: Path) -> dict:
@@ -61,9 +62,10 @@ def read_tensors(hf_dir: Path) -> dict:
     elif (hf_dir / WEIGHTS).is_file():
         files = [WEIGHTS]
     elif any((hf_dir / n).is_file() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        raise UserError(f"{hf_dir} has PyTorch weights (pytorch_model.bin) but no {WEIGHTS}: convert them once "
-                        f"where transformers is installed: AutoModelForPreTraining.from_pretrained(DIR)"
-                        f".save_pretrained(DIR, safe_serialization=True)")
+        raise UserError(
+            f"{hf_dir} has PyTorch weights (pytorch_model.bin) but no {WEIGHTS}: convert them once "
+            f"where transformers is installed: AutoModelForPreTraining.from_pretrained(DIR)"
+            f".save_pretrained(DIR, safe_serialization=True)")
     else:
         raise UserError(f"no {WEIGHTS} in {hf_dir}")
     tensors = {}
@@ -84,7 +86,8 @@ def hf_run_config(hf_dir: Path, overrides: list[str] | None = None) -> tuple[str
     # Rotary positions leave the training length free: --set model.seq_len=N picks it.
     rotary = hf_config.ARCHITECTURES[hf_config.architecture(hf)][0] in hf_decoders.MODEL_TYPES
     base = import_base(overrides, str(hf_dir / "config.json"), free=("seq_len",) if rotary else ())
-    seq_len_given = any(item.split("=", 1)[0].strip() == "model.seq_len" for item in overrides or [])
+    seq_len_given = any(item.split("=", 1)[0].strip() == "model.seq_len" for item in overrides
+                        or [])
     model_type, model = hf_config.model_config(hf, base.model, seq_len_given)
     cfg = dataclasses.replace(base, model=model, name=hf_dir.resolve().name)
     return model_type, cfg.validate()
@@ -95,7 +98,8 @@ def import_base(overrides: list[str] | None, source: str, free: tuple[str, ...] 
     model fields it leaves open)."""
     for item in overrides or []:
         key = item.split("=", 1)[0].strip()
-        if key.startswith("model.") and key.removeprefix("model.") in FROM_HF and key.removeprefix("model.") not in free:
+        if key.startswith("model.") and key.removeprefix("model.") in FROM_HF and key.removeprefix(
+            "model.") not in free:
             raise ConfigError(f"{key} comes from {source} and cannot be set on import")
     return apply_overrides(Config(), overrides)
 
@@ -110,11 +114,13 @@ def import_hf(hf_dir, workdir, overrides: list[str] | None = None) -> Config:
     with staged_directory(workdir, "--workdir") as tmp:
         tokenizer = read_tokenizer(hf_dir, tmp)
         if tokenizer.vocab_size > cfg.model.vocab_size:
-            raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
-                            f"{cfg.model.vocab_size} rows")
+            raise UserError(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
+                f"{cfg.model.vocab_size} rows")
         tokenizer.save(tmp)
         copy_tokenizer_extras(hf_dir, tmp, tokenizer)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=workdir_spec(tokenizer, workdir)))
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, tokenizer=workdir_spec(tokenizer, workdir)))
         cfg.save(tmp / CONFIG_FILE)
         save_step0(tmp, cfg, params, source=str(hf_dir))
     return cfg
@@ -152,7 +158,8 @@ def save_step0(workdir: Path, cfg: Config, params: dict, source: str):
         params = jax.tree.map(jax.numpy.asarray, params)
         opt_state = make_optimizer(cfg).init(params)
         ckpts = Checkpoints(workdir, async_save=False)
-        failure = ckpts.save(0, params, opt_state, {"step": 0, "config": cfg.name, "imported_from": source})
+        failure = ckpts.save(0, params, opt_state,
+                             {"step": 0, "config": cfg.name, "imported_from": source})
         ckpts.close()
     if failure is not None:
         raise UserError(f"could not write the checkpoint: {failure[1]}")
@@ -176,4 +183,5 @@ def export_hf(workdir, out_dir, step: int | None = None) -> list[str]:
         if (note := write_tokenizer(loaded.tokenizer, tmp)) is not None:
             notes.append(note)
         copy_tokenizer_extras(Path(workdir), tmp, loaded.tokenizer)
-    return [f"step {loaded.step} of {workdir} written to {out_dir} as {config['architectures'][0]}", *notes]
+    return [f"step {loaded.step} of {workdir} written to {out_dir} as {config['architectures'][0]}",
+            *notes]

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from megajax.errors import UserError
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2"}
 MODEL_TYPES = set(ARCHITECTURES.values())
-WORDS = ("norm", "positions", "rope_scaling", "mlp", "bias", "tie_embeddings")   # string / bool fields
-DEFAULT_SEQ_LEN = 4096   # the training length an import starts with (--set model.seq_len=N changes it)
+# string / bool fields
+WORDS = ("norm", "positions", "rope_scaling", "mlp", "bias", "tie_embeddings")
+# the training length an import starts with (--set model.seq_len=N changes it)
+DEFAULT_SEQ_LEN = 4096
 
 
 def _rope(hf: dict) -> dict:
@@ -51,9 +54,10 @@ def _window(model_type: str, hf: dict, seq_len: int | None) -> int | None:
     if not (model_type == "mistral" or hf.get("use_sliding_window", False)) or window is None:
         return None
     if seq_len is not None and seq_len > window:
-        raise UserError(f"model.seq_len = {seq_len} is longer than config.json's sliding_window = {window}: "
-                        f"sliding-window attention, which megajax does not implement (up to the window it is "
-                        f"full attention)")
+        raise UserError(
+            f"model.seq_len = {seq_len} is longer than config.json's sliding_window = {window}: "
+            f"sliding-window attention, which megajax does not implement (up to the window it is "
+            f"full attention)")
     return int(window)
 
 
@@ -61,11 +65,13 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
     """ModelConfig fields for a Llama-family config.json (`seq_len`: the training length asked
     for, or None for the default)."""
     if hf.get("hidden_act", "silu") != "silu":
-        raise UserError(f"config.json has hidden_act = {hf['hidden_act']!r}: megajax's SwiGLU uses silu")
+        raise UserError(
+            f"config.json has hidden_act = {hf['hidden_act']!r}: megajax's SwiGLU uses silu")
     for option in ("attention_bias", "mlp_bias"):
         if model_type == "llama" and hf.get(option):
-            raise UserError(f"config.json has {option} = true: biases on Llama's output projection or MLP, "
-                            f"which megajax's bias patterns (all, none, qkv) do not include")
+            raise UserError(
+                f"config.json has {option} = true: biases on Llama's output projection or MLP, "
+                f"which megajax's bias patterns (all, none, qkv) do not include")
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     context = hf["max_position_embeddings"]
     if (window := _window(model_type, hf, seq_len)) is not None:
@@ -75,8 +81,10 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
                 num_kv_heads=hf.get("num_key_value_heads") or heads,
                 kv_channels=0 if head_dim * heads == hidden else head_dim,
                 ffn_hidden=hf["intermediate_size"], max_positions=context,
-                seq_len=seq_len or min(context, DEFAULT_SEQ_LEN), ln_eps=hf.get("rms_norm_eps", 1e-6),
-                norm="rmsnorm", positions="rope", mlp="swiglu", bias="qkv" if model_type == "qwen2" else "none",
+                seq_len=seq_len or min(context, DEFAULT_SEQ_LEN),
+                ln_eps=hf.get("rms_norm_eps", 1e-6),
+                norm="rmsnorm", positions="rope", mlp="swiglu",
+                bias="qkv" if model_type == "qwen2" else "none",
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)), hidden_dropout=0.0,
                 attention_dropout=hf.get("attention_dropout", 0.0), **_rope(hf))
 
@@ -85,13 +93,15 @@ def export_architecture(cfg) -> str | None:
     """The HF decoder a megajax GPT with these fields is written as, None for a GPT-2, or a
     UserError for a mixture no HF architecture has."""
     llama_like = (cfg.norm, cfg.positions, cfg.mlp) == ("rmsnorm", "rope", "swiglu")
-    if (cfg.norm, cfg.positions, cfg.mlp, cfg.bias, cfg.tie_embeddings) == ("layernorm", "learned", "gelu", "all", True) \
+    if (cfg.norm, cfg.positions, cfg.mlp, cfg.bias, cfg.tie_embeddings) == ("layernorm", "learned",
+                                                                            "gelu", "all", True) \
             and cfg.kv_heads == cfg.num_heads and not cfg.kv_channels:
         return None
     if not llama_like or cfg.bias == "all" or cfg.ln_placement != "pre":
-        raise UserError(f"no Hugging Face architecture has this model's mixture (norm {cfg.norm}, positions "
-                        f"{cfg.positions}, mlp {cfg.mlp}, bias {cfg.bias}, {cfg.ln_placement}-norm): GPT-2 is "
-                        f"layernorm + learned + gelu with all biases, Llama/Qwen2 rmsnorm + rope + swiglu")
+        raise UserError(
+            f"no Hugging Face architecture has this model's mixture (norm {cfg.norm}, positions "
+            f"{cfg.positions}, mlp {cfg.mlp}, bias {cfg.bias}, {cfg.ln_placement}-norm): GPT-2 is "
+            f"layernorm + learned + gelu with all biases, Llama/Qwen2 rmsnorm + rope + swiglu")
     return "Qwen2ForCausalLM" if cfg.bias == "qkv" else "LlamaForCausalLM"
 
 
@@ -100,16 +110,20 @@ def hf_config(arch: str, model_type: str, cfg) -> dict:
     if cfg.rope_scaling == "linear":
         rope.update(rope_type="linear", factor=cfg.rope_factor)
     elif cfg.rope_scaling == "llama3":
-        rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+        rope.update(rope_type="llama3", factor=cfg.rope_factor,
+                    low_freq_factor=cfg.rope_low_freq_factor,
                     high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_context)
-    scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items()
+                                                           if k != "rope_theta"}
     return dict(architectures=[arch], model_type=model_type, vocab_size=cfg.vocab_size,
                 hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.num_layers,
-                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
+                head_dim=cfg.head_dim,
                 max_position_embeddings=cfg.context, rms_norm_eps=cfg.ln_eps, hidden_act="silu",
                 initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
-                attention_dropout=cfg.attention_dropout, rope_theta=cfg.rope_theta, rope_scaling=scaling,
-                rope_parameters=rope, torch_dtype="float32",
-                **({"use_sliding_window": False, "sliding_window": None} if model_type == "qwen2" else
+                attention_dropout=cfg.attention_dropout, rope_theta=cfg.rope_theta,
+                rope_scaling=scaling, rope_parameters=rope, torch_dtype="float32",
+                **({"use_sliding_window": False, "sliding_window": None} if model_type == "qwen2"
+                   else
                    {"attention_bias": False, "mlp_bias": False}))

@@ -34,7 +34,8 @@ def _byte_level_bpe(vocab: Path, merges: Path, out: Path) -> HFTokenizer:
     try:
         tok = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
     except Exception as e:  # noqa: BLE001  (the tokenizers package raises its own Exception)
-        raise UserError(f"{vocab} / {merges} are not a BPE vocabulary ({first_line(e, 120)})") from None
+        raise UserError(
+            f"{vocab} / {merges} are not a BPE vocabulary ({first_line(e, 120)})") from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(out))
@@ -58,10 +59,13 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> str | None:
     if isinstance(tokenizer, WordPieceTokenizer):
         write_atomic(out / "vocab.txt", "\n".join(tokenizer.vocab) + "\n")
         write_atomic(out / "tokenizer_config.json", json.dumps(
-            {"tokenizer_class": "BertTokenizer", "do_lower_case": tokenizer.lowercase}, indent=1) + "\n")
+            {"tokenizer_class": "BertTokenizer", "do_lower_case": tokenizer.lowercase}, indent=1)
+            + "\n")
         return None
     if isinstance(tokenizer, HFTokenizer):
         shutil.copyfile(tokenizer.path, out / "tokenizer.json")
         return None
-    return (f"the '{tokenizer.kind}' tokenizer has no Hugging Face file: the model is written without one "
-            f"(load a tokenizer for it separately)")
+    return (
+        f"the '{tokenizer.kind}' tokenizer has no Hugging Face file: the model is written without "
+        f"one "
+        f"(load a tokenizer for it separately)")

@@ -24,18 +24,21 @@ import numpy as np
 from megajax.config import ModelConfig
 from megajax.errors import UserError
 
-LAYER = "layer."        # megajax names under this prefix are per layer, stacked (or listed) under "layers"
+# megajax names under this prefix are per layer, stacked (or listed) under "layers"
+LAYER = "layer."
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
     hf: tuple[str, ...]   # one HF name, or three (q, k, v) for BERT's separate projections
     ours: str             # dotted megajax path; "layer.*" per layer
-    form: str = "as_is"   # as_is | linear | vocab_rows | qkv_fused | qkv_linear | qkv_bias | kv_linear | kv_bias
+    # as_is | linear | vocab_rows | qkv_fused | qkv_linear | qkv_bias | kv_linear | kv_bias
+    form: str = "as_is"
 
 
 def _rules(*rows) -> list[Rule]:
-    return [Rule((hf,) if isinstance(hf, str) else tuple(hf), ours, *form) for hf, ours, *form in rows]
+    return [Rule((hf,) if isinstance(hf, str) else tuple(hf), ours, *form)
+            for hf, ours, *form in rows]
 
 
 def _norm(hf: str, ours: str, scale="weight", shift="bias"):
@@ -52,25 +55,32 @@ GPT2 = _rules(
     ("h.{i}.attn.c_attn.weight", "layer.attention.qkv.kernel", "qkv_fused"),
     ("h.{i}.attn.c_attn.bias", "layer.attention.qkv.bias", "qkv_fused"),
     *_dense("h.{i}.attn.c_proj", "layer.attention.out", "as_is"),
-    *_dense("h.{i}.mlp.c_fc", "layer.mlp.fc1", "as_is"), *_dense("h.{i}.mlp.c_proj", "layer.mlp.fc2", "as_is"))
+    *_dense("h.{i}.mlp.c_fc", "layer.mlp.fc1", "as_is"),
+    *_dense("h.{i}.mlp.c_proj", "layer.mlp.fc2", "as_is"))
 
 _ATTN = "bert.encoder.layer.{i}.attention"
-_QKV = [(tuple(f"{_ATTN}.self.{p}.weight" for p in ("query", "key", "value")), "layer.attention.qkv.kernel", "qkv_linear"),
-        (tuple(f"{_ATTN}.self.{p}.bias" for p in ("query", "key", "value")), "layer.attention.qkv.bias", "qkv_bias")]
+_QKV = [(tuple(f"{_ATTN}.self.{p}.weight" for p in ("query", "key", "value")),
+         "layer.attention.qkv.kernel", "qkv_linear"),
+        (tuple(f"{_ATTN}.self.{p}.bias" for p in ("query", "key", "value")),
+         "layer.attention.qkv.bias", "qkv_bias")]
 _BERT_COMMON = [
     ("bert.embeddings.word_embeddings.weight", "embed.table", "vocab_rows"),
-    ("bert.embeddings.position_embeddings.weight", "pos"), ("bert.embeddings.token_type_embeddings.weight", "types"),
+    ("bert.embeddings.position_embeddings.weight", "pos"),
+    ("bert.embeddings.token_type_embeddings.weight", "types"),
     *_QKV, *_dense(f"{_ATTN}.output.dense", "layer.attention.out"),
     *_dense("bert.encoder.layer.{i}.intermediate.dense", "layer.mlp.fc1"),
     *_dense("bert.encoder.layer.{i}.output.dense", "layer.mlp.fc2"),
     *_dense("bert.pooler.dense", "pooler"), *_dense("cls.predictions.transform.dense", "mlm_dense"),
-    *_norm("cls.predictions.transform.LayerNorm", "mlm_ln"), ("cls.predictions.bias", "mlm_bias", "vocab_rows"),
-    *_dense("cls.seq_relationship", "sop")]
+    *_norm("cls.predictions.transform.LayerNorm", "mlm_ln"),
+    ("cls.predictions.bias", "mlm_bias", "vocab_rows"), *_dense("cls.seq_relationship", "sop")]
 # The original BERT: LayerNorm after the embeddings and after each residual add.
 BERT = _rules(*_BERT_COMMON, *_norm("bert.embeddings.LayerNorm", "ln_embed"),
-              *_norm(f"{_ATTN}.output.LayerNorm", "layer.ln1"), *_norm("bert.encoder.layer.{i}.output.LayerNorm", "layer.ln2"))
-# The paper's BERT: LayerNorm at each sublayer's input and once at the end, none after the embeddings.
-MEGATRON_BERT = _rules(*_BERT_COMMON, *_norm(f"{_ATTN}.ln", "layer.ln1"), *_norm("bert.encoder.layer.{i}.ln", "layer.ln2"),
+              *_norm(f"{_ATTN}.output.LayerNorm", "layer.ln1"),
+              *_norm("bert.encoder.layer.{i}.output.LayerNorm", "layer.ln2"))
+# The paper's BERT: LayerNorm at each sublayer's input and once at the end, none after the
+# embeddings.
+MEGATRON_BERT = _rules(*_BERT_COMMON, *_norm(f"{_ATTN}.ln", "layer.ln1"),
+                       *_norm("bert.encoder.layer.{i}.ln", "layer.ln2"),
                        *_norm("bert.encoder.ln", "ln_f"))
 
 
@@ -88,7 +98,8 @@ def llama_rules(cfg: ModelConfig) -> list[Rule]:
                 (qkv("weight")[1:], "layer.attention.qkv.kv_kernel", "kv_linear")]
         rows += [(f"{attn}.q_proj.bias", "layer.attention.qkv.q_bias"),
                  (qkv("bias")[1:], "layer.attention.qkv.kv_bias", "kv_bias")] * biases
-    rows += [("model.embed_tokens.weight", "embed.table", "vocab_rows"), ("model.norm.weight", "ln_f.scale"),
+    rows += [("model.embed_tokens.weight", "embed.table", "vocab_rows"),
+             ("model.norm.weight", "ln_f.scale"),
              ("model.layers.{i}.input_layernorm.weight", "layer.ln1.scale"),
              ("model.layers.{i}.post_attention_layernorm.weight", "layer.ln2.scale"),
              (f"{attn}.o_proj.weight", "layer.attention.out.kernel", "linear"),
@@ -107,7 +118,8 @@ ALIASES = {"gpt2": {"lm_head.weight": "wte.weight"},
                     "cls.predictions.decoder.bias": "cls.predictions.bias"}}
 ALIASES["megatron-bert"] = ALIASES["bert"]
 for _arch in ("llama", "mistral", "qwen2"):
-    ALIASES[_arch] = {"lm_head.weight": "model.embed_tokens.weight"}   # a tied model's copy, if saved
+    # a tied model's copy, if saved
+    ALIASES[_arch] = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 def rules_for(arch: str, cfg: ModelConfig) -> list[Rule]:
@@ -124,8 +136,9 @@ def finite(name: str, array: np.ndarray) -> np.ndarray:
     model that starts from one would only ever compute NaN."""
     if not np.isfinite(array).all():
         bad = int(np.size(array) - np.isfinite(array).sum())
-        raise UserError(f"the checkpoint's tensor '{name}' holds {bad} non-finite value{'s' * (bad > 1)} "
-                        f"(NaN or infinity) of {np.size(array)}: damaged or diverged weights, not imported")
+        raise UserError(
+            f"the checkpoint's tensor '{name}' holds {bad} non-finite value{'s' * (bad > 1)} "
+            f"(NaN or infinity) of {np.size(array)}: damaged or diverged weights, not imported")
     return array
 
 
@@ -153,8 +166,10 @@ def to_ours(form: str, tensors: list, cfg: ModelConfig) -> np.ndarray:
     if form == "qkv_fused":
         return _interleave(*np.split(tensors[0], 3, axis=-1), heads=cfg.num_heads)
     if form in ("qkv_linear", "kv_linear"):
-        return _interleave(*(t.T for t in tensors), heads=cfg.num_heads if form == "qkv_linear" else cfg.kv_heads)
-    return _interleave(*tensors, heads=cfg.num_heads if form == "qkv_bias" else cfg.kv_heads)   # qkv_bias, kv_bias
+        return _interleave(*(t.T for t in tensors),
+                           heads=cfg.num_heads if form == "qkv_linear" else cfg.kv_heads)
+    # qkv_bias, kv_bias
+    return _interleave(*tensors, heads=cfg.num_heads if form == "qkv_bias" else cfg.kv_heads)
 
 
 def to_hf(form: str, x: np.ndarray, cfg: ModelConfig) -> list:
@@ -199,20 +214,24 @@ def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
                                 f"{cfg.num_layers} layers needs it)")
             arrays = [finite(n, np.asarray(tensors[n], np.float32)) for n in names]
             if rule.form == "vocab_rows" and arrays[0].shape[0] != cfg.vocab_size:
-                raise UserError(f"'{names[0]}' has {arrays[0].shape[0]} rows but config.json's vocab_size is "
-                                f"{cfg.vocab_size}")
+                raise UserError(
+                    f"'{names[0]}' has {arrays[0].shape[0]} rows but config.json's vocab_size is "
+                    f"{cfg.vocab_size}")
             try:
                 value = to_ours(rule.form, arrays, cfg)
             except ValueError:
-                raise UserError(f"'{names[0]}' has shape {arrays[0].shape}, which config.json's sizes "
-                                f"do not give") from None
+                raise UserError(
+                    f"'{names[0]}' has shape {arrays[0].shape}, which config.json's sizes "
+                    f"do not give") from None
             (flat if i is None else per_layer[i])[ours.removeprefix(LAYER)] = value
             used.update(names)
     for alias, target in ALIASES[arch].items():
         if alias in tensors and alias not in used:
-            if not np.array_equal(np.asarray(tensors[alias], np.float32), np.asarray(tensors[target], np.float32)):
-                raise UserError(f"'{alias}' differs from '{target}': megajax ties the output layer to the "
-                                f"input embedding, and this checkpoint does not")
+            if not np.array_equal(np.asarray(tensors[alias], np.float32),
+                                  np.asarray(tensors[target], np.float32)):
+                raise UserError(
+                    f"'{alias}' differs from '{target}': megajax ties the output layer to the "
+                    f"input embedding, and this checkpoint does not")
             used.add(alias)
     extra = sorted(k for k in tensors if k not in used and not k.endswith(IGNORED_SUFFIXES))
     if extra:

@@ -23,8 +23,10 @@ import numpy as np
 
 from megajax.errors import UserError
 
-STORAGES = {"FloatStorage": np.float32, "HalfStorage": np.float16, "BFloat16Storage": ml_dtypes.bfloat16,
-            "DoubleStorage": np.float64, "LongStorage": np.int64, "IntStorage": np.int32, "ShortStorage": np.int16,
+STORAGES = {"FloatStorage": np.float32, "HalfStorage": np.float16,
+            "BFloat16Storage": ml_dtypes.bfloat16,
+            "DoubleStorage": np.float64, "LongStorage": np.int64, "IntStorage": np.int32,
+            "ShortStorage": np.int16,
             "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
 
 
@@ -50,7 +52,8 @@ class Tensor:
     """A tensor of the checkpoint, read from its storage by `numpy()`."""
 
     def __init__(self, storage: _Storage, offset: int, shape: tuple, stride: tuple):
-        self.storage, self.offset, self.shape, self.stride = storage, offset, tuple(shape), tuple(stride)
+        self.storage, self.offset, self.shape, self.stride = storage, offset, tuple(shape), tuple(
+            stride)
 
     @property
     def dtype(self) -> np.dtype:
@@ -58,10 +61,12 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         flat = self.storage.archive.storage(self.storage.key, self.storage.dtype)
-        strides = _checked_strides(self.offset, self.shape, self.stride, len(flat), self.storage.archive.path)
+        strides = _checked_strides(self.offset, self.shape, self.stride, len(flat),
+                                   self.storage.archive.path)
         if math.prod(self.shape) == 0:
             return np.zeros(self.shape, flat.dtype)
-        view = np.lib.stride_tricks.as_strided(flat[self.offset:], self.shape, [s * flat.itemsize for s in strides])
+        view = np.lib.stride_tricks.as_strided(flat[self.offset:], self.shape,
+                                               [s * flat.itemsize for s in strides])
         return np.array(view)
 
 
@@ -74,13 +79,17 @@ def _checked_strides(offset, shape, stride, length: int, path) -> list[int]:
     def whole(x):
         return isinstance(x, int) and not isinstance(x, bool)
 
-    if not (whole(offset) and all(map(whole, shape)) and all(map(whole, stride)) and len(shape) == len(stride)):
-        raise UserError(f"{path}: a tensor with shape {shape!r}, strides {stride!r} and offset {offset!r} is not a "
-                        f"view torch.save writes: damaged")
+    if not (whole(offset) and all(map(whole, shape)) and all(map(whole, stride))
+            and len(shape) == len(stride)):
+        raise UserError(
+            f"{path}: a tensor with shape {shape!r}, strides {stride!r} and offset {offset!r} is "
+            f"not a "
+            f"view torch.save writes: damaged")
     what = f"{path}: a tensor of shape {tuple(shape)}, strides {tuple(stride)} and offset {offset}"
     if offset < 0 or min(shape, default=0) < 0 or min(stride, default=0) < 0:
         raise UserError(f"{what} has a negative offset, size or stride: damaged")
-    if math.prod(max(n, 1) for n in shape) >= 2**62:   # no array of any dtype has so many, even empty
+    # no array of any dtype has so many, even empty
+    if math.prod(max(n, 1) for n in shape) >= 2**62:
         raise UserError(f"{what} claims an impossible size: damaged")
     count = math.prod(shape)
     if count == 0:
@@ -90,12 +99,15 @@ def _checked_strides(offset, shape, stride, length: int, path) -> list[int]:
     if last >= length:
         raise UserError(f"{what} reaches element {last} of a storage of {length}: damaged")
     if count > length:
-        raise UserError(f"{what} has {count} elements over a storage of {length} (overlapping strides): damaged")
+        raise UserError(
+            f"{what} has {count} elements over a storage of {length} (overlapping strides): "
+            f"damaged")
     return strides
 
 
 def _rebuild_tensor(storage, offset, shape, stride, *_):
-    if not isinstance(storage, _Storage):     # a damaged pickle's arguments: its view is checked when read
+    # a damaged pickle's arguments: its view is checked when read
+    if not isinstance(storage, _Storage):
         raise pickle.UnpicklingError("a tensor without a storage")
     return Tensor(storage, offset, shape, stride)
 
@@ -105,7 +117,8 @@ def _rebuild_parameter(data, *_):
 
 
 class _Unpickler(pickle.Unpickler):
-    SAFE = {("collections", "OrderedDict"): collections.OrderedDict, ("argparse", "Namespace"): argparse.Namespace,
+    SAFE = {("collections", "OrderedDict"): collections.OrderedDict,
+            ("argparse", "Namespace"): argparse.Namespace,
             ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
             ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
             ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter}
@@ -126,7 +139,9 @@ class _Unpickler(pickle.Unpickler):
             raise UserError(f"{self.archive.path}: an unknown persistent record {pid[:1]!r}")
         kind, key = pid[1], str(pid[2])
         if kind not in STORAGES:
-            raise UserError(f"{self.archive.path}: a tensor of storage type {kind!r}, which megajax does not read")
+            raise UserError(
+                f"{self.archive.path}: a tensor of storage type {kind!r}, which megajax does not "
+                f"read")
         return _Storage(self.archive, key, STORAGES[kind])
 
 
@@ -136,11 +151,13 @@ class _Archive:
         self.zip = zipfile.ZipFile(path)
         pickles = [n for n in self.zip.namelist() if n.endswith("/data.pkl")]
         if len(pickles) != 1:
-            raise UserError(f"{path} is a zip archive, but not one torch.save wrote (no ROOT/data.pkl)")
+            raise UserError(
+                f"{path} is a zip archive, but not one torch.save wrote (no ROOT/data.pkl)")
         self.root = pickles[0].removesuffix("data.pkl")
         order = f"{self.root}byteorder"
         if order in self.zip.namelist() and self.zip.read(order).strip() != b"little":
-            raise UserError(f"{path} was saved on a big-endian machine, which megajax does not read")
+            raise UserError(
+                f"{path} was saved on a big-endian machine, which megajax does not read")
 
     def storage(self, key: str, dtype: np.dtype) -> np.ndarray:
         if key not in self._storages:
@@ -149,13 +166,16 @@ class _Archive:
             except KeyError:
                 raise UserError(f"{self.path} lacks the storage data/{key}: damaged") from None
             except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as e:
-                raise UserError(f"{self.path}: the storage data/{key} cannot be read ({type(e).__name__}: "
-                                f"{str(e)[:80]}): damaged") from None
-            self._storages[key] = np.frombuffer(data[:len(data) - len(data) % dtype.itemsize], dtype)
+                raise UserError(
+                    f"{self.path}: the storage data/{key} cannot be read ({type(e).__name__}: "
+                    f"{str(e)[:80]}): damaged") from None
+            self._storages[key] = np.frombuffer(data[:len(data) - len(data) % dtype.itemsize],
+                                                dtype)
         return self._storages[key]
 
 
-# torch.save's format before PyTorch 1.6: a bare pickle (protocol 2) whose first object is this number.
+# torch.save's format before PyTorch 1.6: a bare pickle (protocol 2) whose first object is this
+# number.
 LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
 
@@ -165,12 +185,17 @@ def _not_a_zip(path: Path) -> str:
     with open(path, "rb") as f:
         head = f.read(64)
     if head.startswith(b"PK\x03\x04"):
-        return (f"{path} is a zip archive without its end (its directory of contents is missing): truncated or "
-                f"damaged, for example by a copy that did not finish")
+        return (
+            f"{path} is a zip archive without its end (its directory of contents is missing): "
+            f"truncated or "
+            f"damaged, for example by a copy that did not finish")
     if head.startswith(b"\x80") and LEGACY_MAGIC in head:
-        return (f"{path} is in torch.save's format before PyTorch 1.6 (a legacy file); load and save it again with "
-                f"any recent PyTorch (torch.save(torch.load(F), F))")
-    return f"{path} is not a PyTorch checkpoint (neither torch.save's zip format nor its legacy one)"
+        return (
+            f"{path} is in torch.save's format before PyTorch 1.6 (a legacy file); load and save "
+            f"it again with "
+            f"any recent PyTorch (torch.save(torch.load(F), F))")
+    return (
+        f"{path} is not a PyTorch checkpoint (neither torch.save's zip format nor its legacy one)")
 
 
 def load(path) -> object:
@@ -186,5 +211,7 @@ def load(path) -> object:
             return _Unpickler(f, archive).load()
     except UserError:
         raise
-    except Exception as e:  # noqa: BLE001  (the unpickler runs no code: whatever it raises, the file is damaged)
-        raise UserError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): damaged") from None
+    # The unpickler runs no code: whatever it raises, the file is damaged.
+    except Exception as e:  # noqa: BLE001
+        raise UserError(
+            f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): damaged") from None

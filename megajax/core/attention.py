@@ -18,7 +18,8 @@ from flax import nnx
 from megajax.core import sharding as S
 from megajax.core.blocked_attention import blocked_attention, blocked_attention_pays
 from megajax.core.fused_attention import fused_attention_core
-from megajax.core.layers import ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear, dropout
+from megajax.core.layers import (ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear,
+                                 dropout)
 from megajax.core.ops import attention_context, attention_scores, masked_softmax
 from megajax.core.precision import Precision
 from megajax.core.rope import apply_rotary, rotary_angles
@@ -64,8 +65,8 @@ class ParallelSelfAttention(nnx.Module):
         self.selective_remat = cfg.remat == "selective"
         self.blocked = cfg.attention_dropout == 0    # where it pays: blocked_attention_pays
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        common = dict(layout=layout, precision=precision, regather=cfg.remat != "full", std=cfg.init_std,
-                      rngs=rngs, use_bias=cfg.bias != "none")
+        common = dict(layout=layout, precision=precision, regather=cfg.remat != "full",
+                      std=cfg.init_std, rngs=rngs, use_bias=cfg.bias != "none")
         width = cfg.num_heads * cfg.head_dim
         if self.grouped:
             kv = ("kv", 2 * cfg.kv_heads * cfg.head_dim, kv_copies(cfg, layout.tp))
@@ -90,7 +91,8 @@ class ParallelSelfAttention(nnx.Module):
         if self.cfg.positions == "rope":
             cos, sin = rotary_angles(self.cfg, q_pos)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:   # the along-axis form: its indices share pos's integer type (also with x64 on)
+        # the along-axis form: its indices share pos's integer type (also with x64 on)
+        if cache is not None:
             k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=2)
             v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=2)
             k, v = (self.layout.constrain(t, S.KV_CACHE) for t in (k, v))
@@ -98,7 +100,8 @@ class ParallelSelfAttention(nnx.Module):
         if cache is None and self.fused:
             core = self.fused_core
         elif cache is None and self.blocked and blocked_attention_pays(q, self.ways()):
-            core = self.blocked_core    # keeps no probabilities: nothing for selective remat to drop
+            # keeps no probabilities: nothing for selective remat to drop
+            core = self.blocked_core
         else:
             core = jax.checkpoint(self.core) if self.selective_remat else self.core
         ctx = core(q, *self.shared_kv(k, v, core), q_pos, mask, key)
@@ -117,10 +120,12 @@ class ParallelSelfAttention(nnx.Module):
         d = self.head_dim
         q_width = self.qkv.widths()[0]
         q = projected[..., :q_width].reshape(b, s, self.num_heads, d)
-        kv = projected[..., q_width:].reshape(b, s, -1, 2, d)     # (b, s, kv heads as stored, k|v, d)
+        # (b, s, kv heads as stored, k|v, d)
+        kv = projected[..., q_width:].reshape(b, s, -1, 2, d)
         q = self.layout.constrain(q, S.ACT_HEADS)
         kv = self.layout.constrain(kv, S.P(S.DATA, None, S.MODEL, None, None))
-        return jnp.moveaxis(q, 2, 1), jnp.moveaxis(kv[:, :, :, 0], 2, 1), jnp.moveaxis(kv[:, :, :, 1], 2, 1)
+        return jnp.moveaxis(q, 2, 1), jnp.moveaxis(kv[:, :, :, 0], 2,
+                                                   1), jnp.moveaxis(kv[:, :, :, 1], 2, 1)
 
     def shared_kv(self, k, v, core):
         """k, v for the core: the fused core takes grouped heads as they are; megajax's cores
@@ -128,7 +133,8 @@ class ParallelSelfAttention(nnx.Module):
         groups = self.num_heads // k.shape[1]
         if groups == 1 or core == self.fused_core:
             return k, v
-        repeat = lambda t: self.layout.constrain(jnp.repeat(t, groups, axis=1), S.ATTN_SCORES)  # noqa: E731
+        def repeat(t):
+            return self.layout.constrain(jnp.repeat(t, groups, axis=1), S.ATTN_SCORES)
         return repeat(k), repeat(v)
 
     def core(self, q, k, v, q_pos, mask, key):
@@ -158,10 +164,12 @@ class ParallelSelfAttention(nnx.Module):
         attention on NVIDIA GPUs, XLA's attention elsewhere (fused_attention.py)."""
         del q_pos, key    # positions 0..s-1: no cache
         return fused_attention_core(q, k, v.astype(q.dtype), mask, causal=self.causal,
-                                    scale=1 / math.sqrt(self.head_dim), platform=platform(self.layout))
+                                    scale=1 / math.sqrt(self.head_dim),
+                                    platform=platform(self.layout))
 
     def keep(self, q_pos, num_keys: int, mask):
-        """Which (query, key) pairs attend: causal and padding masks, broadcast, never (b, heads, q, k)."""
+        """Which (query, key) pairs attend: causal and padding masks, broadcast, never (b, heads,
+        q, k)."""
         keep = jnp.ones((1, 1, 1, 1), bool)
         if self.causal:
             keep = keep & (q_pos[:, None] >= jnp.arange(num_keys)[None, :])
@@ -176,7 +184,8 @@ def platform(layout: S.Layout) -> str:
     return next(iter(devices)).platform
 
 
-def fused_attention(cfg: ModelConfig, layout: S.Layout | None = None, on: str | None = None) -> bool:
+def fused_attention(cfg: ModelConfig, layout: S.Layout | None = None,
+                    on: str | None = None) -> bool:
     """model.attention: fused when asked, or (auto) on GPUs without attention dropout; on the CPU
     XLA's form keeps the float32 scores for its backward pass, which megajax's own core does not.
     `on`: the platform ("gpu", "cpu") instead of the layout's."""

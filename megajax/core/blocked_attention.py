@@ -41,11 +41,13 @@ def blocked_attention_pays(q, ways: tuple[int, int] = (1, 1)) -> bool:
     return q.dtype == jnp.float32 and jax.default_backend() == "cpu" and scores > BLOCK_BYTES
 
 
-def blocked_attention(q, k, v, key_mask, *, causal: bool, scale: float, ways: tuple[int, int] = (1, 1)):
+def blocked_attention(q, k, v, key_mask, *, causal: bool, scale: float,
+                      ways: tuple[int, int] = (1, 1)):
     """softmax(q k^T * scale, masked) v for q, k, v (b, heads, s, d), the same s for queries and
     keys. Masked: causal (a query sees the keys up to its own position) and, if `key_mask` (b, s)
     is given, only the keys where it is True. A query with nothing to attend to attends to all
-    keys uniformly, as jax.nn.softmax does. `ways`: how many devices split the batch and the heads."""
+    keys uniformly, as jax.nn.softmax does. `ways`: how many devices split the batch and the
+    heads."""
     ways = tuple(w if n % w == 0 else 1 for w, n in zip(ways, q.shape[:2]))   # not split that way
     blocks = _blocks(q.shape, ways)
     return _attention(q, k, v, key_mask, causal, scale, ways, blocks)
@@ -59,7 +61,8 @@ def _blocks(shape, ways) -> tuple[int, int]:
     local_b, local_h = b // ways[0], h // ways[1]
     pairs = min(local_b * local_h, max(2, BLOCK_BYTES // (4 * s * s)))
     if pairs >= local_h:      # whole heads: blocks of batch rows
-        per_block = max(d for d in range(1, local_b + 1) if local_b % d == 0 and d * local_h <= pairs)
+        per_block = max(d for d in range(1, local_b + 1) if local_b % d == 0
+                        and d * local_h <= pairs)
         return local_b // per_block, 1
     per_block = max(d for d in range(1, local_h + 1) if local_h % d == 0 and d <= pairs)
     return local_b, local_h // per_block
@@ -118,7 +121,8 @@ def _tiles(s, causal, key_mask):
     uniformly (as jax.nn.softmax gives), which a tile that skips keys would not."""
     if not causal or key_mask is not None:
         return [(0, s, s)]
-    return [(lo, min(lo + QUERY_TILE, s), min(lo + QUERY_TILE, s)) for lo in range(0, s, QUERY_TILE)]
+    return [(lo, min(lo + QUERY_TILE, s), min(lo + QUERY_TILE, s))
+            for lo in range(0, s, QUERY_TILE)]
 
 
 def _keep(lo, hi, kend, causal, key_mask):
@@ -145,16 +149,20 @@ def _attention_fwd(q, k, v, key_mask, causal, scale, ways, blocks):
         q, k, v = (_block_shaped(t, shape, blocks) for t in xs[:3])
         parts = []
         for lo, hi, kend in _tiles(q.shape[-2], causal, mask):
-            s = _scores(q[..., lo:hi, :], k[..., :kend, :], _keep(lo, hi, kend, causal, mask), scale)
+            s = _scores(q[..., lo:hi, :], k[..., :kend, :], _keep(lo, hi, kend, causal, mask),
+                        scale)
             row_max = s.max(-1, keepdims=True)
             e = jnp.exp(s - row_max)
             inv_sum = 1 / e.sum(-1, keepdims=True)
-            parts.append(((e @ v[..., :kend, :]) * inv_sum, row_max, inv_sum))  # normalised on (q, d)
+            # normalised on (q, d)
+            parts.append(((e @ v[..., :kend, :]) * inv_sum, row_max, inv_sum))
         out, row_max, inv_sum = (jnp.concatenate(t, axis=-2) for t in zip(*parts))
-        return _pairs(out), _pairs(row_max[..., 0]), _pairs(inv_sum[..., 0])   # no axis of 1 (`_to_blocks`)
+        # no axis of 1 (`_to_blocks`)
+        return _pairs(out), _pairs(row_max[..., 0]), _pairs(inv_sum[..., 0])
 
     split = functools.partial(_to_blocks, ways=ways, blocks=blocks)
-    out, row_max, inv_sum = jax.lax.map(block, (split(q), split(k), split(v), _mask_blocks(key_mask, ways, blocks)))
+    out, row_max, inv_sum = jax.lax.map(
+        block, (split(q), split(k), split(v), _mask_blocks(key_mask, ways, blocks)))
     out = _from_blocks(out, ways, blocks, shape)
     return out, (q, k, v, out, key_mask, row_max, inv_sum)
 
@@ -171,7 +179,8 @@ def _attention_bwd(causal, scale, ways, blocks, residuals, g):
         for lo, hi, kend in _tiles(q.shape[-2], causal, mask):
             keep = _keep(lo, hi, kend, causal, mask)
             qt, gt, kt, vt = q[..., lo:hi, :], g[..., lo:hi, :], k[..., :kend, :], v[..., :kend, :]
-            p = jnp.exp(_scores(qt, kt, keep, scale) - row_max[..., lo:hi, :]) * inv_sum[..., lo:hi, :]
+            p = jnp.exp(_scores(qt, kt, keep, scale) - row_max[..., lo:hi, :]) * inv_sum[..., lo:hi,
+                                                                                         :]
             # sum_k p dp over a row is sum_d out g: on (q, d), where XLA:CPU would fuse a (q, k)
             # reduction into the dp matmul and run both at a third of the matmul rate.
             delta = (gt * out[..., lo:hi, :]).sum(-1, keepdims=True)

@@ -27,23 +27,30 @@ def implementation(dtype, platform: str) -> str:
 
 def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platform: str):
     """softmax(q k^T scale + masks) v for q, k, v (b, heads, s, d), queries and keys at positions
-    0..s-1; key_mask (b, k) True where a key may be attended to, or None. Returns (b, heads, q, d)."""
-    heads_second = lambda t: jnp.moveaxis(t, 1, 2)   # noqa: E731  (b, s, heads, d), as jax takes them
+    0..s-1; key_mask (b, k) True where a key may be attended to, or None. Returns (b, heads, q,
+    d)."""
+    # (b, s, heads, d), as jax takes them
+    heads_second = lambda t: jnp.moveaxis(t, 1, 2)   # noqa: E731
     q, k, v = heads_second(q), heads_second(k), heads_second(v)
     mask = None if key_mask is None else key_mask[:, None, None, :]
     if implementation(q.dtype, platform) == "cudnn":
         # cuDNN's mask must span the queries: (b, 1, q, k), broadcast per sequence, not per head.
-        full = None if mask is None else jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], k.shape[1]))
+        full = None if mask is None else jnp.broadcast_to(mask,
+                                                          (q.shape[0], 1, q.shape[1], k.shape[1]))
         try:
-            return heads_second(jax.nn.dot_product_attention(q, k, v, mask=full, is_causal=causal, scale=scale,
+            return heads_second(
+                jax.nn.dot_product_attention(q, k, v, mask=full, is_causal=causal, scale=scale,
                                                              implementation="cudnn"))
-        except (NotImplementedError, ValueError, RuntimeError) as e:   # shapes, dtypes or cuDNN version
-            warnings.warn(f"cuDNN flash attention refused these shapes ({e}); XLA's attention runs instead",
-                          stacklevel=2)
+        # shapes, dtypes or cuDNN version
+        except (NotImplementedError, ValueError, RuntimeError) as e:
+            warnings.warn(
+                f"cuDNN flash attention refused these shapes ({e}); XLA's attention runs instead",
+                stacklevel=2)
     dtype = q.dtype
     if platform == "cpu" and dtype == jnp.float16:
         # XLA's attention asks for float16 x float16 -> float32 products, which XLA:CPU has no
         # kernel for: on the CPU it runs in float32, and its output is rounded back.
         q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale, implementation="xla")
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
+                                       implementation="xla")
     return heads_second(out.astype(dtype))

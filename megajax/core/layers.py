@@ -26,7 +26,8 @@ def param(init, spec, key, shape):
     """A float32 weight carrying its PartitionSpec as metadata. The sharding is applied by
     megajax itself (jit out_shardings when the model is built), not eagerly by Flax, which
     would need a global mesh."""
-    return nnx.Param(nnx.with_partitioning(init, spec)(key, shape, jnp.float32), eager_sharding=False)
+    return nnx.Param(nnx.with_partitioning(init, spec)(key, shape, jnp.float32),
+                     eager_sharding=False)
 
 
 def dropout(x, rate: float, key, layout: S.Layout, spec):
@@ -35,7 +36,8 @@ def dropout(x, rate: float, key, layout: S.Layout, spec):
     step of ZeRO / FSDP, where `layout.row_ids` offsets them)."""
     if key is None or rate == 0.0:
         return x
-    return apply_dropout(x, layout.constrain(keep_mask(key, x.shape, rate, layout.row_ids(x.shape[0])), spec), rate)
+    return apply_dropout(
+        x, layout.constrain(keep_mask(key, x.shape, rate, layout.row_ids(x.shape[0])), spec), rate)
 
 
 class LayerNorm(nnx.Module):
@@ -84,8 +86,10 @@ class _Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, layout: S.Layout, precision: Precision, std: float,
                  rngs: nnx.Rngs, use_bias: bool = True):
         self.layout, self.precision = layout, precision
-        self.kernel = param(nnx.initializers.normal(std), self.KERNEL_SPEC, rngs.params(), (d_in, d_out))
-        self.bias = param(nnx.initializers.zeros, self.BIAS_SPEC, rngs.params(), (d_out,)) if use_bias else None
+        self.kernel = param(nnx.initializers.normal(std), self.KERNEL_SPEC, rngs.params(),
+                            (d_in, d_out))
+        self.bias = param(nnx.initializers.zeros, self.BIAS_SPEC, rngs.params(),
+                          (d_out,)) if use_bias else None
 
     def weights(self):
         """(kernel, bias or None) as the matmul takes them."""
@@ -112,7 +116,8 @@ class ColumnParallelLinear(_Linear):
 
     def __call__(self, x):
         kernel, bias = self.weights()
-        y = self.gathered_matmul(x, kernel) if self.layout.sequence_parallel else self.local_matmul(x, kernel)
+        y = self.gathered_matmul(x, kernel) if self.layout.sequence_parallel else self.local_matmul(
+            x, kernel)
         return self.layout.constrain(self.plus_bias(y, bias), S.ACT_COLUMN)
 
     def gathered_matmul(self, x, kernel):
@@ -121,10 +126,11 @@ class ColumnParallelLinear(_Linear):
         # In a scanned stack; in unrolled layers XLA may merge the two gathers (jax 0.10's does),
         # which keeps the whole input as without the checkpoint.
         def local(x, w):
-            return matmul(_gather_sequence(x).astype(self.precision.compute), w, self.precision.matmul,
-                          self.precision.stacked_residuals)
+            return matmul(_gather_sequence(x).astype(self.precision.compute), w,
+                          self.precision.matmul, self.precision.stacked_residuals)
         local = jax.checkpoint(local) if self.regather else local
-        return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.COLUMN)), S.ACT_COLUMN)(x, kernel)
+        return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.COLUMN)), S.ACT_COLUMN)(x,
+                                                                                            kernel)
 
 
 class FusedColumnParallelLinear(ColumnParallelLinear):
@@ -142,16 +148,20 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         self.layout, self.precision, self.regather = layout, precision, regather
         self.parts = tuple(parts)
         for name, width, copies in self.parts:
-            kernel_spec, bias_spec = (S.REPLICATED_2D, S.REPLICATED_BIAS) if copies > 1 else (S.COLUMN, S.COLUMN_BIAS)
-            setattr(self, f"{name}_kernel", param(nnx.initializers.normal(std), kernel_spec, rngs.params(),
+            kernel_spec, bias_spec = (S.REPLICATED_2D, S.REPLICATED_BIAS) if copies > 1 else (
+                S.COLUMN, S.COLUMN_BIAS)
+            setattr(self, f"{name}_kernel",
+                    param(nnx.initializers.normal(std), kernel_spec, rngs.params(),
                                                   (d_in, width)))
-            setattr(self, f"{name}_bias", param(nnx.initializers.zeros, bias_spec, rngs.params(), (width,))
+            setattr(self, f"{name}_bias",
+                    param(nnx.initializers.zeros, bias_spec, rngs.params(), (width,))
                     if use_bias else None)
 
     def widths(self) -> list[int]:
         """Each part's columns on one device."""
         tp = self.layout.tp
-        return [width // tp if copies == 1 else width * copies // tp for _, width, copies in self.parts]
+        return [width // tp if copies == 1 else width * copies // tp
+                for _, width, copies in self.parts]
 
     def weights(self):
         kernels, biases = [], []
@@ -224,7 +234,8 @@ class RowParallelLinear(_Linear):
                        self.precision.stacked_residuals)
             with jax.named_scope("g_reduce_scatter"):
                 return jax.lax.psum_scatter(y, S.MODEL, scatter_dimension=1, tiled=True)
-        return self.layout.shard_map(local, (S.ACT_COLUMN, S.P(*S.ROW)), S.ACT_SEQUENCE)(x, self.kernel[...])
+        return self.layout.shard_map(local, (S.ACT_COLUMN, S.P(*S.ROW)),
+                                     S.ACT_SEQUENCE)(x, self.kernel[...])
 
 
 def _gather_sequence(x):
@@ -270,5 +281,6 @@ class VocabParallelEmbedding(nnx.Module):
         def local(x, table):
             return logits_product(_gather_sequence(x), table, self.dtype)
         with jax.named_scope("logits"):
-            return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.VOCAB)), S.P(S.DATA, None, S.MODEL))(
+            return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.VOCAB)),
+                                         S.P(S.DATA, None, S.MODEL))(
                 x, self.table[...])

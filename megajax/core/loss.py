@@ -39,7 +39,8 @@ def vocab_parallel_lookup(table, ids, layout):
             return jax.lax.psum(rows, MODEL)
 
     with jax.named_scope("embedding"):
-        return layout.shard_map(local, (P(MODEL, None), P(DATA, None)), layout.between_blocks)(table, ids)
+        return layout.shard_map(local, (P(MODEL, None), P(DATA, None)),
+                                layout.between_blocks)(table, ids)
 
 
 def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None = None,
@@ -63,11 +64,13 @@ def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None
 
     out_specs = (P(DATA, None), P(DATA, None)) if with_accuracy else P(DATA, None)
     with jax.named_scope("loss"):
-        return layout.shard_map(local, (P(DATA, None, MODEL), P(DATA, None)), out_specs)(logits, targets)
+        return layout.shard_map(local, (P(DATA, None, MODEL), P(DATA, None)), out_specs)(logits,
+                                                                                         targets)
 
 
 def _local_columns(logits, targets, start, vocab_size):
-    """Which columns are real vocabulary, and each row's target column here (if this slice owns it)."""
+    """Which columns are real vocabulary, and each row's target column here (if this slice owns
+    it)."""
     ids = start + jnp.arange(logits.shape[-1])
     real = ids < vocab_size if vocab_size is not None else jnp.ones_like(ids, bool)
     owned = (targets >= start) & (targets < start + logits.shape[-1])

@@ -50,7 +50,8 @@ def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, int]:
         try:
             size = int(value)
         except ValueError:
-            raise ValueError(f"mesh '{spec}': size of '{name}' must be an integer, got '{value}'") from None
+            raise ValueError(
+                f"mesh '{spec}': size of '{name}' must be an integer, got '{value}'") from None
         if size <= 0:
             raise ValueError(f"mesh '{spec}': size of '{name}' must be positive, got {size}")
         sizes[name] = size
@@ -100,8 +101,9 @@ def as_mesh(mesh) -> Mesh:
                         f"got {type(mesh).__name__}")
     names = tuple(mesh.axis_names)
     if not names or set(names) - set(AXES) or len(set(names)) != len(names):
-        raise ConfigError(f"megajax's mesh axes are 'data' and 'model', this mesh has {names}: name them so "
-                          f"(or build the mesh with megajax.make_mesh('2x4'))")
+        raise ConfigError(
+            f"megajax's mesh axes are 'data' and 'model', this mesh has {names}: name them so "
+            f"(or build the mesh with megajax.make_mesh('2x4'))")
     if is_megajax_mesh(mesh):
         return mesh
     devices = mesh.devices.transpose([names.index(a) for a in AXES if a in names])
@@ -121,14 +123,18 @@ def check_fits(cfg, mesh, *, batch: bool = True):
     if not batch:
         return
     m, t, dp = cfg.model, cfg.train, mesh.shape[DATA]
-    if t.batch_size * (m.seq_len + 1) >= 2**31:    # never near: GPT-3 trained on 3.2M tokens a batch
-        raise ConfigError(f"a batch of {t.batch_size} x {m.seq_len + 1} tokens is more than the 2^31 the step counts "
-                          f"in int32: lower train.batch_size or model.seq_len")
+    # never near: GPT-3 trained on 3.2M tokens a batch
+    if t.batch_size * (m.seq_len + 1) >= 2**31:
+        raise ConfigError(
+            f"a batch of {t.batch_size} x {m.seq_len + 1} tokens is more than the 2^31 the step "
+            f"counts "
+            f"in int32: lower train.batch_size or model.seq_len")
     if t.batch_size % dp:
         raise ConfigError(f"global batch {t.batch_size} is not divisible by the data axis ({dp})")
     if (t.batch_size // t.microbatches) % dp:
-        raise ConfigError(f"microbatch of {t.batch_size // t.microbatches} rows (batch {t.batch_size} / "
-                          f"{t.microbatches} microbatches) is not divisible by the data axis ({dp})")
+        raise ConfigError(
+            f"microbatch of {t.batch_size // t.microbatches} rows (batch {t.batch_size} / "
+            f"{t.microbatches} microbatches) is not divisible by the data axis ({dp})")
 
 
 def check_model_fits(m, mesh):
@@ -140,12 +146,14 @@ def check_model_fits(m, mesh):
         if size % tp:
             raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
     if m.kv_heads % tp and tp % m.kv_heads:   # grouped-query: split, or each device holding one
-        raise ConfigError(f"model num_kv_heads={m.kv_heads} and the model axis ({tp}) must divide one "
-                          f"another: the key/value heads are split over it, or each device holds the one "
-                          f"its query heads read")
+        raise ConfigError(
+            f"model num_kv_heads={m.kv_heads} and the model axis ({tp}) must divide one "
+            f"another: the key/value heads are split over it, or each device holds the one "
+            f"its query heads read")
     if m.sequence_parallel and m.seq_len % tp:
-        raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by the model axis ({tp}), which "
-                          f"sequence parallelism splits the sequence over")
+        raise ConfigError(
+            f"model.seq_len={m.seq_len} is not divisible by the model axis ({tp}), which "
+            f"sequence parallelism splits the sequence over")
 
 
 def padded_rows(n: int, dp: int) -> np.ndarray:

@@ -26,9 +26,10 @@ class ParallelMLP(nnx.Module):
         self.approximate_gelu, self.gated = cfg.gelu == "tanh", cfg.mlp == "swiglu"
         common = dict(layout=layout, precision=precision, use_bias=cfg.bias == "all")
         if self.gated:
-            self.fc1 = FusedColumnParallelLinear(cfg.hidden, [("gate", cfg.ffn, 1), ("up", cfg.ffn, 1)],
-                                                 regather=cfg.remat != "full", std=cfg.init_std, rngs=rngs,
-                                                 **common)
+            self.fc1 = FusedColumnParallelLinear(cfg.hidden,
+                                                 [("gate", cfg.ffn, 1), ("up", cfg.ffn, 1)],
+                                                 regather=cfg.remat != "full", std=cfg.init_std,
+                                                 rngs=rngs, **common)
         else:
             self.fc1 = ColumnParallelLinear(cfg.hidden, cfg.ffn, regather=cfg.remat != "full",
                                             std=cfg.init_std, rngs=rngs, **common)
@@ -45,13 +46,15 @@ class ParallelMLP(nnx.Module):
 
     def __call__(self, x, norm=None):
         """fc2(act(fc1(x))), or of norm(x): the norm before the block, which with
-        `recompute_norm_gelu` the backward pass recomputes from x (kept anyway) instead of keeping."""
+        `recompute_norm_gelu` the backward pass recomputes from x (kept anyway) instead of
+        keeping."""
         # The activation is recomputed in the backward pass from its input, which is saved
         # anyway: that keeps no (b, s, ffn) intermediates alive and is ~5% faster on XLA:CPU
         # (bench/shakespeare_char.py).
         act = jax.checkpoint(self.activation)
         first = lambda x: self.fc1(x if norm is None else norm(x))   # noqa: E731
         second = lambda h: self.fc2(act(h))                          # noqa: E731
-        if self.recompute_norm_gelu:    # keeps x and fc1's output, not the norm's and the activation's too
+        # keeps x and fc1's output, not the norm's and the activation's too
+        if self.recompute_norm_gelu:
             first, second = jax.checkpoint(first), jax.checkpoint(second)
         return second(first(x))

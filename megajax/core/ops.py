@@ -134,9 +134,10 @@ def keep_mask(key, shape, rate: float, rows):
     words = jax.random.key_data(key).reshape(-1)
     pairs = len(shape) > 1 and shape[-1] % 2 == 0
     counters = (*shape[:-1], shape[-1] // 2) if pairs else shape
-    counter_row = jnp.broadcast_to(rows.astype(jnp.uint32).reshape(-1, *([1] * (len(counters) - 1))), counters)
-    counter_pos = jnp.broadcast_to(jnp.arange(math.prod(counters[1:]), dtype=jnp.uint32).reshape(counters[1:]),
-                                   counters)
+    counter_row = jnp.broadcast_to(
+        rows.astype(jnp.uint32).reshape(-1, *([1] * (len(counters) - 1))), counters)
+    counter_pos = jnp.broadcast_to(
+        jnp.arange(math.prod(counters[1:]), dtype=jnp.uint32).reshape(counters[1:]), counters)
     first, second = threefry2x32_p.bind(words[0], words[1], counter_row, counter_pos)
     bits = jnp.stack([first, second], axis=-1).reshape(shape) if pairs else first
     return bits >= jnp.uint32(round(rate * 2.0 ** 32))

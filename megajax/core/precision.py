@@ -72,7 +72,8 @@ class Precision:
     def name(self) -> str:
         if self.matmul != self.compute:
             return "mixed (bf16 matmuls, f32 activations)"
-        return "float16 (dynamic loss scaling)" if self.compute == jnp.float16 else self.compute.name
+        return ("float16 (dynamic loss scaling)" if self.compute == jnp.float16
+                else self.compute.name)
 
 
 def _device_has_bfloat16() -> bool:

@@ -14,7 +14,8 @@ from megajax.model_config import ModelConfig
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     """(head_dim / 2,) float32 angular frequencies, after the config's scaling."""
     d = cfg.head_dim
-    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))))
+    inv = (1.0
+           / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))))
     inv = inv.astype(np.float32)
     if cfg.rope_scaling == "linear":
         return (inv / np.float32(cfg.rope_factor)).astype(np.float32)

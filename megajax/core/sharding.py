@@ -51,19 +51,23 @@ REPLICATED_2D = (None, None)
 
 # Activation specs.
 ACT_REPLICATED = P(DATA, None, None)       # (batch, seq, hidden) between blocks
-ACT_SEQUENCE = P(DATA, MODEL, None)        # (batch, seq/tp, hidden) between blocks, sequence parallel
-ACT_COLUMN = P(DATA, None, MODEL)          # (batch, seq, features/tp) after a column-parallel matmul
+# (batch, seq/tp, hidden) between blocks, sequence parallel
+ACT_SEQUENCE = P(DATA, MODEL, None)
+# (batch, seq, features/tp) after a column-parallel matmul
+ACT_COLUMN = P(DATA, None, MODEL)
 ACT_HEADS = P(DATA, None, MODEL, None)     # (batch, seq, heads/tp, head_dim)
 ATTN_SCORES = P(DATA, MODEL, None, None)   # (batch, heads/tp, q, k)
 TOKENS = P(DATA, None)                     # (batch, seq) token ids, per-token losses
 BATCH = P(DATA)                            # any batch array: rows over "data", the rest whole
-KV_CACHE = P(DATA, MODEL, None, None)      # (batch, heads/tp, max_len, head_dim): split like the heads
+# (batch, heads/tp, max_len, head_dim): split like the heads
+KV_CACHE = P(DATA, MODEL, None, None)
 
 
 def is_megajax_mesh(mesh) -> bool:
     """The axes ("data", "model"), both Auto: the only mesh a Layout takes (core.mesh.as_mesh
     turns a user's into one)."""
-    return tuple(mesh.axis_names) == AXES and all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    return (tuple(mesh.axis_names) == AXES
+            and all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types))
 
 
 def check_context_mesh():
@@ -72,8 +76,10 @@ def check_context_mesh():
     instead of the first jax operation's error. An Auto context mesh is fine."""
     types = jax.sharding.get_abstract_mesh().axis_types
     if any(t == jax.sharding.AxisType.Explicit for t in types):
-        raise ValueError("megajax cannot run inside jax.set_mesh(mesh) of a mesh with Explicit axes (jax.make_mesh's "
-                         "default): call it outside that block, or make the mesh with megajax.make_mesh")
+        raise ValueError(
+            "megajax cannot run inside jax.set_mesh(mesh) of a mesh with Explicit axes "
+            "(jax.make_mesh's "
+            "default): call it outside that block, or make the mesh with megajax.make_mesh")
 
 
 PURPOSES = ("train", "inference")
@@ -104,8 +110,9 @@ class Layout:
 
     def __post_init__(self):
         if self.mesh is not None and not is_megajax_mesh(self.mesh):
-            raise ValueError(f"a Layout needs a mesh with Auto axes {AXES}, got {self.mesh.axis_names} "
-                             f"({self.mesh.axis_types}): pass it through megajax.core.mesh.as_mesh")
+            raise ValueError(
+                f"a Layout needs a mesh with Auto axes {AXES}, got {self.mesh.axis_names} "
+                f"({self.mesh.axis_types}): pass it through megajax.core.mesh.as_mesh")
 
     @property
     def between_blocks(self) -> P:
@@ -127,16 +134,21 @@ class Layout:
         longer than the model's `positions` (learned position embeddings have seq_len rows)."""
         check_context_mesh()
         if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"token ids must be a (batch, seq) integer array, got {ids.dtype} {tuple(ids.shape)}")
+            raise ValueError(
+                f"token ids must be a (batch, seq) integer array, got {ids.dtype} "
+                f"{tuple(ids.shape)}")
         if not self.data_manual and ids.shape[0] % self.dp:
-            raise ValueError(f"a batch of {ids.shape[0]} rows does not split over the data axis ({self.dp}): "
-                             f"give a multiple of {self.dp} rows (megajax.core.mesh.padded_rows pads one)")
+            raise ValueError(
+                f"a batch of {ids.shape[0]} rows does not split over the data axis ({self.dp}): "
+                f"give a multiple of {self.dp} rows (megajax.core.mesh.padded_rows pads one)")
         if self.sequence_parallel and ids.shape[1] % self.tp:
-            raise ValueError(f"a sequence of {ids.shape[1]} tokens does not split over the model axis "
-                             f"({self.tp}), which sequence parallelism splits it over")
+            raise ValueError(
+                f"a sequence of {ids.shape[1]} tokens does not split over the model axis "
+                f"({self.tp}), which sequence parallelism splits it over")
         if positions is not None and ids.shape[1] > positions:
-            raise ValueError(f"a sequence of {ids.shape[1]} tokens is longer than the model's {positions} "
-                             f"positions (model.seq_len)")
+            raise ValueError(
+                f"a sequence of {ids.shape[1]} tokens is longer than the model's {positions} "
+                f"positions (model.seq_len)")
 
     def sharding(self, spec) -> NamedSharding:
         return NamedSharding(self.mesh, spec if isinstance(spec, P) else P(*spec))
@@ -157,9 +169,11 @@ class Layout:
 
     def shard_map(self, fn, in_specs, out_specs):
         """`fn` manual over the model axis (and over "data" too, unless it already is)."""
-        strip = lambda specs: jax.tree.map(self.spec, specs, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
+        def strip(specs):
+            return jax.tree.map(self.spec, specs, is_leaf=lambda x: isinstance(x, P))
         if self.data_manual:
-            return jax.shard_map(fn, in_specs=strip(in_specs), out_specs=strip(out_specs), axis_names={MODEL})
+            return jax.shard_map(fn, in_specs=strip(in_specs), out_specs=strip(out_specs),
+                                 axis_names={MODEL})
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
 
     def global_sum(self, x):
@@ -240,10 +254,12 @@ def gather_over_data(x, dim: int, spec: tuple):
             return jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
     if MODEL not in spec:
         return gather(x)
-    return jax.shard_map(gather, in_specs=P(*spec), out_specs=P(*spec), axis_names={MODEL}, check_vma=False)(x)
+    return jax.shard_map(gather, in_specs=P(*spec), out_specs=P(*spec), axis_names={MODEL},
+                         check_vma=False)(x)
 
 
-def data_sharded_spec(shape, spec: P, data_size: int, model_size: int, skip_leading: bool = False) -> P | None:
+def data_sharded_spec(shape, spec: P, data_size: int, model_size: int,
+                      skip_leading: bool = False) -> P | None:
     """`spec` with "data" added on the largest dimension it leaves whole and `data_size`
     divides (ties: the first), or None when there is none: ZeRO's split of optimizer state and
     FSDP's of parameters, on top of the model axis's (a model axis of size 1 leaves every

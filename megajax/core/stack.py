@@ -21,13 +21,15 @@ from megajax.core.transformer import TransformerLayer
 from megajax.core.precision import Precision
 
 
-def _stacked_layers(cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs, causal: bool):
+def _stacked_layers(cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
+                    causal: bool):
     """num_layers layers whose parameters are stacked on a new leading (unsharded) axis."""
     keys = jax.random.split(rngs.params(), cfg.num_layers)
 
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
     def make(key):
-        return TransformerLayer(cfg, layout=layout, precision=precision, rngs=nnx.Rngs(params=key), causal=causal)
+        return TransformerLayer(cfg, layout=layout, precision=precision, rngs=nnx.Rngs(params=key),
+                                causal=causal)
 
     return make(keys)
 
@@ -54,12 +56,14 @@ class LayerStack(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
                  causal: bool = True):
-        self.num_layers, self.scan, self.remat = cfg.num_layers, cfg.scan_layers, cfg.remat == "full"
+        self.num_layers, self.scan, self.remat = (cfg.num_layers, cfg.scan_layers,
+                                                  cfg.remat == "full")
         self.layout = layout
         if self.scan:
             self.stacked = _stacked_layers(cfg, layout, precision, rngs, causal)
         else:
-            self.layers = nnx.List([TransformerLayer(cfg, layout=layout, precision=precision, rngs=rngs,
+            self.layers = nnx.List(
+                [TransformerLayer(cfg, layout=layout, precision=precision, rngs=rngs,
                                                      causal=causal) for _ in range(cfg.num_layers)])
 
     def _gathered(self, layer_state, x):
@@ -121,7 +125,8 @@ class LayerStack(nnx.Module):
 
             with jax.named_scope(f"layer_{i}"):
                 out = self._checkpointed(call)(state, x, None if keys is None else keys[i],
-                                               None if cache is None else (cache[0][i], cache[1][i]))
+                                               None if cache is None
+                                               else (cache[0][i], cache[1][i]))
             if cache is None:
                 x = out
             else:

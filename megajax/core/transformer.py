@@ -14,20 +14,23 @@ from megajax.model_config import ModelConfig
 
 
 class TransformerLayer(nnx.Module):
-    """Attention and MLP blocks with residuals; the norm before each block (pre) or after each add (post)."""
+    """Attention and MLP blocks with residuals; the norm before each block (pre) or after each add
+    (post)."""
 
     def __init__(self, cfg: ModelConfig, *, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
                  causal: bool = True):
         self.layout, self.placement = layout, cfg.ln_placement
         self.hidden_dropout = cfg.hidden_dropout
         self.ln1 = norm(cfg, layout)
-        self.attention = ParallelSelfAttention(cfg, layout=layout, precision=precision, rngs=rngs, causal=causal)
+        self.attention = ParallelSelfAttention(cfg, layout=layout, precision=precision, rngs=rngs,
+                                               causal=causal)
         self.ln2 = norm(cfg, layout)
         self.mlp = ParallelMLP(cfg, layout=layout, precision=precision, rngs=rngs)
 
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
         k_attn, k1, k2 = jax.random.split(key, 3) if key is not None else (None, None, None)
-        drop = lambda y, k: dropout(y, self.hidden_dropout, k, self.layout, self.layout.between_blocks)  # noqa: E731
+        drop = lambda y, k: dropout(y, self.hidden_dropout, k, self.layout,
+                                    self.layout.between_blocks)  # noqa: E731
 
         def attend(h, norm=None):
             if cache is None:

@@ -3,8 +3,8 @@
 Files are read in their published layouts:
   RACE   DIR/{train,dev,test}/{high,middle}/*.txt, one JSON object per file with "article",
          "questions", "options" (4 per question) and "answers" ("A".."D").
-  MNLI   DIR/train.tsv, dev_matched.tsv, dev_mismatched.tsv (columns sentence1, sentence2, gold_label).
-  QQP    DIR/train.tsv, dev.tsv (columns question1, question2, is_duplicate).
+  MNLI   DIR/train.tsv, dev_matched.tsv, dev_mismatched.tsv (columns sentence1, sentence2,
+  gold_label). QQP    DIR/train.tsv, dev.tsv (columns question1, question2, is_duplicate).
 Each example is encoded as [CLS] A [SEP] B [SEP]; for RACE, A is the article and B the
 question with the option (filling a "_" blank when the question has one), once per option.
 """
@@ -26,9 +26,10 @@ from megajax.data.tokenizer import Tokenizer
 from megajax.errors import UserError
 
 MNLI_LABELS = {"contradiction": 0, "entailment": 1, "neutral": 2}
-SPLIT_FILES = {"mnli": {"train": "train.tsv", "dev": "dev_matched.tsv", "dev_matched": "dev_matched.tsv",
+SPLIT_FILES = {
+    "mnli": {"train": "train.tsv", "dev": "dev_matched.tsv", "dev_matched": "dev_matched.tsv",
                         "dev_mismatched": "dev_mismatched.tsv"},
-               "qqp": {"train": "train.tsv", "dev": "dev.tsv"}}
+    "qqp": {"train": "train.tsv", "dev": "dev.tsv"}}
 
 
 @dataclasses.dataclass
@@ -42,12 +43,14 @@ class Example:
 def read_race(directory: Path, split: str) -> list[Example]:
     root = Path(directory) / split
     if not root.is_dir():
-        raise UserError(f"RACE split not found: {root} (expected {directory}/{split}/high and /middle)")
+        raise UserError(
+            f"RACE split not found: {root} (expected {directory}/{split}/high and /middle)")
     examples = []
     for level in ("middle", "high"):
         for path in sorted((root / level).glob("*")):
             if path.suffix in (".txt", ".json"):
-                examples += [Example([article] * 4, seconds, label, level) for article, seconds, label in _race_file(path)]
+                examples += [Example([article] * 4, seconds, label, level)
+                             for article, seconds, label in _race_file(path)]
     if not examples:
         raise UserError(f"no RACE questions under {root}/middle or {root}/high")
     return examples
@@ -58,19 +61,25 @@ def _race_file(path: Path):
     anything else than RACE's layout is one line naming the file."""
     try:
         doc = json.loads(read_utf8(path))
-        article, questions = doc["article"], list(zip(doc["questions"], doc["options"], doc["answers"], strict=True))
+        article, questions = doc["article"], list(
+            zip(doc["questions"], doc["options"], doc["answers"], strict=True))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not a RACE JSON file ({e.msg})") from None
     except (KeyError, TypeError, ValueError):
-        raise UserError(f"{path}: not a RACE file (an object with \"article\" and equally long lists "
-                        f"\"questions\", \"options\" and \"answers\")") from None
+        raise UserError(
+            f"{path}: not a RACE file (an object with \"article\" and equally long lists "
+            f"\"questions\", \"options\" and \"answers\")") from None
     for question, options, answer in questions:
         if not isinstance(options, list) or len(options) != 4:
             raise UserError(f"{path}: a RACE question needs 4 options, got {options!r:.60}")
-        if not (isinstance(article, str) and isinstance(question, str) and all(isinstance(o, str) for o in options)
+        if not (isinstance(article, str) and isinstance(question, str)
+                and all(isinstance(o, str) for o in options)
                 and isinstance(answer, str) and answer.strip() in ("A", "B", "C", "D")):
-            raise UserError(f"{path}: a RACE question needs text, 4 text options and an answer A-D, got {answer!r:.20}")
-        seconds = [question.replace("_", o) if "_" in question else f"{question} {o}" for o in options]
+            raise UserError(
+                f"{path}: a RACE question needs text, 4 text options and an answer A-D, got "
+                f"{answer!r:.20}")
+        seconds = [question.replace("_", o) if "_" in question else f"{question} {o}"
+                   for o in options]
         yield article, seconds, "ABCD".index(answer.strip())
 
 
@@ -86,7 +95,8 @@ def read_glue(directory: Path, task: str, split: str) -> list[Example]:
     with io.StringIO(read_utf8(path), newline="") as f:
         for row in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE):
             if task == "mnli":
-                a, b, label = row.get("sentence1"), row.get("sentence2"), MNLI_LABELS.get(row.get("gold_label", ""))
+                a, b, label = row.get("sentence1"), row.get("sentence2"), MNLI_LABELS.get(
+                    row.get("gold_label", ""))
             else:
                 a, b, dup = row.get("question1"), row.get("question2"), row.get("is_duplicate")
                 label = int(dup) if dup in ("0", "1") else None
@@ -108,7 +118,8 @@ def encode(examples: list[Example], tok: Tokenizer, seq_len: int) -> dict:
     """Arrays tokens/types/mask of (n, [4,] seq_len) and label (n,), truncating like BERT's
     fine-tuning (the end of the longer segment: for RACE, usually the article's)."""
     specials = Specials.of(tok)
-    texts = sorted({t for e in examples for t in e.first})   # RACE repeats each article per question
+    # RACE repeats each article per question
+    texts = sorted({t for e in examples for t in e.first})
     cache = dict(zip(texts, tok.encode_batch(texts)))
     seconds = tok.encode_batch([t for e in examples for t in e.second])
     choices = len(examples[0].first)
@@ -131,7 +142,8 @@ def encode(examples: list[Example], tok: Tokenizer, seq_len: int) -> dict:
 
 
 class ExampleBatches:
-    """Batches of encoded examples in a fresh permutation every epoch, a pure function of (seed, step)."""
+    """Batches of encoded examples in a fresh permutation every epoch, a pure function of (seed,
+    step)."""
 
     def __init__(self, arrays: dict, batch_size: int, seed: int, sharding, name: str = "train"):
         self.arrays, self.batch_size, self.seed, self.sharding = arrays, batch_size, seed, sharding
@@ -168,7 +180,9 @@ class TaskData:
         return self.tokenizer.vocab_size
 
     def describe(self) -> str:
-        return f"{len(self.train['label']):,} {self.task} train examples, {len(self.val['label']):,} validation"
+        return (
+            f"{len(self.train['label']):,} {self.task} train examples, {len(self.val['label']):,} "
+            f"validation")
 
     def batches(self, split: str, cfg, sharding):
         arrays = self.train if split == "train" else self.val

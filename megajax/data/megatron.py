@@ -27,7 +27,8 @@ from megajax.data.tokenizer import Tokenizer, fixed_tokenizer
 from megajax.errors import UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
-HEADER = struct.Struct("<9sQBQQ")          # magic, version, dtype code, sequences, document boundaries
+# magic, version, dtype code, sequences, document boundaries
+HEADER = struct.Struct("<9sQBQQ")
 TOKEN_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
 FLOAT_CODES = {6: "float64", 7: "float32"}
 
@@ -36,8 +37,10 @@ FLOAT_CODES = {6: "float64", 7: "float32"}
 class IndexedDataset:
     prefix: Path
     tokens: np.ndarray            # every sequence's ids in order: the .bin, mapped
-    bounds: np.ndarray            # int64: the token offset where each sequence starts, then the number of tokens
-    document_starts: np.ndarray   # int64: the first sequence of each document, then the number of sequences
+    # int64: the token offset where each sequence starts, then the number of tokens
+    bounds: np.ndarray
+    # int64: the first sequence of each document, then the number of sequences
+    document_starts: np.ndarray
 
     @property
     def documents(self) -> int:
@@ -55,7 +58,8 @@ class IndexedDataset:
 
 
 def prefix_of(arg: str) -> Path:
-    """PREFIX as Megatron's --data-path takes it; PREFIX.bin or PREFIX.idx named instead work too."""
+    """PREFIX as Megatron's --data-path takes it; PREFIX.bin or PREFIX.idx named instead work
+    too."""
     path = Path(arg)
     return path.with_suffix("") if path.suffix in (".bin", ".idx") else path
 
@@ -65,8 +69,9 @@ def read_indexed(arg: str) -> IndexedDataset:
     idx, data = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
     for path in (idx, data):
         if not path.is_file():
-            raise UserError(f"{path} not found: megatron:PREFIX reads PREFIX.idx and PREFIX.bin, the files "
-                            f"Megatron-LM's tools/preprocess_data.py writes")
+            raise UserError(
+                f"{path} not found: megatron:PREFIX reads PREFIX.idx and PREFIX.bin, the files "
+                f"Megatron-LM's tools/preprocess_data.py writes")
     raw = np.memmap(idx, dtype=np.uint8, mode="r") if idx.stat().st_size else np.zeros(0, np.uint8)
     if len(raw) < HEADER.size or bytes(raw[:9]) != MAGIC:
         raise UserError(f"{idx} is not a Megatron-LM index (no MMIDIDX header)")
@@ -74,12 +79,16 @@ def read_indexed(arg: str) -> IndexedDataset:
     if version != 1:
         raise UserError(f"{idx} is a version {version} Megatron-LM index; megajax reads version 1")
     if code not in TOKEN_DTYPES:
-        what = f"holds {FLOAT_CODES[code]} values, not token ids" if code in FLOAT_CODES else f"has unknown dtype code {code}"
+        what = (f"holds {FLOAT_CODES[code]} values, not token ids" if code in FLOAT_CODES
+                else f"has unknown dtype code {code}")
         raise UserError(f"{idx} {what}")
     tables = HEADER.size + 12 * count + 8 * bounds
-    if len(raw) not in (tables, tables + count):           # + an int8 mode per sequence (multimodal)
-        raise UserError(f"{idx} should hold {tables:,} bytes for its {count:,} sequences and {bounds:,} document "
-                        f"boundaries, has {len(raw):,}: damaged or incomplete")
+    # + an int8 mode per sequence (multimodal)
+    if len(raw) not in (tables, tables + count):
+        raise UserError(
+            f"{idx} should hold {tables:,} bytes for its {count:,} sequences and {bounds:,} "
+            f"document "
+            f"boundaries, has {len(raw):,}: damaged or incomplete")
     lengths = raw[HEADER.size:HEADER.size + 4 * count].view("<i4")
     pointers = raw[HEADER.size + 4 * count:HEADER.size + 12 * count].view("<i8")
     starts = np.asarray(raw[HEADER.size + 12 * count:tables].view("<i8"), np.int64)
@@ -87,8 +96,10 @@ def read_indexed(arg: str) -> IndexedDataset:
     bounds = _check_tables(idx, lengths, pointers, starts, dtype.itemsize)
     total = int(bounds[-1])
     if data.stat().st_size != total * dtype.itemsize:
-        raise UserError(f"{data} should hold {total:,} {dtype.name} tokens ({total * dtype.itemsize:,} bytes) as "
-                        f"{idx.name} says, has {data.stat().st_size:,} bytes: damaged, or another dataset's")
+        raise UserError(
+            f"{data} should hold {total:,} {dtype.name} tokens ({total * dtype.itemsize:,} bytes) "
+            f"as "
+            f"{idx.name} says, has {data.stat().st_size:,} bytes: damaged, or another dataset's")
     tokens = np.memmap(data, dtype=dtype, mode="r") if total else np.zeros(0, dtype)
     return IndexedDataset(prefix, tokens, bounds, starts)
 
@@ -100,9 +111,13 @@ def _check_tables(idx: Path, lengths, pointers, starts, itemsize: int) -> np.nda
         raise UserError(f"{idx} has a negative sequence length: damaged")
     bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     if not np.array_equal(pointers, bounds[:-1] * itemsize):
-        raise UserError(f"{idx}: its sequence pointers are not its lengths laid back to back: damaged")
-    if len(starts) == 0 or starts[0] != 0 or starts[-1] != len(lengths) or np.any(np.diff(starts) < 0):
-        raise UserError(f"{idx}: its document indices do not run from 0 to its {len(lengths):,} sequences: damaged")
+        raise UserError(
+            f"{idx}: its sequence pointers are not its lengths laid back to back: damaged")
+    if len(starts) == 0 or starts[0] != 0 or starts[-1] != len(lengths) or np.any(
+        np.diff(starts) < 0):
+        raise UserError(
+            f"{idx}: its document indices do not run from 0 to its {len(lengths):,} sequences: "
+            f"damaged")
     return bounds
 
 
@@ -115,8 +130,10 @@ def token_split(ds: IndexedDataset, val_fraction: float) -> tuple[np.ndarray, np
 def ids_tokenizer(given: Tokenizer | None, spec, source) -> Tokenizer:
     """The tokenizer that made a dataset of ids (the one given, or the spec's): one built from
     the corpus's text cannot be."""
-    return fixed_tokenizer(given, spec, f"--tokenizer {spec} is built from the corpus's text, and {source} holds "
-                                        f"token ids: give the tokenizer that made them (hf:PATH, tiktoken:gpt2, "
+    return fixed_tokenizer(
+        given, spec, f"--tokenizer {spec} is built from the corpus's text, and {source} holds "
+                                        f"token ids: give the tokenizer that made them (hf:PATH, "
+                                        f"tiktoken:gpt2, "
                                         f"wordpiece:PATH/vocab.txt, ...)")
 
 
@@ -126,8 +143,10 @@ def check_first_ids(ds: IndexedDataset, tok: Tokenizer, source: str, count: int 
     head = np.asarray(ds.tokens[:count])
     if head.size and (head.min() < 0 or head.max() >= tok.vocab_size):
         bad = int(head.min() if head.min() < 0 else head.max())
-        raise UserError(f"{source} has token id {bad}, outside the {tok.kind} tokenizer's {tok.vocab_size:,} ids: "
-                        f"give the tokenizer that made it (--tokenizer)")
+        raise UserError(
+            f"{source} has token id {bad}, outside the {tok.kind} tokenizer's {tok.vocab_size:,} "
+            f"ids: "
+            f"give the tokenizer that made it (--tokenizer)")
 
 
 def sentence_documents(arg: str, tok: Tokenizer, source: str) -> list[list[list[int]]]:
@@ -136,7 +155,9 @@ def sentence_documents(arg: str, tok: Tokenizer, source: str) -> list[list[list[
     ds = read_indexed(arg)
     starts = ds.document_starts
     if ds.documents and not np.any(np.diff(starts) >= 2):
-        raise UserError(f"{source} holds one sequence per document (preprocess_data.py without --split-sentences): "
-                        f"BERT's sentence pairs need the sentences; preprocess it with --split-sentences")
+        raise UserError(
+            f"{source} holds one sequence per document (preprocess_data.py without "
+            f"--split-sentences): "
+            f"BERT's sentence pairs need the sentences; preprocess it with --split-sentences")
     check_first_ids(ds, tok, source, count=len(ds.tokens))
     return [[s.tolist() for s in doc] for doc in ds.sentences()]

@@ -50,7 +50,8 @@ def held_out_cut(document_ends: np.ndarray, total: int, val_fraction: float) -> 
 
 
 def tokenizer_fingerprint(tok: Tokenizer) -> dict:
-    return {"kind": tok.kind, "vocab_size": tok.vocab_size, "probe_ids": [int(i) for i in tok.encode(PROBE)]}
+    return {"kind": tok.kind, "vocab_size": tok.vocab_size,
+            "probe_ids": [int(i) for i in tok.encode(PROBE)]}
 
 
 def is_prepared(path: Path) -> bool:
@@ -62,11 +63,13 @@ def read_meta(directory: Path, fmt: str = FORMAT) -> dict:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"{path} cannot be read: not a corpus prepared by megajax-prepare") from None
+        raise UserError(
+            f"{path} cannot be read: not a corpus prepared by megajax-prepare") from None
     if not isinstance(meta, dict) or meta.get("format") != fmt or meta.get("version") != VERSION:
         other = meta.get("format") if isinstance(meta, dict) else None
         hint = {FORMAT: f" (it holds token files: --data bin:{directory})",
-                PAIRS_FORMAT: f" (it holds BERT sentence pairs: --data pairs:{directory})"}.get(other, "")
+                PAIRS_FORMAT: f" (it holds BERT sentence pairs: --data pairs:{directory})"}.get(
+                    other, "")
         raise UserError(f"{path} is not a megajax-prepare {fmt} v{VERSION} description{hint}")
     _check_fields(meta, path, fmt)
     return meta
@@ -77,18 +80,22 @@ def _check_fields(meta: dict, path: Path, fmt: str):
     edited by hand is one line, not a KeyError or TypeError from deep inside."""
     def need(ok: bool, field: str):
         if not ok:
-            raise UserError(f"{path} is damaged (its {field!r} is missing or invalid): prepare the corpus again")
+            raise UserError(
+                f"{path} is damaged (its {field!r} is missing or invalid): prepare the corpus "
+                f"again")
     need(meta.get("dtype") in ("uint16", "uint32"), "dtype")
     tok = meta.get("tokenizer")
     fingerprint = tok.get("fingerprint") if isinstance(tok, dict) else None
-    need(isinstance(tok, dict) and isinstance(tok.get("kind"), str) and isinstance(fingerprint, dict)
-         and _count(fingerprint.get("vocab_size")) and isinstance(fingerprint.get("probe_ids"), list), "tokenizer")
+    need(isinstance(tok, dict) and isinstance(tok.get("kind"), str)
+         and isinstance(fingerprint, dict)
+         and _count(fingerprint.get("vocab_size"))
+         and isinstance(fingerprint.get("probe_ids"), list), "tokenizer")
     if fmt == FORMAT:
         splits = meta.get("splits")
         for split in SPLIT_FILES:
             entry = splits.get(split) if isinstance(splits, dict) else None
-            need(isinstance(entry, dict) and _count(entry.get("tokens")) and _bare_name(entry.get("file")),
-                 f"splits.{split}")
+            need(isinstance(entry, dict) and _count(entry.get("tokens"))
+                 and _bare_name(entry.get("file")), f"splits.{split}")
         return
     for field in ("seq_len", "pairs", "val_pairs", "tokens"):
         need(_count(meta.get(field)), field)
@@ -105,10 +112,12 @@ def _bare_name(x) -> bool:
 
 
 def _check_tokenizer(directory: Path, meta: dict, tokenizer: Tokenizer | None) -> Tokenizer:
-    if tokenizer is not None and tokenizer_fingerprint(tokenizer) != meta["tokenizer"]["fingerprint"]:
-        raise UserError(f"{directory} was tokenized with another tokenizer ({meta['tokenizer']['kind']}, "
-                        f"{meta['tokenizer']['fingerprint']['vocab_size']:,} ids) than this run's "
-                        f"({tokenizer.kind}, {tokenizer.vocab_size:,} ids)")
+    if tokenizer is not None and tokenizer_fingerprint(tokenizer) != meta["tokenizer"][
+        "fingerprint"]:
+        raise UserError(
+            f"{directory} was tokenized with another tokenizer ({meta['tokenizer']['kind']}, "
+            f"{meta['tokenizer']['fingerprint']['vocab_size']:,} ids) than this run's "
+            f"({tokenizer.kind}, {tokenizer.vocab_size:,} ids)")
     return tokenizer or load_tokenizer(directory, "a whole corpus prepared by megajax-prepare")
 
 
@@ -117,19 +126,22 @@ def _mapped(path: Path, dtype, count: int) -> np.ndarray:
     expected = count * dtype.itemsize
     if not path.is_file() or path.stat().st_size != expected:
         have = f"{path.stat().st_size:,} bytes" if path.is_file() else "no file"
-        raise UserError(f"{path} should hold {count:,} {dtype.name} values ({expected:,} bytes), has {have}: "
-                        f"damaged or incomplete; prepare it again")
+        raise UserError(
+            f"{path} should hold {count:,} {dtype.name} values ({expected:,} bytes), has {have}: "
+            f"damaged or incomplete; prepare it again")
     return np.memmap(path, dtype=dtype, mode="r") if count else np.zeros(0, dtype)
 
 
-def load_prepared(directory: Path, tokenizer: Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray, Tokenizer]:
+def load_prepared(directory: Path,
+                  tokenizer: Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray, Tokenizer]:
     """(train tokens, val tokens, tokenizer), memory-mapped. A run that brings its own
     tokenizer (resuming, --init-from) must bring the one the corpus was made with."""
     directory = Path(directory)
     meta = read_meta(directory)
     tokenizer = _check_tokenizer(directory, meta, tokenizer)
-    train, val = (_mapped(directory / meta["splits"][s]["file"], meta["dtype"], meta["splits"][s]["tokens"])
-                  for s in ("train", "val"))
+    train, val = (
+        _mapped(directory / meta["splits"][s]["file"], meta["dtype"], meta["splits"][s]["tokens"])
+        for s in ("train", "val"))
     return train, val, tokenizer
 
 
@@ -138,7 +150,8 @@ class DiskPairs:
     Each pair read is checked against its files' bounds and the tokenizer's ids: cheap per pair,
     where reading the whole corpus up front would not be, and a damaged file is one line."""
 
-    def __init__(self, tokens: np.ndarray, index: np.ndarray, lo: int, hi: int, directory: Path, vocab_size: int):
+    def __init__(self, tokens: np.ndarray, index: np.ndarray, lo: int, hi: int, directory: Path,
+                 vocab_size: int):
         self.tokens_file, self.index, self.lo, self.hi = tokens, index, lo, hi
         self.directory, self.vocab_size = directory, vocab_size
 
@@ -150,8 +163,10 @@ class DiskPairs:
             raise IndexError(i)
         start, len_a, len_b = (int(x) for x in self.index[self.lo + i])
         if min(start, len_a, len_b) < 0 or start + len_a + len_b > len(self.tokens_file):
-            raise UserError(f"{self.directory / 'pairs_index.bin'} is damaged: pair {self.lo + i:,} lies outside "
-                            f"pairs.bin; prepare the corpus again")
+            raise UserError(
+                f"{self.directory / 'pairs_index.bin'} is damaged: pair {self.lo + i:,} lies "
+                f"outside "
+                f"pairs.bin; prepare the corpus again")
         pair = self.tokens_file[start:start + len_a + len_b]
         check_ids(pair, self.vocab_size, f"{self.directory / 'pairs.bin'}", start)
         pair = pair.tolist()
@@ -163,20 +178,25 @@ class DiskPairs:
         return int(rows[:, 1].sum() + rows[:, 2].sum())
 
 
-def load_pairs(directory: Path, tokenizer: Tokenizer | None, seq_len: int) -> tuple[DiskPairs, DiskPairs, Tokenizer]:
+def load_pairs(directory: Path, tokenizer: Tokenizer | None,
+               seq_len: int) -> tuple[DiskPairs, DiskPairs, Tokenizer]:
     """(train pairs, val pairs, tokenizer) of a `megajax-prepare --pairs` directory, mapped."""
     directory = Path(directory)
     if not (directory / META).is_file():
-        raise UserError(f"{directory} is not a prepared corpus (no {META}): make one with megajax-prepare --pairs")
+        raise UserError(
+            f"{directory} is not a prepared corpus (no {META}): make one with megajax-prepare "
+            f"--pairs")
     meta = read_meta(directory, PAIRS_FORMAT)
     if meta["seq_len"] != seq_len:
-        raise UserError(f"{directory} holds pairs for model.seq_len = {meta['seq_len']}, not {seq_len}: set "
-                        f"model.seq_len={meta['seq_len']} or prepare it again with --seq-len {seq_len}")
+        raise UserError(
+            f"{directory} holds pairs for model.seq_len = {meta['seq_len']}, not {seq_len}: set "
+            f"model.seq_len={meta['seq_len']} or prepare it again with --seq-len {seq_len}")
     tokenizer = _check_tokenizer(directory, meta, tokenizer)
     n, n_val = meta["pairs"], meta["val_pairs"]
     tokens = _mapped(directory / "pairs.bin", meta["dtype"], meta["tokens"])
     index = _mapped(directory / "pairs_index.bin", np.int64, 3 * n).reshape(n, 3)
-    split = lambda lo, hi: DiskPairs(tokens, index, lo, hi, directory, tokenizer.vocab_size)  # noqa: E731
+    def split(lo, hi):
+        return DiskPairs(tokens, index, lo, hi, directory, tokenizer.vocab_size)
     return split(0, n - n_val), split(n - n_val, n), tokenizer
 
 
@@ -185,6 +205,7 @@ def check_ids(ids: np.ndarray, vocab_size: int, where: str, offset: int = 0):
     damaged file (the model would embed it as zeros and train on garbage without a word)."""
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         first = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
-        raise UserError(f"{where} holds token id {int(ids[first])} at token {offset + first:,}, outside "
-                        f"the vocabulary's {vocab_size:,} ids: the file is damaged, or was made with another "
-                        f"tokenizer; prepare it again")
+        raise UserError(
+            f"{where} holds token id {int(ids[first])} at token {offset + first:,}, outside "
+            f"the vocabulary's {vocab_size:,} ids: the file is damaged, or was made with another "
+            f"tokenizer; prepare it again")

@@ -41,7 +41,8 @@ class Specials:
         missing = [t for t, i in ids.items() if i is None]
         if missing:
             raise UserError(f"BERT needs a tokenizer with {', '.join(missing)} "
-                            f"(use --tokenizer wordpiece:PATH/vocab.txt, or wordpiece to train one)")
+                            f"(use --tokenizer wordpiece:PATH/vocab.txt, or wordpiece to train "
+                            f"one)")
         return cls(ids["[CLS]"], ids["[SEP]"], ids["[MASK]"], ids["[PAD]"])
 
 
@@ -49,12 +50,14 @@ def pair_room(seq_len: int) -> int:
     """Tokens of A and B that fit [CLS] A [SEP] B [SEP] in seq_len; at least one each, or a
     UserError naming the smallest seq_len that works."""
     if seq_len < 5:
-        raise UserError(f"BERT's sentence pairs ([CLS] A [SEP] B [SEP]) need model.seq_len of at least 5, "
-                        f"got {seq_len}")
+        raise UserError(
+            f"BERT's sentence pairs ([CLS] A [SEP] B [SEP]) need model.seq_len of at least 5, "
+            f"got {seq_len}")
     return seq_len - 3
 
 
-def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng=None) -> tuple[list[int], list[int]]:
+def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng=None) -> tuple[list[int],
+                                                                                  list[int]]:
     """BERT's truncate_seq_pair: drop tokens from the longer segment, at a random end when
     pretraining (`rng`), from its end when fine-tuning."""
     a, b = list(a), list(b)
@@ -64,7 +67,8 @@ def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng=None) -> tupl
     return a, b
 
 
-def make_pairs(docs: list[list[list[int]]], seq_len: int, seed: int) -> list[tuple[list[int], list[int]]]:
+def make_pairs(docs: list[list[list[int]]], seq_len: int,
+               seed: int) -> list[tuple[list[int], list[int]]]:
     """(A, B) segment pairs of consecutive text, each fitting [CLS] A [SEP] B [SEP] in seq_len."""
     return list(iter_pairs(docs, seq_len, seed))
 
@@ -76,7 +80,8 @@ def iter_pairs(docs, seq_len: int, seed: int):
     max_tokens = pair_room(seq_len)
 
     def target():
-        return max_tokens if rng.random() >= SHORT_SEQ_PROB else int(rng.integers(2, max_tokens + 1))
+        return max_tokens if rng.random() >= SHORT_SEQ_PROB else int(
+            rng.integers(2, max_tokens + 1))
 
     for doc in docs:
         chunk, length, goal = [], 0, target()

@@ -52,8 +52,9 @@ def text_files(spec: str) -> list[Path]:
             if not p.is_file():
                 if not p.exists():
                     raise UserError(f"data file not found: {p}")
-                raise UserError(f"data file {p} is a directory: give its files (a glob such as {p}/*.txt)"
-                                if p.is_dir() else f"data file {p} is not a regular file")
+                raise UserError(
+                    f"data file {p} is a directory: give its files (a glob such as {p}/*.txt)"
+                    if p.is_dir() else f"data file {p} is not a regular file")
             files.append(p)
     return distinct(files)
 
@@ -77,7 +78,8 @@ def read_utf8(path: Path) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+        raise UserError(
+            f"{path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
 
 
 def read_text(spec: str) -> str:
@@ -91,7 +93,9 @@ def _tfds_source(spec: str, split: str):
     try:
         import tensorflow_datasets as tfds
     except ImportError:
-        raise UserError("tfds: sources need tensorflow-datasets (pip install tensorflow-datasets array_record)") from None
+        raise UserError(
+            "tfds: sources need tensorflow-datasets (pip install tensorflow-datasets "
+            "array_record)") from None
     try:
         return tfds.data_source(spec, split=split)
     except Exception as e:
@@ -125,6 +129,7 @@ def source_text(source: str | DataSpec) -> str:
         return read_text(spec.arg)
     if spec.kind == "tfds":
         return "\n\n".join(tfds_texts(spec.arg, "train"))
-    hint = "; token files keep no sentence boundaries: BERT reads pairs:DIR, made by megajax-prepare --pairs" \
-        if spec.kind == "bin" else ""
-    raise UserError(f"data source '{source}' has no text (use builtin, text:PATH or tfds:NAME{hint})")
+    hint = ("; token files keep no sentence boundaries: BERT reads pairs:DIR, made by "
+            "megajax-prepare --pairs" if spec.kind == "bin" else "")
+    raise UserError(
+        f"data source '{source}' has no text (use builtin, text:PATH or tfds:NAME{hint})")

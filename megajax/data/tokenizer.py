@@ -1,4 +1,4 @@
-"""Tokenizers: raw bytes, characters, Hugging Face tokenizer.json, tiktoken encodings, BERT WordPiece.
+"""Tokenizers: raw bytes, characters, Hugging Face tokenizer.json, tiktoken, BERT WordPiece.
 
 Each is saved into the workdir (`tokenizer.json`), so evaluation and sampling need no flags.
 """
@@ -116,7 +116,8 @@ class HFTokenizer(Tokenizer):
             raise UserError(f"{self.path} is not a Hugging Face tokenizer.json "
                             f"({first_line(e, 120)})") from None
         named = _special_tokens(self.path.parent / "tokenizer_config.json")
-        for token in (named.get("eos_token"), "<|endoftext|>", "<|end_of_text|>", "</s>", "[SEP]", "<eos>"):
+        for token in (named.get("eos_token"), "<|endoftext|>", "<|end_of_text|>", "</s>", "[SEP]",
+                      "<eos>"):
             if token is not None and (i := self.tok.token_to_id(token)) is not None:
                 self.eos_id = i
                 break
@@ -157,15 +158,12 @@ def _special_tokens(path: Path) -> dict:
     turn is its eos, not the first end-like token of the vocabulary); {} when there is none."""
     try:
         config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        config = config if isinstance(config, dict) else {}
     except (OSError, ValueError):
         return {}
-    tokens = {}
-    for key in ("bos_token", "eos_token"):
-        value = config.get(key) if isinstance(config, dict) else None
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            tokens[key] = value
-    return tokens
+    values = {key: config.get(key) for key in ("bos_token", "eos_token")}
+    values = {key: v.get("content") if isinstance(v, dict) else v for key, v in values.items()}
+    return {key: v for key, v in values.items() if isinstance(v, str)}
 
 
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -184,7 +182,8 @@ class WordPieceTokenizer(HFTokenizer):
         if missing:
             raise UserError(f"the WordPiece vocabulary lacks {', '.join(missing)}")
         self.vocab, self.lowercase = list(vocab), lowercase
-        self.tok = tokenizers.Tokenizer(models.WordPiece({t: i for i, t in enumerate(self.vocab)}, unk_token="[UNK]"))
+        self.tok = tokenizers.Tokenizer(
+            models.WordPiece({t: i for i, t in enumerate(self.vocab)}, unk_token="[UNK]"))
         self.tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
         self.tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         self.tok.decoder = decoders.WordPiece()
@@ -201,7 +200,8 @@ class WordPieceTokenizer(HFTokenizer):
         return cls(vocab, lowercase)
 
     @classmethod
-    def train(cls, text: str, vocab_size: int = 8000, lowercase: bool = True) -> "WordPieceTokenizer":
+    def train(cls, text: str, vocab_size: int = 8000,
+              lowercase: bool = True) -> "WordPieceTokenizer":
         """A vocabulary trained on `text`, reproducibly (megajax/wordpiece.py)."""
         return cls(train_vocab(text, vocab_size, BERT_SPECIALS, lowercase), lowercase)
 
@@ -220,12 +220,15 @@ class TiktokenTokenizer(Tokenizer):
         self.name = name
         if encoding is None:
             if name not in (known := tiktoken.list_encoding_names()):
-                raise UserError(f"unknown tiktoken encoding '{name}' (tiktoken has {', '.join(known)})")
+                raise UserError(
+                    f"unknown tiktoken encoding '{name}' (tiktoken has {', '.join(known)})")
             try:
                 encoding = tiktoken.get_encoding(name)
-            except Exception as e:  # noqa: BLE001  (no network: requests' errors, or tiktoken's own)
+            # No network: requests' errors, or tiktoken's own.
+            except Exception as e:  # noqa: BLE001
                 raise UserError(f"tiktoken encoding '{name}' is not available offline "
-                                f"(put its files in TIKTOKEN_CACHE_DIR): {type(e).__name__}") from None
+                                f"(put its files in TIKTOKEN_CACHE_DIR): "
+                                f"{type(e).__name__}") from None
         self.enc = encoding
         self.eos_id = getattr(encoding, "eot_token", None)
 
@@ -247,7 +250,8 @@ def _wordpiece(arg: str, corpus_text: str | None) -> Tokenizer:
     if arg and not arg.isdigit():
         return WordPieceTokenizer.from_file(Path(arg))
     if int(arg or 8000) < len(BERT_SPECIALS):
-        raise UserError(f"wordpiece:SIZE must be at least {len(BERT_SPECIALS)}, its special tokens (got {arg})")
+        raise UserError(
+            f"wordpiece:SIZE must be at least {len(BERT_SPECIALS)}, its special tokens (got {arg})")
     if corpus_text is None:
         raise UserError("training a WordPiece vocabulary needs the training text")
     return WordPieceTokenizer.train(corpus_text, int(arg or 8000))
@@ -259,12 +263,13 @@ def _chars(arg: str, corpus_text: str | None) -> Tokenizer:
     return CharTokenizer.from_text(corpus_text)
 
 
-# The tokenizer kinds: (kind's argument, the corpus's text where the kind builds from it) -> Tokenizer.
+# The tokenizer kinds: (argument, the corpus's text where the kind builds from it) -> Tokenizer.
 MAKERS = {
     "bytes": lambda arg, text: ByteTokenizer(),
     "chars": _chars,
     # a tokenizer.json, or a Hugging Face model directory holding one
-    "hf": lambda arg, text: HFTokenizer(Path(arg) / "tokenizer.json" if Path(arg).is_dir() else Path(arg)),
+    "hf": lambda arg, text: HFTokenizer(Path(arg) / "tokenizer.json" if Path(arg).is_dir()
+                                        else Path(arg)),
     "tiktoken": lambda arg, text: TiktokenTokenizer(arg or "gpt2"),
     "wordpiece": _wordpiece,
 }
@@ -277,12 +282,14 @@ def make_tokenizer(spec: str | TokenizerSpec, corpus_text: str | None = None) ->
     if spec.kind in ("bytes", "chars") and spec.arg:
         raise UserError(f"the {spec.kind} tokenizer takes no argument (got '{spec}')")
     if spec.kind not in MAKERS:
-        raise UserError(f"unknown tokenizer '{spec}' (use bytes, chars, hf:PATH/tokenizer.json, tiktoken:NAME, "
-                        f"wordpiece:PATH/vocab.txt or wordpiece[:SIZE])")
+        raise UserError(
+            f"unknown tokenizer '{spec}' (use bytes, chars, hf:PATH/tokenizer.json, tiktoken:NAME, "
+            f"wordpiece:PATH/vocab.txt or wordpiece[:SIZE])")
     return MAKERS[spec.kind](spec.arg, corpus_text)
 
 
-def chosen(given: Tokenizer | None, spec: str | TokenizerSpec | None, corpus_text: str | None = None) -> Tokenizer:
+def chosen(given: Tokenizer | None, spec: str | TokenizerSpec | None,
+           corpus_text: str | None = None) -> Tokenizer:
     """The tokenizer a run uses: the one it was given (its workdir's, a pretrained run's, a
     prepared corpus's, an evaluated model's) wins over the one its spec would make."""
     if given is not None:
@@ -307,7 +314,7 @@ def load_tokenizer(workdir: Path, what: str = "a megajax workdir") -> Tokenizer:
         raise UserError(f"no {FILE} in {workdir}: is it {what}?")
     try:
         return _from_spec(json.loads(path.read_text(encoding="utf-8")), Path(workdir))
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError):
+    except (KeyError, TypeError, ValueError, AttributeError):   # JSON's, UTF-8's: ValueErrors
         raise UserError(f"{path} is damaged (not a megajax tokenizer description)") from None
 
 
@@ -330,7 +337,8 @@ def _from_spec(spec: dict, workdir: Path) -> Tokenizer:
             raise TypeError("name: not a string")
         return TiktokenTokenizer(spec["name"])
     if kind == "wordpiece":
-        return WordPieceTokenizer.from_file(workdir / _file_name(spec), bool(spec.get("lowercase", True)))
+        return WordPieceTokenizer.from_file(workdir / _file_name(spec),
+                                            bool(spec.get("lowercase", True)))
     raise UserError(f"{workdir / FILE}: unknown tokenizer kind {kind!r}")
 
 

@@ -30,8 +30,10 @@ class TokenData:
     train: np.ndarray
     val: np.ndarray
     tokenizer: Tokenizer
-    vocab_size: int = 0          # ids the model must embed: the tokenizer's, or more (see megajax/tasks/lm.py)
-    prepared: bool = False       # from a megajax-prepare directory: split and tokenizer already checked
+    # ids the model must embed: the tokenizer's, or more (see megajax/tasks/lm.py)
+    vocab_size: int = 0
+    # from a megajax-prepare directory: split and tokenizer already checked
+    prepared: bool = False
     source: str = ""             # where the ids were read from, for a message about a damaged file
 
     def __post_init__(self):
@@ -44,20 +46,24 @@ class TokenData:
         """GPT batches of a split (None for a validation split too short for one sequence)."""
         t, s = cfg.train, cfg.model.seq_len
         if split == "train":
-            return Batches(self.train, s, t.batch_size, t.seed, sharding, vocab_size=self.vocab_size, source=self.source)
+            return Batches(self.train, s, t.batch_size, t.seed, sharding,
+                           vocab_size=self.vocab_size, source=self.source)
         if len(self.val) < s + 2:
             return None
-        return EvalWindows(self.val, s, t.batch_size, t.eval_batches, sharding, self.vocab_size, self.source)
+        return EvalWindows(self.val, s, t.batch_size, t.eval_batches, sharding, self.vocab_size,
+                           self.source)
 
 
-def load_tokens(source: str | DataSpec, tokenizer_spec: str | TokenizerSpec | None = None, val_fraction: float = 0.1,
+def load_tokens(source: str | DataSpec, tokenizer_spec: str | TokenizerSpec | None = None,
+                val_fraction: float = 0.1,
                 bin_dtype: str = "uint16", tokenizer: Tokenizer | None = None) -> TokenData:
     """Tokenize `source` with `tokenizer` (or else the one `tokenizer_spec` makes) and hold out
     the last `val_fraction` of it for validation (a source with its own splits keeps them)."""
     spec = DataSpec.of(source)
     if spec.kind not in SOURCES:
-        raise UserError(f"unknown data source '{source}' (use builtin, text:PATH, bin:PATH, megatron:PREFIX or "
-                        f"tfds:NAME{'; pairs: holds BERT sentence pairs, for model.kind = bert' if spec.kind == 'pairs' else ''})")
+        pairs = "; pairs: holds BERT sentence pairs, for model.kind = bert" * (spec.kind == "pairs")
+        raise UserError(f"unknown data source '{source}' (use builtin, text:PATH, bin:PATH, "
+                        f"megatron:PREFIX or tfds:NAME{pairs})")
     return SOURCES[spec.kind](spec, tokenizer, tokenizer_spec, val_fraction, bin_dtype)
 
 
@@ -68,23 +74,27 @@ def _bin(spec: DataSpec, given, tokenizer_spec, val_fraction: float, bin_dtype: 
         train, val, tok = load_prepared(path, given)
         return TokenData(train, val, tok, prepared=True, source=spec.arg)
     if path.is_dir():
-        raise UserError(f"{path} is a directory without meta.json, not a corpus prepared by megajax-prepare "
-                        f"(bin: takes one of those, or a file of tokens)")
+        raise UserError(
+            f"{path} is a directory without meta.json, not a corpus prepared by megajax-prepare "
+            f"(bin: takes one of those, or a file of tokens)")
     if not path.is_file():
         raise UserError(f"data file not found: {path}")
     if path.stat().st_size == 0:
         raise UserError(f"data file is empty: {path}")
     width = np.dtype(bin_dtype).itemsize
     if path.stat().st_size % width:
-        raise UserError(f"{path} has {path.stat().st_size} bytes, not a whole number of {bin_dtype} "
-                        f"tokens (is data.bin_dtype right?)")
+        raise UserError(
+            f"{path} has {path.stat().st_size} bytes, not a whole number of {bin_dtype} "
+            f"tokens (is data.bin_dtype right?)")
     tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
     # ids need no vocabulary built from text: a chars spec reads them as bytes would
-    by_ids = "bytes" if tokenizer_spec is not None and TokenizerSpec.of(tokenizer_spec).kind == "chars" else tokenizer_spec
+    by_ids = ("bytes" if tokenizer_spec is not None
+              and TokenizerSpec.of(tokenizer_spec).kind == "chars" else tokenizer_spec)
     return dataclasses.replace(_split(tokens, val_fraction, chosen(given, by_ids)), source=spec.arg)
 
 
-def _megatron(spec: DataSpec, given, tokenizer_spec, val_fraction: float, bin_dtype: str) -> TokenData:
+def _megatron(spec: DataSpec, given, tokenizer_spec, val_fraction: float,
+              bin_dtype: str) -> TokenData:
     ds = read_indexed(spec.arg)
     tok = ids_tokenizer(given, tokenizer_spec, spec)
     check_first_ids(ds, tok, str(spec))
@@ -111,7 +121,8 @@ def _text(spec: DataSpec, given, tokenizer_spec, val_fraction: float, bin_dtype:
     return _split(_encode(tok, text), val_fraction, tok)
 
 
-# The kinds of source a GPT reads: (spec, tokenizer given, tokenizer spec, val_fraction, bin_dtype) -> TokenData.
+# The kinds of source a GPT reads: (spec, tokenizer given, tokenizer spec, val_fraction, bin_dtype)
+# -> TokenData.
 SOURCES = {"builtin": _text, "text": _text, "bin": _bin, "megatron": _megatron, "tfds": _tfds}
 
 
@@ -128,10 +139,11 @@ def _split(tokens: np.ndarray, val_fraction: float, tok: Tokenizer) -> TokenData
 
 
 class Batches:
-    """Random windows of seq_len + 1 tokens; row r of batch `step` depends only on (seed, step, r)."""
+    """Random windows of seq_len + 1 tokens; row r of batch `step` depends only on (seed, step,
+    r)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, sharding, name="train",
-                 vocab_size: int | None = None, source: str = ""):
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, sharding,
+                 name="train", vocab_size: int | None = None, source: str = ""):
         if len(tokens) < seq_len + 2:
             raise UserError(f"the {name} split has {len(tokens)} tokens, fewer than one sequence "
                             f"of {seq_len + 1}; use more data or a smaller model.seq_len")
@@ -147,7 +159,8 @@ class Batches:
     def rows(self, step: int, row_slice: slice) -> np.ndarray:
         starts = self.starts(step)[row_slice]
         rows = [np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts]
-        if self.vocab_size is not None:    # a memory-mapped file is only read here: checked as it is read
+        # a memory-mapped file is only read here: checked as it is read
+        if self.vocab_size is not None:
             for s, row in zip(starts, rows):
                 check_ids(row, self.vocab_size, self.where, int(s))
         return np.stack(rows).astype(np.int32)
@@ -155,7 +168,8 @@ class Batches:
     def __call__(self, step: int) -> jax.Array:
         """The global (batch, seq_len + 1) array for `step`, each process filling only its rows."""
         shape = (self.batch_size, self.seq_len + 1)
-        return jax.make_array_from_callback(shape, self.sharding, lambda idx: self.rows(step, idx[0]))
+        return jax.make_array_from_callback(shape, self.sharding,
+                                            lambda idx: self.rows(step, idx[0]))
 
 
 class EvalWindows(Batches):
@@ -169,14 +183,17 @@ class EvalWindows(Batches):
     batch_size windows that would not fill a batch), and the mean is the split's own loss.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int, sharding,
-                 vocab_size: int | None = None, source: str = ""):
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int,
+                 sharding, vocab_size: int | None = None, source: str = ""):
         super().__init__(tokens, seq_len, batch_size, 0, sharding, "val", vocab_size, source)
         n_windows = (len(tokens) - 1) // seq_len
         self.num_batches = max(1, min(max_batches, n_windows // batch_size))
         self.n_windows = n_windows
 
     def starts(self, step: int) -> np.ndarray:
-        count = self.num_batches * self.batch_size   # may exceed n_windows for a tiny split: windows repeat
-        first = step * self.batch_size               # (made per batch: a batch's worth of memory, however many)
-        return np.arange(first, min(first + self.batch_size, count), dtype=np.int64) * self.n_windows // count * self.seq_len
+        # may exceed n_windows for a tiny split: windows repeat
+        count = self.num_batches * self.batch_size
+        # (made per batch: a batch's worth of memory, however many)
+        first = step * self.batch_size
+        return np.arange(first, min(first + self.batch_size, count),
+                         dtype=np.int64) * self.n_windows // count * self.seq_len

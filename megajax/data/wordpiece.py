@@ -60,7 +60,8 @@ def _merge_everywhere(pair, new: int, words, freq, pair_count, where) -> set:
     return changed
 
 
-def train_vocab(text: str, vocab_size: int, specials: tuple[str, ...], lowercase: bool = True) -> list[str]:
+def train_vocab(text: str, vocab_size: int, specials: tuple[str, ...],
+                lowercase: bool = True) -> list[str]:
     """specials, then every character, then `##` + every continuation character (each sorted),
     then merged tokens in the order they were made, until vocab_size tokens or no pair is left."""
     counts = word_counts(text, lowercase)

@@ -28,7 +28,8 @@ def lambada_examples(path: Path, tokenizer: Tokenizer, seq_len: int):
         except (json.JSONDecodeError, KeyError, TypeError):
             raise UserError(f"{path}:{n}: expected a JSON object with a \"text\" field") from None
         if not isinstance(text, str) or len(text.split()) < 2:
-            raise UserError(f"{path}:{n}: \"text\" must be a passage of at least two words, got {text!r:.60}")
+            raise UserError(
+                f"{path}:{n}: \"text\" must be a passage of at least two words, got {text!r:.60}")
         text = text.strip()
         *context, word = text.rsplit(None, 1)
         context = context[0] if context else ""
@@ -40,7 +41,8 @@ def lambada_examples(path: Path, tokenizer: Tokenizer, seq_len: int):
     return examples
 
 
-def evaluate_lambada(model, tokenizer: Tokenizer, path: Path, batch_size: int = 8, progress=None) -> dict:
+def evaluate_lambada(model, tokenizer: Tokenizer, path: Path, batch_size: int = 8,
+                     progress=None) -> dict:
     """Accuracy over the passages, and the mean loss of the target tokens."""
     examples = lambada_examples(path, tokenizer, model.cfg.seq_len)
     rows = []
@@ -55,5 +57,6 @@ def evaluate_lambada(model, tokenizer: Tokenizer, path: Path, batch_size: int = 
         idx = np.nonzero(mask)[0]
         correct.append(bool(np.all(argmax[idx] == t[idx + 1])))
     loss = sum(s[0] for s in scored) / sum(s[1] for s in scored)
-    return {"accuracy": float(np.mean(correct)), "correct": int(np.sum(correct)), "passages": len(rows),
+    return {"accuracy": float(np.mean(correct)), "correct": int(np.sum(correct)),
+            "passages": len(rows),
             "mean_target_loss": loss, "per_passage_correct": correct, "file": str(path)}

@@ -60,13 +60,15 @@ def score_windows(model, rows: list[tuple[np.ndarray, np.ndarray]], batch_size: 
         for j in np.flatnonzero(real):
             mask = np.zeros(seq_len, bool)
             mask[:len(rows[idx[j]][1])] = rows[idx[j]][1]
-            out.append((float(losses[j][mask].astype(np.float64).sum()), int(mask.sum()), losses[j], argmax[j]))
+            out.append((float(losses[j][mask].astype(np.float64).sum()), int(mask.sum()), losses[j],
+                        argmax[j]))
         if progress:
             progress(len(out), len(rows))
     return out
 
 
-def perplexity_of_tokens(model, tokens: np.ndarray, stride: int, batch_size: int, progress=None) -> dict:
+def perplexity_of_tokens(model, tokens: np.ndarray, stride: int, batch_size: int,
+                         progress=None) -> dict:
     seq_len = model.cfg.seq_len
     rows = []
     for start, first in stride_windows(len(tokens), seq_len, stride):
@@ -77,5 +79,5 @@ def perplexity_of_tokens(model, tokens: np.ndarray, stride: int, batch_size: int
     scored = score_windows(model, rows, batch_size, progress)
     total = sum(s[0] for s in scored)
     count = sum(s[1] for s in scored)
-    return {"loss_sum": total, "tokens": count, "loss": total / count, "ppl": perplexity(total / count),
-            "windows": len(rows), "stride": stride}
+    return {"loss_sum": total, "tokens": count, "loss": total / count,
+            "ppl": perplexity(total / count), "windows": len(rows), "stride": stride}

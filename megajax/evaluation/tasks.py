@@ -29,21 +29,26 @@ from megajax.tasks import task_for
 
 
 def data_source(arg: str) -> DataSpec:
-    """--data as train.py reads it (builtin, text:, bin:, megatron:, tfds:), or a bare path: a text file."""
+    """--data as train.py reads it (builtin, text:, bin:, megatron:, tfds:), or a bare path: a text
+    file."""
     return DataSpec.of(arg, bare_path_is_text=True)
 
 
 def ppl(args, loaded: Loaded, progress):
     source = data_source(args.data)
-    data = load_tokens(source, val_fraction=0.0, bin_dtype=loaded.cfg.data.bin_dtype, tokenizer=loaded.tokenizer)
+    data = load_tokens(source, val_fraction=0.0, bin_dtype=loaded.cfg.data.bin_dtype,
+                       tokenizer=loaded.tokenizer)
     # A corpus prepared by megajax-prepare: its held-out split, the one train.py's val_loss reads.
     tokens, split = (data.val, "val") if data.prepared else (data.train, None)
     if len(tokens) < 2:
-        raise UserError(f"{source} has {'no held-out split (prepared with --val-fraction 0)' if split else 'under 2 tokens'}"
-                        f": nothing to score")
+        raise UserError(
+            f"{source} has "
+            f"{'no held-out split (prepared with --val-fraction 0)' if split else 'under 2 tokens'}"
+            f": nothing to score")
     if int(np.max(tokens)) >= loaded.cfg.model.vocab_size:
-        raise UserError(f"{source} has token id {int(np.max(tokens))}, beyond the model's vocabulary "
-                        f"of {loaded.cfg.model.vocab_size:,} (another tokenizer, or data.bin_dtype?)")
+        raise UserError(
+            f"{source} has token id {int(np.max(tokens))}, beyond the model's vocabulary "
+            f"of {loaded.cfg.model.vocab_size:,} (another tokenizer, or data.bin_dtype?)")
     r = perplexity_of_tokens(loaded.model, tokens, args.stride, args.batch_size, progress)
     if split is not None:
         r["split"] = split
@@ -52,11 +57,13 @@ def ppl(args, loaded: Loaded, progress):
 
 
 def wikitext(args, loaded: Loaded, progress):
-    r = evaluate_wikitext(loaded.model, loaded.tokenizer, Path(args.data), args.stride, args.batch_size, progress)
+    r = evaluate_wikitext(loaded.model, loaded.tokenizer, Path(args.data), args.stride,
+                          args.batch_size, progress)
     return r, [("subword tokens T", r["tokens"]), ("original tokens T_o", r["original_tokens"]),
                ("loss per token", r["loss"]), ("perplexity", r["ppl"]),
                ("adjusted perplexity exp(L/T_o), the paper's", r["adjusted_ppl"]),
-               ("adjusted perplexity exp(L/(T_o-1)), Megatron's script", r["adjusted_ppl_megatron"])]
+               ("adjusted perplexity exp(L/(T_o-1)), Megatron's script",
+                r["adjusted_ppl_megatron"])]
 
 
 def lambada(args, loaded: Loaded, progress):
@@ -71,7 +78,8 @@ def sample(args, loaded: Loaded, progress):
     prompt = loaded.tokenizer.encode(args.prompt) or [0]
     stream = Stream(loaded.tokenizer, args.prompt, enabled=is_main())
     new = generate(loaded.model, np.asarray([prompt]), args.max_new_tokens, args.temperature,
-                   args.top_k, jax.random.key(args.seed), eos_id=loaded.tokenizer.eos_id, emit=stream.add)
+                   args.top_k, jax.random.key(args.seed), eos_id=loaded.tokenizer.eos_id,
+                   emit=stream.add)
     text = loaded.tokenizer.decode(new[0])
     stream.close(text)
     return {"prompt": args.prompt, "completion": text, "tokens": new[0].tolist()}, None
@@ -101,18 +109,23 @@ class Stream:
 
 def mlm(args, loaded: Loaded, progress):
     source = data_source(args.data)
-    cfg = dataclasses.replace(loaded.cfg, data=dataclasses.replace(loaded.cfg.data, val_fraction=0.0))
-    if source.kind == "pairs":   # a megajax-prepare --pairs corpus: its held-out pairs, the ones train.py's val_* read
+    cfg = dataclasses.replace(loaded.cfg,
+                              data=dataclasses.replace(loaded.cfg.data, val_fraction=0.0))
+    # a megajax-prepare --pairs corpus: its held-out pairs, the ones train.py's val_* read
+    if source.kind == "pairs":
         pairs, split = load_pairs(Path(source.arg), loaded.tokenizer, cfg.model.seq_len)[1], "val"
         if not len(pairs):
-            raise UserError(f"{source.arg} has no held-out pairs (prepared with --val-fraction 0): nothing to score")
+            raise UserError(
+                f"{source.arg} has no held-out pairs (prepared with --val-fraction 0): nothing to "
+                f"score")
     elif source.kind == "megatron":   # a Megatron-LM dataset with --split-sentences: all of it
         docs = sentence_documents(source.arg, loaded.tokenizer, str(source))
         pairs, split = pretraining_from_documents(docs, loaded.tokenizer, cfg).train_pairs, None
     else:
-        pairs, split = load_pretraining(source_text(source), loaded.tokenizer, cfg).train_pairs, None
-    r = evaluate_pretraining(loaded.model, pairs, cfg, Specials.of(loaded.tokenizer), loaded.tokenizer,
-                             args.batch_size)
+        pairs, split = load_pretraining(source_text(source), loaded.tokenizer,
+                                        cfg).train_pairs, None
+    r = evaluate_pretraining(loaded.model, pairs, cfg, Specials.of(loaded.tokenizer),
+                             loaded.tokenizer, args.batch_size)
     if split is not None:
         r["split"] = split
     return r, [*([("split", f"{split} (held out by megajax-prepare)")] if split else []),
@@ -123,7 +136,8 @@ def mlm(args, loaded: Loaded, progress):
 
 def fine_tuned(args, loaded: Loaded, progress):
     split = args.split or ("test" if args.task == "race" else "dev")
-    r = evaluate_task(loaded.model, args.task, Path(args.data), split, loaded.tokenizer, args.batch_size)
+    r = evaluate_task(loaded.model, args.task, Path(args.data), split, loaded.tokenizer,
+                      args.batch_size)
     rows = [("split", split), ("examples", r["examples"]), ("accuracy", r["accuracy"])]
     rows += [(f"accuracy ({lvl}, {r[f'examples_{lvl}']})", r[f"accuracy_{lvl}"])
              for lvl in ("middle", "high") if f"accuracy_{lvl}" in r]
@@ -133,9 +147,10 @@ def fine_tuned(args, loaded: Loaded, progress):
 GPT = ("gpt", "a GPT workdir")
 # eval.py --task -> (the training task its workdir must hold, what to call it, the function)
 EVAL_TASKS = {
-    "ppl": (*GPT, ppl), "wikitext": (*GPT, wikitext), "lambada": (*GPT, lambada), "sample": (*GPT, sample),
-    "mlm": ("bert", "a pretrained BERT workdir", mlm),
-    **{name: (name, f"a BERT workdir fine-tuned on {name}", fine_tuned) for name in ("race", "mnli", "qqp")},
+    "ppl": (*GPT, ppl), "wikitext": (*GPT, wikitext), "lambada": (*GPT, lambada),
+    "sample": (*GPT, sample), "mlm": ("bert", "a pretrained BERT workdir", mlm),
+    **{name: (name, f"a BERT workdir fine-tuned on {name}", fine_tuned)
+       for name in ("race", "mnli", "qqp")},
 }
 
 
@@ -152,7 +167,8 @@ def run_task(args) -> tuple[dict, bool]:
     needs, what, run = EVAL_TASKS[args.task]
     m = loaded.cfg.model
     if task_for(loaded.cfg).name != needs:
-        raise UserError(f"--task {args.task} needs {what}; {args.workdir} holds {m.kind} ({m.task})")
+        raise UserError(
+            f"--task {args.task} needs {what}; {args.workdir} holds {m.kind} ({m.task})")
     main = is_main()
     result, rows = run(args, loaded, Progress(unit="row", enabled=main).advance)
     refuse_non_finite(result, loaded, args)
@@ -169,11 +185,14 @@ def refuse_non_finite(result: dict, loaded: Loaded, args):
     bad = {k: v for k, v in result.items() if isinstance(v, float) and not np.isfinite(v)}
     if bad:
         listed = ", ".join(f"{k} {v}" for k, v in bad.items())
-        raise UserError(f"checkpoint step {loaded.step} of {args.workdir} gives {listed} on this data: its weights "
-                        f"diverged or overflow; no result written (an earlier checkpoint: --step)")
+        raise UserError(
+            f"checkpoint step {loaded.step} of {args.workdir} gives {listed} on this data: its "
+            f"weights "
+            f"diverged or overflow; no result written (an earlier checkpoint: --step)")
 
 
 def table(rows: list[tuple[str, object]]) -> str:
     width = max(len(k) for k, _ in rows)
-    fmt = lambda v: f"{v:,.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)  # noqa: E731
+    fmt = lambda v: f"{v:,.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(
+        v, int) else str(v)  # noqa: E731
     return "\n".join(f"{k.ljust(width)}  {fmt(v)}" for k, v in rows)

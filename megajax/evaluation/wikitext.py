@@ -38,8 +38,8 @@ def original_token_count(raw: str) -> int:
     return len(raw.strip().split(" "))
 
 
-def evaluate_wikitext(model, tokenizer: Tokenizer, path: Path, stride: int = 32, batch_size: int = 8,
-                      progress=None) -> dict:
+def evaluate_wikitext(model, tokenizer: Tokenizer, path: Path, stride: int = 32,
+                      batch_size: int = 8, progress=None) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"WikiText file not found: {path}")

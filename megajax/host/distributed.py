@@ -32,9 +32,10 @@ def on_cluster() -> bool:
     return False
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               heartbeat_timeout_s: int = 60) -> bool:
-    """Start jax.distributed when asked (or when a cluster launcher is detected). Returns whether it did.
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, heartbeat_timeout_s: int = 60) -> bool:
+    """Start jax.distributed when asked (or when a cluster launcher is detected). Returns whether
+    it did.
 
     A process that loses a peer learns it from the coordination service's heartbeat within
     about `heartbeat_timeout_s` seconds, or at once from a failed collective, and exits.
@@ -46,8 +47,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return False
     if explicit and None in (coordinator, num_processes, process_id):
         raise UserError("--coordinator, --num-processes and --process-id go together")
-    if explicit and not (coordinator.rpartition(":")[0] and coordinator.rpartition(":")[2].isdigit()):
-        raise UserError(f"--coordinator must be HOST:PORT (e.g. 127.0.0.1:1234), got '{coordinator}'")
+    if explicit and not (coordinator.rpartition(":")[0]
+                         and coordinator.rpartition(":")[2].isdigit()):
+        raise UserError(
+            f"--coordinator must be HOST:PORT (e.g. 127.0.0.1:1234), got '{coordinator}'")
     if explicit and num_processes < 1:
         raise UserError(f"--num-processes must be at least 1, got {num_processes}")
     if explicit and not 0 <= process_id < num_processes:
@@ -75,8 +78,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
 
 def _give_up_waiting(timeout: int, num_processes):
-    print(f"error: not all {num_processes or ''} processes joined within {timeout} s (is every process "
-          f"started, with the same --coordinator?)", file=sys.stderr, flush=True)
+    print(
+        f"error: not all {num_processes or ''} processes joined within {timeout} s (is every "
+        f"process "
+        f"started, with the same --coordinator?)", file=sys.stderr, flush=True)
     os._exit(2)
 
 
@@ -90,9 +95,12 @@ def bound_shutdown(status: int):
     though its run finished and saved. A while before that, leave with the run's own status."""
     if _HEARTBEAT_S and jax.process_count() > 1:
         # Said now: once the shutdown has begun, JAX no longer answers questions about processes.
-        line = (f"warning: process {jax.process_index()} of {jax.process_count()}: the other processes did not "
-                f"reach the shutdown within {2 * _HEARTBEAT_S} s (one probably ended without it); leaving with "
-                f"the run's status {status}")
+        line = (
+            f"warning: process {jax.process_index()} of {jax.process_count()}: the other processes "
+            f"did not "
+            f"reach the shutdown within {2 * _HEARTBEAT_S} s (one probably ended without it); "
+            f"leaving with "
+            f"the run's status {status}")
         timer = threading.Timer(2 * _HEARTBEAT_S, _stuck_at_shutdown, (line, status))
         timer.daemon = True
         timer.start()
@@ -106,8 +114,9 @@ def _stuck_at_shutdown(line: str, status: int):
 class Watchdog:
     """A frozen peer (stopped, swapped out, a hung host) leaves this process waiting in a
     collective, and the runtime's heartbeat check then aborts it from C++ (exit 134, a stack
-    dump) within its heartbeat timeout (set to three times --heartbeat-timeout) of the peer stopping.
-    This says so in one line first: when no step, evaluation or save has finished for 0.8 of
+    dump) within its heartbeat timeout (set to three times --heartbeat-timeout) of the peer
+    stopping. This says so in one line first: when no step, evaluation or save has finished for 0.8
+    of
     --heartbeat-timeout (and for 5 times the slowest interval seen, so a slow step is never
     mistaken for a frozen peer), it exits.
     Only in multi-process runs; `beat()` marks progress."""
@@ -132,9 +141,12 @@ class Watchdog:
         while not self.done.wait(0.5):
             stalled = time.monotonic() - self.last
             if stalled > self.limit and stalled > 5 * self.slowest:
-                print(f"error: process {jax.process_index()} of {jax.process_count()}: no progress for "
-                      f"{stalled:.0f} s, waiting on the other processes: one has probably frozen or died "
-                      f"(completed checkpoints are intact)", file=sys.stderr, flush=True)
+                print(
+                    f"error: process {jax.process_index()} of {jax.process_count()}: no progress "
+                    f"for "
+                    f"{stalled:.0f} s, waiting on the other processes: one has probably frozen or "
+                    f"died "
+                    f"(completed checkpoints are intact)", file=sys.stderr, flush=True)
                 os._exit(1)
 
     def __exit__(self, *exc):
@@ -165,7 +177,8 @@ def check_same_run(settings: dict):
         return
     flat = _flatten(settings)
     keys = sorted(flat)
-    digest = np.asarray([int.from_bytes(hashlib.sha256(json.dumps(flat[k], default=str).encode()).digest()[:4],
+    digest = np.asarray(
+        [int.from_bytes(hashlib.sha256(json.dumps(flat[k], default=str).encode()).digest()[:4],
                                         "little") & 0x7FFFFFFF for k in keys], np.int32)
     sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(keys)))).ravel()
     if len(set(sizes.tolist())) > 1:
@@ -174,8 +187,9 @@ def check_same_run(settings: dict):
     for i, key in enumerate(keys):
         differ = [p for p in range(len(sizes)) if everyone[p, i] != everyone[0, i]]
         if differ:
-            raise UserError(f"process {differ[0]} has a different {key} than process 0 (this one's: "
-                            f"{flat[key]!r}); start every process with the same command")
+            raise UserError(
+                f"process {differ[0]} has a different {key} than process 0 (this one's: "
+                f"{flat[key]!r}); start every process with the same command")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -191,4 +205,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 def describe() -> str:
     if jax.process_count() == 1:
         return ""
-    return f"process {jax.process_index()}/{jax.process_count()}, {jax.local_device_count()} local devices"
+    return (
+        f"process {jax.process_index()}/{jax.process_count()}, {jax.local_device_count()} local "
+        f"devices")

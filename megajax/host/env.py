@@ -25,7 +25,8 @@ glibc reads these settings once, at start-up (`mallopt` cannot raise the mmap th
 32 MiB), so the command-line programs restart themselves once with them in GLIBC_TUNABLES. In a
 notebook or your own script, start Python with them set:
 
-    GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=1073741824:glibc.malloc.hugetlb=1
+    T=glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=1073741824
+    export GLIBC_TUNABLES=$T:glibc.malloc.hugetlb=1
 
 The cost: up to 1 GiB freed in large blocks stays with the process instead of going back to the
 OS. MEGAJAX_MALLOC_TUNING=0 turns the restart off.
@@ -36,8 +37,8 @@ import os
 import platform
 import sys
 
-MALLOC_TUNABLES = {"glibc.malloc.mmap_threshold": "1073741824", "glibc.malloc.trim_threshold": "1073741824",
-                   "glibc.malloc.hugetlb": "1"}
+MALLOC_TUNABLES = {"glibc.malloc.mmap_threshold": "1073741824",
+                   "glibc.malloc.trim_threshold": "1073741824", "glibc.malloc.hugetlb": "1"}
 
 
 def tuned_env(env: dict) -> dict | None:

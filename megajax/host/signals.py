@@ -66,7 +66,8 @@ class StopRequested:
                 exit_now(f"error: {self._startup_stopped()}", 2)
             raise self._startup_stopped()
         if self.requested is not None and not self.sampling:
-            print(f"{name}: already stopping; the checkpoint is being written", file=sys.stderr, flush=True)
+            print(f"{name}: already stopping; the checkpoint is being written", file=sys.stderr,
+                  flush=True)
             return
         self.requested = self.requested or name
 

@@ -38,7 +38,8 @@ from megajax.shapes import NUM_CLASSES, TYPE_VOCAB
 
 class BERT(nnx.Module):
     def __init__(self, cfg, layout: S.Layout | None = None, *, rngs: nnx.Rngs):
-        layout = layout or S.Layout.for_model(single_device_mesh(), cfg)   # sequence parallelism: the layout's
+        # sequence parallelism: the layout's
+        layout = layout or S.Layout.for_model(single_device_mesh(), cfg)
         precision = Precision.of(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
         h, std = cfg.hidden, cfg.init_std
@@ -56,7 +57,8 @@ class BERT(nnx.Module):
         if cfg.task == "pretrain":
             self.mlm_dense = ReplicatedLinear(h, h, **dense)
             self.mlm_ln = LayerNorm(h, cfg.ln_eps)
-            self.mlm_bias = param(nnx.initializers.zeros, S.VOCAB_BIAS, rngs.params(), (cfg.padded_vocab,))
+            self.mlm_bias = param(nnx.initializers.zeros, S.VOCAB_BIAS, rngs.params(),
+                                  (cfg.padded_vocab,))
             self.sop = ReplicatedLinear(h, 2, **dense)
         else:
             self.classifier = ReplicatedLinear(h, NUM_CLASSES[cfg.task], **dense)
@@ -69,8 +71,9 @@ class BERT(nnx.Module):
         check_ids("token ids", tokens, self.cfg.vocab_size)
         check_ids("token types", types, TYPE_VOCAB, tokens.shape)
         if tuple(mask.shape) != tuple(tokens.shape):
-            raise ValueError(f"the padding mask must have the token ids' shape {tuple(tokens.shape)}, "
-                             f"got {tuple(mask.shape)}")
+            raise ValueError(
+                f"the padding mask must have the token ids' shape {tuple(tokens.shape)}, "
+                f"got {tuple(mask.shape)}")
         positions = jnp.arange(tokens.shape[1])
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
         # A gather, as in GPT, not a slice: with sequence parallelism a slice's gradient is sharded
@@ -117,13 +120,18 @@ class BERT(nnx.Module):
         cls = jnp.zeros_like(batch["mlm_positions"][:, :1])
         rows = self.head_rows(h, jnp.concatenate([cls, batch["mlm_positions"]], axis=1))
         mlm_losses, mlm_hits = vocab_parallel_cross_entropy(
-            self.mlm_head(rows[:, 1:]), batch["mlm_ids"], self.layout, self.cfg.vocab_size, with_accuracy=True)
-        with jax.named_scope("sop_loss"):   # replicated over "model": no collective but the data-axis means
-            pooled = dropout(self.pool(rows[:, 0]), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
+            self.mlm_head(rows[:, 1:]), batch["mlm_ids"], self.layout, self.cfg.vocab_size,
+            with_accuracy=True)
+        # replicated over "model": no collective but the data-axis means
+        with jax.named_scope("sop_loss"):
+            pooled = dropout(self.pool(rows[:, 0]), self.cfg.hidden_dropout, k_pool, self.layout,
+                             S.P(S.DATA, None))
             sop_logits = self.sop(pooled).astype(jnp.float32)
-            sop_losses = optax.softmax_cross_entropy_with_integer_labels(sop_logits, batch["sop_label"])
+            sop_losses = optax.softmax_cross_entropy_with_integer_labels(sop_logits,
+                                                                         batch["sop_label"])
             sop_hits = sop_logits.argmax(-1) == batch["sop_label"]
-        return {"mlm_losses": mlm_losses, "mlm_hits": mlm_hits, "sop_losses": sop_losses, "sop_hits": sop_hits}
+        return {"mlm_losses": mlm_losses, "mlm_hits": mlm_hits, "sop_losses": sop_losses,
+                "sop_hits": sop_hits}
 
     def pretrain_objective(self, batch, key):
         out = self.pretrain_outputs(batch, key)
@@ -147,7 +155,8 @@ class BERT(nnx.Module):
         flat = lambda x: x.reshape(-1, x.shape[-1])   # noqa: E731  options become rows
         k_enc, k_pool = jax.random.split(key) if key is not None else (None, None)
         h = self.hidden_states(flat(tokens), flat(batch["types"]), flat(batch["mask"]), key=k_enc)
-        pooled = dropout(self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None))
+        pooled = dropout(self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout,
+                         S.P(S.DATA, None))
         logits = self.classifier(pooled).astype(jnp.float32)
         return logits.reshape(lead) if len(lead) == 2 else logits
 
@@ -155,7 +164,8 @@ class BERT(nnx.Module):
         logits = self.class_logits(batch, key=key)
         with jax.named_scope("class_loss"):
             rows = self.layout.global_sum(batch["label"].size)
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).sum() / rows
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                                   batch["label"]).sum() / rows
             accuracy = (logits.argmax(-1) == batch["label"]).sum() / rows
         return loss, {"loss": loss, "accuracy": accuracy}
 

@@ -56,15 +56,20 @@ def _checked(model, prompt_tokens, max_new_tokens, temperature, top_k):
         raise ValueError(f"generate continues text with a GPT; this is a {type(model).__name__}")
     prompt = np.atleast_2d(np.asarray(prompt_tokens))
     if prompt.ndim != 2 or prompt.dtype.kind not in "iu" or prompt.shape[1] == 0:
-        raise ValueError(f"the prompt must be token ids, (t,) or (b, t) integers with t >= 1, got {prompt.dtype} "
-                         f"{prompt.shape}")
+        raise ValueError(
+            f"the prompt must be token ids, (t,) or (b, t) integers with t >= 1, got "
+            f"{prompt.dtype} "
+            f"{prompt.shape}")
     if prompt.min() < 0 or prompt.max() >= model.cfg.vocab_size:
-        raise ValueError(f"prompt ids must lie in [0, {model.cfg.vocab_size}), the model's vocabulary; "
-                         f"got {prompt.min()}..{prompt.max()}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise ValueError(
+            f"prompt ids must lie in [0, {model.cfg.vocab_size}), the model's vocabulary; "
+            f"got {prompt.min()}..{prompt.max()}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens,
+                                                          (int, np.integer)) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if not np.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+        raise ValueError(
+            f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
     if top_k is not None and top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 or None: no top-k), got {top_k}")
     return prompt.astype(np.int32), min(top_k, model.cfg.vocab_size) if top_k else None
@@ -81,7 +86,8 @@ def _for_decoding(model):
 
 
 def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, rng=None, eos_id: int | None = None, stopped=None, emit=None) -> np.ndarray:
+             top_k: int | None = None, rng=None, eos_id: int | None = None, stopped=None,
+             emit=None) -> np.ndarray:
     """Continue each row of `prompt_tokens` (b, t), equal-length prompts, by `max_new_tokens`.
 
     The prompt fills the cache in one pass, then each new token costs one position's worth of
@@ -96,8 +102,10 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
     rows, t = prompt.shape
     if max_new_tokens == 0:
         return np.zeros((rows, 0), np.int32)
-    ctx = model.cfg.context   # learned positions: the table's rows; rotary: the model's max_positions
-    if t >= ctx:   # room in the cache for the first new token; a context of 1 keeps one prompt token
+    # learned positions: the table's rows; rotary: the model's max_positions
+    ctx = model.cfg.context
+    # room in the cache for the first new token; a context of 1 keeps one prompt token
+    if t >= ctx:
         keep = max(ctx - 1, 1)
         prompt, t = prompt[:, t - keep:], keep
     prompt = prompt[padded_rows(rows, model.layout.dp)]
@@ -125,5 +133,6 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
             done |= tok == eos_id
         out.append(tok)
         emit(tok[:rows])
-        seq = np.concatenate([seq[:, 1 - ctx:], tok[:, None]], axis=1)   # the window is all it reads
+        # the window is all it reads
+        seq = np.concatenate([seq[:, 1 - ctx:], tok[:, None]], axis=1)
     return np.stack(out, axis=1)[:rows]

@@ -21,17 +21,19 @@ from megajax.models.inputs import check_ids
 
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, layout: S.Layout | None = None, *, rngs: nnx.Rngs):
-        layout = layout or S.Layout.for_model(single_device_mesh(), cfg)   # sequence parallelism: the layout's
+        # sequence parallelism: the layout's
+        layout = layout or S.Layout.for_model(single_device_mesh(), cfg)
         precision = Precision.of(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
-        self.embed = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, layout=layout, precision=precision,
-                                            std=cfg.init_std, rngs=rngs)
+        self.embed = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, layout=layout,
+                                            precision=precision, std=cfg.init_std, rngs=rngs)
         self.pos = param(nnx.initializers.normal(cfg.init_std), S.REPLICATED_2D, rngs.params(),
                          (cfg.seq_len, cfg.hidden)) if cfg.positions == "learned" else None
         self.layers = LayerStack(cfg, layout, precision, rngs, causal=True)
         self.ln_f = norm(cfg, layout)
         self.head = None if cfg.tie_embeddings else VocabParallelEmbedding(
-            cfg.padded_vocab, cfg.hidden, layout=layout, precision=precision, std=cfg.init_std, rngs=rngs)
+            cfg.padded_vocab, cfg.hidden, layout=layout, precision=precision, std=cfg.init_std,
+            rngs=rngs)
 
     @property
     def output_layer(self) -> VocabParallelEmbedding:
@@ -68,32 +70,39 @@ class GPT(nnx.Module):
         keeps its key/value heads only, or on a model axis larger than their count each
         device's copy: stored_kv_heads)."""
         c = self.cfg
-        shape = (c.num_layers, batch, stored_kv_heads(c, self.layout.tp), max_len or c.seq_len, c.head_dim)
+        shape = (c.num_layers, batch, stored_kv_heads(c, self.layout.tp), max_len or c.seq_len,
+                 c.head_dim)
         spec = S.P(None, *S.KV_CACHE)
-        make = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.layout.sharding(spec))
+        make = jax.jit(lambda: jnp.zeros(shape, self.dtype),
+                       out_shardings=self.layout.sharding(spec))
         return make(), make()
 
     def decode(self, tokens, cache, pos):
         """Logits (b, s, vocab) for tokens at positions pos.. given the cache, and the new cache."""
         h, cache = self.hidden_states(tokens, cache=cache, pos=pos)
-        return mask_padded_vocab(self.output_layer.attend(h, self.layout.sequence_parallel), self.cfg.vocab_size), cache
+        return mask_padded_vocab(self.output_layer.attend(h, self.layout.sequence_parallel),
+                                 self.cfg.vocab_size), cache
 
     def __call__(self, tokens, *, key=None):
         """Logits over the real vocabulary (padding columns masked), split over "model"."""
-        logits = self.output_layer.attend(self.hidden_states(tokens, key=key), self.layout.sequence_parallel)
+        logits = self.output_layer.attend(self.hidden_states(tokens, key=key),
+                                          self.layout.sequence_parallel)
         return mask_padded_vocab(logits, self.cfg.vocab_size)
 
     def token_losses(self, tokens, targets, *, key=None):
         """(b, s) per-token cross-entropy through the fused vocab-parallel loss."""
-        logits = self.output_layer.attend(self.hidden_states(tokens, key=key), self.layout.sequence_parallel)
+        logits = self.output_layer.attend(self.hidden_states(tokens, key=key),
+                                          self.layout.sequence_parallel)
         return vocab_parallel_cross_entropy(logits, targets, self.layout, self.cfg.vocab_size)
 
     def loss(self, tokens, targets, *, key=None, weights=None):
         losses = self.token_losses(tokens, targets, key=key)
-        with jax.named_scope("loss_mean"):   # over the global batch, also when each data shard has its rows
+        # over the global batch, also when each data shard has its rows
+        with jax.named_scope("loss_mean"):
             if weights is None:
                 return losses.sum() / self.layout.global_sum(losses.size)
-            return (losses * weights).sum() / jnp.maximum(self.layout.global_sum(weights.sum()), 1.0)
+            return (losses * weights).sum() / jnp.maximum(self.layout.global_sum(weights.sum()),
+                                                          1.0)
 
     def objective(self, tokens, *, key=None):
         """(loss, metrics) of one batch: next-token cross-entropy."""

@@ -30,7 +30,8 @@ def abstract_model(cfg: ModelConfig, layout: S.Layout | None = None):
 
 def param_specs(model_or_state):
     """PartitionSpecs of every parameter, read from the NNX sharding metadata."""
-    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state,
+                                                                                   nnx.Param)
     return nnx.get_partition_spec(state)
 
 
@@ -38,7 +39,8 @@ def init_model(cfg: ModelConfig, mesh, seed: int = 0, param_shardings: dict | No
     """Build the model with every weight created directly in its sharding on `mesh` (the
     weights' own specs, or `param_shardings`: a params dict of shardings, e.g. FSDP's)."""
     mesh = as_mesh(mesh)
-    Config(model=cfg).validate()   # its types and ranges, also of a config changed in Python since loading
+    # its types and ranges, also of a config changed in Python since loading
+    Config(model=cfg).validate()
     check_model_fits(cfg, mesh)
     layout = S.Layout.for_model(mesh, cfg)
     abstract = abstract_model(cfg, layout)
@@ -46,7 +48,8 @@ def init_model(cfg: ModelConfig, mesh, seed: int = 0, param_shardings: dict | No
     shardings = S.param_shardings(mesh, nnx.get_partition_spec(abs_state))
     if param_shardings is not None:
         shardings = jax.tree.map(lambda x: x, shardings)
-        nnx.replace_by_pure_dict(shardings, _unstringify(param_shardings, nnx.to_pure_dict(shardings)))
+        nnx.replace_by_pure_dict(shardings,
+                                 _unstringify(param_shardings, nnx.to_pure_dict(shardings)))
 
     @jax.jit
     def create():
@@ -81,7 +84,8 @@ class ModelDef:
 
     def __init__(self, model):
         self.graphdef, params_state, self.rest = nnx.split(model, nnx.Param, ...)
-        self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state)
+        self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                      params_state)
         self.cfg = model.cfg
         self.layout = model.layout
 
@@ -93,7 +97,8 @@ class ModelDef:
                                        nnx.to_pure_dict(self._template)))
 
     def abstract_sharded_params(self, shardings) -> dict:
-        """ShapeDtypeStructs carrying the given shardings: a restore or compile target, nothing allocated."""
+        """ShapeDtypeStructs carrying the given shardings: a restore or compile target, nothing
+        allocated."""
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             self.abstract_params(), shardings)
 

@@ -41,10 +41,12 @@ class Hardware:
     gpus_per_node: int
     intra_node_bandwidth: float     # per GPU, one direction
     inter_node_bandwidth: float     # per node (all NICs), one direction
-    intra_node_latency: float = 5e-6    # s per ring step (NVLink/NVSwitch; nccl-tests small-message times)
+    # s per ring step (NVLink/NVSwitch; nccl-tests small-message times)
+    intra_node_latency: float = 5e-6
     inter_node_latency: float = 10e-6   # s per ring step (InfiniBand)
     source: str = ""
-    stack: str = "megajax"              # whose step runs there: one of STACKS (timing.py's constants)
+    # whose step runs there: one of STACKS (timing.py's constants)
+    stack: str = "megajax"
 
 
 STACKS = ("megajax", "megatron-2019")
@@ -53,21 +55,29 @@ BUILTIN = {h.name: h for h in (
     Hardware("v100-dgx2h", 130 * TFLOPS, 32 * 2**30, 900 * GB, 16, 150 * GB, 100 * GB,
              stack="megatron-2019",
              source="the paper's: DGX-2H, V100 SXM3 32GB at 450 W (39 TFLOP/s = 30% of peak: 130), "
-                    "NVSwitch 300 GB/s per GPU both ways, 8 x 100 Gb/s InfiniBand per node; HBM2 900 GB/s "
+                    "NVSwitch 300 GB/s per GPU both ways, 8 x 100 Gb/s InfiniBand per node; HBM2 "
+                    "900 GB/s "
                     "(NVIDIA V100 datasheet)"),
     Hardware("a100-80g", 312 * TFLOPS, 80 * GB, 2039 * GB, 8, 300 * GB, 200 * GB,
-             source="DGX A100: A100 SXM4 80GB, 312 TFLOP/s bf16 dense, HBM2e 2,039 GB/s, NVLink 3 600 GB/s "
-                    "per GPU both ways, 8 x 200 Gb/s HDR InfiniBand per node (NVIDIA A100 datasheet)"),
+             source="DGX A100: A100 SXM4 80GB, 312 TFLOP/s bf16 dense, HBM2e 2,039 GB/s, NVLink 3 "
+                    "600 GB/s "
+                    "per GPU both ways, 8 x 200 Gb/s HDR InfiniBand per node (NVIDIA A100 "
+                    "datasheet)"),
     Hardware("h100-80g", 989 * TFLOPS, 80 * GB, 3350 * GB, 8, 450 * GB, 400 * GB,
-             source="DGX H100: H100 SXM5 80GB, 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s, NVLink 4 900 GB/s "
-                    "per GPU both ways, 8 x 400 Gb/s NDR InfiniBand per node (NVIDIA H100 datasheet)"),
+             source="DGX H100: H100 SXM5 80GB, 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s, NVLink 4 "
+                    "900 GB/s "
+                    "per GPU both ways, 8 x 400 Gb/s NDR InfiniBand per node (NVIDIA H100 "
+                    "datasheet)"),
     Hardware("t4", 65 * TFLOPS, 15 * 2**30, 320 * GB, 1, 16 * GB, 16 * GB,
              source="one T4 (Colab's free GPU): 65 TFLOP/s fp16 dense (no bf16 tensor cores: "
-                    "model.compute_dtype float16), 16 GB GDDR6 (15 GiB usable) at 320 GB/s, PCIe 3 x16 "
+                    "model.compute_dtype float16), 16 GB GDDR6 (15 GiB usable) at 320 GB/s, PCIe 3 "
+                    "x16 "
                     "16 GB/s (NVIDIA T4 datasheet)"),
     Hardware("h200", 989 * TFLOPS, 141 * GB, 4800 * GB, 8, 450 * GB, 400 * GB,
-             source="HGX H200: H200 SXM 141GB, 989 TFLOP/s bf16 dense, HBM3e 4.8 TB/s, NVLink 4 900 GB/s "
-                    "per GPU both ways, 8 x 400 Gb/s NDR InfiniBand per node (NVIDIA H200 datasheet)"),
+             source="HGX H200: H200 SXM 141GB, 989 TFLOP/s bf16 dense, HBM3e 4.8 TB/s, NVLink 4 "
+                    "900 GB/s "
+                    "per GPU both ways, 8 x 400 Gb/s NDR InfiniBand per node (NVIDIA H200 "
+                    "datasheet)"),
 )}
 FIELDS = {f.name: f for f in dataclasses.fields(Hardware)}
 
@@ -78,7 +88,9 @@ def load_hardware(name_or_path: str) -> dict[str, Hardware]:
         return {name_or_path: BUILTIN[name_or_path]}
     path = Path(name_or_path)
     if path.suffix != ".toml":
-        raise UserError(f"unknown hardware '{name_or_path}': one of {', '.join(BUILTIN)}, or a .toml file of your own")
+        raise UserError(
+            f"unknown hardware '{name_or_path}': one of {', '.join(BUILTIN)}, or a .toml file of "
+            f"your own")
     try:
         tables = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
@@ -95,7 +107,8 @@ def _hardware(name: str, table, path: Path) -> Hardware:
     if unknown:
         raise UserError(f"hardware file {path}: [{name}] has unknown key(s) {', '.join(unknown)}; "
                         f"known: {', '.join(f for f in FIELDS if f != 'name')}")
-    required = [f.name for f in FIELDS.values() if f.default is dataclasses.MISSING and f.name != "name"]
+    required = [f.name for f in FIELDS.values() if f.default is dataclasses.MISSING
+                and f.name != "name"]
     missing = [k for k in required if k not in table]
     if missing:
         raise UserError(f"hardware file {path}: [{name}] lacks {', '.join(missing)}")
@@ -105,8 +118,9 @@ def _hardware(name: str, table, path: Path) -> Hardware:
             continue
         if key == "stack":
             if value not in STACKS:
-                raise UserError(f"hardware file {path}: [{name}] stack must be one of {', '.join(STACKS)}, "
-                                f"got {value!r}")
+                raise UserError(
+                    f"hardware file {path}: [{name}] stack must be one of {', '.join(STACKS)}, "
+                    f"got {value!r}")
             values[key] = value
             continue
         values[key] = _checked_number(f"hardware file {path}: [{name}] {key}", key, value)
@@ -117,7 +131,8 @@ def _hardware(name: str, table, path: Path) -> Hardware:
 # them is a typo or a unit slip (1e-300 FLOP/s; 0.5 GPUs per node), and the planner's arithmetic
 # must never see a NaN, an infinity, a zero it divides by, or a count that is not whole.
 BOUNDS = {"peak_flops": (1e9, 1e18), "memory_bytes": (2**20, 1e15), "hbm_bandwidth": (1e6, 1e15),
-          "gpus_per_node": (1, 4096), "intra_node_bandwidth": (1e6, 1e15), "inter_node_bandwidth": (1e6, 1e15),
+          "gpus_per_node": (1, 4096), "intra_node_bandwidth": (1e6, 1e15),
+          "inter_node_bandwidth": (1e6, 1e15),
           "intra_node_latency": (1e-9, 1.0), "inter_node_latency": (1e-9, 1.0)}
 COUNTS = ("gpus_per_node",)
 
@@ -129,8 +144,9 @@ def _checked_number(where: str, key: str, value) -> float | int:
     if key in COUNTS and value != int(value):
         raise UserError(f"{where} counts whole GPUs, got {value!r}")
     if not low <= value <= high:
-        raise UserError(f"{where} = {value:g} is outside {low:g}..{high:g}, the range of any real accelerator "
-                        f"(bytes, bytes/s, FLOP/s and seconds, as in the built-in tables)")
+        raise UserError(
+            f"{where} = {value:g} is outside {low:g}..{high:g}, the range of any real accelerator "
+            f"(bytes, bytes/s, FLOP/s and seconds, as in the built-in tables)")
     return int(value) if key in COUNTS else float(value)
 
 

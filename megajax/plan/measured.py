@@ -27,14 +27,17 @@ class Run:
     plan_gib: float | None      # None: not recorded
 
     def cfg(self) -> Config:
-        return load_config(self.config, ["model.compute_dtype=bfloat16", "train.microbatches=1", *self.overrides])
+        return load_config(
+            self.config, ["model.compute_dtype=bfloat16", "train.microbatches=1", *self.overrides])
 
 
 H200 = (Run("gpt2_355m", (*FUSED, "train.batch_size=16", "model.remat=none"), 110.5, 22.93),
         Run("gpt2_1.2b", (*FUSED, "train.batch_size=16", "model.remat=none"), 320.1, 56.55),
-        Run("gpt2_1.2b", ("model.attention=megajax", "train.batch_size=8", "model.remat=none"), 269.4, 62.79),
+        Run("gpt2_1.2b", ("model.attention=megajax", "train.batch_size=8", "model.remat=none"),
+            269.4, 62.79),
         Run("gpt2_1.2b", (*FUSED, "train.batch_size=16", "model.remat=full"), 348.6, 22.77),
-        Run("gpt2_355m", (*FUSED, "train.batch_size=16", "model.remat=none", "model.scan_layers=false"), 91.5, None))
+        Run("gpt2_355m", (*FUSED, "train.batch_size=16", "model.remat=none",
+                          "model.scan_layers=false"), 91.5, None))
 CALIBRATED_ON = H200[1]
 
 
@@ -47,4 +50,5 @@ def calibrate() -> float:
     proportional to it and nothing else depends on it, so the step is a / efficiency + rest."""
     parts = timing.step_time(CALIBRATED_ON.cfg(), 1, 1, BUILTIN["h200"]).parts
     rest_ms = 1000 * (sum(parts.values()) - parts["matmuls"])
-    return timing.XLA_MATMUL_EFFICIENCY * 1000 * parts["matmuls"] / (CALIBRATED_ON.step_ms - rest_ms)
+    return timing.XLA_MATMUL_EFFICIENCY * 1000 * parts["matmuls"] / (CALIBRATED_ON.step_ms
+                                                                     - rest_ms)

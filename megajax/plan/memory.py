@@ -44,7 +44,8 @@ from megajax.tasks import task_for
 
 ADAM_MOMENTS = 2          # float32 first and second moments per parameter
 BACKENDS = ("gpu", "cpu")
-OPTIMIZER_COUNTERS = 8 + 16   # optax's int32 step counts (Adam's and the schedule's); the loss scale's four scalars
+# optax's int32 step counts (Adam's and the schedule's); the loss scale's four scalars
+OPTIMIZER_COUNTERS = 8 + 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,8 @@ class Weight:
     shape: tuple[int, ...]
     spec: P
     stacked: bool         # the scanned layers' stacked weights
-    read_backward: bool   # kernels and LayerNorm scales: the backward pass reads them (FSDP gathers again)
+    # kernels and LayerNorm scales: the backward pass reads them (FSDP gathers again)
+    read_backward: bool
 
 
 def weights(model_cfg: ModelConfig) -> tuple[Weight, ...]:
@@ -73,7 +75,8 @@ def _read_weights(model_cfg: ModelConfig) -> tuple[Weight, ...]:
     out = []
     for (path, x), spec in zip(shapes, specs):
         keys = path_keys(path)
-        out.append(Weight(tuple(x.shape), spec, keys[0] == "layers", keys[-1] in ("kernel", "scale")))
+        out.append(
+            Weight(tuple(x.shape), spec, keys[0] == "layers", keys[-1] in ("kernel", "scale")))
     return tuple(out)
 
 
@@ -104,7 +107,8 @@ def state_split(cfg: Config, dp: int, tp: int) -> StateSplit:
     out = StateSplit()
     for w in weights(cfg.model):
         local = shard_elements(w.shape, w.spec, 1, tp)
-        split = data_sharded_spec(w.shape, w.spec, dp, tp, skip_leading=w.stacked and fsdp) if zero else None
+        split = data_sharded_spec(w.shape, w.spec, dp, tp,
+                                  skip_leading=w.stacked and fsdp) if zero else None
         sliced = local if split is None else shard_elements(w.shape, split, dp, tp)
         out.model_shard += local
         out.params_local += sliced if fsdp else local
@@ -146,13 +150,15 @@ def rows_per_microbatch(cfg: Config, dp: int) -> int:
 def _layer_shape(cfg: Config, dp: int, tp: int, backend: str) -> dict:
     """activation_bytes_per_layer's arguments for one device and microbatch."""
     m = cfg.model
-    return dict(b=rows_per_microbatch(cfg, dp), s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=tp, ffn=m.ffn,
-                sequence_parallel=m.sequence_parallel, dtype=activation_dtype(cfg),
+    return dict(b=rows_per_microbatch(cfg, dp), s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=tp,
+                ffn=m.ffn, sequence_parallel=m.sequence_parallel, dtype=activation_dtype(cfg),
                 hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
                 recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
-                head_dim=m.head_dim, kv_heads=max(m.kv_heads, tp) if m.kv_heads < m.num_heads else m.kv_heads,
+                head_dim=m.head_dim,
+                kv_heads=max(m.kv_heads, tp) if m.kv_heads < m.num_heads else m.kv_heads,
                 gated=m.mlp == "swiglu", rms_norm=m.norm == "rmsnorm",
-                # cuDNN's flash attention, on GPUs (on the CPU "fused" is XLA's, which keeps its scores)
+                # cuDNN's flash attention, on GPUs (on the CPU "fused" is XLA's, which keeps its
+                # scores)
                 fused_attention=backend != "cpu" and fused_attention(m, on="gpu"))
 
 
@@ -178,8 +184,10 @@ def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu") -> dict:
     gathered = 0
     if t.shard_params and dp > 1:
         gathered = 4 * (st.layers // L + st.nonlayer_shard)
-    out = {"params": 4 * st.params_local, "gradients": 4 * gradient_copies(cfg, backend) * st.params_local,
+    out = {"params": 4 * st.params_local,
+           "gradients": 4 * gradient_copies(cfg, backend) * st.params_local,
            "optimizer": 4 * ADAM_MOMENTS * st.optimizer_local + OPTIMIZER_COUNTERS,
-           "activations": kept_activation_bytes(cfg, dp, tp, backend), "working": max(working, logits) + gathered}
+           "activations": kept_activation_bytes(cfg, dp, tp, backend),
+           "working": max(working, logits) + gathered}
     out["total"] = sum(out.values())
     return out

@@ -40,25 +40,31 @@ def scaling_study() -> dict:
     """The planner's version of every figure in PAPER."""
     base = tflops_per_gpu(CONFIGS[0], 1, 1)
     mp = tuple(100 * tflops_per_gpu(c, 1, t) / base for c, t in zip(CONFIGS, MODEL_PARALLEL))
-    mdp = tuple(100 * tflops_per_gpu(c, DATA_PARALLEL, t) / base for c, t in zip(CONFIGS, MODEL_PARALLEL))
+    mdp = tuple(100 * tflops_per_gpu(c, DATA_PARALLEL, t) / base
+                for c, t in zip(CONFIGS, MODEL_PARALLEL))
     cfg = study_config(CONFIGS[0], 1)
     one = step_time(cfg, 1, 1, BUILTIN["v100-dgx2h"]).seconds
-    strong = tuple(one / step_time(cfg, 1, t, BUILTIN["v100-dgx2h"]).seconds for t in MODEL_PARALLEL)
-    return {"model_parallel": mp, "model_and_data_parallel": mdp, "strong_scaling": strong, "baseline_tflops": base}
+    strong = tuple(one / step_time(cfg, 1, t, BUILTIN["v100-dgx2h"]).seconds
+                   for t in MODEL_PARALLEL)
+    return {"model_parallel": mp, "model_and_data_parallel": mdp, "strong_scaling": strong,
+            "baseline_tflops": base}
 
 
 def table(study: dict | None = None) -> str:
     """Markdown: the paper's figures next to the planner's."""
     study = study or scaling_study()
     rows = ["| figure | GPUs | paper | planner |", "| --- | --- | --- | --- |",
-            f"| 1.2B on one V100, TFLOP/s | 1 | {PAPER['baseline_tflops']:.0f} | {study['baseline_tflops']:.1f} (calibrated) |"]
+            f"| 1.2B on one V100, TFLOP/s | 1 | {PAPER['baseline_tflops']:.0f} | "
+            f"{study['baseline_tflops']:.1f} (calibrated) |"]
     for i, (c, t) in enumerate(zip(CONFIGS, MODEL_PARALLEL)):
         note = " (calibrated)" if c == "gpt2_8.3b" else ""
         rows.append(f"| weak scaling, {c.removeprefix('gpt2_').upper()}, model parallel | {t} | "
                     f"{PAPER['model_parallel'][i]}% | {study['model_parallel'][i]:.0f}%{note} |")
     for i, (c, t) in enumerate(zip(CONFIGS, MODEL_PARALLEL)):
-        rows.append(f"| weak scaling, {c.removeprefix('gpt2_').upper()}, model + 64-way data parallel | "
-                    f"{64 * t} | {PAPER['model_and_data_parallel'][i]}% | {study['model_and_data_parallel'][i]:.0f}% |")
+        rows.append(
+            f"| weak scaling, {c.removeprefix('gpt2_').upper()}, model + 64-way data parallel | "
+            f"{64 * t} | {PAPER['model_and_data_parallel'][i]}% | "
+            f"{study['model_and_data_parallel'][i]:.0f}% |")
     for i, t in enumerate(MODEL_PARALLEL):
         rows.append(f"| strong scaling, 1.2B, speedup | {t} | {PAPER['strong_scaling'][i]:.2f} | "
                     f"{study['strong_scaling'][i]:.2f} |")
@@ -88,13 +94,16 @@ def node_bandwidth_windows(tolerance: float = 5.0) -> dict[str, dict[str, float]
         ring = tp * 2 * (DATA_PARALLEL - 1) / DATA_PARALLEL * gradients
         lower = tp * 2 * (nodes - 1) / nodes * gradients
 
-        def extra(percent):            # seconds the 64-way step may take beyond the model-parallel one
-            return flops / (percent / 100 * tflops) - flops / (PAPER["model_parallel"][i] / 100 * tflops)
+        # seconds the 64-way step may take beyond the model-parallel one
+        def extra(percent):
+            return (flops / (percent / 100 * tflops)
+                    - flops / (PAPER["model_parallel"][i] / 100 * tflops))
 
         figure = PAPER["model_and_data_parallel"][i]
         longest, shortest = extra(figure - tolerance), extra(figure + tolerance)
         out[name] = {"node_bytes": ring, "node_bytes_lower": lower, "implied": ring / extra(figure),
-                     "low": ring / longest, "high": ring / shortest if shortest > 0 else float("inf")}
+                     "low": ring / longest,
+                     "high": ring / shortest if shortest > 0 else float("inf")}
     return out
 
 
@@ -102,13 +111,17 @@ def windows_table(windows: dict | None = None) -> str:
     """Markdown: node_bandwidth_windows() next to the paper's hardware."""
     windows = windows or node_bandwidth_windows()
     gb = 1e9
-    rows = ["| 64-way data parallel | GPUs | each node's all-reduce traffic per step | node bandwidth the paper's "
-            "figure implies | bandwidths within 5 points |", "| --- | --- | --- | --- | --- |"]
+    rows = [
+        "| 64-way data parallel | GPUs | each node's all-reduce traffic per step | node bandwidth "
+        "the paper's "
+        "figure implies | bandwidths within 5 points |", "| --- | --- | --- | --- | --- |"]
     for (name, w), tp in zip(windows.items(), MODEL_PARALLEL):
         span = (f"at least {w['low'] / gb:.0f}" if w["high"] == float("inf")
                 else f"{w['low'] / gb:.0f} to {w['high'] / gb:.0f}")
-        rows.append(f"| {name.removeprefix('gpt2_').upper()} | {DATA_PARALLEL * tp} | {w['node_bytes'] / gb:.1f} GB | "
-                    f"{w['implied'] / gb:.0f} GB/s | {span} GB/s |")
+        rows.append(
+            f"| {name.removeprefix('gpt2_').upper()} | {DATA_PARALLEL * tp} | "
+            f"{w['node_bytes'] / gb:.1f} GB | "
+            f"{w['implied'] / gb:.0f} GB/s | {span} GB/s |")
     return "\n".join(rows)
 
 
@@ -131,7 +144,8 @@ def calibrate() -> tuple[float, float]:
     def weak_scaling_gap(overhead):    # falls as the overhead grows: negated for the bisection
         timing.LAYER_OVERHEAD_SECONDS = overhead
         timing.MATMUL_EFFICIENCY = _bisect(baseline_gap, 0.05, 1.0, steps=25)
-        return PAPER["model_parallel"][3] - 100 * tflops_per_gpu(CONFIGS[3], 1, 8) / PAPER["baseline_tflops"]
+        return (PAPER["model_parallel"][3]
+                - 100 * tflops_per_gpu(CONFIGS[3], 1, 8) / PAPER["baseline_tflops"])
 
     saved = timing.MATMUL_EFFICIENCY, timing.LAYER_OVERHEAD_SECONDS
     try:

@@ -27,9 +27,12 @@ def why(best: Plan, plans: list[Plan]) -> str:
     """One sentence: what makes the first plan the first."""
     if not best.fits:
         over = best.memory["total"] - best.device_bytes
-        return (f"No plan fits: the smallest, {best.mesh} ({_options(best)}), needs {_gib(best.memory['total'])} GiB "
-                f"per device, {_gib(over)} GiB more than the {_gib(best.device_bytes)} GiB a device has; "
-                f"use more devices or a smaller batch per microbatch.")
+        return (
+            f"No plan fits: the smallest, {best.mesh} ({_options(best)}), needs "
+            f"{_gib(best.memory['total'])} GiB "
+            f"per device, {_gib(over)} GiB more than the {_gib(best.device_bytes)} GiB a device "
+            f"has; "
+            f"use more devices or a smaller batch per microbatch.")
     fitting = [p for p in plans if p.fits]
     cheaper = [p for p in plans if not p.fits and p.step_seconds < best.step_seconds]
     parts = [f"{best.mesh} with {_options(best)} is the fastest of {len(fitting)} plans that fit "
@@ -38,8 +41,10 @@ def why(best: Plan, plans: list[Plan]) -> str:
         parts.append(f"its model axis runs over {best.links['model']} links")
     if cheaper:
         c = min(cheaper, key=lambda p: p.step_seconds)
-        parts.append(f"{c.mesh} ({_options(c)}) would be {best.step_seconds / c.step_seconds:.2f}x faster but needs "
-                     f"{_gib(c.memory['total'])} GiB")
+        parts.append(
+            f"{c.mesh} ({_options(c)}) would be {best.step_seconds / c.step_seconds:.2f}x faster "
+            f"but needs "
+            f"{_gib(c.memory['total'])} GiB")
     return "; ".join(parts) + "."
 
 
@@ -51,9 +56,11 @@ def row(p: Plan) -> tuple:
     s = p.seconds
     compute = s["matmuls"] + s["elementwise"] + s["optimizer"] + s["overhead"]
     fits = "yes" if p.fits else f"no (+{_gib(p.memory['total'] - p.device_bytes)})"
-    return (p.mesh, _options(p), _gib(p.memory["params"]), _gib(p.memory["gradients"]), _gib(p.memory["optimizer"]),
+    return (p.mesh, _options(p), _gib(p.memory["params"]), _gib(p.memory["gradients"]),
+            _gib(p.memory["optimizer"]),
             _gib(p.memory["activations"] + p.memory["working"]), _gib(p.memory["total"]), fits,
-            f"{p.step_seconds:.3f}", f"{compute:.3f}", f"{s['model_axis']:.3f}", f"{s['data_axis']:.3f}",
+            f"{p.step_seconds:.3f}", f"{compute:.3f}", f"{s['model_axis']:.3f}",
+            f"{s['data_axis']:.3f}",
             f"{p.tokens_per_s:,.0f}", f"{p.tflops_per_device:.1f}", f"{100 * p.mfu:.1f}%",
             f"{100 * p.scaling_efficiency:.0f}%")
 
@@ -65,10 +72,13 @@ STACK_NOTE = {"megajax": "megajax's compiled step (constants fitted on an H200)"
 
 def render(cfg: Config, devices: int, hw: Hardware, plans: list[Plan], top: int = 10) -> str:
     m = cfg.model
-    lines = [f"megajax-plan: {cfg.name} ({m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, seq "
-             f"{m.seq_len}, global batch {cfg.train.batch_size}) on {devices} x {hw.name} "
-             f"({hw.peak_flops / 1e12:.0f} TFLOP/s, {_gib(hw.memory_bytes)} GiB, {hw.gpus_per_node} per node)",
-             why(plans[0], plans), ""]
+    lines = [
+        f"megajax-plan: {cfg.name} ({m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, "
+        f"seq "
+        f"{m.seq_len}, global batch {cfg.train.batch_size}) on {devices} x {hw.name} "
+        f"({hw.peak_flops / 1e12:.0f} TFLOP/s, {_gib(hw.memory_bytes)} GiB, {hw.gpus_per_node} per "
+        f"node)",
+        why(plans[0], plans), ""]
     shown = plans[:top]
     too_big = [p for p in plans[top:] if not p.fits]
     if all(p.fits for p in shown) and too_big:
@@ -76,10 +86,13 @@ def render(cfg: Config, devices: int, hw: Hardware, plans: list[Plan], top: int 
     table = [HEADER] + [row(p) for p in shown]
     widths = [max(len(str(r[i])) for r in table) for i in range(len(HEADER))]
     for r in table[:1] + [tuple("-" * w for w in widths)] + table[1:]:
-        lines.append("  ".join(str(v).rjust(w) if i > 1 else str(v).ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
-    lines.append(f"\n{len(plans)} plans, {sum(p.fits for p in plans)} fit. Memory per device in GiB (activ: activations "
-                 f"and the step's working set); step time without overlap, {STACK_NOTE[hw.stack]}; "
-                 f"TFLOP/s counts recomputation (the "
-                 f"paper's count), MFU does not; scaling: model FLOP/s per device over the "
-                 f"reference run's on one device (the config's fastest one-device plan).")
+        lines.append("  ".join(str(v).rjust(w) if i > 1 else str(v).ljust(w)
+                               for i, (v, w) in enumerate(zip(r, widths))))
+    lines.append(
+        f"\n{len(plans)} plans, {sum(p.fits for p in plans)} fit. Memory per device in GiB (activ: "
+        f"activations "
+        f"and the step's working set); step time without overlap, {STACK_NOTE[hw.stack]}; "
+        f"TFLOP/s counts recomputation (the "
+        f"paper's count), MFU does not; scaling: model FLOP/s per device over the "
+        f"reference run's on one device (the config's fastest one-device plan).")
     return "\n".join(lines)

@@ -15,7 +15,8 @@ from megajax.plan.memory import memory_bytes
 from megajax.plan.timing import axis_links, step_time
 from megajax.plan.volumes import step_flops
 
-SCHEMES = {"plain": {}, "zero": {"train.shard_optimizer": True}, "fsdp": {"train.shard_params": True}}
+SCHEMES = {"plain": {}, "zero": {"train.shard_optimizer": True},
+           "fsdp": {"train.shard_params": True}}
 
 
 @dataclasses.dataclass
@@ -64,7 +65,8 @@ class Plan:
 
 def model_sizes(cfg: Config, devices: int) -> list[int]:
     m = cfg.model
-    return [t for t in range(1, min(devices, m.num_heads) + 1) if devices % t == 0   # t divides the heads: O(heads)
+    # t divides the heads: O(heads)
+    return [t for t in range(1, min(devices, m.num_heads) + 1) if devices % t == 0
             and all(x % t == 0 for x in (m.num_heads, m.hidden, m.ffn, m.padded_vocab))]
 
 
@@ -80,7 +82,8 @@ def candidates(cfg: Config, devices: int, schemes=tuple(SCHEMES)):
             continue
         per_shard = batch // dp
         for rows in (r for r in range(1, per_shard + 1) if per_shard % r == 0):
-            for remat, sp, scheme in itertools.product(("none", "selective", "full"), (False, True), schemes):
+            for remat, sp, scheme in itertools.product(("none", "selective", "full"), (False, True),
+                                                       schemes):
                 if (sp and (tp == 1 or cfg.model.seq_len % tp)) or (scheme != "plain" and dp == 1):
                     continue
                 yield dp, tp, per_shard // rows, remat, sp, scheme
@@ -93,8 +96,10 @@ def evaluate(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 
     seconds = step_time(cfg, dp, tp, hw, gradient_bytes).parts
     total = sum(seconds.values())
     n = dp * tp
-    return Plan(dp, tp, t.microbatches, m.remat, m.sequence_parallel, scheme, memory_bytes(cfg, dp, tp),
-                hw.memory_bytes, seconds, t.batch_size * m.seq_len / total, step_flops(cfg) / n / total / 1e12,
+    return Plan(dp, tp, t.microbatches, m.remat, m.sequence_parallel, scheme,
+                memory_bytes(cfg, dp, tp),
+                hw.memory_bytes, seconds, t.batch_size * m.seq_len / total,
+                step_flops(cfg) / n / total / 1e12,
                 step_flops(cfg, remat="none") / n / total / hw.peak_flops,
                 links={axis: link for axis, (_, _, link) in axis_links(dp, tp, hw).items()},
                 layer_programs=t.layer_programs)
@@ -108,33 +113,44 @@ def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = Non
         raise UserError(f"--devices must be an integer of at least 1, got {devices!r}")
     unknown = sorted(set(schemes) - set(SCHEMES))
     if unknown or not schemes:
-        raise UserError(f"unknown data-parallel scheme(s) {', '.join(unknown) or '(none)'}: use {', '.join(SCHEMES)}")
+        raise UserError(
+            f"unknown data-parallel scheme(s) {', '.join(unknown) or '(none)'}: use "
+            f"{', '.join(SCHEMES)}")
     if cfg.train.layer_programs and "plain" not in schemes:
-        raise UserError("train.layer_programs works with plain data parallelism only: plan it with --schemes plain")
+        raise UserError(
+            "train.layer_programs works with plain data parallelism only: plan it with --schemes "
+            "plain")
     found = []
     for dp, tp, mb, remat, sp, scheme in candidates(cfg, devices, schemes):
-        c = with_values(cfg, {"train.microbatches": mb, "model.remat": remat, "model.sequence_parallel": sp,
+        c = with_values(
+            cfg, {"train.microbatches": mb, "model.remat": remat, "model.sequence_parallel": sp,
                               **SCHEMES[scheme]})
         found.append(evaluate(c, dp, tp, hw))
     if not found:
-        raise UserError(f"no mesh of {devices} devices fits {cfg.name}: the model axis must divide heads "
-                        f"({cfg.model.num_heads}), hidden, ffn and the padded vocabulary, and the data axis the "
-                        f"global batch ({cfg.train.batch_size})")
+        raise UserError(
+            f"no mesh of {devices} devices fits {cfg.name}: the model axis must divide heads "
+            f"({cfg.model.num_heads}), hidden, ffn and the padded vocabulary, and the data axis "
+            f"the "
+            f"global batch ({cfg.train.batch_size})")
     reference = best_single_device(baseline or cfg, hw)
     for p in found:
-        p.scaling_efficiency = p.mfu / reference.mfu      # model FLOP/s per device, recomputation aside
-    return sorted(found, key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory["total"]))
+        # model FLOP/s per device, recomputation aside
+        p.scaling_efficiency = p.mfu / reference.mfu
+    return sorted(found,
+                  key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory["total"]))
 
 
 def best_single_device(cfg: Config, hw: Hardware) -> Plan:
     """The reference for scaling efficiency: the config on one device, its fastest plan that
     fits, or when none does its fastest plan as if the device's memory were unlimited."""
     one = [evaluate(with_values(cfg, {"train.microbatches": mb, "model.remat": remat}), 1, 1, hw)
-           for _, _, mb, remat, _, _ in candidates(with_values(cfg, {"model.sequence_parallel": False}), 1)]
+           for _, _, mb, remat, _, _ in candidates(
+               with_values(cfg, {"model.sequence_parallel": False}), 1)]
     return sorted(one, key=lambda p: (not p.fits, -p.tokens_per_s))[0]
 
 
-def plan(config: str | Config, devices: int, hardware: Hardware | str, overrides: list[str] | None = None,
+def plan(config: str | Config, devices: int, hardware: Hardware | str,
+         overrides: list[str] | None = None,
          baseline: str | Config | None = None, schemes=tuple(SCHEMES)) -> list[Plan]:
     """The Python API: the plans for a config name (or Config) on `devices` of `hardware` (a
     Hardware or a name / TOML path), best first."""

@@ -35,12 +35,15 @@ from megajax.analytic import DTYPE_BYTES, Matmul, recompute_passes
 from megajax.config import Config
 from megajax.core.attention import fused_attention
 from megajax.plan.hardware import Hardware
-from megajax.plan.memory import activation_dtype, kept_activation_bytes, rows_per_microbatch, state_split
+from megajax.plan.memory import (activation_dtype, kept_activation_bytes, rows_per_microbatch,
+                                 state_split)
 from megajax.plan.volumes import data_axis_sent, head_matmul, layer_matmuls, model_axis_elements
 
 MATMUL_EFFICIENCY = 0.5407        # calibrated: gpt2_1.2b on one V100, 39 TFLOP/s
-LAYER_OVERHEAD_SECONDS = 7.72e-3  # calibrated: gpt2_8.3b on 8 V100s, 77% of the 1.2B model's FLOP/s per GPU
-XLA_MATMUL_EFFICIENCY = 0.6656    # calibrated: gpt2_1.2b on one H200, 320.1 ms (megajax/plan/measured.py)
+# calibrated: gpt2_8.3b on 8 V100s, 77% of the 1.2B model's FLOP/s per GPU
+LAYER_OVERHEAD_SECONDS = 7.72e-3
+# calibrated: gpt2_1.2b on one H200, 320.1 ms (megajax/plan/measured.py)
+XLA_MATMUL_EFFICIENCY = 0.6656
 # A scan's kept activations: its stacked buffers zero-filled (a write), each layer's slice
 # written in (a read and a write) and copied out in the backward pass (a read and a write):
 # 54 of the 1.2B step's 320 ms on the H200.
@@ -49,14 +52,16 @@ SCAN_COPY_PASSES = 5
 # MATMUL_EFFICIENCY / ((1 + D/k)(1 + D/n)): tensor-core GEMM kernels compute 128 x 128 output
 # tiles, and a dimension of one tile leaves half the kernel's pipeline idle.
 HALF_EFFICIENCY_DIM = 128
-LINK_EFFICIENCY = 1.0             # large ring collectives run at the link's rate (NCCL's bus bandwidth)
+# large ring collectives run at the link's rate (NCCL's bus bandwidth)
+LINK_EFFICIENCY = 1.0
 # Forward passes over memory per element, counted from megajax's layer: on the b·s·h stream
 # (replicated over "model" unless sequence parallel) two LayerNorms (read, write), two
 # bias-dropout-residual adds (two reads, a write, a mask); on the b·s·ffn/t MLP activations
 # bias and GeLU (read, write); on the b·heads/t·s² scores scale, mask, softmax, dropout.
 HIDDEN_PASSES, FFN_PASSES, SCORE_PASSES = 2 * 2 + 2 * 3.5, 2, 5
 BACKWARD_PASSES = 2               # the backward pass moves twice the forward's bytes
-OPTIMIZER_BYTES_PER_PARAM = 28    # Adam: read params, gradient, two moments; write params, two moments (float32)
+# Adam: read params, gradient, two moments; write params, two moments (float32)
+OPTIMIZER_BYTES_PER_PARAM = 28
 # megajax's stack: each microbatch reads every float32 weight in its forward and backward passes
 # and writes its gradient (12 bytes a parameter), and with accumulation reads and writes the
 # float32 accumulator too (8 more): what many small microbatches cost. The paper's stack has
@@ -78,19 +83,21 @@ def stack_constants(hw: Hardware) -> Stack:
     measured.py refit them)."""
     if hw.stack == "megatron-2019":
         return Stack(MATMUL_EFFICIENCY, LAYER_OVERHEAD_SECONDS, 0, 0, 0, False)
-    return Stack(XLA_MATMUL_EFFICIENCY, 0.0, SCAN_COPY_PASSES, WEIGHT_BYTES_PER_PARAM, ACCUMULATE_BYTES_PER_PARAM,
-                 True)
+    return Stack(XLA_MATMUL_EFFICIENCY, 0.0, SCAN_COPY_PASSES, WEIGHT_BYTES_PER_PARAM,
+                 ACCUMULATE_BYTES_PER_PARAM, True)
 
 
 def matmul_seconds(mm: Matmul, hw: Hardware) -> float:
-    eff = stack_constants(hw).matmul_efficiency / ((1 + HALF_EFFICIENCY_DIM / mm.inner) * (1 + HALF_EFFICIENCY_DIM / mm.cols))
+    eff = stack_constants(hw).matmul_efficiency / (
+        (1 + HALF_EFFICIENCY_DIM / mm.inner) * (1 + HALF_EFFICIENCY_DIM / mm.cols))
     return mm.flops / (hw.peak_flops * eff)
 
 
 def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware) -> dict[str, float]:
     """Per device and step: matmuls, element-wise memory traffic and the optimizer update."""
     m, mb = cfg.model, cfg.train.microbatches
-    passes = 3 + recompute_passes(m.remat)            # forward, backward (2), the recomputed forward
+    # forward, backward (2), the recomputed forward
+    passes = 3 + recompute_passes(m.remat)
     mms = layer_matmuls(cfg, dp, tp)
     layer = passes * sum(matmul_seconds(mm, hw) for mm in mms)
     if m.remat == "selective":
@@ -107,14 +114,17 @@ def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware) -> dict[str, fl
     if m.remat == "selective":
         total += SCORE_PASSES * scores
     elementwise = mb * m.num_layers * total * act / hw.hbm_bandwidth
-    if m.scan_layers and not cfg.train.layer_programs:   # the layer programs keep them in buffers of their own
-        elementwise += mb * stack.scan_copy_passes * kept_activation_bytes(cfg, dp, tp) / hw.hbm_bandwidth
+    # the layer programs keep them in buffers of their own
+    if m.scan_layers and not cfg.train.layer_programs:
+        elementwise += mb * stack.scan_copy_passes * kept_activation_bytes(cfg, dp,
+                                                                           tp) / hw.hbm_bandwidth
     local = state_split(cfg, dp, tp)
     per_param = stack.weight_bytes + (stack.accumulate_bytes if mb > 1 else 0)
     elementwise += mb * per_param * local.model_shard / hw.hbm_bandwidth
     optimizer = OPTIMIZER_BYTES_PER_PARAM * local.optimizer_local / hw.hbm_bandwidth
     overhead = mb * m.num_layers * stack.layer_overhead_seconds
-    return {"matmuls": matmuls, "elementwise": elementwise, "optimizer": optimizer, "overhead": overhead}
+    return {"matmuls": matmuls, "elementwise": elementwise, "optimizer": optimizer,
+            "overhead": overhead}
 
 
 def ring_seconds(kind: str, elements: float, nbytes: int, n: int, bandwidth: float, latency: float,
@@ -123,7 +133,8 @@ def ring_seconds(kind: str, elements: float, nbytes: int, n: int, bandwidth: flo
     all-gather (n-1)/n of its result, a reduce-scatter (n-1) times its result."""
     if n == 1 or elements == 0:
         return 0.0
-    factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1, "sent": 1.0}[kind]
+    factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1,
+              "sent": 1.0}[kind]
     steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
     return factor * elements * nbytes / (bandwidth * LINK_EFFICIENCY) + calls * steps * latency
 
@@ -144,7 +155,8 @@ def axis_links(dp: int, tp: int, hw: Hardware) -> dict[str, tuple[float, float, 
     return {"model": model, "data": data}
 
 
-def communication_seconds(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 4) -> dict[str, float]:
+def communication_seconds(cfg: Config, dp: int, tp: int, hw: Hardware,
+                          gradient_bytes: int = 4) -> dict[str, float]:
     """Per device and step: the model axis's activation collectives (in the compute dtype) and
     the data axis's gradient and parameter traffic (float32 in megajax: `gradient_bytes`)."""
     m, mb = cfg.model, cfg.train.microbatches
@@ -152,10 +164,12 @@ def communication_seconds(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_
     bw, lat, _ = links["model"]
     act = DTYPE_BYTES[activation_dtype(cfg)]
     calls = mb * (4 + recompute_passes(m.remat)) * m.num_layers + 2 * mb
-    model = sum(ring_seconds(kind, e, act, tp, bw, lat, calls) for kind, e in model_axis_elements(cfg, dp, tp).items())
+    model = sum(ring_seconds(kind, e, act, tp, bw, lat, calls)
+                for kind, e in model_axis_elements(cfg, dp, tp).items())
     bw, lat, _ = links["data"]
     sent = data_axis_sent(cfg, dp, tp)
-    data = ring_seconds("sent", sent["gradients"] + sent["regather"], gradient_bytes, dp, bw, lat, 1)
+    data = ring_seconds("sent", sent["gradients"] + sent["regather"], gradient_bytes, dp, bw, lat,
+                        1)
     data += ring_seconds("sent", sent["params"], 4, dp, bw, lat, 1)
     return {"model_axis": model, "data_axis": data}
 
@@ -170,4 +184,5 @@ class StepTime:
 
 
 def step_time(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 4) -> StepTime:
-    return StepTime({**compute_seconds(cfg, dp, tp, hw), **communication_seconds(cfg, dp, tp, hw, gradient_bytes)})
+    return StepTime({**compute_seconds(cfg, dp, tp, hw),
+                     **communication_seconds(cfg, dp, tp, hw, gradient_bytes)})

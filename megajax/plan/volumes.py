@@ -41,7 +41,8 @@ def data_axis_sent(cfg: Config, dp: int, tp: int) -> dict[str, float]:
     """Elements each device sends over "data" per step (ring algorithms), in the audit's forms."""
     t, st = cfg.train, state_split(cfg, dp, tp)
     scheme = "fsdp" if t.shard_params else "zero" if t.shard_optimizer else "plain"
-    sent = analytic.data_axis_minimum(scheme, dp, t.microbatches, st.split, st.whole, st.layers, st.layers_read)
+    sent = analytic.data_axis_minimum(scheme, dp, t.microbatches, st.split, st.whole, st.layers,
+                                      st.layers_read)
     if scheme == "plain":
         sent["gradients"] *= t.microbatches
     return sent

@@ -56,7 +56,8 @@ class Settings:
     tokenizer: str
     val_fraction: float = 0.01
     text_field: str = "text"
-    pairs_seq_len: int = 0        # > 0: BERT sentence pairs for this model.seq_len (megajax/prepare/pairs.py)
+    # > 0: BERT sentence pairs for this model.seq_len (megajax/prepare/pairs.py)
+    pairs_seq_len: int = 0
     seed: int = 0                 # pairs: the train.seed whose draws shape them, as in memory
 
 
@@ -65,9 +66,11 @@ def _separator(tok: Tokenizer) -> list[int]:
     return [tok.eos_id] if tok.eos_id is not None else tok.encode("\n\n")
 
 
-def _plan_record(sources: list[dict], settings: Settings, tok: Tokenizer, units: list[Unit]) -> dict:
+def _plan_record(sources: list[dict], settings: Settings, tok: Tokenizer,
+                 units: list[Unit]) -> dict:
     return {"sources": sources, "settings": dataclasses.asdict(settings),
-            "tokenizer": P.tokenizer_fingerprint(tok), "units": [dataclasses.asdict(u) for u in units]}
+            "tokenizer": P.tokenizer_fingerprint(tok),
+            "units": [dataclasses.asdict(u) for u in units]}
 
 
 def _start_or_resume(out: Path, record: dict) -> Path:
@@ -81,11 +84,14 @@ def _start_or_resume(out: Path, record: dict) -> Path:
         except (OSError, ValueError):          # unreadable, not UTF-8, not JSON: not this plan
             same = False
         if not same:
-            raise UserError(f"{out} holds an unfinished preparation of other sources or settings (or a damaged "
-                            f"{plan_file.name}): finish it with its own command, or remove {partial}")
+            raise UserError(
+                f"{out} holds an unfinished preparation of other sources or settings (or a damaged "
+                f"{plan_file.name}): finish it with its own command, or remove {partial}")
         return partial
     if out.exists() and any(p.name != PARTIAL for p in out.iterdir()):
-        raise UserError(f"{out} already exists and is not empty: choose a new --out (megajax does not overwrite it)")
+        raise UserError(
+            f"{out} already exists and is not empty: choose a new --out (megajax does not "
+            f"overwrite it)")
     (partial / "units").mkdir(parents=True, exist_ok=True)
     write_atomic(plan_file, json.dumps(record) + "\n")
     return partial
@@ -96,17 +102,20 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer_dir: str, separator: list[int], text_field: str, dtype: str):
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"     # one thread per process: the pool is the parallelism
-    _WORKER.update(tok=load_tokenizer(Path(tokenizer_dir)), separator=separator, text_field=text_field, dtype=dtype)
+    # one thread per process: the pool is the parallelism
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(tok=load_tokenizer(Path(tokenizer_dir)), separator=separator,
+                   text_field=text_field, dtype=dtype)
 
 
 def _run_unit(job: tuple[int, dict, str]) -> tuple[int, int, int]:
     """Tokenize unit i into units/i.npy (atomically); (i, tokens, documents)."""
     i, unit, units_dir = job
-    ids, docs = tokenize_unit(Unit(**unit), _WORKER["tok"], _WORKER["separator"], _WORKER["text_field"],
-                              np.dtype(_WORKER["dtype"]))
+    ids, docs = tokenize_unit(Unit(**unit), _WORKER["tok"], _WORKER["separator"],
+                              _WORKER["text_field"], np.dtype(_WORKER["dtype"]))
     write_atomic(Path(units_dir) / f"{i}.docs", str(docs))
-    write_atomic(Path(units_dir) / f"{i}.npy", _npy_bytes(np.save, ids))   # the unit counts as done once this exists
+    # the unit counts as done once this exists
+    write_atomic(Path(units_dir) / f"{i}.npy", _npy_bytes(np.save, ids))
     return i, len(ids), docs
 
 
@@ -143,8 +152,8 @@ def _run_pairs_unit(job: tuple[int, list, str]) -> int:
     return int(arrays["lengths"].size)
 
 
-def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings, dtype: str, workers: int,
-                          say) -> list[Path]:
+def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings, dtype: str,
+                          workers: int, say) -> list[Path]:
     """Tokenize the sentence units, a few per worker at a time (the corpus is never held whole)."""
     units_dir = partial / "units"
     done = {int(f.stem) for f in units_dir.glob("*.npz") if f.stem.isdigit() and _readable(f)}
@@ -162,10 +171,12 @@ def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings
             if k not in done:
                 batch.append((k, docs, str(units_dir)))
             if len(batch) >= 2 * workers:
-                bar.update(sum(pool.map(_run_pairs_unit, batch) if pool else map(_run_pairs_unit, batch)))
+                bar.update(
+                    sum(pool.map(_run_pairs_unit, batch) if pool else map(_run_pairs_unit, batch)))
                 batch = []
         if batch:
-            bar.update(sum(pool.map(_run_pairs_unit, batch) if pool else map(_run_pairs_unit, batch)))
+            bar.update(
+                sum(pool.map(_run_pairs_unit, batch) if pool else map(_run_pairs_unit, batch)))
     finally:
         if pool is not None:
             pool.terminate()
@@ -173,16 +184,18 @@ def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings
     return [units_dir / f"{k}.npz" for k in range(total)]
 
 
-def _tokenize_all(partial: Path, units: list[Unit], separator, settings: Settings, dtype: str, workers: int,
-                  say) -> None:
+def _tokenize_all(partial: Path, units: list[Unit], separator, settings: Settings, dtype: str,
+                  workers: int, say) -> None:
     units_dir = partial / "units"
     todo = [(i, dataclasses.asdict(u), str(units_dir)) for i, u in enumerate(units)
             if not _readable(units_dir / f"{i}.npy", units_dir / f"{i}.docs")]
     if len(todo) < len(units):
         say(f"resuming: {len(units) - len(todo)} of {len(units)} units already tokenized")
     sizes = {i: u.stop - u.start for i, u in enumerate(units)}
-    bar = tqdm(total=sum(sizes[i] for i, *_ in todo), unit="B", unit_scale=True, disable=not sys.stderr.isatty())
-    init = (str(partial), separator, settings.text_field, dtype)     # the tokenizer was saved in partial
+    bar = tqdm(total=sum(sizes[i] for i, *_ in todo), unit="B", unit_scale=True,
+               disable=not sys.stderr.isatty())
+    # the tokenizer was saved in partial
+    init = (str(partial), separator, settings.text_field, dtype)
     if workers <= 1 or len(todo) <= 1:
         _init_worker(*init)
         for job in todo:
@@ -207,7 +220,8 @@ def _assemble(partial: Path, n_units: int, val_fraction: float) -> dict:
     if total == 0:
         raise UserError("the inputs hold no text (every document is empty): nothing to prepare")
     ends = np.cumsum(lengths)
-    train_tokens = P.held_out_cut([ends[i] for i in range(n_units - 1) if docs[i]], total, val_fraction)
+    train_tokens = P.held_out_cut([ends[i] for i in range(n_units - 1) if docs[i]], total,
+                                  val_fraction)
     counts = {"train": [0, 0], "val": [0, 0]}
     paths = {name: partial / P.SPLIT_FILES[name] for name in counts}
     with open(paths["train"], "wb") as train, open(paths["val"], "wb") as val:
@@ -224,9 +238,12 @@ def _assemble(partial: Path, n_units: int, val_fraction: float) -> dict:
         for f, path in ((train, paths["train"]), (val, paths["val"])):
             with naming(path):
                 os.fsync(f.fileno())
-    splits = {name: {"file": P.SPLIT_FILES[name], "tokens": c[0], "documents": c[1]} for name, c in counts.items()}
-    # No document ends near the goal (a corpus of one or a few long documents): the cut is inside one.
-    splits["val"]["starts_inside_a_document"] = bool(0 < train_tokens < total and train_tokens not in set(ends.tolist()))
+    splits = {name: {"file": P.SPLIT_FILES[name], "tokens": c[0], "documents": c[1]}
+              for name, c in counts.items()}
+    # No document ends near the goal (a corpus of one or a few long documents): the cut is inside
+    # one.
+    splits["val"]["starts_inside_a_document"] = bool(0 < train_tokens < total
+                                                     and train_tokens not in set(ends.tolist()))
     return splits
 
 
@@ -242,12 +259,15 @@ def _fixed_tokenizer(spec: str) -> Tokenizer:
     wordpiece[:SIZE]) is refused: the corpus is read in parts, by several processes."""
     if Path(spec).is_dir():
         return load_tokenizer(Path(spec))
-    return fixed_tokenizer(None, spec, f"--tokenizer {spec} is made from the corpus, which megajax-prepare reads in "
-                                       f"parts: give a fixed one (bytes, hf:PATH, tiktoken:NAME, wordpiece:PATH/"
+    return fixed_tokenizer(
+        None, spec, f"--tokenizer {spec} is made from the corpus, which megajax-prepare reads in "
+                                       f"parts: give a fixed one (bytes, hf:PATH, tiktoken:NAME, "
+                                       f"wordpiece:PATH/"
                                        f"vocab.txt) or a workdir whose tokenizer to use")
 
 
-def prepare(inputs: list[str], out, settings: Settings, workers: int | None = None, say=print) -> dict:
+def prepare(inputs: list[str], out, settings: Settings, workers: int | None = None,
+            say=print) -> dict:
     """Prepare (or finish preparing) `inputs` into the directory `out`; returns its meta.json."""
     out = Path(out)
     if not 0.0 <= settings.val_fraction < 1.0:
@@ -256,45 +276,58 @@ def prepare(inputs: list[str], out, settings: Settings, workers: int | None = No
     tok = _fixed_tokenizer(settings.tokenizer)
     if settings.pairs_seq_len:
         if settings.pairs_seq_len < 8:
-            raise UserError(f"--seq-len must be at least 8 for sentence pairs, got {settings.pairs_seq_len}")
-        Specials.of(tok)             # [CLS], [SEP], [MASK], [PAD]: refused now, not after tokenizing
-    with WorkdirLock(out, busy=f"another megajax process holds {out} (a megajax-prepare writing it, or a run "
+            raise UserError(
+                f"--seq-len must be at least 8 for sentence pairs, got {settings.pairs_seq_len}")
+        # [CLS], [SEP], [MASK], [PAD]: refused now, not after tokenizing
+        Specials.of(tok)
+    with WorkdirLock(
+        out, busy=f"another megajax process holds {out} (a megajax-prepare writing it, or a run "
                               f"training there); wait for it to finish, or choose another --out",
-                     what="the corpus directory"):
+        what="the corpus directory"):
         return _prepare_locked(out, sources, tok, settings, workers, say)
 
 
-def _prepare_locked(out: Path, sources: list[dict], tok: Tokenizer, settings: Settings, workers, say) -> dict:
+def _prepare_locked(out: Path, sources: list[dict], tok: Tokenizer, settings: Settings, workers,
+                    say) -> dict:
     fmt = P.PAIRS_FORMAT if settings.pairs_seq_len else P.FORMAT
     units = [] if settings.pairs_seq_len else plan_units(sources)
     record = _plan_record(sources, settings, tok, units)
     if P.is_prepared(out):
         meta = P.read_meta(out, fmt)
-        if meta.get("plan") == record["sources"] and meta["tokenizer"]["fingerprint"] == record["tokenizer"] \
+        if meta.get("plan") == record["sources"] and meta["tokenizer"]["fingerprint"] == record[
+            "tokenizer"] \
                 and meta.get("settings") == record["settings"]:
             say(f"{out} is already prepared from these sources: nothing to do")
             return meta
-        raise UserError(f"{out} already holds a prepared corpus of other sources or settings: choose a new --out")
+        raise UserError(
+            f"{out} already holds a prepared corpus of other sources or settings: choose a new "
+            f"--out")
     partial = _start_or_resume(out, record)
-    tok.save(partial)                                      # the workers load it from here, and it ships with DIR
+    # the workers load it from here, and it ships with DIR
+    tok.save(partial)
     dtype = P.token_dtype(tok.vocab_size)
     t0, workers = time.perf_counter(), workers or os.cpu_count() or 1
     meta = {"format": fmt, "version": P.VERSION, "dtype": dtype,
-            "tokenizer": {"kind": tok.kind, "spec": settings.tokenizer, "fingerprint": P.tokenizer_fingerprint(tok)},
+            "tokenizer": {"kind": tok.kind, "spec": settings.tokenizer,
+                          "fingerprint": P.tokenizer_fingerprint(tok)},
             "plan": sources, "settings": dataclasses.asdict(settings)}
     try:
         if settings.pairs_seq_len:
             files = _tokenize_pairs_units(partial, sources, settings, dtype, workers, say)
             counts = pairs.write_pairs(files, partial, settings.pairs_seq_len, settings.seed, dtype)
-            meta.update(counts, seq_len=settings.pairs_seq_len, val_pairs=int(counts["pairs"] * settings.val_fraction))
+            meta.update(counts, seq_len=settings.pairs_seq_len,
+                        val_pairs=int(counts["pairs"] * settings.val_fraction))
         else:
             _tokenize_all(partial, units, _separator(tok), settings, dtype, workers, say)
-            meta.update(separator=_separator(tok), splits=_assemble(partial, len(units), settings.val_fraction))
-    except UserError:          # bad input (not UTF-8, a broken jsonl line): this plan can never finish
+            meta.update(separator=_separator(tok),
+                        splits=_assemble(partial, len(units), settings.val_fraction))
+    # bad input (not UTF-8, a broken jsonl line): this plan can never finish
+    except UserError:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     meta["seconds"] = round(time.perf_counter() - t0, 3)
-    for f in partial.iterdir():                           # the splits and the tokenizer move up, then meta.json
+    # the splits and the tokenizer move up, then meta.json
+    for f in partial.iterdir():
         if f.is_file() and f.name != "plan.json":
             os.replace(f, out / f.name)
     write_atomic(out / P.META, json.dumps(meta, indent=1) + "\n")

@@ -55,12 +55,14 @@ def _records(source: dict, text_field: str):
                 try:
                     yield json.loads(line)[text_field]
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise UserError(f"{source['source']}: line {n} is not a JSON object with a '{text_field}' "
-                                    f"field (--text-field)") from None
+                    raise UserError(
+                        f"{source['source']}: line {n} is not a JSON object with a '{text_field}' "
+                        f"field (--text-field)") from None
 
 
 def units(sources: list[dict], text_field: str):
-    """(index, documents) groups of about UNIT_SENTENCES sentences, a pure function of the sources."""
+    """(index, documents) groups of about UNIT_SENTENCES sentences, a pure function of the
+    sources."""
     group, sentences, k = [], 0, 0
     for doc in documents(sources, text_field):
         group.append(doc)
@@ -73,15 +75,19 @@ def units(sources: list[dict], text_field: str):
 
 
 def tokenize_documents(docs: list[list[str]], tokenizer, dtype) -> dict:
-    """One unit: every sentence's ids, flat, with the sentence lengths and sentences per document."""
+    """One unit: every sentence's ids, flat, with the sentence lengths and sentences per
+    document."""
     ids = tokenizer.encode_batch([s for d in docs for s in d])
-    return {"tokens": np.asarray([t for s in ids for t in s], dtype), "lengths": np.asarray([len(s) for s in ids], np.int64),
+    return {"tokens": np.asarray([t for s in ids for t in s], dtype),
+            "lengths": np.asarray([len(s) for s in ids], np.int64),
             "sentences": np.asarray([len(d) for d in docs], np.int64)}
 
 
 def _unit_documents(path: Path):
-    with np.load(path) as unit:       # each item of an .npz is read (and checksummed) on every access: once here
-        tokens, lengths, per_document = unit["tokens"].tolist(), unit["lengths"], unit["sentences"].tolist()
+    # each item of an .npz is read (and checksummed) on every access: once here
+    with np.load(path) as unit:
+        tokens, lengths, per_document = unit["tokens"].tolist(), unit["lengths"], unit[
+            "sentences"].tolist()
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     sentences = [tokens[a:b] for a, b in zip(bounds, bounds[1:])]
     at = 0
@@ -102,5 +108,7 @@ def write_pairs(unit_files: list[Path], out: Path, seq_len: int, seed: int, dtyp
             start += len(a) + len(b)
             n += 1
     if n == 0:
-        raise UserError("the corpus has no sentence pairs: BERT pretraining needs paragraphs of at least two tokens")
+        raise UserError(
+            "the corpus has no sentence pairs: BERT pretraining needs paragraphs of at least two "
+            "tokens")
     return {"pairs": n, "tokens": start}

@@ -41,8 +41,10 @@ def expand_inputs(inputs: list[str]) -> list[tuple[str, str]]:
         if item.startswith("tfds:"):
             found.append((item, "tfds"))
         else:
-            found += [(str(f), "jsonl" if f.suffix in (".jsonl", ".json") else "text") for f in text_files(item)]
-    files = set(map(str, distinct([Path(s) for s, kind in found if kind != "tfds"])))   # first spellings
+            found += [(str(f), "jsonl" if f.suffix in (".jsonl", ".json") else "text")
+                      for f in text_files(item)]
+    # first spellings
+    files = set(map(str, distinct([Path(s) for s, kind in found if kind != "tfds"])))
     found = [(s, kind) for s, kind in dict.fromkeys(found) if kind == "tfds" or s in files]
     if not found:
         raise UserError("no input given")
@@ -55,7 +57,8 @@ def tfds_split(source: str) -> tuple[str, str]:
 
 
 def describe_source(source: str, kind: str) -> dict:
-    """What identifies a source's content: size and SHA-256 of a file; name and length of a TFDS split."""
+    """What identifies a source's content: size and SHA-256 of a file; name and length of a TFDS
+    split."""
     if kind == "tfds":
         return {"source": source, "kind": kind}
     digest, size = hashlib.sha256(), 0
@@ -63,7 +66,8 @@ def describe_source(source: str, kind: str) -> dict:
         while block := f.read(1 << 22):
             digest.update(block)
             size += len(block)
-    return {"source": str(Path(source).resolve()), "kind": kind, "bytes": size, "sha256": digest.hexdigest()}
+    return {"source": str(Path(source).resolve()), "kind": kind, "bytes": size,
+            "sha256": digest.hexdigest()}
 
 
 def _line_cuts(path: str, size: int) -> list[int]:
@@ -84,10 +88,12 @@ def plan_units(sources: list[dict]) -> list[Unit]:
     for s in sources:
         if s["kind"] == "tfds":
             n = tfds_size(*tfds_split(s["source"]))
-            units += [Unit(s["source"], "tfds", i, min(n, i + TFDS_UNIT_RECORDS), True) for i in range(0, n, TFDS_UNIT_RECORDS)]
+            units += [Unit(s["source"], "tfds", i, min(n, i + TFDS_UNIT_RECORDS), True)
+                      for i in range(0, n, TFDS_UNIT_RECORDS)]
             continue
         cuts = _line_cuts(s["source"], s["bytes"])
-        units += [Unit(s["source"], s["kind"], a, b, b == s["bytes"]) for a, b in zip(cuts, cuts[1:])]
+        units += [Unit(s["source"], s["kind"], a, b, b == s["bytes"])
+                  for a, b in zip(cuts, cuts[1:])]
     return units
 
 
@@ -112,14 +118,16 @@ def _unit_texts(unit: Unit, text_field: str) -> list[str]:
             record = json.loads(line)
             docs.append(record[text_field])
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{unit.source}: a line near byte {unit.start} (line {n + 1} of its part) is not a "
-                            f"JSON object with a '{text_field}' field (--text-field)") from None
+            raise UserError(
+                f"{unit.source}: a line near byte {unit.start} (line {n + 1} of its part) is not a "
+                f"JSON object with a '{text_field}' field (--text-field)") from None
         if not isinstance(docs[-1], str):
             raise UserError(f"{unit.source}: field '{text_field}' is not a string")
     return docs
 
 
-def tokenize_unit(unit: Unit, tokenizer, separator: list[int], text_field: str, dtype) -> tuple[np.ndarray, int]:
+def tokenize_unit(unit: Unit, tokenizer, separator: list[int], text_field: str,
+                  dtype) -> tuple[np.ndarray, int]:
     """(token ids, documents ended) of one unit: each document's ids, then the separator. An
     empty document (an empty file, a jsonl record's "") is no document: no lone separator."""
     texts = _unit_texts(unit, text_field)

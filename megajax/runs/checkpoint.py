@@ -25,8 +25,8 @@ class _ReportedSaveFailures(logging.Filter):
     """orbax logs a failed background save with its traceback, from each of its threads, and a
     damaged checkpoint's metadata as it reads it; megajax reports both itself, in one line
     (Checkpoints.failed_save, Checkpoints.restore_newest_intact), so those records are dropped."""
-    MARKS = ("in background save thread", "Save Finalize thread", "_SignalingThread.run() raised an exception",
-             "Failed to read Metadata file")
+    MARKS = ("in background save thread", "Save Finalize thread",
+             "_SignalingThread.run() raised an exception", "Failed to read Metadata file")
 
     def filter(self, record) -> bool:
         return not any(mark in record.getMessage() for mark in self.MARKS)
@@ -70,7 +70,8 @@ def _quiet_abandoned_io(workdir: Path):
     asyncio_log = logging.getLogger("asyncio")
     if not any(isinstance(f, _AbandonedIO) and f.root == str(workdir) for f in asyncio_log.filters):
         asyncio_log.addFilter(_AbandonedIO(str(workdir)))
-    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
+                            category=RuntimeWarning)
     previous = sys.unraisablehook
     if getattr(previous, "_megajax", False):
         return
@@ -94,7 +95,8 @@ class _AbandonedIO(logging.Filter):
 
     def filter(self, record) -> bool:
         message = record.getMessage()
-        return not (" exception was never retrieved" in message.split("\n", 1)[0] and self.root in message)
+        return not (" exception was never retrieved" in message.split("\n", 1)[0]
+                    and self.root in message)
 
 
 MAX_RELISTS = 20     # a reader re-lists the steps when the trainer removes the one it reads
@@ -103,9 +105,11 @@ MAX_RELISTS = 20     # a reader re-lists the steps when the trainer removes the 
 def _first_line(e: Exception) -> str:
     """One line for a failed read or write. tensorstore names the operating system's reason
     (a full disk, a lost file system) only at the end of a long message: it goes first."""
-    code = None if isinstance(e, OSError) else os_error_code(e)    # an OSError's own message says it
+    # an OSError's own message says it
+    code = None if isinstance(e, OSError) else os_error_code(e)
     reason = f"{os.strerror(code)}; " if code else ""
-    line = first_line(e, 1000).split(" See full TensorStore details")[0]   # which prints a method's repr
+    # which prints a method's repr
+    line = first_line(e, 1000).split(" See full TensorStore details")[0]
     return f"{reason}{type(e).__name__}: {line[:160 if code else 200]}"
 
 
@@ -119,20 +123,24 @@ def _leaf_paths(tree) -> set[str]:
 
 
 class Checkpoints:
-    def __init__(self, directory: Path, keep: int = 3, async_save: bool = True, writer: bool = True):
+    def __init__(self, directory: Path, keep: int = 3, async_save: bool = True,
+                 writer: bool = True):
         """`writer`: the run that holds the workdir's lock (it also removes what a killed save
         left half-written); an evaluation reading the workdir passes False and changes nothing."""
         _quiet_orbax()
         self.directory = Path(directory).absolute() / "checkpoints"
-        _quiet_abandoned_io(self.directory.parent)   # before any read or write: failures can outrun the except
+        # before any read or write: failures can outrun the except
+        _quiet_abandoned_io(self.directory.parent)
         self.in_flight = None      # the step being written in the background
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                                 enable_async_checkpointing=async_save,
                                                  create=writer, cleanup_tmp_directories=writer),
             # Named handlers let a fresh manager read what an earlier process wrote.
             # Weights and optimizer state are separate items, so evaluation reads only the weights.
-            item_handlers={"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+            item_handlers={"params": ocp.StandardCheckpointHandler(),
+                           "opt_state": ocp.StandardCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
@@ -197,7 +205,8 @@ class Checkpoints:
         would print tracebacks about it."""
         deadline = time.monotonic() + timeout
         for thread in threading.enumerate():
-            if type(thread).__name__ == "_SignalingThread" and thread is not threading.current_thread():
+            if type(
+                thread).__name__ == "_SignalingThread" and thread is not threading.current_thread():
                 # threading's own join: orbax's raises the thread's exception, already reported
                 threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
 
@@ -208,7 +217,8 @@ class Checkpoints:
                 jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
         have = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in
                 jax.tree_util.tree_flatten_with_path(saved)[0]}
-        diffs = [f"{k} {have.get(k)} in the checkpoint vs {v} now" for k, v in want.items() if have.get(k) != v]
+        diffs = [f"{k} {have.get(k)} in the checkpoint vs {v} now" for k, v in want.items()
+                 if have.get(k) != v]
         diffs += [f"{k} only in the checkpoint" for k in have if k not in want]
         if diffs:
             more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
@@ -226,11 +236,12 @@ class Checkpoints:
             target, convert = legacy
         elif saved != _leaf_paths(abstract_opt_state):
             diff = sorted(saved ^ _leaf_paths(abstract_opt_state))
-            raise UserError(f"checkpoint step {step} in {self.directory} holds another optimizer's state than "
-                            f"this run's ({len(diff)} entries differ, e.g. {diff[0]})")
+            raise UserError(
+                f"checkpoint step {step} in {self.directory} holds another optimizer's state than "
+                f"this run's ({len(diff)} entries differ, e.g. {diff[0]})")
         out = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params), opt_state=ocp.args.StandardRestore(target),
-            meta=ocp.args.JsonRestore()))
+            params=ocp.args.StandardRestore(abstract_params),
+            opt_state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         opt_state = out["opt_state"] if convert is None else convert(out["opt_state"])
         return out["params"], opt_state, out["meta"]
 
@@ -274,7 +285,8 @@ class Checkpoints:
         step (its directory lingers, half empty, while it goes) once a newer one is complete."""
         self.manager.reload()
         now = self.all_steps()
-        return not (self.directory / str(step)).is_dir() or step not in now or max(now) > max(listed)
+        return (not (self.directory / str(step)).is_dir() or step not in now
+                or max(now) > max(listed))
 
     def set_aside(self, step: int, why: str = "damaged") -> Path:
         """Move a damaged (or diverged) step out of orbax's way, to WORKDIR/WHY/STEP (so that a

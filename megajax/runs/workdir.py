@@ -53,18 +53,23 @@ def check_layout(workdir: Path, writing: bool = True):
             continue
         directory = name in DIRECTORIES
         if path.is_dir() != directory:
-            raise UserError(f"{path} is a {'file' if directory else 'directory'}, where megajax keeps its "
-                            f"{'directory' if directory else 'file'} of that name: move it away, or use another --workdir")
+            raise UserError(
+                f"{path} is a {'file' if directory else 'directory'}, where megajax keeps its "
+                f"{'directory' if directory else 'file'} of that name: move it away, or use "
+                f"another --workdir")
         if writing and not os.access(path, os.W_OK | (os.X_OK if directory else 0)):
             raise UserError(f"{path} is not writable: make it writable, or use another --workdir")
     # Another program's directory (a Hugging Face model's, a prepared corpus): a run there would
     # replace its config.json, or take its tokenizer.json for the run's own.
     config = Path(workdir) / CONFIG_FILE
-    names = [n for n in FILES + DIRECTORIES if (Path(workdir) / n).exists() and not _left_by_a_start(Path(workdir) / n)]
+    names = [n for n in FILES + DIRECTORIES if (Path(workdir) / n).exists()
+             and not _left_by_a_start(Path(workdir) / n)]
     if not _megajax_config(config) if config.is_file() else writing and names:
-        raise UserError(f"{workdir} is not a megajax workdir: it holds another program's files ({', '.join(names)}); "
-                        + ("give a new or empty --workdir" if writing else "a Hugging Face model directory?")
-                        + " (megajax-convert import makes a workdir of a Hugging Face model)")
+        raise UserError(
+            f"{workdir} is not a megajax workdir: it holds another program's files "
+            f"({', '.join(names)}); "
+            + ("give a new or empty --workdir" if writing else "a Hugging Face model directory?")
+            + " (megajax-convert import makes a workdir of a Hugging Face model)")
 
 
 def _left_by_a_start(path: Path) -> bool:
@@ -87,7 +92,8 @@ def _megajax_config(path: Path) -> bool:
         config = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return True     # unreadable: load_config says why in its own line
-    return isinstance(config, dict) and isinstance(config.get("model"), dict) and isinstance(config.get("train"), dict)
+    return (isinstance(config, dict) and isinstance(config.get("model"), dict)
+            and isinstance(config.get("train"), dict))
 
 
 def refuse_run_file(out: Path, may_write: tuple[str, ...] = ()):
@@ -99,10 +105,12 @@ def refuse_run_file(out: Path, may_write: tuple[str, ...] = ()):
         if not ((parent / CONFIG_FILE).is_file() and (parent / TOKENIZER_FILE).is_file()):
             continue    # not a workdir
         if below == out and out.name in FILES and out.name not in may_write:
-            raise UserError(f"--out {out} is the {out.name} of the workdir {parent}: give another file")
+            raise UserError(
+                f"--out {out} is the {out.name} of the workdir {parent}: give another file")
         if below != out and below.name in DIRECTORIES:
-            raise UserError(f"--out {out} is inside the {below.name} directory of the workdir {parent}: "
-                            f"give another file")
+            raise UserError(
+                f"--out {out} is inside the {below.name} directory of the workdir {parent}: "
+                f"give another file")
 
 
 def write_run_files(cfg: Config, workdir: Path, tokenizer: Tokenizer):
@@ -124,8 +132,10 @@ def run_tokenizer(workdir: Path, pretrained: Path | None) -> Tokenizer | None:
     if (workdir / TOKENIZER_FILE).exists():
         return load_tokenizer(workdir)
     if has_checkpoints(workdir):
-        raise UserError(f"{workdir} has checkpoints but no {TOKENIZER_FILE}, which holds the token ids they were "
-                        f"trained on: put the file back, or use another --workdir")
+        raise UserError(
+            f"{workdir} has checkpoints but no {TOKENIZER_FILE}, which holds the token ids they "
+            f"were "
+            f"trained on: put the file back, or use another --workdir")
     return load_tokenizer(pretrained) if pretrained is not None else None
 
 
@@ -141,12 +151,14 @@ def check_same_tokenizer(cfg: Config, workdir: Path):
     if saved.is_file() and (Path(workdir) / TOKENIZER_FILE).is_file():
         before = load_config(str(saved)).data.tokenizer
         if before != cfg.data.tokenizer:
-            raise UserError(f"{workdir} was trained with tokenizer '{before}', not '{cfg.data.tokenizer}': "
-                            f"resume without --tokenizer (or with '{before}'), or use another --workdir")
+            raise UserError(
+                f"{workdir} was trained with tokenizer '{before}', not '{cfg.data.tokenizer}': "
+                f"resume without --tokenizer (or with '{before}'), or use another --workdir")
 
 
 # Fields a fine-tuning run takes from its pretrained workdir: they fix the weights' shapes.
-PRETRAINED_SHAPE = ("kind", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len", "vocab_size",
+PRETRAINED_SHAPE = ("kind", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len",
+                    "vocab_size",
                     "vocab_multiple", "ln_placement", "ln_eps", "scan_layers", *ARCHITECTURE)
 
 
@@ -163,11 +175,13 @@ def with_pretrained_shape(cfg: Config, workdir: Path | None = None) -> tuple[Con
         raise UserError(f"--init-from {src}: not a megajax workdir (no {CONFIG_FILE})")
     pre = load_config(str(own if resuming else src / CONFIG_FILE))
     if pre.model.kind != cfg.model.kind:
-        raise UserError(f"--init-from {src} holds a {pre.model.kind} model; this run trains a {cfg.model.kind}")
+        raise UserError(
+            f"--init-from {src} holds a {pre.model.kind} model; this run trains a {cfg.model.kind}")
     shape = {name: getattr(pre.model, name) for name in PRETRAINED_SHAPE}
     # The tokenizer is the pretrained one too (run_tokenizer): config.json says so.
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape),
-                               data=dataclasses.replace(cfg.data, tokenizer=pre.data.tokenizer)), src
+                               data=dataclasses.replace(cfg.data,
+                                                        tokenizer=pre.data.tokenizer)), src
 
 
 def refuse_overridden_shape(cfg: Config, overrides: list[str], workdir: Path | None = None):
@@ -181,8 +195,9 @@ def refuse_overridden_shape(cfg: Config, overrides: list[str], workdir: Path | N
         section, _, name = key.partition(".")
         asked, kept = (getattr(getattr(c, section, None), name, None) for c in (cfg, decided))
         if asked != kept:
-            raise UserError(f"--init-from {cfg.train.init_from} decides {key} ({kept!r}): drop the override "
-                            f"{key}={asked!r}")
+            raise UserError(
+                f"--init-from {cfg.train.init_from} decides {key} ({kept!r}): drop the override "
+                f"{key}={asked!r}")
 
 
 @dataclasses.dataclass
@@ -217,8 +232,10 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
         params, _ = ckpts.restore_params(step, target)
     else:   # the newest one that reads back, as train.py resumes
         found = ckpts.restore_newest_intact(lambda s: ckpts.restore_params(s, target),
-                                            warn=lambda line: print(line, file=sys.stderr), set_aside=False)
-        if found is None:    # all removed meanwhile (by a run that has since restarted from scratch?)
+                                            warn=lambda line: print(line, file=sys.stderr),
+                                            set_aside=False)
+        # all removed meanwhile (by a run that has since restarted from scratch?)
+        if found is None:
             raise UserError(f"no checkpoint in {workdir / CHECKPOINTS}")
         step, (params, _) = found
     ckpts.close()
@@ -231,8 +248,9 @@ def run_vocab_size(cfg: Config, pretrained: Path | None, tokenizer_vocab: int) -
     if pretrained is None:
         return tokenizer_vocab
     if tokenizer_vocab > cfg.model.vocab_size:
-        raise UserError(f"the tokenizer has {tokenizer_vocab} tokens but the model in {pretrained} only "
-                        f"{cfg.model.vocab_size} embedding rows")
+        raise UserError(
+            f"the tokenizer has {tokenizer_vocab} tokens but the model in {pretrained} only "
+            f"{cfg.model.vocab_size} embedding rows")
     return cfg.model.vocab_size
 
 
@@ -250,7 +268,8 @@ def init_from_pretrained(trainer, params: dict, src: Path, out=print) -> dict:
         name = jax.tree_util.keystr(path)
         top = name.split("'")[1]
         if name in pre and pre[name].shape != x.shape:
-            raise UserError(f"--init-from {src}: {name} is {pre[name].shape} there but {x.shape} in this run")
+            raise UserError(
+                f"--init-from {src}: {name} is {pre[name].shape} there but {x.shape} in this run")
         if name in pre:
             taken.add(top)
             return jax.device_put(pre[name], x.sharding)   # this run's sharding (FSDP's split, say)

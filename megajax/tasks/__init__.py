@@ -8,7 +8,8 @@ from megajax.tasks.base import Task
 from megajax.tasks.bert import BertPretraining, fine_tuning_tasks
 from megajax.tasks.lm import LanguageModelling
 
-TASKS: dict[str, Task] = {t.name: t for t in (LanguageModelling(), BertPretraining(), *fine_tuning_tasks())}
+TASKS: dict[str, Task] = {t.name: t
+                          for t in (LanguageModelling(), BertPretraining(), *fine_tuning_tasks())}
 
 
 def task_for(cfg) -> Task:
@@ -28,7 +29,8 @@ def param_count(cfg) -> int:
     positions = m.seq_len * m.hidden if m.positions == "learned" else 0
     output_layer = 0 if m.tie_embeddings else m.padded_vocab * m.hidden
     final_norm = (2 if m.norm == "layernorm" else 1) * m.hidden
-    shared = m.num_layers * m.layer_params + m.padded_vocab * m.hidden + positions + output_layer + final_norm
+    shared = (m.num_layers * m.layer_params + m.padded_vocab * m.hidden + positions + output_layer
+              + final_norm)
     return shared + task_for(cfg).head_params(cfg)
 
 

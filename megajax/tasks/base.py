@@ -31,7 +31,8 @@ class Task:
     # With sequence parallelism: the heads read only their rows of the last hidden states
     # ([CLS] and the masked positions: BERT) rather than the whole gathered sequence (GPT).
     heads_read_rows = False
-    extra_embedding_rows = 0        # replicated embedding rows added besides positions (BERT: token types)
+    # replicated embedding rows added besides positions (BERT: token types)
+    extra_embedding_rows = 0
 
     # -- the batch ---------------------------------------------------------------------------
     def batch_fields(self, cfg):
@@ -40,13 +41,15 @@ class Task:
 
     def batch_shapes(self, cfg, batch_size: int, sharding=None):
         """The global batch as ShapeDtypeStructs (every array split over "data" by rows)."""
-        return jax.tree.map(lambda f: jax.ShapeDtypeStruct((batch_size, *f.shape), np.int32, sharding=sharding),
-                            self.batch_fields(cfg), is_leaf=lambda x: isinstance(x, Field))
+        return jax.tree.map(
+            lambda f: jax.ShapeDtypeStruct((batch_size, *f.shape), np.int32, sharding=sharding),
+            self.batch_fields(cfg), is_leaf=lambda x: isinstance(x, Field))
 
     def synthetic_batch(self, cfg, batch_size: int, rng: np.random.Generator):
         """Random values of the right shapes and ranges, as numpy arrays."""
-        return jax.tree.map(lambda f: rng.integers(f.low, f.high, (batch_size, *f.shape)).astype(np.int32),
-                            self.batch_fields(cfg), is_leaf=lambda x: isinstance(x, Field))
+        return jax.tree.map(
+            lambda f: rng.integers(f.low, f.high, (batch_size, *f.shape)).astype(np.int32),
+            self.batch_fields(cfg), is_leaf=lambda x: isinstance(x, Field))
 
     # -- data -------------------------------------------------------------------------------
     def load_data(self, cfg, tokenizer=None):
@@ -68,7 +71,8 @@ class Task:
         return 0
 
     def matmul_params_per_token(self, cfg) -> float:
-        """Weights each trained token goes through in a matmul (6 FLOPs each, forward and backward)."""
+        """Weights each trained token goes through in a matmul (6 FLOPs each, forward and
+        backward)."""
         return float(cfg.model.num_layers * cfg.model.layer_params)
 
     # -- evaluation during training ------------------------------------------------------------

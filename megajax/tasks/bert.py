@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megajax.data.bert_pretrain import PretrainData, Specials, load_pretraining, pretraining_from_documents
+from megajax.data.bert_pretrain import (PretrainData, Specials, load_pretraining,
+                                        pretraining_from_documents)
 from megajax.data.finetune import load_task_data
 from megajax.data.megatron import ids_tokenizer, sentence_documents
 from megajax.data.prepared import load_pairs
@@ -18,8 +19,8 @@ from megajax.tasks.base import Field, Task
 
 def _encoder_fields(cfg, lead: tuple[int, ...] = ()) -> dict:
     s = cfg.model.seq_len
-    return {"tokens": Field((*lead, s), 5, cfg.model.vocab_size), "types": Field((*lead, s), 0, TYPE_VOCAB),
-            "mask": Field((*lead, s), 1, 2)}
+    return {"tokens": Field((*lead, s), 5, cfg.model.vocab_size),
+            "types": Field((*lead, s), 0, TYPE_VOCAB), "mask": Field((*lead, s), 1, 2)}
 
 
 def _encoder_head_params(h: int) -> int:
@@ -41,9 +42,11 @@ class BertPretraining(Task):
         if spec.kind == "pairs":          # prepared by megajax-prepare --pairs: mapped, not read
             train, val, tokenizer = load_pairs(Path(spec.arg), tokenizer, cfg.model.seq_len)
             return PretrainData(train, val, tokenizer, Specials.of(tokenizer))
-        if spec.kind == "megatron":       # a Megatron-LM dataset preprocessed with --split-sentences
+        # a Megatron-LM dataset preprocessed with --split-sentences
+        if spec.kind == "megatron":
             tokenizer = ids_tokenizer(tokenizer, cfg.data.tokenizer, spec)
-            return pretraining_from_documents(sentence_documents(spec.arg, tokenizer, str(spec)), tokenizer, cfg)
+            return pretraining_from_documents(sentence_documents(spec.arg, tokenizer, str(spec)),
+                                              tokenizer, cfg)
         text = source_text(spec)
         return load_pretraining(text, chosen(tokenizer, cfg.data.tokenizer, text), cfg)
 
@@ -74,12 +77,14 @@ class FineTuning(Task):
 
     def batch_fields(self, cfg):
         lead = (self.choices,) if self.choices else ()
-        return {**_encoder_fields(cfg, lead), "label": Field((), 0, max(self.choices, NUM_CLASSES[self.name]))}
+        return {**_encoder_fields(cfg, lead),
+                "label": Field((), 0, max(self.choices, NUM_CLASSES[self.name]))}
 
     def load_data(self, cfg, tokenizer=None):
         if tokenizer is None:
-            raise UserError(f"fine-tuning ({self.name}) needs a tokenizer: start from a pretrained workdir "
-                            f"with --init-from DIR")
+            raise UserError(
+                f"fine-tuning ({self.name}) needs a tokenizer: start from a pretrained workdir "
+                f"with --init-from DIR")
         return load_task_data(self.name, cfg.data.source, tokenizer, cfg)
 
     def head_params(self, cfg) -> int:

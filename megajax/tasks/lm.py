@@ -32,7 +32,8 @@ class LanguageModelling(Task):
         return cfg.model.seq_len
 
     def matmul_params_per_token(self, cfg) -> float:
-        m = cfg.model    # the layers and the output layer (the tied embedding or its own), not the lookups
+        # the layers and the output layer (the tied embedding or its own), not the lookups
+        m = cfg.model
         return float(m.num_layers * m.layer_params + m.padded_vocab * m.hidden + 2 * m.hidden)
 
     def val_extras(self, val: dict) -> dict:
@@ -46,7 +47,8 @@ def _bin_vocab(data, cfg) -> int:
     vocab = data.tokenizer.vocab_size
     top = int(max(np.max(data.train), np.max(data.val) if len(data.val) else 0))
     if top >= vocab and (data.tokenizer.kind != "bytes" or top >= MAX_UNTOKENIZED_VOCAB):
-        raise UserError(f"{cfg.data.source} has token id {top}, beyond the {data.tokenizer.kind} tokenizer's "
-                        f"{vocab:,} ids: give the tokenizer that made it (--tokenizer), or check "
-                        f"data.bin_dtype ({cfg.data.bin_dtype})")
+        raise UserError(
+            f"{cfg.data.source} has token id {top}, beyond the {data.tokenizer.kind} tokenizer's "
+            f"{vocab:,} ids: give the tokenizer that made it (--tokenizer), or check "
+            f"data.bin_dtype ({cfg.data.bin_dtype})")
     return max(vocab, top + 1, cfg.model.vocab_size)

@@ -29,21 +29,28 @@ from megajax.training.step import make_trainer
 class AuditResult:
     collectives: list[Collective]
     mesh_shape: tuple[int, int]
-    shape: StepShape                   # the step's numbers, for the closed forms (megajax/analytic.py)
+    # the step's numbers, for the closed forms (megajax/analytic.py)
+    shape: StepShape
     scanned: bool
-    gradient_shard_elements: int = 0   # one device's shard of every parameter: its gradient reduction over "data"
-    data_scheme: str = "plain"         # plain | zero (train.shard_optimizer) | fsdp (train.shard_params)
-    data_axis_minimum: dict = dataclasses.field(default_factory=dict)  # origin -> elements sent (ring) per step
+    # one device's shard of every parameter: its gradient reduction over "data"
+    gradient_shard_elements: int = 0
+    # plain | zero (train.shard_optimizer) | fsdp (train.shard_params)
+    data_scheme: str = "plain"
+    # origin -> elements sent (ring) per step
+    data_axis_minimum: dict = dataclasses.field(default_factory=dict)
 
     # The step's numbers under the names the table uses.
     num_layers = property(lambda self: self.shape.layers)
-    batch_local = property(lambda self: self.shape.rows)     # sequences per data shard per microbatch
+    # sequences per data shard per microbatch
+    batch_local = property(lambda self: self.shape.rows)
     seq_len = property(lambda self: self.shape.seq)
     hidden = property(lambda self: self.shape.hidden)
     microbatches = property(lambda self: self.shape.microbatches)
-    head_rows = property(lambda self: self.shape.head_rows)  # positions per sequence through the output layer
+    # positions per sequence through the output layer
+    head_rows = property(lambda self: self.shape.head_rows)
     sequence_parallel = property(lambda self: self.shape.sequence_parallel)
-    remat = property(lambda self: self.shape.remat == "full")  # the backward pass recomputes the forward's collectives
+    # the backward pass recomputes the forward's collectives
+    remat = property(lambda self: self.shape.remat == "full")
 
     def select(self, **kw) -> list[Collective]:
         return [c for c in self.collectives if all(getattr(c, k) == v for k, v in kw.items())]
@@ -58,7 +65,8 @@ class AuditResult:
             if c.origin in ("attention", "mlp") and c.elements >= least:
                 if c.layer == "all":  # one scanned body, executed once per layer
                     for i in range(self.num_layers):
-                        per[str(i)][(c.origin, c.direction)] += c.count // (self.num_layers * self.microbatches)
+                        per[str(i)][(c.origin, c.direction)] += c.count // (
+                            self.num_layers * self.microbatches)
                 else:
                     per[c.layer][(c.origin, c.direction)] += c.count // self.microbatches
         return dict(per)
@@ -76,7 +84,8 @@ class AuditResult:
         counted as they occur, since XLA may merge them with the forward's in an unrolled stack."""
         per = self.model_axis_layer_counts("all-gather")
         bsh = self.batch_local * self.seq_len * self.hidden
-        return self.microbatches * bsh * sum(n for c in per.values() for (_, d), n in c.items() if d == "recompute")
+        return self.microbatches * bsh * sum(n for c in per.values() for (_, d), n in c.items()
+                                             if d == "recompute")
 
     @property
     def remat_extra_elements(self) -> int:
@@ -84,7 +93,8 @@ class AuditResult:
 
     @property
     def data_axis_gradient_elements(self) -> int:
-        return sum(c.elements * c.count for c in self.collectives if c.axis == DATA and c.origin == "gradients")
+        return sum(c.elements * c.count for c in self.collectives if c.axis == DATA
+                   and c.origin == "gradients")
 
     def data_axis_sent(self, origin: str) -> int:
         """Elements each device sends over "data" per step for the collectives of `origin`,
@@ -113,7 +123,8 @@ class AuditResult:
         """Gradient and parameter traffic over "data" against the scheme's minimum (with FSDP's
         re-gathers for the backward pass as found)."""
         least = self.data_axis_min + self.data_axis_regathered
-        return sum(self.data_axis_sent(o) for o in ("gradients", "params")) / least if least else 0.0
+        return sum(self.data_axis_sent(o)
+                   for o in ("gradients", "params")) / least if least else 0.0
 
     def data_axis_line(self) -> str:
         """Data parallelism's traffic against the minimum of its scheme (`data_axis_minimum`)."""
@@ -121,21 +132,31 @@ class AuditResult:
         least = round(self.data_axis_min)
         head = "data-axis elements sent per step and device (ring algorithms): "
         if self.data_scheme == "plain":
-            return (head + f"gradients {grads:,} = {self.data_axis_ratio:.3f} x the minimum {least:,} (each "
-                    f"gradient shard all-reduced once per step; GSPMD reduces once per microbatch, here "
+            return (head
+                    + f"gradients {grads:,} = {self.data_axis_ratio:.3f} x the minimum {least:,} "
+                      f"(each "
+                    f"gradient shard all-reduced once per step; GSPMD reduces once per microbatch, "
+                    f"here "
                     f"{self.microbatches}, and the tied embedding's two contributions apart; "
                     f"train.shard_optimizer reduces once per step)")
         if self.data_scheme == "zero":
-            what = ("ZeRO-1: one reduce-scatter of the accumulated gradients and one all-gather of the updated "
-                    "parameters per step, the bytes of one all-reduce")
+            what = (
+                "ZeRO-1: one reduce-scatter of the accumulated gradients and one all-gather of the "
+                "updated "
+                "parameters per step, the bytes of one all-reduce")
         else:
-            what = ("FSDP: per layer and microbatch an all-gather of its weights and a reduce-scatter of its "
-                    "gradients, the other weights gathered once per step")
+            what = (
+                "FSDP: per layer and microbatch an all-gather of its weights and a reduce-scatter "
+                "of its "
+                "gradients, the other weights gathered once per step")
             if self.data_axis_regathered:
                 least += self.data_axis_regathered
-                what += (f"; with the {self.data_axis_regathered:,} of the weights the backward pass gathers "
-                         f"again, one layer at a time")
-        return (head + f"gradients {grads:,} + parameters {params:,} = {self.data_axis_ratio:.3f} x the "
+                what += (
+                    f"; with the {self.data_axis_regathered:,} of the weights the backward pass "
+                    f"gathers "
+                    f"again, one layer at a time")
+        return (head
+                + f"gradients {grads:,} + parameters {params:,} = {self.data_axis_ratio:.3f} x the "
                 f"minimum {least:,} ({what})")
 
     @property
@@ -144,8 +165,10 @@ class AuditResult:
 
     @property
     def ratio(self) -> float:
-        """Model-axis elements over the analytic minimum of the scheme (tensor or sequence parallel)."""
-        return self.model_axis_elements / self.analytic_min_elements if self.mesh_shape[1] > 1 else 0.0
+        """Model-axis elements over the analytic minimum of the scheme (tensor or sequence
+        parallel)."""
+        return self.model_axis_elements / self.analytic_min_elements if self.mesh_shape[
+            1] > 1 else 0.0
 
     def summary(self) -> dict:
         by = Counter()
@@ -154,14 +177,16 @@ class AuditResult:
         return {
             "mesh": {DATA: self.mesh_shape[0], MODEL: self.mesh_shape[1]},
             "per_layer_model_all_reduces": {k: {f"{o}/{d}": n for (o, d), n in v.items()}
-                                            for k, v in sorted(self.model_axis_layer_counts().items(),
-                                                               key=lambda kv: int(kv[0]))},
+                                            for k, v in sorted(
+                                                self.model_axis_layer_counts().items(),
+                                                key=lambda kv: int(kv[0]))},
             "counts": {"/".join(k): n for k, n in sorted(by.items())},
             "model_axis_elements": self.model_axis_elements,
             "analytic_min_elements": self.analytic_min_elements,
             "ratio_to_megatron_min": round(self.ratio, 4),
-            **({f"per_layer_model_{k.replace('-', '_')}s": {i: {f"{o}/{d}": n for (o, d), n in v.items()}
-                                                            for i, v in self.model_axis_layer_counts(k).items()}
+            **({f"per_layer_model_{k.replace('-', '_')}s": {
+                i: {f"{o}/{d}": n for (o, d), n in v.items()}
+                for i, v in self.model_axis_layer_counts(k).items()}
                 for k in ("all-gather", "reduce-scatter")} if self.sequence_parallel else {}),
             "data_axis_gradient_elements": self.data_axis_gradient_elements,
             "data_axis_gradient_min_elements": self.gradient_shard_elements,
@@ -184,7 +209,8 @@ class AuditResult:
                 grouped[key] = (n + 1, el + c.elements, by + c.bytes, cnt)
                 continue
             rows.append((c.kind, c.axis, c.direction, c.origin, c.layer or "-",
-                         f"{c.dtype}{list(c.shape)}", f"{c.elements:,}", f"{c.bytes:,}", f"x{c.count}"))
+                         f"{c.dtype}{list(c.shape)}", f"{c.elements:,}", f"{c.bytes:,}",
+                         f"x{c.count}"))
         for key, (n, el, by, cnt) in grouped.items():
             rows.append(key + (f"{n} tensors", f"{el:,}", f"{by:,}", f"x{cnt}"))
         head = ("kind", "axis", "pass", "origin", "layer", "shape", "elements", "bytes", "count")
@@ -192,44 +218,53 @@ class AuditResult:
         fmt = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths))  # noqa: E731
         lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
         lines.append("")
-        for kind in ("all-gather", "reduce-scatter", "all-reduce") if self.sequence_parallel else ("all-reduce",):
+        for kind in ("all-gather", "reduce-scatter",
+                     "all-reduce") if self.sequence_parallel else ("all-reduce",):
             lines.append(self._per_layer_line(kind))
         scheme = "sequence-parallel " if self.sequence_parallel else ""
         lines.append(f"model-axis elements per step and device: {self.model_axis_elements:,} "
-                     f"= {self.ratio:.3f} x Megatron's {scheme}analytic minimum {self.analytic_min_elements:,}")
+                     f"= {self.ratio:.3f} x Megatron's {scheme}analytic minimum "
+                     f"{self.analytic_min_elements:,}")
         if self.mesh_shape[0] > 1 and self.data_axis_minimum:
             lines.append(self.data_axis_line())
         parts = []
         if self.regathered_elements:
-            parts.append(f"the block inputs all-gathered again for the backward pass ({self.regathered_elements:,} elements)")
+            parts.append(
+                f"the block inputs all-gathered again for the backward pass "
+                f"({self.regathered_elements:,} elements)")
         if self.remat:
             what = "attention reduce-scatter" if self.sequence_parallel else "all-reduce"
-            parts.append(f"remat's recomputed {what} per layer ({self.remat_extra_elements:,} elements)")
+            parts.append(
+                f"remat's recomputed {what} per layer ({self.remat_extra_elements:,} elements)")
         if parts:
-            total = self.analytic_min_elements + self.regathered_elements + self.remat_extra_elements
+            total = (self.analytic_min_elements + self.regathered_elements
+                     + self.remat_extra_elements)
             lines.append(f"with {' and '.join(parts)} the minimum is {total:,}: ratio "
                          f"{self.model_axis_elements / total:.3f}")
         return "\n".join(lines)
 
     def _per_layer_line(self, kind: str) -> str:
         per = self.model_axis_layer_counts(kind)
-        count = lambda d: sorted({sum(n for (o, dd), n in c.items() if dd == d) for c in per.values()} or {0})  # noqa: E731
+        count = lambda d: sorted({sum(n for (o, dd), n in c.items() if dd == d)
+                                  for c in per.values()} or {0})  # noqa: E731
         if self.remat:
             recompute = f", recomputed by remat {count('recompute')}"
         elif self.sequence_parallel and kind == "all-gather":
             recompute = f", again for the backward pass {count('recompute')}"
         else:
             recompute = ""
-        return (f"model-axis {kind}s per layer{' and microbatch' if self.microbatches > 1 else ''}: "
-                f"forward {count('forward')}, backward {count('backward')}{recompute} "
-                f"({self.num_layers} layers{', scanned' if self.scanned else ''})")
+        return (
+            f"model-axis {kind}s per layer{' and microbatch' if self.microbatches > 1 else ''}: "
+            f"forward {count('forward')}, backward {count('backward')}{recompute} "
+            f"({self.num_layers} layers{', scanned' if self.scanned else ''})")
 
     def print(self):
         print(self.table())
 
 
 def _order(c: Collective):
-    """Program order: embedding, layers, logits, loss forward; the reverse backward; then the rest."""
+    """Program order: embedding, layers, logits, loss forward; the reverse backward; then the
+    rest."""
     stage = {"embedding": 0, "attention": 1, "mlp": 1, "logits": 2, "loss": 3}.get(c.origin, 4)
     layer = -1 if c.layer in ("", "all") else int(c.layer)
     within = 0 if c.origin == "attention" else 1
@@ -261,10 +296,12 @@ def data_axis_minimum(trainer) -> tuple[str, dict]:
         # A weight held in copies over "model" has its gradient reduced over "data" on the share
         # each device computes, before the copies are made whole.
         copied = copied_weights(trainer.cfg.model, trainer.mesh.shape[MODEL])
-        local = jax.tree_util.tree_map_with_path(lambda p, size: size // copied.get(path_keys(p)[-1], 1), local)
+        local = jax.tree_util.tree_map_with_path(
+            lambda p, size: size // copied.get(path_keys(p)[-1], 1), local)
         return "plain", data_axis_sent_minimum("plain", n, m, 0, sum(jax.tree.leaves(local)))
     split = whole = layers = layers_read = 0
-    for (path, size), d in zip(jax.tree_util.tree_flatten_with_path(local)[0], jax.tree.leaves(dp.dims)):
+    for (path, size), d in zip(jax.tree_util.tree_flatten_with_path(local)[0],
+                               jax.tree.leaves(dp.dims)):
         keys = path_keys(path)
         if d == NONE:
             whole += size
@@ -272,7 +309,8 @@ def data_axis_minimum(trainer) -> tuple[str, dict]:
         split += size
         if keys[0] == "layers":
             layers += size
-            if keys[-1].endswith("kernel") or keys[-1] == "scale" or trainer.cfg.model.remat == "full":
+            if keys[-1].endswith("kernel") or keys[
+                -1] == "scale" or trainer.cfg.model.remat == "full":
                 layers_read += size
     scheme = "fsdp" if dp.fsdp else "zero"
     return scheme, data_axis_sent_minimum(scheme, n, m, split, whole, layers, layers_read)
@@ -281,10 +319,12 @@ def data_axis_minimum(trainer) -> tuple[str, dict]:
 def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, trainer=None) -> AuditResult:
     # (each RACE option is a sequence of its own: StepShape.of counts sequences)
     shape = StepShape.of(cfg, task_for(cfg), dp=mesh_shape[0], tp=mesh_shape[1])
-    result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), tuple(mesh_shape), shape, cfg.model.scan_layers)
+    result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), tuple(mesh_shape), shape,
+                         cfg.model.scan_layers)
     if trainer is not None:
         result.gradient_shard_elements = per_device_elements(
-            trainer.modeldef.abstract_sharded_params(param_shardings(trainer.mesh, trainer.modeldef.specs())))
+            trainer.modeldef.abstract_sharded_params(
+                param_shardings(trainer.mesh, trainer.modeldef.specs())))
         result.data_scheme, result.data_axis_minimum = data_axis_minimum(trainer)
     if verbose:
         result.print()

@@ -16,7 +16,8 @@ from megajax.training.step import make_trainer
 
 def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
     """Compile `cfg`'s train step on `mesh` abstractly (nothing allocated), print the report
-    and return it as a dict. `costs`: also activation bytes and FLOPs (megajax/tools/step_figures.py)."""
+    and return it as a dict. `costs`: also activation bytes and FLOPs
+    (megajax/tools/step_figures.py)."""
     trainer = make_trainer(cfg, mesh)
     params, opt = trainer.abstract_state()
     t0 = time.perf_counter()
@@ -26,7 +27,8 @@ def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
         "config": cfg.name, "params": param_count(cfg), "num_layers": cfg.model.num_layers,
         "mesh": {DATA: mesh.shape[DATA], MODEL: mesh.shape[MODEL]},
         "param_bytes_per_device": per_device_bytes(params),
-        # float32: the accumulator, split like the parameters (ZeRO-1 reduce-scatters it once per step)
+        # float32: the accumulator, split like the parameters (ZeRO-1 reduce-scatters it once per
+        # step)
         "gradient_bytes_per_device": per_device_bytes(params),
         "optimizer_bytes_per_device": per_device_bytes(opt),
         "data_parallel": _scheme(cfg, trainer),
@@ -34,7 +36,8 @@ def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
         **step_memory(compiled),
         "device_bytes": device_memory_bytes(),
     }
-    audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape[DATA], mesh.shape[MODEL]), trainer=trainer)
+    audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape[DATA], mesh.shape[MODEL]),
+                      trainer=trainer)
     report["audit"] = audit.summary()
     if costs:
         report.update(step_figures(cfg, mesh, report.get("step_temp_bytes")))
@@ -55,8 +58,11 @@ def _scheme(cfg: Config, trainer) -> str:
 def _print(report: dict, cfg: Config, out):
     m, t = cfg.model, cfg.train
     out(f"dry run: {cfg.name}, {report['params']:,} parameters "
-        f"({m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, seq {m.seq_len}, vocab {m.padded_vocab})")
-    out(f"mesh data={report['mesh'][DATA]} model={report['mesh'][MODEL]}; global batch {t.batch_size} "
+        f"({m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, seq {m.seq_len}, vocab "
+        f"{m.padded_vocab})")
+    out(
+        f"mesh data={report['mesh'][DATA]} model={report['mesh'][MODEL]}; global batch "
+        f"{t.batch_size} "
         f"in {t.microbatches} microbatch(es); compute {Precision.of(m).name}, remat {m.remat}")
     if report["mesh"][DATA] > 1:
         out(f"data parallelism: {report['data_parallel']}")
@@ -64,7 +70,8 @@ def _print(report: dict, cfg: Config, out):
         f"gradients {gib(report['gradient_bytes_per_device'])}, "
         f"optimizer state {gib(report['optimizer_bytes_per_device'])}"
         + (f", compiled step peak {gib(report['step_peak_bytes'])} "
-           f"(temporaries {gib(report['step_temp_bytes'])})" if "step_peak_bytes" in report else ""))
+           f"(temporaries {gib(report['step_temp_bytes'])})" if "step_peak_bytes" in report
+           else ""))
     if report.get("step_peak_bytes") and report["device_bytes"]:
         fits = report["step_peak_bytes"] <= report["device_bytes"]
         out(f"{'fits' if fits else 'does NOT fit'}: a device has {gib(report['device_bytes'])}"
@@ -79,12 +86,18 @@ def _print_costs(report: dict, out):
     layers, dtype = report["num_layers"], report["modelled_activation_dtype"]
     model = f"modelled {gib(report['modelled_bytes_per_layer_and_sequence'] * layers)} in {dtype}"
     if dtype != "float32":
-        model += (f" ({gib(report['modelled_float32_bytes_per_layer_and_sequence'] * layers)} in float32, "
-                  f"as XLA:CPU keeps 16-bit activations)")
+        model += (
+            f" ({gib(report['modelled_float32_bytes_per_layer_and_sequence'] * layers)} in "
+            f"float32, "
+            f"as XLA:CPU keeps 16-bit activations)")
     if "activation_bytes_per_sequence" in report:
-        out(f"activations per sequence: {gib(int(report['activation_bytes_per_sequence']))} compiled "
-            f"(step temporaries, slope over {report['sequences_per_microbatch']} more per microbatch); "
-            f"the {layers} layers {gib(int(report['activation_bytes_per_layer_and_sequence'] * layers))} "
+        out(
+            f"activations per sequence: {gib(int(report['activation_bytes_per_sequence']))} "
+            f"compiled "
+            f"(step temporaries, slope over {report['sequences_per_microbatch']} more per "
+            f"microbatch); "
+            f"the {layers} layers "
+            f"{gib(int(report['activation_bytes_per_layer_and_sequence'] * layers))} "
             f"compiled, {model}")
     else:
         out(f"activations per sequence: the {layers} layers {model}")

@@ -27,7 +27,8 @@ _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _OPNAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"\bbody=%([^\s,]+)")
-_CALLS = re.compile(r"\b(?:calls|to_apply|branch_computations|true_computation|false_computation)=\{?%([^\s,}]+)")
+_CALLS = re.compile(
+    r"\b(?:calls|to_apply|branch_computations|true_computation|false_computation)=\{?%([^\s,}]+)")
 _GTE = re.compile(r"get-tuple-element\(%([^)\s]+)\), index=(\d+)")
 
 
@@ -74,7 +75,8 @@ def parse_replica_groups(line: str, num_devices: int) -> list[list[int]]:
         return ids.reshape(-1, ids.shape[-1]).tolist()
     m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", line)
     if m:
-        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        groups = [[int(x) for x in g.split(",") if x]
+                  for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
         if "source_target_pairs" in line[:m.start() + 25]:
             return groups
         return groups or [list(range(num_devices))]
@@ -100,7 +102,8 @@ def _mesh_groups(axes_text: str, device_ids: str | None, reduced_text: str) -> l
         shape += [major, part, size // (major * part)]
     ids = ids.reshape(shape)
     kept = [i for i in range(len(shape)) if i not in reduced]
-    return ids.transpose(kept + reduced).reshape(-1, math.prod(shape[i] for i in reduced) if reduced else 1).tolist()
+    return ids.transpose(kept + reduced).reshape(-1, math.prod(shape[i] for i in reduced)
+                                                 if reduced else 1).tolist()
 
 
 def groups_axis(groups, mesh_shape: tuple[int, int], axis_names=AXES) -> str:
@@ -124,8 +127,10 @@ class Collective:
     dtype: str
     shape: tuple[int, ...]
     count: int             # executions per step (loop trip counts multiplied in)
-    direction: str         # forward, backward, recompute, optimizer, update (ZeRO's gather of the new weights)
-    origin: str            # embedding, logits, loss, attention, mlp, gradients, params, metrics, optimizer, other
+    # forward, backward, recompute, optimizer, update (ZeRO's gather of the new weights)
+    direction: str
+    # embedding, logits, loss, attention, mlp, gradients, params, metrics, optimizer, other
+    origin: str
     layer: str             # "0", "1", ... ; "all" for the scanned stack; "" outside layers
     op_name: str
     hlo_name: str
@@ -235,7 +240,8 @@ def parse_collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[Collective]
             kind = opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
-            arrays = [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(shape_str)]
+            arrays = [(d, tuple(int(x) for x in dims.split(",") if x))
+                      for d, dims in _ARRAY.findall(shape_str)]
             if opcode == "all-gather-start":
                 arrays = arrays[len(arrays) // 2:]
             elif opcode == "collective-permute-start":
@@ -247,6 +253,7 @@ def parse_collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[Collective]
             for i, (dtype, shape) in enumerate(arrays):
                 op_name = gte_names.get((name, i), combined) if len(arrays) > 1 else combined
                 direction, origin, layer = _classify(op_name, axis)
-                out.append(Collective(kind, axis, dtype, shape, mult[comp], direction, origin, layer,
+                out.append(
+                    Collective(kind, axis, dtype, shape, mult[comp], direction, origin, layer,
                                       op_name, name if len(arrays) == 1 else f"{name}[{i}]"))
     return out

@@ -33,7 +33,8 @@ def step_flops(cfg: Config, mesh, remat: str | None = None) -> float:
     t, m = cfg.train, cfg.model
     one_microbatch = {"train.microbatches": 1, "train.batch_size": t.batch_size // t.microbatches,
                       "model.scan_layers": False, "model.remat": remat or m.remat}
-    f1, f2 = (_flops(compile_step(with_values(cfg, {"model.num_layers": n, **one_microbatch}), mesh)) for n in (1, 2))
+    f1, f2 = (_flops(compile_step(with_values(cfg, {"model.num_layers": n, **one_microbatch}),
+                                  mesh)) for n in (1, 2))
     return (f1 + (m.num_layers - 1) * (f2 - f1)) * t.microbatches
 
 
@@ -63,7 +64,8 @@ def activation_bytes_per_sequence(cfg: Config, mesh, temp_bytes: int) -> dict:
                             (2, _doubled_rows(with_values(cfg, {"model.num_layers": n}))))}
     per_layer = shallow[3, 2] - shallow[2, 2] - shallow[3, 1] + shallow[2, 1]
     return {"activation_bytes_per_sequence": (bigger - temp_bytes) / rows,
-            "activation_bytes_per_layer_and_sequence": per_layer / rows, "sequences_per_microbatch": rows}
+            "activation_bytes_per_layer_and_sequence": per_layer / rows,
+            "sequences_per_microbatch": rows}
 
 
 def modelled_bytes_per_layer(cfg: Config, mesh, dtype: str) -> int:
@@ -78,11 +80,14 @@ def modelled_bytes_per_layer(cfg: Config, mesh, dtype: str) -> int:
 
 
 def step_figures(cfg: Config, mesh, temp_bytes: int | None) -> dict:
-    """Activation bytes per sequence (compiled and modelled) and step FLOPs with recomputation's share."""
-    dtype = Precision.of(cfg.model, backend="gpu").compute.name    # what the run keeps on an accelerator
+    """Activation bytes per sequence (compiled and modelled) and step FLOPs with recomputation's
+    share."""
+    # what the run keeps on an accelerator
+    dtype = Precision.of(cfg.model, backend="gpu").compute.name
     out = {"modelled_activation_dtype": dtype,
            "modelled_bytes_per_layer_and_sequence": modelled_bytes_per_layer(cfg, mesh, dtype),
-           "modelled_float32_bytes_per_layer_and_sequence": modelled_bytes_per_layer(cfg, mesh, "float32")}
+           "modelled_float32_bytes_per_layer_and_sequence": modelled_bytes_per_layer(cfg, mesh,
+                                                                                     "float32")}
     if temp_bytes is not None:
         out.update(activation_bytes_per_sequence(cfg, mesh, temp_bytes))
     out["step_flops"] = step_flops(cfg, mesh)

@@ -69,9 +69,11 @@ class DataParallel:
         def pick(path, shape, spec):
             keys = path_keys(path)
             layer = _layer_path(keys)
-            stacked = layer is not None and layer[1] == 1   # FSDP gathers a layer at a time: not its axis
+            # FSDP gathers a layer at a time: not its axis
+            stacked = layer is not None and layer[1] == 1
             zero = None if keys[-1] in copied else S.data_sharded_spec(
-                shape.shape, spec, dp, mesh.shape[S.MODEL], skip_leading=stacked and cfg.train.shard_params)
+                shape.shape, spec, dp, mesh.shape[S.MODEL],
+                skip_leading=stacked and cfg.train.shard_params)
             if zero is None:
                 whole.append("/".join(keys))
                 return NONE
@@ -81,11 +83,14 @@ class DataParallel:
             return dim
 
         dims = jax.tree_util.tree_map_with_path(pick, shapes, specs)
-        sharded = jax.tree.map(lambda d, spec, x: NamedSharding(mesh, _with_data(spec, d, len(x.shape))),
-                               dims, specs, shapes, is_leaf=lambda x: isinstance(x, P))
+        sharded = jax.tree.map(
+            lambda d, spec, x: NamedSharding(mesh, _with_data(spec, d, len(x.shape))),
+            dims, specs, shapes, is_leaf=lambda x: isinstance(x, P))
         layout = S.Layout.for_model(mesh, cfg.model, data_manual=True,
-                                    fsdp_layer_dims=tuple(sorted(layer_dims.items())) if cfg.train.shard_params else ())
-        return cls(cfg, mesh, dims, sharded, whole, ModelDef(abstract_model(cfg.model, layout)), specs)
+                                    fsdp_layer_dims=tuple(sorted(layer_dims.items()))
+                                    if cfg.train.shard_params else ())
+        return cls(cfg, mesh, dims, sharded, whole, ModelDef(abstract_model(cfg.model, layout)),
+                   specs)
 
     @property
     def fsdp(self) -> bool:
@@ -117,11 +122,13 @@ class DataParallel:
     def _local(self, params, batch, key, loss_scale):
         """One device's rows: (metrics, gradients) summed over the microbatches, reduced once."""
         t = self.cfg.train
-        grad_fn = jax.value_and_grad(lambda p, b, k: self._objective(p, b, k, loss_scale), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, b, k: self._objective(p, b, k, loss_scale),
+                                     has_aux=True)
         m = t.microbatches
         # Microbatch j takes this shard's rows j, j+m, ...: the rows j, j+m, ... of the global
         # batch that this shard holds, as the GSPMD step splits them.
-        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1),
+                             batch)
 
         def accumulate(carry, xs):
             mb, j = xs
@@ -148,8 +155,10 @@ class DataParallel:
         (the transpose of their gathers). Manual over "model" too: each device reduces its own
         model shard (left to GSPMD, a data-axis collective inside the data-manual region would
         first gather its operand over "model")."""
-        return jax.shard_map(lambda g: jax.tree.map(self._reduce_one, g, self.dims), in_specs=(self.model_specs,),
-                             out_specs=self.model_specs, axis_names={S.MODEL}, check_vma=False)(grads)
+        return jax.shard_map(lambda g: jax.tree.map(self._reduce_one, g, self.dims),
+                             in_specs=(self.model_specs,),
+                             out_specs=self.model_specs, axis_names={S.MODEL},
+                             check_vma=False)(grads)
 
     def _reduce_one(self, g, d):
         if d == NONE:
@@ -179,19 +188,23 @@ class DataParallel:
 
         def gather(params):
             with jax.named_scope("params_all_gather"):
-                return jax.tree.map(lambda x, d: x if d == NONE else jax.lax.all_gather(x, S.DATA, axis=d, tiled=True),
+                return jax.tree.map(lambda x, d: x if d == NONE
+                                    else jax.lax.all_gather(x, S.DATA, axis=d, tiled=True),
                                     params, self.dims)
         sharded = jax.tree.map(lambda s: s.spec, self.sharded)
-        return jax.shard_map(gather, mesh=self.mesh, in_specs=(sharded,), out_specs=self.model_specs,
-                             check_vma=False)(params)
+        return jax.shard_map(gather, mesh=self.mesh, in_specs=(sharded,),
+                             out_specs=self.model_specs, check_vma=False)(params)
 
     def describe(self) -> str:
         """One line for the dry run: what stays whole on every data shard."""
         n = len(jax.tree.leaves(self.dims))
         if not self.whole:
             return f"all {n} weights split"
-        return (f"{len(self.whole)} of {n} weights stay whole (no dimension left by the model axis divides by "
-                f"{self.mesh.shape[S.DATA]}): " + ", ".join(self.whole[:4]) + (" ..." if len(self.whole) > 4 else ""))
+        return (
+            f"{len(self.whole)} of {n} weights stay whole (no dimension left by the model axis "
+            f"divides by "
+            f"{self.mesh.shape[S.DATA]}): " + ", ".join(self.whole[:4])
+            + (" ..." if len(self.whole) > 4 else ""))
 
 
 def _with_data(spec: P, d: int, ndim: int) -> P:

@@ -6,8 +6,8 @@ out again: about 17% of a GPT-2 1.2B step on an H200 (README, "Performance of th
 path"). An unrolled stack keeps them in separate buffers but compiles every layer. Here one
 layer is compiled, as in the scan, and called once per layer: its forward returns jax.vjp's
 pullback, whose leaves are that layer's saved activations, in buffers of their own (its
-weights are sliced again in the backward program, `_Saved`); its backward adds the layer's weight gradients into the stacked gradients in place
-(bench/layer_programs.py times the three ways).
+weights are sliced again in the backward program, `_Saved`); its backward adds the layer's weight
+gradients into the stacked gradients in place (bench/layer_programs.py times the three ways).
 
 Per microbatch: the model's own code up to its stack (`_pre`, with jax.vjp), the layers'
 forwards, the model's code after the stack with the loss (`_post`, value and gradient), the
@@ -73,19 +73,22 @@ class _Saved:
     @classmethod
     def of(cls, pullback, weights):
         leaves, treedef = jax.tree.flatten(pullback)
-        slots = tuple(next((n for n, w in enumerate(weights) if w is leaf), None) for leaf in leaves)
+        slots = tuple(next((n for n, w in enumerate(weights) if w is leaf), None)
+                      for leaf in leaves)
         return cls([leaf for leaf, slot in zip(leaves, slots) if slot is None], (treedef, slots))
 
     def pullback(self, weights):
         treedef, slots = self.layout
         saved = iter(self.leaves)
-        return jax.tree.unflatten(treedef, [next(saved) if slot is None else weights[slot] for slot in slots])
+        return jax.tree.unflatten(
+            treedef, [next(saved) if slot is None else weights[slot] for slot in slots])
 
 
 def _stack_of(model) -> tuple[tuple[str, ...], LayerStack]:
     stacks = [(tuple(str(k) for k in path), node) for path, node in nnx.iter_graph(model)
               if isinstance(node, LayerStack)]
-    assert len(stacks) == 1, f"train.layer_programs needs a model with one layer stack, found {len(stacks)}"
+    assert len(stacks) == 1, \
+        f"train.layer_programs needs a model with one layer stack, found {len(stacks)}"
     return stacks[0]
 
 
@@ -108,13 +111,16 @@ class LayerProgramStep:
                               out_shardings=grads_out)
         self._pre = jax.jit(self._pre_fn)
         self._forward = jax.jit(self._forward_fn)
-        self._post = jax.jit(self._post_fn, out_shardings=(trainer.replicated(), self.rest_shardings, None))
+        self._post = jax.jit(self._post_fn,
+                             out_shardings=(trainer.replicated(), self.rest_shardings, None))
         self._backward = jax.jit(self._backward_fn, out_shardings=(self.stacked_shardings, None),
                                  donate_argnums=(2,))
-        self._accumulate = jax.jit(self._accumulate_fn, out_shardings=(self.rest_shardings, trainer.replicated()),
+        self._accumulate = jax.jit(self._accumulate_fn,
+                                   out_shardings=(self.rest_shardings, trainer.replicated()),
                                    donate_argnums=(2, 4))
-        self._update = jax.jit(self._update_fn, out_shardings=(shardings, trainer.opt_shardings, trainer.replicated()),
-                               donate_argnums=(0, 1))
+        self._update = jax.jit(
+            self._update_fn, out_shardings=(shardings, trainer.opt_shardings, trainer.replicated()),
+            donate_argnums=(0, 1))
 
     # -- the programs ------------------------------------------------------------------------
     def _microbatch(self, batch, step, j):
@@ -145,7 +151,8 @@ class LayerProgramStep:
     def _layer(self, params, aux, i):
         keys, mask = aux
         call, _, state = _stack_of(self.tr.modeldef.bind(params))[1].layer_call(mask)
-        layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), state)
+        layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                                   state)
         return call, layer_state, None if keys is None else keys[i]
 
     def _forward_fn(self, params, i, h, aux):
@@ -176,7 +183,8 @@ class LayerProgramStep:
     def _accumulate_fn(pullback, dx, rest_grads, post_grads, metrics_sum, metrics):
         (pre_grads,) = pullback(dx)
         rest_grads = jax.tree.map(lambda a, b, c: a + b + c, rest_grads, post_grads, pre_grads)
-        metrics_sum = metrics if metrics_sum is None else jax.tree.map(jnp.add, metrics_sum, metrics)
+        metrics_sum = metrics if metrics_sum is None else jax.tree.map(jnp.add, metrics_sum,
+                                                                       metrics)
         return rest_grads, metrics_sum
 
     def _update_fn(self, params, opt_state, rest_grads, stacked_grads, metrics_sum, step):
@@ -197,10 +205,12 @@ class LayerProgramStep:
                 x, pullback = self._forward(params, np.int32(i), x, aux)
                 pullbacks.append(pullback)
             metrics, post_grads, g = self._post(params, batch, step, j, x, loss_scale)
-            for i in reversed(range(self.num_layers)):    # each layer's activations freed as it goes
-                stacked_grads, g = self._backward(params, pullbacks.pop(), stacked_grads, np.int32(i), g)
-            rest_grads, metrics_sum = self._accumulate(pre_pullback, g, rest_grads, post_grads, metrics_sum,
-                                                       metrics)
+            # each layer's activations freed as it goes
+            for i in reversed(range(self.num_layers)):
+                stacked_grads, g = self._backward(params, pullbacks.pop(), stacked_grads,
+                                                  np.int32(i), g)
+            rest_grads, metrics_sum = self._accumulate(pre_pullback, g, rest_grads, post_grads,
+                                                       metrics_sum, metrics)
         return self._update(params, opt_state, rest_grads, stacked_grads, metrics_sum, step)
 
     # -- what the step needs in memory ----------------------------------------------------
@@ -214,8 +224,8 @@ class LayerProgramStep:
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         shardings = self._pre.lower(params, batch, scalar, scalar).compile().output_shardings
         x, aux, _ = jax.eval_shape(self._pre, params, batch, scalar, scalar)
-        x, aux = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), (x, aux),
-                              tuple(shardings[:2]))
+        x, aux = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              (x, aux), tuple(shardings[:2]))
         fwd = self._forward.lower(params, scalar, x, aux).compile().memory_analysis()
         state = per_device_bytes(params) + per_device_bytes(opt)
         grads = per_device_bytes(params)

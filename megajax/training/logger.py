@@ -45,7 +45,8 @@ class StepLogger:
         cfg, mesh = run.cfg, run.trainer.mesh
         self.run, self.ckpts, self.out, self.main = run, ckpts, out, is_main()
         self.start = start or 0
-        self.saves = [] if start is None else [start]   # checkpoints on disk (the last may be in flight)
+        # checkpoints on disk (the last may be in flight)
+        self.saves = [] if start is None else [start]
         self.pending = []                        # (step, metrics on device) not yet read
         self.losses: dict[int, float] = {}
         self.val_loss = None
@@ -64,14 +65,19 @@ class StepLogger:
         self.restart_clock(start)
         if not self.main:
             return
-        self.out(f"megajax: {cfg.name} | {param_count(cfg) / 1e6:.2f}M params | mesh data={mesh.shape[DATA]} "
-                 f"model={mesh.shape[MODEL]} on {mesh.devices.size} {jax.devices()[0].platform} device(s) | "
-                 f"{self.run.data.describe()} | step compiled in {compile_s:.1f}s"
-                 + (f" | {describe()}" if describe() else "")
-                 + (f" | resuming from step {start}" if start else ""))
+        self.out(
+            f"megajax: {cfg.name} | {param_count(cfg) / 1e6:.2f}M params | mesh "
+            f"data={mesh.shape[DATA]} "
+            f"model={mesh.shape[MODEL]} on {mesh.devices.size} {jax.devices()[0].platform} "
+            f"device(s) | "
+            f"{self.run.data.describe()} | step compiled in {compile_s:.1f}s"
+            + (f" | {describe()}" if describe() else "")
+            + (f" | resuming from step {start}" if start else ""))
         if start >= cfg.train.steps:
-            self.out(f"the checkpoint in {self.run.workdir} is at step {start}, train.steps is {cfg.train.steps}: "
-                     f"nothing to train (raise --steps to continue)")
+            self.out(
+                f"the checkpoint in {self.run.workdir} is at step {start}, train.steps is "
+                f"{cfg.train.steps}: "
+                f"nothing to train (raise --steps to continue)")
 
     def add(self, step: int, metrics):
         self.watchdog.beat()
@@ -98,10 +104,13 @@ class StepLogger:
         record = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
                   "grad_norm": float(m["grad_norm"]), "tokens_per_sec": self.tokens_per_step / dt,
                   "step_time_s": dt, "tflops_per_device": self.flops / dt / 1e12}
-        record.update({k: float(v) for k, v in m.items() if k not in record})  # BERT: mlm_loss, sop_accuracy, ...
-        if "skipped_steps" in record:     # float16: a skipped step's norm is not finite, and JSON has no inf
+        # BERT: mlm_loss, sop_accuracy, ...
+        record.update({k: float(v) for k, v in m.items() if k not in record})
+        # float16: a skipped step's norm is not finite, and JSON has no inf
+        if "skipped_steps" in record:
             record["skipped_steps"] = int(record["skipped_steps"])
-            record["grad_norm"] = record["grad_norm"] if math.isfinite(record["grad_norm"]) else None
+            record["grad_norm"] = record["grad_norm"] if math.isfinite(
+                record["grad_norm"]) else None
         if self.peak:
             record["mfu"] = record["tflops_per_device"] / self.peak
         self.metrics.write(record)
@@ -142,7 +151,8 @@ class StepLogger:
         record = {"step": step, "val_loss": self.val_loss, **self.run.task.val_extras(val)}
         record.update({f"val_{k}": v for k, v in val.items() if k != "loss"})
         self.metrics.write(record)
-        self.progress.write(f"step {step:>6}  " + "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+        self.progress.write(f"step {step:>6}  "
+                            + "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
 
     def saved(self, step: int, failure: tuple[int, str] | None):
         """A save of `step` started, unless `failure` says it could not."""
@@ -160,12 +170,14 @@ class StepLogger:
         self._forget(failure)
         step, why = failure
         where = self.run.workdir / "checkpoints"
-        intact = f"step {self.saves[-1]} in {where} is intact" if self.saves else "no checkpoint of this run is intact"
+        intact = (f"step {self.saves[-1]} in {where} is intact" if self.saves
+                  else "no checkpoint of this run is intact")
         if last or not self.saves:
             self.progress.close()
             self.ckpts.settle()
             raise UserError(f"saving step {step} failed ({why}); {intact}")
-        self.progress.write(f"warning: saving step {step} failed ({why}); {intact}: training goes on")
+        self.progress.write(
+            f"warning: saving step {step} failed ({why}); {intact}: training goes on")
 
     def _forget(self, failure: tuple[int, str] | None):
         if failure is not None:

@@ -30,7 +30,8 @@ from megajax.models.generate import generate
 from megajax.models.registry import ModelDef, abstract_model
 from megajax.runs.checkpoint import Checkpoints
 from megajax.runs.metrics import plot_workdir
-from megajax.runs.workdir import (check_layout, check_same_tokenizer, init_from_pretrained, is_main, run_tokenizer,
+from megajax.runs.workdir import (check_layout, check_same_tokenizer, init_from_pretrained, is_main,
+                                  run_tokenizer,
                                       run_vocab_size, with_pretrained_shape, write_run_files)
 from megajax.tasks import Task, task_for
 from megajax.training.logger import StepLogger
@@ -65,9 +66,12 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
     """Train `cfg` on `mesh` in `workdir`, resuming from its newest intact checkpoint. `out`
     receives each line of the log (None: no log; metrics.jsonl is written either way)."""
     workdir, mesh, out = Path(workdir), as_mesh(mesh), out or (lambda *lines, **kwargs: None)
-    if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 0:   # not at the end
-        raise ValueError(f"sample_tokens must be an integer >= 0 (0: no sample), got {sample_tokens!r}")
-    with contextlib.ExitStack() as held:     # signal handlers and the workdir lock, released however train() ends
+    # not at the end
+    if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 0:
+        raise ValueError(
+            f"sample_tokens must be an integer >= 0 (0: no sample), got {sample_tokens!r}")
+    # signal handlers and the workdir lock, released however train() ends
+    with contextlib.ExitStack() as held:
         stop = held.enter_context(StopRequested())
         run = validate(cfg, mesh, workdir, sample_tokens)
         if is_main():     # one run per workdir; taken before its checkpoints are read
@@ -83,7 +87,8 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
         logger.announce(compile_s)
         stop.start_training()
         with logger.watchdog:     # a frozen peer: one line, not the runtime's abort
-            step, params, stopped_by = _steps(run, logger, ckpts, stop, step_fn, params, opt_state, start or 0)
+            step, params, stopped_by = _steps(run, logger, ckpts, stop, step_fn, params, opt_state,
+                                              start or 0)
         logger.close()
         ckpts.close()
         return finish(run, logger, step, params, stopped_by, sample_tokens, out, stop)
@@ -94,11 +99,13 @@ def validate(cfg: Config, mesh, workdir: Path, sample_tokens: int = 0) -> Run:
     the other processes, the data, the sizes against the mesh. Returns the Run, whose final
     config has its vocabulary size set here, and only here, from the data."""
     check_layout(workdir)
-    cfg, pretrained = with_pretrained_shape(cfg.validate(), workdir)   # validate: what Python changed since loading
+    # validate: what Python changed since loading
+    cfg, pretrained = with_pretrained_shape(cfg.validate(), workdir)
     task = task_for(cfg)
     # Everything the processes' collectives depend on, before the first one: a mesh of another
     # shape or device order, or a sample of another length, would leave them waiting on each other.
-    check_same_run({"config": cfg.to_dict(), "workdir": str(workdir), "sample_tokens": sample_tokens,
+    check_same_run(
+        {"config": cfg.to_dict(), "workdir": str(workdir), "sample_tokens": sample_tokens,
                     "mesh": {"axes": dict(mesh.shape), "devices": mesh.device_ids.tolist()}})
     check_same_tokenizer(cfg, workdir)
     data = task.load_data(cfg, run_tokenizer(workdir, pretrained))
@@ -106,7 +113,8 @@ def validate(cfg: Config, mesh, workdir: Path, sample_tokens: int = 0) -> Run:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
     trainer = make_trainer(cfg, mesh)   # checks sizes against the mesh: ConfigError
     sharding = trainer.batch_sharding
-    return Run(cfg, workdir, task, data, trainer, data.batches("train", cfg, sharding),   # data too short: UserError
+    # data too short: UserError
+    return Run(cfg, workdir, task, data, trainer, data.batches("train", cfg, sharding),
                data.batches("val", cfg, sharding), pretrained)
 
 
@@ -128,7 +136,8 @@ def restore_or_init(run: Run, ckpts: Checkpoints, out) -> tuple[int | None, dict
 
 def _steps(run: Run, logger: StepLogger, ckpts: Checkpoints, stop: StopRequested, step_fn,
            params, opt_state, start: int):
-    """Train until train.steps or an agreed stop; returns (last step, params, the signal that stopped it)."""
+    """Train until train.steps or an agreed stop; returns (last step, params, the signal that
+    stopped it)."""
     t = run.cfg.train
     eval_fn = run.trainer.jit_eval()
     step = start
@@ -141,12 +150,15 @@ def _steps(run: Run, logger: StepLogger, ckpts: Checkpoints, stop: StopRequested
             logger.log(step)
         if run.val_batches is not None and (step % t.eval_every == 0 or step == t.steps):
             logger.log_eval(step, evaluate(eval_fn, params, run.val_batches, t.eval_batches))
-        stopping = agreed_stop(stop.requested)  # read once (a signal may arrive at any moment), agreed by all
+        # read once (a signal may arrive at any moment), agreed by all
+        stopping = agreed_stop(stop.requested)
         if step % t.save_every == 0 or step == t.steps or stopping:
             if not logged:
                 logger.flush(step)  # never save weights from a step whose loss was not finite
-            logger.save_failed(ckpts.failed_save(block=True))   # the save before: orbax finishes it first
-            logger.saved(step, ckpts.save(step, params, opt_state, {"step": step, "config": run.cfg.name}))
+            # the save before: orbax finishes it first
+            logger.save_failed(ckpts.failed_save(block=True))
+            logger.saved(
+                step, ckpts.save(step, params, opt_state, {"step": step, "config": run.cfg.name}))
         else:
             logger.save_failed(ckpts.failed_save())   # a background save that failed: known at once
             if step % t.eval_every == 0:
@@ -163,8 +175,8 @@ def evaluate(eval_fn, params, val_batches, max_batches: int) -> dict:
     return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
 
 
-def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | None, sample_tokens: int,
-           out, stop: StopRequested) -> RunResult:
+def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | None,
+           sample_tokens: int, out, stop: StopRequested) -> RunResult:
     result = RunResult(run.workdir, step, logger.losses, logger.val_loss, stopped_by)
     main = is_main()
     if stopped_by:
@@ -182,23 +194,28 @@ def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | No
         final = f", final train loss {logger.losses[step]:.4f}" if step in logger.losses else ""
         out(f"done: {step} steps{final}"
             + (f", val loss {logger.val_loss:.4f}" if logger.val_loss is not None else "") + curve)
-    if sample_tokens and run.task.sample_after_training:   # every process takes part: the model is sharded over all
+    # every process takes part: the model is sharded over all
+    if sample_tokens and run.task.sample_after_training:
         # One process may stop its sample on a signal: the run is saved. (Several may not: the
         # others would wait for it in the sample's collectives.)
         stop.sampling = jax.process_count() == 1
-        result.sample = sample_text(run.trainer, params, run.data, sample_tokens, stopped=stop.sample_stopped)
+        result.sample = sample_text(run.trainer, params, run.data, sample_tokens,
+                                    stopped=stop.sample_stopped)
         if stop.sample_stopped():
-            out(f"{stop.requested}: stopped the sample; the run is complete, its last checkpoint at step {step}")
+            out(
+                f"{stop.requested}: stopped the sample; the run is complete, its last checkpoint "
+                f"at step {step}")
         if main:
             out("sample:\n" + result.sample)
     return result
 
 
-def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: float = 0.8, top_k: int = 40,
-                stopped=None) -> str:
+def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: float = 0.8,
+                top_k: int = 40, stopped=None) -> str:
     layout = Layout.for_model(trainer.mesh, trainer.cfg.model, "inference")
     model = ModelDef(abstract_model(trainer.cfg.model, layout)).bind(params)
     prompt = np.asarray(data.val[:16] if len(data.val) >= 16 else data.train[:16], dtype=np.int32)
-    new = generate(model, prompt[None], n_tokens, temperature, top_k, jax.random.key(trainer.cfg.train.seed),
+    new = generate(model, prompt[None], n_tokens, temperature, top_k,
+                   jax.random.key(trainer.cfg.train.seed),
                    eos_id=data.tokenizer.eos_id, stopped=stopped)
     return data.tokenizer.decode(prompt) + data.tokenizer.decode(new[0])

@@ -34,7 +34,8 @@ from megajax.core.precision import Precision
 class LossScaleState(NamedTuple):
     scale: jax.Array        # float32: what the next step multiplies its loss by
     good_steps: jax.Array   # int32: steps without overflow since the last overflow or growth
-    tolerance: jax.Array    # int32: overflows left before one halves the scale (Megatron's hysteresis)
+    # int32: overflows left before one halves the scale (Megatron's hysteresis)
+    tolerance: jax.Array
     skipped: jax.Array      # int32: steps skipped so far (their gradients overflowed)
     inner: optax.OptState   # the wrapped optimizer's state
 
@@ -53,7 +54,8 @@ def scaled(objective_out, loss_scale):
 
 
 def _fresh(inner_state, initial: float, hysteresis: int) -> LossScaleState:
-    return LossScaleState(jnp.float32(initial), jnp.int32(0), jnp.int32(hysteresis), jnp.int32(0), inner_state)
+    return LossScaleState(jnp.float32(initial), jnp.int32(0), jnp.int32(hysteresis), jnp.int32(0),
+                          inner_state)
 
 
 def around(inner_state, cfg: Config) -> LossScaleState:
@@ -77,13 +79,17 @@ def loss_scaled(inner: optax.GradientTransformation, *, dynamic: bool, initial: 
             return updates, state._replace(inner=inner_state)
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
-        inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), inner_state, state.inner)
+        inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), inner_state,
+                                   state.inner)
         grow = finite & (state.good_steps + 1 >= window)
-        tolerance = jnp.where(finite, jnp.where(grow, hysteresis, state.tolerance), state.tolerance - 1)
+        tolerance = jnp.where(finite, jnp.where(grow, hysteresis, state.tolerance),
+                              state.tolerance - 1)
         halve = ~finite & (tolerance <= 0)
-        scale = jnp.where(grow, jnp.minimum(2 * state.scale, MAX_SCALE), jnp.where(halve, state.scale / 2, state.scale))
+        scale = jnp.where(grow, jnp.minimum(2 * state.scale, MAX_SCALE),
+                          jnp.where(halve, state.scale / 2, state.scale))
         good = jnp.where(finite & ~grow, state.good_steps + 1, 0)
         skipped = state.skipped + (~finite).astype(jnp.int32)
-        return updates, LossScaleState(scale, good, tolerance.astype(jnp.int32), skipped, inner_state)
+        return updates, LossScaleState(scale, good, tolerance.astype(jnp.int32), skipped,
+                                       inner_state)
 
     return optax.GradientTransformation(init, update)

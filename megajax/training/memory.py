@@ -31,7 +31,8 @@ def per_device_elements(tree) -> int:
 
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (or arrays)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree.leaves(tree))
 
 
 def device_memory_bytes() -> int | None:
@@ -63,6 +64,9 @@ def check_step_fits(compiled):
     limit = device_memory_bytes()
     if peak is None or limit is None or peak <= limit:
         return
-    raise UserError(f"the compiled train step needs {gib(peak)} per device, more than the {gib(limit)} a device "
-                    f"has here: lower train.batch_size or model.seq_len, raise train.microbatches, set "
-                    f"model.remat = \"selective\" or \"full\", or use a larger model axis (--dry-run shows the figures)")
+    raise UserError(
+        f"the compiled train step needs {gib(peak)} per device, more than the {gib(limit)} a "
+        f"device "
+        f"has here: lower train.batch_size or model.seq_len, raise train.microbatches, set "
+        f"model.remat = \"selective\" or \"full\", or use a larger model axis (--dry-run shows the "
+        f"figures)")

@@ -13,7 +13,8 @@ from megajax.tasks import task_for
 
 # Dense bf16 peak TFLOP/s per device, for MFU where nothing was measured.
 KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0,
-                     "V100": 125.0, "T4": 65.0, "L40S": 362.0, "RTX 4090": 165.0, "TPU v4": 275.0, "TPU v5e": 197.0}
+                     "V100": 125.0, "T4": 65.0, "L40S": 362.0, "RTX 4090": 165.0, "TPU v4": 275.0,
+                     "TPU v5e": 197.0}
 # (V100 and T4: float16, which their tensor cores take instead of bfloat16)
 
 

@@ -19,7 +19,8 @@ def lr_schedule(t: TrainConfig):
     decay_steps = max(t.decay_steps or t.steps, t.warmup_steps + 1)
     if t.schedule == "linear":
         return optax.join_schedules([optax.linear_schedule(0.0, t.lr, t.warmup_steps),
-                                     optax.linear_schedule(t.lr, t.min_lr, decay_steps - t.warmup_steps)],
+                                     optax.linear_schedule(t.lr, t.min_lr,
+                                                           decay_steps - t.warmup_steps)],
                                     [t.warmup_steps])
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
@@ -27,7 +28,8 @@ def lr_schedule(t: TrainConfig):
 
 
 def weight_decay_mask(params: dict):
-    return jax.tree_util.tree_map_with_path(lambda path, _: not str(path[-1].key).endswith(_NOT_DECAYED), params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not str(path[-1].key).endswith(_NOT_DECAYED), params)
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -37,5 +39,5 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         optax.adamw(lr_schedule(t), b1=t.beta1, b2=t.beta2, eps=t.eps,
                     weight_decay=t.weight_decay, mask=weight_decay_mask),
     )
-    return loss_scaled(adamw, dynamic=uses_loss_scaling(cfg), initial=t.loss_scale, window=t.loss_scale_window,
-                       hysteresis=t.loss_scale_hysteresis)
+    return loss_scaled(adamw, dynamic=uses_loss_scaling(cfg), initial=t.loss_scale,
+                       window=t.loss_scale_window, hysteresis=t.loss_scale_hysteresis)

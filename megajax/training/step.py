@@ -45,7 +45,8 @@ class Trainer:
     tx: optax.GradientTransformation
     param_shardings: dict
     opt_shardings: object
-    data_parallel: DataParallel | None = None   # ZeRO-1 / FSDP: the data-manual gradient computation
+    # ZeRO-1 / FSDP: the data-manual gradient computation
+    data_parallel: DataParallel | None = None
 
     @property
     def batch_sharding(self):
@@ -63,7 +64,8 @@ class Trainer:
     def init_state(self, seed: int | None = None):
         """Fresh float32 params (same values on every mesh for a seed) and optimizer state."""
         seed = self.cfg.train.seed if seed is None else seed
-        params = self.modeldef.params(init_model(self.cfg.model, self.mesh, seed, self.param_shardings))
+        params = self.modeldef.params(
+            init_model(self.cfg.model, self.mesh, seed, self.param_shardings))
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         return params, opt_state
 
@@ -100,16 +102,19 @@ class Trainer:
         return self.objective(params, batch, key)[0]
 
     def _step(self, params, opt_state, batch, step):
-        metrics, grads = self.gradients(params, batch, self.step_key(step), self.loss_scale(opt_state))
+        metrics, grads = self.gradients(params, batch, self.step_key(step),
+                                        self.loss_scale(opt_state))
         return self.apply_gradients(params, opt_state, grads, metrics, step)
 
     def step_key(self, step):
-        """The step's dropout key: a function of (seed, step) only, so a resumed run draws the same."""
+        """The step's dropout key: a function of (seed, step) only, so a resumed run draws the
+        same."""
         return jax.random.fold_in(jax.random.key(self.cfg.train.seed), step)
 
     def split_microbatches(self, batch):
-        """Every batch array as (microbatches, rows, ...): microbatch j takes rows j, j+m, j+2m, ...,
-        so every data shard keeps its own rows. Microbatch j's dropout key is fold_in(key, j)."""
+        """Every batch array as (microbatches, rows, ...): microbatch j takes rows j, j+m, j+2m,
+        ..., so every data shard keeps its own rows. Microbatch j's dropout key is fold_in(key,
+        j)."""
         m = self.cfg.train.microbatches
 
         def split(x):
@@ -146,7 +151,8 @@ class Trainer:
     def _gspmd_gradients(self, params, batch, key, loss_scale):
         """GSPMD places the data-axis reductions: once per microbatch."""
         t = self.cfg.train
-        grad_fn = jax.value_and_grad(lambda p, b, k: self.objective(p, b, k, loss_scale), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, b, k: self.objective(p, b, k, loss_scale),
+                                     has_aux=True)
         if t.microbatches == 1:
             (_, metrics), grads = grad_fn(params, batch, key)
         else:
@@ -176,7 +182,8 @@ class Trainer:
     def jit_step(self, donate: bool = True):
         return jax.jit(
             self._step,
-            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding, self.replicated()),
+            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding,
+                          self.replicated()),
             out_shardings=(self.param_shardings, self.opt_shardings, self.replicated()),
             donate_argnums=(0, 1) if donate else ())
 
@@ -189,22 +196,26 @@ class Trainer:
 
     def compiled_step(self):
         """What the train loop calls: the donated step compiled as one program, or with
-        train.layer_programs the sequence of per-layer programs (megajax/training/layer_programs.py).
-        Either has XLA's memory_analysis() for the fit check."""
+        train.layer_programs the sequence of per-layer programs
+        (megajax/training/layer_programs.py). Either has XLA's memory_analysis() for the fit
+        check."""
         if self.cfg.train.layer_programs:
             return LayerProgramStep(self)
         return self.lower_step().compile()
 
     def lower_step(self):
-        """The train step lowered for abstract inputs (for compiling, the audit and memory analysis)."""
+        """The train step lowered for abstract inputs (for compiling, the audit and memory
+        analysis)."""
         params, opt = self.abstract_state()
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated())
         return self.jit_step(donate=True).lower(params, opt, self.batch_shapes(), step)
 
 
 def make_trainer(cfg: Config, mesh) -> Trainer:
-    """Check the config against the mesh and build the optimizer and shardings (nothing allocated)."""
-    task = task_for(cfg.validate())   # a config changed in Python since it was loaded is checked again
+    """Check the config against the mesh and build the optimizer and shardings (nothing
+    allocated)."""
+    # a config changed in Python since it was loaded is checked again
+    task = task_for(cfg.validate())
     mesh = as_mesh(mesh)
     check_fits(cfg, mesh)
     modeldef = ModelDef(abstract_model(cfg.model, S.Layout.for_model(mesh, cfg.model)))
@@ -212,11 +223,13 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     opt_shapes = jax.eval_shape(tx.init, modeldef.abstract_params())
     shardings = S.param_shardings(mesh, modeldef.specs())
     if not (cfg.train.shard_optimizer or cfg.train.shard_params):
-        return Trainer(cfg, mesh, task, modeldef, tx, shardings, _opt_shardings(opt_shapes, shardings, mesh))
+        return Trainer(cfg, mesh, task, modeldef, tx, shardings,
+                       _opt_shardings(opt_shapes, shardings, mesh))
     dp = DataParallel.build(cfg, mesh, modeldef)
     if cfg.train.shard_params:
         shardings = dp.sharded
-    return Trainer(cfg, mesh, task, modeldef, tx, shardings, _opt_shardings(opt_shapes, dp.sharded, mesh), dp)
+    return Trainer(cfg, mesh, task, modeldef, tx, shardings,
+                   _opt_shardings(opt_shapes, dp.sharded, mesh), dp)
 
 
 def _opt_shardings(opt_shapes, param_shardings, mesh):
