@@ -144,6 +144,14 @@ def gpt(tp: int, pre_process: bool = True, post_process: bool = True, pp: int = 
                     pre_process=pre_process, post_process=post_process)
 
 
+def random_weights(shapes: dict, seed: int) -> dict:
+    """name -> a random tensor of its shape: N(0, 0.2), norm scales 1 + N(0, 0.2)."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g) * 0.2
+            + (1.0 if name.endswith("layernorm.weight") else 0.0)
+            for name, shape in shapes.items()}
+
+
 def full_weights() -> dict:
     """One random model: LayerNorm scales near 1, everything else (biases too) random."""
     h, f = SIZES["hidden_size"], SIZES["ffn_hidden_size"]
@@ -160,10 +168,7 @@ def full_weights() -> dict:
                        p + "pre_mlp_layernorm.weight": (h,), p + "pre_mlp_layernorm.bias": (h,),
                        p + "mlp.linear_fc1.weight": (f, h), p + "mlp.linear_fc1.bias": (f,),
                        p + "mlp.linear_fc2.weight": (h, f), p + "mlp.linear_fc2.bias": (h,)})
-    g = torch.Generator().manual_seed(1234)
-    return {name: torch.randn(shape, generator=g) * 0.2
-            + (1.0 if name.endswith("layernorm.weight") else 0.0)
-            for name, shape in shapes.items()}
+    return random_weights(shapes, 1234)
 
 
 def run_args(tp: int) -> argparse.Namespace:
@@ -328,10 +333,7 @@ def llama_weights() -> dict:
                        p + "self_attention.linear_proj.weight": (h, heads * d),
                        p + "mlp.linear_fc1.weight": (2 * f, h),
                        p + "mlp.linear_fc2.weight": (h, f)})
-    g = torch.Generator().manual_seed(4321)
-    return {name: torch.randn(shape, generator=g) * 0.2
-            + (1.0 if name.endswith("layernorm.weight") else 0.0)
-            for name, shape in shapes.items()}
+    return random_weights(shapes, 4321)
 
 
 def llama_args(tp: int) -> argparse.Namespace:
