@@ -22,9 +22,9 @@ LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", num_kv
 
 
 @pytest.mark.parametrize("spec,extra,train", [
-    ("1x8", {}, {}),                                      # key/value heads in 4 copies each
-    ("2x4", dict(sequence_parallel=True), dict(shard_params=True)),   # 2 copies; FSDP with sequence parallelism
-    ("2x4", dict(num_kv_heads=4, scan_layers=False), dict(shard_optimizer=True)),  # heads split; ZeRO-1, unrolled
+    ("1x8", {}, {}),                                           # key/value heads in 4 copies
+    ("2x4", dict(sequence_parallel=True), dict(shard_params=True)),        # 2 copies, FSDP, SP
+    ("2x4", dict(num_kv_heads=4, scan_layers=False), dict(shard_optimizer=True)),  # split, ZeRO-1
 ])
 def test_three_adamw_steps_match_one_device(spec, extra, train):
     """A Llama-shaped model (dropout on) computes on every mesh and data-parallel scheme what it
