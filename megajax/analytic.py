@@ -70,13 +70,19 @@ class StepShape:
 
     @property
     def kv_copies(self) -> int:
-        """Devices holding each key/value head (core/attention.py's kv_copies)."""
-        return self.tp // self.kv if self.kv < self.heads and self.tp > self.kv else 1
+        """Devices holding each key/value head."""
+        return kv_copies(self.heads, self.kv, self.tp)
 
     @property
     def qkv_columns(self) -> int:
         """One device's columns of the query, key and value projection."""
         return (self.heads + 2 * self.kv * self.kv_copies) * self.head_dim // self.tp
+
+
+def kv_copies(heads: int, kv_heads: int, tp: int) -> int:
+    """On how many devices of the model axis each key/value head lives: 1 when the axis divides
+    them (or there is no grouping), else axis / key/value heads (each device its queries' head)."""
+    return tp // kv_heads if kv_heads < heads and tp > kv_heads else 1
 
 
 def layer_params(hidden: int, ffn: int, *, heads: int = 1, kv_heads: int | None = None,

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from megajax import analytic
 from megajax.core import sharding as S
 from megajax.core.blocked_attention import blocked_attention, blocked_attention_pays
 from megajax.core.fused_attention import fused_attention_core
@@ -27,9 +28,8 @@ from megajax.model_config import ModelConfig
 
 
 def kv_copies(cfg: ModelConfig, tp: int) -> int:
-    """On how many devices each key/value head lives: 1 when the model axis divides them (or
-    there is no grouping), else model axis / key/value heads."""
-    return tp // cfg.kv_heads if cfg.kv_heads < cfg.num_heads and tp > cfg.kv_heads else 1
+    """On how many devices each key/value head lives (analytic.kv_copies)."""
+    return analytic.kv_copies(cfg.num_heads, cfg.kv_heads, tp)
 
 
 def copied_weights(cfg: ModelConfig, tp: int) -> dict[str, int]:

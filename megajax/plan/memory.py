@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.analytic import DTYPE_BYTES, activation_bytes_per_layer
 from megajax.config import Config, ModelConfig
-from megajax.core.attention import fused_attention
+from megajax.core.attention import fused_attention, stored_kv_heads
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL, data_sharded_spec
 from megajax.models.registry import ModelDef, abstract_model, path_keys
@@ -155,7 +155,7 @@ def _layer_shape(cfg: Config, dp: int, tp: int, backend: str) -> dict:
                 hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
                 recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
                 head_dim=m.head_dim,
-                kv_heads=max(m.kv_heads, tp) if m.kv_heads < m.num_heads else m.kv_heads,
+                kv_heads=stored_kv_heads(m, tp),
                 gated=m.mlp == "swiglu", rms_norm=m.norm == "rmsnorm",
                 # cuDNN's flash attention, on GPUs (on the CPU "fused" is XLA's, which keeps its
                 # scores)
