@@ -112,12 +112,17 @@ class DataConfig:
     masking: str = "whole_word"
     # whole_word: spans of 1..max_ngram words, n drawn with probability ~ 1/n
     max_ngram: int = 3
+    # chat: sources: the tokens the loss covers, assistant (what the assistant writes) | all
+    chat_loss: str = "assistant"
+    # chat: a conversation longer than seq_len + 1 tokens: refuse (the run) | truncate (it)
+    chat_overflow: str = "refuse"
 
     def validate(self):
         for name in ("val_fraction", "mask_prob"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ConfigError(f"data.{name} must be in (0, 1), got {getattr(self, name)}")
-        one_of(self, "data", bin_dtype=("uint16", "uint32"), masking=("whole_word", "token"))
+        one_of(self, "data", bin_dtype=("uint16", "uint32"), masking=("whole_word", "token"),
+               chat_loss=("assistant", "all"), chat_overflow=("refuse", "truncate"))
         if self.max_ngram < 1:
             raise ConfigError(f"data.max_ngram must be at least 1, got {self.max_ngram}")
 

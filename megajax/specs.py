@@ -2,7 +2,7 @@
 data.tokenizer), parsed once, here, into small typed specs that the loaders take.
 
     DataSpec       builtin | text:PATH[,PATH|GLOB] | bin:PATH | bin:DIR | pairs:DIR |
-    megatron:PREFIX
+                   megatron:PREFIX | chat:FILE.jsonl[,FILE|GLOB]
                    | tfds:NAME[/CONFIG][:SPLIT]; fine-tuning: the task's directory
     TokenizerSpec  bytes | chars | hf:PATH | tiktoken:NAME | wordpiece:PATH/vocab.txt |
     wordpiece[:SIZE]
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-SOURCE_KINDS = ("builtin", "text", "bin", "megatron", "tfds", "pairs")
+SOURCE_KINDS = ("builtin", "text", "bin", "megatron", "tfds", "pairs", "chat")
 TOKENIZER_KINDS = ("bytes", "chars", "hf", "tiktoken", "wordpiece")
 
 

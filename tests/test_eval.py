@@ -482,13 +482,15 @@ def test_the_result_never_replaces_the_data_it_evaluates_and_no_argument_goes_un
             ("wikitext", ["--split", "dev"],
              "--split is for --task race, mnli, qqp; --task wikitext does not use it"),
             ("wikitext", ["--prompt", "x"],
-             "--prompt is for --task sample; --task wikitext does not"),
+             "--prompt is for --task sample, chat; --task wikitext does not"),
             ("lambada", ["--stride", "8"],
              "--stride is for --task ppl, wikitext; --task lambada does not"),
             ("sample", ["--data", str(text)],
              "--data is for --task ppl, wikitext, lambada, mlm, race"),
             ("ppl", ["--data", str(text), "--top-k", "0"],
-             "--top-k is for --task sample; --task ppl does not")]:
+             "--top-k is for --task sample, chat; --task ppl does not"),
+            ("chat", [], "--task chat answers --prompt TEXT or the conversations of --data"),
+            ("chat", ["--prompt", "x", "--data", str(text)], "give one of them")]:
         with pytest.raises(UserError, match=message):    # before: silently unused
             check_eval_args(eval_parser().parse_args([*argv, task, *extra]))
     args = eval_parser().parse_args([*argv, "sample", "--seed", "3"])

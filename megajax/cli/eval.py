@@ -16,7 +16,7 @@ from megajax.errors import UserError
 from megajax.files import write_atomic
 from megajax.host.signals import STOP_SIGNALS
 
-TASK_CHOICES = ["ppl", "wikitext", "lambada", "sample", "mlm", "race", "mnli", "qqp"]
+TASK_CHOICES = ["ppl", "wikitext", "lambada", "sample", "chat", "mlm", "race", "mnli", "qqp"]
 
 
 def eval_parser() -> argparse.ArgumentParser:
@@ -30,6 +30,7 @@ def eval_parser() -> argparse.ArgumentParser:
                "  python eval.py --workdir runs/gpt --task lambada --data lambada_test.jsonl\n"
                "  python eval.py --workdir runs/default --task sample --prompt 'def main(' "
                "--host-devices 8 --mesh 2x4\n"
+               "  python eval.py --workdir runs/sft --task chat --prompt 'Name a colour.'\n"
                "  python eval.py --workdir runs/bert_race --task race --data RACE",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", type=given, required=True)
@@ -39,7 +40,8 @@ def eval_parser() -> argparse.ArgumentParser:
                    help="ppl: text:PATH | bin:PATH | megatron:PREFIX | PATH; wikitext: the .txt "
                         "file; lambada: the .jsonl file; "
                                    "mlm: text:PATH | PATH | builtin | megatron:PREFIX; "
-                                   "race/mnli/qqp: the task's directory")
+                                   "race/mnli/qqp: the task's directory; chat: a .jsonl file of "
+                                   "conversations to answer (instead of --prompt)")
     p.add_argument("--split",
                    help="race: dev | test (default test); mnli: dev_matched | dev_mismatched; qqp: "
                         "dev")
@@ -50,7 +52,7 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int,
                    help="ppl, wikitext: overlapping-window stride (default 32, the paper's)")
     p.add_argument("--batch-size", type=int, help="rows a step (default 8)")
-    p.add_argument("--prompt", help="sample: the text to continue")
+    p.add_argument("--prompt", help="sample: the text to continue; chat: the user's message")
     p.add_argument("--max-new-tokens", type=int,
                    help="sample (default 200): streamed as generated, any number; Ctrl-C stops it, "
                         "writing no result")
@@ -61,15 +63,16 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
-READS_DATA = tuple(task for task in TASK_CHOICES if task != "sample")
+READS_DATA = tuple(task for task in TASK_CHOICES if task not in ("sample", "chat"))
+SAMPLES = ("sample", "chat")
 # An argument only some tasks read -> (those tasks, its default). Given to another task it is
 # refused (before: silently unused, e.g. --task wikitext --split dev scored the whole file).
-TASK_ARGS = {"data": (READS_DATA, None), "split": (("race", "mnli", "qqp"), None),
+TASK_ARGS = {"data": ((*READS_DATA, "chat"), None), "split": (("race", "mnli", "qqp"), None),
              "batch_size": (READS_DATA, 8),
-             "stride": (("ppl", "wikitext"), 32), "prompt": (("sample",), ""),
-             "max_new_tokens": (("sample",), 200),
-             "temperature": (("sample",), 0.8), "top_k": (("sample",), 40),
-             "seed": (("sample",), 0)}
+             "stride": (("ppl", "wikitext"), 32), "prompt": (SAMPLES, ""),
+             "max_new_tokens": (SAMPLES, 200),
+             "temperature": (SAMPLES, 0.8), "top_k": (SAMPLES, 40),
+             "seed": (SAMPLES, 0)}
 
 
 def check_eval_args(args):
@@ -81,7 +84,10 @@ def check_eval_args(args):
                             f"--task {args.task} does not use it")
         if getattr(args, name) is None:
             setattr(args, name, default)
-    if args.task == "sample":
+    if args.task == "chat" and bool(args.prompt) == bool(args.data):
+        raise UserError("--task chat answers --prompt TEXT or the conversations of --data "
+                        "FILE.jsonl: give one of them")
+    if args.task in SAMPLES:
         if args.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
         if not (math.isfinite(args.temperature) and args.temperature >= 0):

@@ -27,6 +27,7 @@ from megajax.model_config import ARCHITECTURE
 from megajax.convert import hf_config, hf_decoders, hf_weights
 from megajax.convert.hf_tokenizer import read_tokenizer, write_tokenizer
 from megajax.core.mesh import single_device_mesh
+from megajax.data.chat_template import TOKENIZER_EXTRAS
 from megajax.data.tokenizer import HF_FILE, VOCAB_FILE, WordPieceTokenizer
 from megajax.errors import UserError, first_line
 from megajax.files import staged_directory, write_atomic
@@ -36,9 +37,6 @@ from megajax.runs.workdir import CONFIG_FILE, load_workdir
 from megajax.training.optimizer import make_optimizer
 
 WEIGHTS = "model.safetensors"
-# Kept beside a tokenizer.json in the workdir and written back on export: special tokens and
-# the chat template (fine-tuning on conversations renders them).
-TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 INDEX = "model.safetensors.index.json"
 # Model fields the HF config decides: a --set of one of them would contradict the weights.
 FROM_HF = ("kind", "task", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len",

@@ -21,7 +21,8 @@ from megajax.core.blocked_attention import blocked_attention, blocked_attention_
 from megajax.core.fused_attention import fused_attention_core
 from megajax.core.layers import (ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear,
                                  dropout)
-from megajax.core.ops import attention_context, attention_scores, masked_softmax
+from megajax.core.ops import (attention_context, attention_scores, is_segments, masked_softmax,
+                              same_segment, segment_positions)
 from megajax.core.precision import Precision
 from megajax.core.rope import apply_rotary, rotary_angles
 from megajax.model_config import ModelConfig
@@ -81,15 +82,20 @@ class ParallelSelfAttention(nnx.Module):
         """Self-attention over x (b, s, h), or over norm(x) (as ParallelMLP). With `cache` = (k, v),
         each (b, heads, max_len, head_dim) and split over heads like the weights, x holds the
         tokens at positions pos..pos+s-1: their keys and values are written into the cache and
-        the queries attend to every cached position up to their own. Returns the output (and
-        the new cache)."""
+        the queries attend to every cached position up to their own. `mask`: (b, k) booleans,
+        the keys that may be attended to, or (b, s) integer segment ids (packed sequences: a
+        token attends within its segment, its rotary position counted from the segment's
+        start). Returns the output (and the new cache)."""
         b, s, _ = x.shape
         project = lambda x: self.qkv(x if norm is None else norm(x))   # noqa: E731
         project = jax.checkpoint(project) if self.recompute_norm_gelu else project
         q, k, v = self.split_heads(project(x))
         q_pos = jnp.arange(s) if pos is None else pos + jnp.arange(s)
         if self.cfg.positions == "rope":
-            cos, sin = rotary_angles(self.cfg, q_pos)
+            if is_segments(mask):    # (b, 1, s, d/2): per row, broadcast over the heads
+                cos, sin = (t[:, None] for t in rotary_angles(self.cfg, segment_positions(mask)))
+            else:
+                cos, sin = rotary_angles(self.cfg, q_pos)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # the along-axis form: its indices share pos's integer type (also with x64 on)
         if cache is not None:
@@ -168,12 +174,14 @@ class ParallelSelfAttention(nnx.Module):
                                     platform=platform(self.layout))
 
     def keep(self, q_pos, num_keys: int, mask):
-        """Which (query, key) pairs attend: causal and padding masks, broadcast, never (b, heads,
-        q, k)."""
+        """Which (query, key) pairs attend: causal, padding and segment masks, broadcast, never
+        (b, heads, q, k)."""
         keep = jnp.ones((1, 1, 1, 1), bool)
         if self.causal:
             keep = keep & (q_pos[:, None] >= jnp.arange(num_keys)[None, :])
-        if mask is not None:  # (b, k) True where a key may be attended to
+        if is_segments(mask):
+            keep = keep & same_segment(mask, mask)
+        elif mask is not None:  # (b, k) True where a key may be attended to
             keep = keep & mask[:, None, None, :]
         return keep
 

@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from megajax.core.ops import rows_contracted, zero_cotangent
+from megajax.core.ops import is_segments, rows_contracted, zero_cotangent
 
 # Scores per block on each device: 8 MiB of float32 (2 MiB blocks were ~4% slower at s 512 on a
 # 2-core Xeon, where one (batch, head) pair of 1-2 MiB alone also ran slower than two).
@@ -45,7 +45,8 @@ def blocked_attention(q, k, v, key_mask, *, causal: bool, scale: float,
                       ways: tuple[int, int] = (1, 1)):
     """softmax(q k^T * scale, masked) v for q, k, v (b, heads, s, d), the same s for queries and
     keys. Masked: causal (a query sees the keys up to its own position) and, if `key_mask` (b, s)
-    is given, only the keys where it is True. A query with nothing to attend to attends to all
+    is given, only the keys where it is True, or with (b, s) integer segment ids those of the
+    query's segment. A query with nothing to attend to attends to all
     keys uniformly, as jax.nn.softmax does. `ways`: how many devices split the batch and the
     heads."""
     ways = tuple(w if n % w == 0 else 1 for w, n in zip(ways, q.shape[:2]))   # not split that way
@@ -100,7 +101,7 @@ def _from_blocks(t, ways, blocks, shape):
 
 
 def _mask_blocks(key_mask, ways, blocks):
-    """(b, s) key mask -> a (b / batch blocks, 1, 1, s) one per block, or None."""
+    """(b, s) key mask or segment ids -> a (b / batch blocks, 1, 1, s) one per block, or None."""
     if key_mask is None:
         return None
     (wb, _), (nb, nh) = ways, blocks
@@ -118,8 +119,9 @@ QUERY_TILE = 256
 def _tiles(s, causal, key_mask):
     """(first query, end query, end key) of each tile of queries. Only causal attention without a
     key mask is tiled: with one, a query may see no key at all and then attends to all s keys
-    uniformly (as jax.nn.softmax gives), which a tile that skips keys would not."""
-    if not causal or key_mask is not None:
+    uniformly (as jax.nn.softmax gives), which a tile that skips keys would not. (A query always
+    sees its own segment's start: segment ids keep the tiles.)"""
+    if not causal or (key_mask is not None and not is_segments(key_mask)):
         return [(0, s, s)]
     return [(lo, min(lo + QUERY_TILE, s), min(lo + QUERY_TILE, s))
             for lo in range(0, s, QUERY_TILE)]
@@ -129,6 +131,8 @@ def _keep(lo, hi, kend, causal, key_mask):
     keep = jnp.ones((1, 1, 1, 1), bool)
     if causal:
         keep = keep & (jnp.arange(lo, hi)[:, None] >= jnp.arange(kend)[None, :])
+    if is_segments(key_mask):   # (bb, 1, 1, s): the queries' ids against the keys'
+        return keep & (jnp.swapaxes(key_mask, -1, -2)[..., lo:hi, :] == key_mask[..., :kend])
     return keep if key_mask is None else keep & key_mask[..., :kend]
 
 

@@ -17,6 +17,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from megajax.core.ops import is_segments, same_segment
+
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -27,12 +29,15 @@ def implementation(dtype, platform: str) -> str:
 
 def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platform: str):
     """softmax(q k^T scale + masks) v for q, k, v (b, heads, s, d), queries and keys at positions
-    0..s-1; key_mask (b, k) True where a key may be attended to, or None. Returns (b, heads, q,
-    d)."""
+    0..s-1; key_mask (b, k) True where a key may be attended to, or (b, s) segment ids (a query
+    attends within its segment), or None. Returns (b, heads, q, d)."""
     # (b, s, heads, d), as jax takes them
     heads_second = lambda t: jnp.moveaxis(t, 1, 2)   # noqa: E731
     q, k, v = heads_second(q), heads_second(k), heads_second(v)
-    mask = None if key_mask is None else key_mask[:, None, None, :]
+    if is_segments(key_mask):
+        mask = same_segment(key_mask, key_mask)
+    else:
+        mask = None if key_mask is None else key_mask[:, None, None, :]
     if implementation(q.dtype, platform) == "cudnn":
         # cuDNN's mask must span the queries: (b, 1, q, k), broadcast per sequence, not per head.
         full = None if mask is None else jnp.broadcast_to(mask,

@@ -88,6 +88,26 @@ def _rms_norm_bwd(eps, residuals, g):
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
+def is_segments(mask) -> bool:
+    """An attention mask given as segment ids (b, s) integers (packed sequences: each token
+    attends only to its own segment), rather than a (b, k) boolean mask of the keys."""
+    return mask is not None and jnp.issubdtype(mask.dtype, jnp.integer)
+
+
+def same_segment(q_segments, k_segments):
+    """(b, 1, q, k) True where query and key are in the same segment."""
+    return q_segments[:, None, :, None] == k_segments[:, None, None, :]
+
+
+def segment_positions(segments):
+    """(b, s) segment ids, each segment contiguous -> each token's position within its segment:
+    positions restart at 0 where the id changes."""
+    idx = jnp.arange(segments.shape[-1])
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool),
+                              segments[:, 1:] != segments[:, :-1]], axis=1)
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def masked_softmax(scores, keep, dtype):
     """softmax(scores) over the last axis where `keep` (broadcastable) is True, 0 elsewhere,

@@ -12,6 +12,7 @@ import tiktoken
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
+from megajax.data.chat_template import TOKENIZER_EXTRAS, special_tokens
 from megajax.data.sources import read_utf8
 from megajax.data.wordpiece import train_vocab
 from megajax.errors import UserError, first_line
@@ -115,7 +116,7 @@ class HFTokenizer(Tokenizer):
         except Exception as e:  # noqa: BLE001  (the tokenizers package raises its own Exception)
             raise UserError(f"{self.path} is not a Hugging Face tokenizer.json "
                             f"({first_line(e, 120)})") from None
-        named = _special_tokens(self.path.parent / "tokenizer_config.json")
+        named = special_tokens(self.path.parent)
         for token in (named.get("eos_token"), "<|endoftext|>", "<|end_of_text|>", "</s>", "[SEP]",
                       "<eos>"):
             if token is not None and (i := self.tok.token_to_id(token)) is not None:
@@ -150,20 +151,10 @@ class HFTokenizer(Tokenizer):
 
     def save(self, workdir):
         write_atomic(Path(workdir) / HF_FILE, self.path.read_bytes())
+        for name in TOKENIZER_EXTRAS:      # its special tokens and chat template go with it
+            if (self.path.parent / name).is_file() and Path(workdir) != self.path.parent:
+                write_atomic(Path(workdir) / name, (self.path.parent / name).read_bytes())
         write_atomic(Path(workdir) / FILE, json.dumps({"kind": "hf", "file": HF_FILE}) + "\n")
-
-
-def _special_tokens(path: Path) -> dict:
-    """bos_token / eos_token of a tokenizer_config.json beside a tokenizer.json (a Llama's end of
-    turn is its eos, not the first end-like token of the vocabulary); {} when there is none."""
-    try:
-        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        config = config if isinstance(config, dict) else {}
-    except (OSError, ValueError):
-        return {}
-    values = {key: config.get(key) for key in ("bos_token", "eos_token")}
-    values = {key: v.get("content") if isinstance(v, dict) else v for key, v in values.items()}
-    return {key: v for key, v in values.items() if isinstance(v, str)}
 
 
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")

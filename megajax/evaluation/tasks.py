@@ -18,6 +18,7 @@ from megajax.data.sources import source_text
 from megajax.data.tokens import load_tokens
 from megajax.errors import UserError
 from megajax.evaluation.bert import evaluate_pretraining, evaluate_task
+from megajax.evaluation.chat import answer, conversations_to_answer
 from megajax.evaluation.lambada import evaluate_lambada
 from megajax.evaluation.scoring import perplexity_of_tokens
 from megajax.evaluation.wikitext import evaluate_wikitext
@@ -107,6 +108,25 @@ class Stream:
             print(text[len(self.shown):] if text.startswith(self.shown) else "", flush=True)
 
 
+def chat(args, loaded: Loaded, progress):
+    """The assistant's answer to --prompt (streamed), or to each conversation of --data."""
+    key = jax.random.key(args.seed)
+    if args.prompt:
+        stream = Stream(loaded.tokenizer, "", enabled=is_main())
+        r = answer(loaded.model, loaded.tokenizer, [{"role": "user", "content": args.prompt}],
+                   args.max_new_tokens, args.temperature, args.top_k, key, emit=stream.add)
+        stream.close(loaded.tokenizer.decode(r["tokens"]))
+        return {"prompt": args.prompt, **r}, None
+    answers = []
+    for i, messages in enumerate(conversations_to_answer(args.data)):
+        r = answer(loaded.model, loaded.tokenizer, messages, args.max_new_tokens,
+                   args.temperature, args.top_k, jax.random.fold_in(key, i))
+        answers.append({"messages": messages, **r})
+        progress(1)
+    rows = [(f"answer {i + 1}", a["answer"][:60]) for i, a in enumerate(answers)]
+    return {"answers": answers}, rows
+
+
 def mlm(args, loaded: Loaded, progress):
     source = data_source(args.data)
     cfg = dataclasses.replace(loaded.cfg,
@@ -148,7 +168,8 @@ GPT = ("gpt", "a GPT workdir")
 # eval.py --task -> (the training task its workdir must hold, what to call it, the function)
 EVAL_TASKS = {
     "ppl": (*GPT, ppl), "wikitext": (*GPT, wikitext), "lambada": (*GPT, lambada),
-    "sample": (*GPT, sample), "mlm": ("bert", "a pretrained BERT workdir", mlm),
+    "sample": (*GPT, sample), "chat": (*GPT, chat),
+    "mlm": ("bert", "a pretrained BERT workdir", mlm),
     **{name: (name, f"a BERT workdir fine-tuned on {name}", fine_tuned)
        for name in ("race", "mnli", "qqp")},
 }

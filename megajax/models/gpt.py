@@ -14,6 +14,7 @@ from megajax.core.attention import stored_kv_heads
 from megajax.core.layers import VocabParallelEmbedding, dropout, norm, param
 from megajax.core.loss import mask_padded_vocab, vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
+from megajax.core.ops import segment_positions
 from megajax.core.precision import Precision
 from megajax.core.stack import LayerStack
 from megajax.models.inputs import check_ids
@@ -40,12 +41,13 @@ class GPT(nnx.Module):
         """The input embedding (tied) or the output layer's own weight."""
         return self.embed if self.head is None else self.head
 
-    def hidden_states(self, tokens, *, key=None, cache=None, pos=None):
+    def hidden_states(self, tokens, *, key=None, cache=None, pos=None, segments=None):
         """(b, s) token ids -> (b, s, h) final hidden states, replicated over "model" (with
         sequence parallelism split along the sequence: the logits gather it).
 
         With a KV `cache` (see `init_cache`) the tokens sit at positions pos..pos+s-1 and the
-        new cache is returned too."""
+        new cache is returned too. `segments` (b, s) integers: packed sequences, each token
+        attending within its segment, at positions counted from the segment's start."""
         learned = self.cfg.positions == "learned"
         self.layout.check_tokens(tokens, self.cfg.seq_len if pos is None and learned else None)
         check_ids("token ids", tokens, self.cfg.vocab_size)
@@ -54,10 +56,12 @@ class GPT(nnx.Module):
         x = self.embed(tokens)
         if self.pos is not None:    # rotary positions are applied in each attention block instead
             positions = jnp.arange(s) if pos is None else pos + jnp.arange(s)
+            if segments is not None:
+                positions = segment_positions(segments)
             x = x + jnp.take(self.pos[...], positions, axis=0).astype(self.dtype)
         x = self.layout.constrain(x, self.layout.between_blocks)
         x = dropout(x, self.cfg.hidden_dropout, k_embed, self.layout, self.layout.between_blocks)
-        out = self.layers(x, key=k_layers, cache=cache, pos=pos)
+        out = self.layers(x, key=k_layers, cache=cache, pos=pos, mask=segments)
         x, cache = (out, None) if cache is None else out
         if self.cfg.ln_placement == "pre":
             x = self.ln_f(x)
@@ -89,22 +93,31 @@ class GPT(nnx.Module):
                                           self.layout.sequence_parallel)
         return mask_padded_vocab(logits, self.cfg.vocab_size)
 
-    def token_losses(self, tokens, targets, *, key=None):
+    def token_losses(self, tokens, targets, *, key=None, segments=None):
         """(b, s) per-token cross-entropy through the fused vocab-parallel loss."""
-        logits = self.output_layer.attend(self.hidden_states(tokens, key=key),
+        logits = self.output_layer.attend(self.hidden_states(tokens, key=key, segments=segments),
                                           self.layout.sequence_parallel)
         return vocab_parallel_cross_entropy(logits, targets, self.layout, self.cfg.vocab_size)
 
-    def loss(self, tokens, targets, *, key=None, weights=None):
-        losses = self.token_losses(tokens, targets, key=key)
+    def loss(self, tokens, targets, *, key=None, weights=None, segments=None):
+        """Mean cross-entropy over the global batch, or over the targets where `weights` (b, s)
+        is nonzero: the others contribute exactly nothing, to the loss or its gradient."""
+        losses = self.token_losses(tokens, targets, key=key, segments=segments)
         # over the global batch, also when each data shard has its rows
         with jax.named_scope("loss_mean"):
             if weights is None:
                 return losses.sum() / self.layout.global_sum(losses.size)
-            return (losses * weights).sum() / jnp.maximum(self.layout.global_sum(weights.sum()),
-                                                          1.0)
+            kept = jnp.where(weights > 0, losses * weights, 0.0)
+            return kept.sum() / jnp.maximum(self.layout.global_sum(weights.sum()), 1.0)
 
-    def objective(self, tokens, *, key=None):
-        """(loss, metrics) of one batch: next-token cross-entropy."""
-        loss = self.loss(tokens[:, :-1], tokens[:, 1:], key=key)
+    def objective(self, batch, *, key=None):
+        """(loss, metrics) of one batch: next-token cross-entropy over a (b, s + 1) token array,
+        or over packed conversations: {"tokens", "segments": (b, s + 1), "loss_mask": (b, s)},
+        the loss on the targets the mask marks (megajax/data/packing.py)."""
+        if not isinstance(batch, dict):
+            loss = self.loss(batch[:, :-1], batch[:, 1:], key=key)
+            return loss, {"loss": loss}
+        tokens = batch["tokens"]
+        loss = self.loss(tokens[:, :-1], tokens[:, 1:], key=key, weights=batch["loss_mask"],
+                         segments=batch["segments"][:, :-1])
         return loss, {"loss": loss}

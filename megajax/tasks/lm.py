@@ -1,10 +1,13 @@
-"""GPT language modelling: next-token cross-entropy over (b, seq_len + 1) token windows."""
+"""GPT language modelling: next-token cross-entropy over (b, seq_len + 1) token windows of a
+corpus, or over packed conversations (chat: sources, megajax/data/packing.py), where the loss
+covers the tokens their mask marks."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
+from megajax.data.packing import load_chat
 from megajax.data.tokens import load_tokens
 from megajax.errors import UserError
 from megajax.specs import DataSpec
@@ -18,11 +21,19 @@ class LanguageModelling(Task):
     sample_after_training = True
 
     def batch_fields(self, cfg):
-        """One token array: inputs and next-token targets."""
-        return Field((cfg.model.seq_len + 1,), 0, cfg.model.vocab_size)
+        """One token array: inputs and next-token targets; conversations add each token's
+        segment (0 padding, 1, 2, ... the conversations of a row) and the targets' loss mask."""
+        s = cfg.model.seq_len
+        tokens = Field((s + 1,), 0, cfg.model.vocab_size)
+        if not is_chat(cfg):
+            return tokens
+        return {"tokens": tokens, "segments": Field((s + 1,), 0, 2),
+                "loss_mask": Field((s,), 0, 2)}
 
     def load_data(self, cfg, tokenizer=None):
         d = cfg.data
+        if is_chat(cfg):
+            return load_chat(DataSpec.of(d.source).arg, cfg, tokenizer)
         data = load_tokens(d.source, d.tokenizer, d.val_fraction, d.bin_dtype, tokenizer)
         if DataSpec.of(d.source).kind == "bin" and not data.prepared:
             data.vocab_size = _bin_vocab(data, cfg)
@@ -38,6 +49,10 @@ class LanguageModelling(Task):
 
     def val_extras(self, val: dict) -> dict:
         return {"val_ppl": math.exp(min(val["loss"], 50))}
+
+
+def is_chat(cfg) -> bool:
+    return DataSpec.of(cfg.data.source).kind == "chat"
 
 
 def _bin_vocab(data, cfg) -> int:

@@ -26,6 +26,7 @@ from megajax.errors import UserError
 from megajax.files import WorkdirLock
 from megajax.host.distributed import agreed_stop, check_same_run
 from megajax.host.signals import StopRequested
+from megajax.evaluation.chat import answer
 from megajax.models.generate import generate
 from megajax.models.registry import ModelDef, abstract_model
 from megajax.runs.checkpoint import Checkpoints
@@ -214,8 +215,12 @@ def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: floa
                 top_k: int = 40, stopped=None) -> str:
     layout = Layout.for_model(trainer.mesh, trainer.cfg.model, "inference")
     model = ModelDef(abstract_model(trainer.cfg.model, layout)).bind(params)
+    key = jax.random.key(trainer.cfg.train.seed)
+    if getattr(data, "sample_messages", None):    # conversations: the assistant's answer
+        r = answer(model, data.tokenizer, data.sample_messages, n_tokens, temperature, top_k,
+                   key, stopped=stopped)
+        return r["prompt"] + r["answer"]
     prompt = np.asarray(data.val[:16] if len(data.val) >= 16 else data.train[:16], dtype=np.int32)
-    new = generate(model, prompt[None], n_tokens, temperature, top_k,
-                   jax.random.key(trainer.cfg.train.seed),
+    new = generate(model, prompt[None], n_tokens, temperature, top_k, key,
                    eos_id=data.tokenizer.eos_id, stopped=stopped)
     return data.tokenizer.decode(prompt) + data.tokenizer.decode(new[0])

@@ -1,0 +1,162 @@
+"""Conversations packed into rows, and their batches.
+
+Each row of seq_len + 1 tokens holds whole conversations one after another (in a fixed shuffled
+order), each with its own segment id 1, 2, ...; the tail is padding (segment 0). The model
+attends only within a segment and restarts positions at each (core/attention.py), so a packed
+conversation's loss is its loss alone. A target is in the loss where the loss mask marks it
+and it continues its input's conversation.
+
+Batch `step` is a pure function of (seed, step): rows in a fresh permutation each epoch.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from megajax.data.chat import (LOSS_ON, encode_conversation, read_conversations, template_for)
+from megajax.data.chat_template import ChatTemplate
+from megajax.data.tokenizer import Tokenizer, chosen
+from megajax.errors import UserError
+
+OVERFLOW = ("refuse", "truncate")
+
+
+@dataclasses.dataclass
+class Packed:
+    tokens: np.ndarray       # (rows, length) int32
+    segments: np.ndarray     # (rows, length) int32: 1, 2, ... each conversation, 0 padding
+    mask: np.ndarray         # (rows, length) int8: the tokens the loss may predict
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens)
+
+
+def pack(examples: list[tuple[np.ndarray, np.ndarray]], length: int) -> Packed:
+    """Examples (ids, mask), none longer than `length`, in rows of `length` tokens, in order: a
+    row takes the next example while it fits."""
+    rows: list[list] = [[]]
+    used = 0
+    for ids, mask in examples:
+        if used + len(ids) > length:
+            rows.append([])
+            used = 0
+        rows[-1].append((ids, mask))
+        used += len(ids)
+    out = Packed(*(np.zeros((len(rows), length), t) for t in (np.int32, np.int32, np.int8)))
+    for r, row in enumerate(rows):
+        at = 0
+        for seg, (ids, mask) in enumerate(row, 1):
+            n = len(ids)
+            out.tokens[r, at:at + n], out.segments[r, at:at + n] = ids, seg
+            out.mask[r, at:at + n] = mask
+            at += n
+    return out
+
+
+def target_weights(segments: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """(rows, length - 1) 0/1 int32: target t + 1 is in the loss where its mask is set and it
+    continues input t's conversation (never the first token of the next, nor padding)."""
+    same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
+    return (same & (mask[:, 1:] > 0)).astype(np.int32)
+
+
+@dataclasses.dataclass
+class ChatData:
+    tokenizer: Tokenizer
+    template: object
+    train: Packed
+    val: Packed | None
+    conversations: int
+    truncated: int
+    # what train.py's sample answers: a held-out conversation up to its first assistant turn
+    sample_messages: list
+    vocab_size: int = 0
+    prepared = False
+
+    def __post_init__(self):
+        self.vocab_size = self.vocab_size or self.tokenizer.vocab_size
+
+    def describe(self) -> str:
+        p = self.train
+        fill = (p.segments > 0).mean()
+        cut = f", {self.truncated} truncated to fit" if self.truncated else ""
+        return (f"{self.conversations:,} conversations packed in {p.rows:,} rows "
+                f"({fill:.0%} filled), {int(target_weights(p.segments, p.mask).sum()):,} "
+                f"target tokens{cut}")
+
+    def batches(self, split: str, cfg, sharding):
+        t = cfg.train
+        if split == "train":
+            return PackedBatches(self.train, t.batch_size, t.seed, sharding)
+        if self.val is None:
+            return None
+        return PackedBatches(self.val, t.batch_size, None, sharding,
+                             num_batches=min(t.eval_batches, -(-self.val.rows // t.batch_size)))
+
+
+def load_chat(spec: str, cfg, tokenizer: Tokenizer | None) -> ChatData:
+    """The conversations of chat:`spec`, rendered, tokenized and packed in rows of seq_len + 1;
+    the last data.val_fraction of them (in the shuffled order) held out."""
+    d, length = cfg.data, cfg.model.seq_len + 1
+    conversations = read_conversations(spec)
+    if tokenizer is None:   # chars and wordpiece[:SIZE] build theirs from the rendered text
+        plain = ChatTemplate.plain()
+        tokenizer = chosen(None, d.tokenizer, "\n".join(plain.render(list(c.messages))[0]
+                                                        for c in conversations))
+    template = template_for(tokenizer)
+    examples = [encode_conversation(c, template, tokenizer, d.chat_loss) for c in conversations]
+    long = [(c.where, len(e[0])) for c, e in zip(conversations, examples) if len(e[0]) > length]
+    if long and d.chat_overflow == "refuse":
+        raise UserError(
+            f"{len(long)} conversation(s) longer than model.seq_len + 1 = {length} tokens (first: "
+            f"{long[0][0]}, {long[0][1]} tokens): raise model.seq_len, or set "
+            f"data.chat_overflow = \"truncate\"")
+    examples = [(ids[:length], mask[:length]) for ids, mask in examples]
+    order = np.random.default_rng([cfg.train.seed, 2]).permutation(len(examples))
+    n_val = int(len(examples) * d.val_fraction)
+    train = [examples[i] for i in order[:len(examples) - n_val]]
+    val = [examples[i] for i in order[len(examples) - n_val:]]
+    first = conversations[order[-1] if val else order[0]].messages
+    sample = list(first[:next(i for i, m in enumerate(first) if m["role"] == "assistant")])
+    return ChatData(tokenizer, template, pack(train, length), pack(val, length) if val else None,
+                    len(examples), len(long), sample)
+
+
+class PackedBatches:
+    """Batches of packed rows: {"tokens", "segments": (b, length), "loss_mask": (b, length - 1)}.
+    Training (a seed): rows in a permutation per epoch drawn from (seed, epoch). Validation
+    (no seed): `num_batches` fixed batches over the rows in order."""
+
+    def __init__(self, packed: Packed, batch_size: int, seed: int | None, sharding,
+                 num_batches: int | None = None):
+        self.packed, self.batch_size, self.seed, self.sharding = packed, batch_size, seed, sharding
+        self.num_batches = num_batches
+
+    def row_ids(self, step: int) -> np.ndarray:
+        n = self.packed.rows
+        i = step * self.batch_size + np.arange(self.batch_size)
+        if self.seed is None:
+            return i % n
+        epochs = {e: np.random.default_rng([self.seed, 3, e]).permutation(n)
+                  for e in set((i // n).tolist())}
+        return np.array([epochs[e][r] for e, r in zip((i // n).tolist(), (i % n).tolist())])
+
+    def rows(self, step: int, row_slice: slice) -> dict:
+        ids = self.row_ids(step)[row_slice]
+        p = self.packed
+        return {"tokens": p.tokens[ids], "segments": p.segments[ids],
+                "loss_mask": target_weights(p.segments[ids], p.mask[ids])}
+
+    def __call__(self, step: int) -> dict:
+        """The global batch for `step`, each process filling only its rows."""
+        length = self.packed.tokens.shape[1]
+        shapes = {"tokens": length, "segments": length, "loss_mask": length - 1}
+        return {k: jax.make_array_from_callback((self.batch_size, n), self.sharding,
+                                                lambda idx, k=k: self.rows(step, idx[0])[k])
+                for k, n in shapes.items()}
+
+
+__all__ = ["LOSS_ON", "OVERFLOW", "ChatData", "Packed", "PackedBatches", "load_chat", "pack"]
