@@ -47,6 +47,7 @@ class StepShape:
     replicated_norm_params: int = 2  # per norm: LayerNorm's scale and bias, RMSNorm's scale
     row_biases: bool = True         # the row-parallel layers' biases (replicated)
     learned_positions: bool = True
+    frozen_base: bool = False       # LoRA: only the adapters have gradients
 
     @classmethod
     def of(cls, cfg, task, dp: int = 1, tp: int = 1) -> "StepShape":
@@ -58,7 +59,7 @@ class StepShape:
                    task.head_rows(cfg), task.heads_read_rows, task.extra_embedding_rows,
                    m.sequence_parallel,
                    m.remat, m.kv_heads, m.mlp == "swiglu", 2 if m.norm == "layernorm" else 1,
-                   m.bias == "all", m.positions == "learned")
+                   m.bias == "all", m.positions == "learned", m.lora_rank > 0)
 
     @property
     def bsh(self) -> int:
@@ -170,8 +171,8 @@ def replicated_grad_elements(x: StepShape) -> int:
     sequence shard): per layer two norms (LayerNorm's scale and bias, RMSNorm's scale) and two
     row-parallel biases (if any), one more norm, the position (if learned) and extra embedding
     tables. Without it every device holds whole activations and computes these gradients whole:
-    nothing to reduce."""
-    if not x.sequence_parallel:
+    nothing to reduce. A frozen base (LoRA) has none (the adapters': core/lora.py)."""
+    if not x.sequence_parallel or x.frozen_base:
         return 0
     norm = x.replicated_norm_params * x.hidden
     per_layer = 2 * norm + (2 * x.hidden if x.row_biases else 0)
@@ -184,7 +185,7 @@ def kv_copies_grad_elements(x: StepShape) -> dict[str, int]:
     a copy of the key/value weight (hidden x 2 · kv heads · head_dim) and computes the gradient
     of its head's columns; per layer and microbatch the copies of each head's gradient are summed
     (an all-reduce of hidden x 2 · head_dim) and the heads gathered (hidden x 2 · kv · head_dim)."""
-    if x.kv_copies == 1:
+    if x.kv_copies == 1 or x.frozen_base:     # frozen: no gradient to sum
         return {"all-reduce": 0, "all-gather": 0}
     one_head = x.layers * x.hidden * 2 * x.head_dim
     return {"all-reduce": one_head, "all-gather": one_head * x.kv}
@@ -217,7 +218,8 @@ def _model_axis_forms(x: StepShape) -> dict[str, int]:
         gather, scatter, reduce = b * (r + 1) * h, 0, b * r * h
     else:
         gather, scatter, reduce = (bsh, bsh // t, 0) if r else (0, 0, 0)
-    return {"all-gather": mb * ((4 + 2) * L * bsh + bsh + gather + kv["all-gather"]),
+    embedding_grad = 0 if x.frozen_base else bsh     # the gather for its table's gradient
+    return {"all-gather": mb * ((4 + 2) * L * bsh + embedding_grad + gather + kv["all-gather"]),
             "reduce-scatter": mb
             * (4 * L * bsh // t + bsh // t + scatter + (L * bsh // t if full else 0)),
             "all-reduce": mb

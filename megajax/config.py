@@ -148,6 +148,9 @@ class Config:
             raise ConfigError(
                 "train.layer_programs runs the stacked layers of model.scan_layers = true one at a "
                 "time; set model.scan_layers = true (or train.layer_programs = false)")
+        if self.train.layer_programs and self.model.lora_rank:
+            raise ConfigError("train.layer_programs trains every weight: LoRA adapters "
+                              "(model.lora_rank) train with the single-program step")
         if self.train.layer_programs and (self.train.shard_optimizer or self.train.shard_params):
             raise ConfigError("train.layer_programs works with plain data parallelism only: unset "
                               "train.shard_optimizer and train.shard_params (or "

@@ -21,6 +21,8 @@ class ConfigError(UserError, ValueError):
 # the boolean it once was
 REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}
 ROPE_SCALINGS = ("none", "linear", "llama3")
+# the layers LoRA adapts (core/lora.py): the attention's qkv and out, the MLP's fc1 and fc2
+LORA_TARGETS = ("qkv", "out", "fc1", "fc2")
 # The fields of today's decoders: with the sizes they fix a model's weights and its function, so
 # a workdir's model (--init-from) and an imported checkpoint decide them, never an override.
 ARCHITECTURE = ("norm", "positions", "rope_theta", "rope_scaling", "rope_factor",
@@ -109,6 +111,12 @@ class ModelConfig:
                                       # cuDNN's flash attention on
                                       # NVIDIA GPUs, XLA elsewhere; no attention dropout) | auto
                                       # (fused on GPUs where it can)
+    # LoRA adapters (core/lora.py): rank 0 is none; with them only the adapters are trained
+    lora_rank: int = 0
+    lora_alpha: float = 16.0          # the adapters' scale is lora_alpha / lora_rank (PEFT's)
+    lora_dropout: float = 0.0         # on the adapters' input, as PEFT's lora_dropout
+    # the adapted layers, among qkv, out (attention's), fc1 (SwiGLU: gate and up), fc2
+    lora_targets: str = "qkv,out,fc1,fc2"
 
     @property
     def ffn(self) -> int:
@@ -167,11 +175,25 @@ class ModelConfig:
         if self.ffn_hidden < 0:
             raise ConfigError(
                 f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}")
+        self.validate_lora()
         if self.attention == "fused" and self.attention_dropout:
             raise ConfigError(
                 f"model.attention = \"fused\" has no attention dropout: set "
                 f"model.attention_dropout=0 "
                 f"(it is {self.attention_dropout}) or model.attention = \"megajax\"")
+
+    def validate_lora(self):
+        if self.lora_rank < 0 or self.lora_alpha <= 0 or not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(
+                f"model.lora_rank must be 0 (no adapters) or positive, lora_alpha positive and "
+                f"lora_dropout in [0, 1); got {self.lora_rank}, {self.lora_alpha}, "
+                f"{self.lora_dropout}")
+        targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or (self.lora_rank and not targets):
+            raise ConfigError(
+                f"model.lora_targets names layers among {', '.join(LORA_TARGETS)} (comma-"
+                f"separated), got {self.lora_targets!r}")
 
     def validate_architecture(self):
         """The fields of today's decoders, each against the others."""
@@ -227,6 +249,24 @@ class ModelConfig:
             f"{heads}, "
             f"vocabulary {self.vocab_size} (padded to {self.padded_vocab}), {self.context} "
             f"positions")
+
+    @property
+    def lora_target_list(self) -> tuple[str, ...]:
+        """The adapted layers (none without model.lora_rank)."""
+        if not self.lora_rank:
+            return ()
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+
+    @property
+    def adapter_params(self) -> int:
+        """LoRA parameters of one layer: rank x (d_in + d_out) for each adapted layer (a fused
+        layer's parts share A, each has its B); 0 without adapters."""
+        h, d = self.hidden, self.head_dim
+        shapes = {"qkv": (h, (self.num_heads + 2 * self.kv_heads) * d),
+                  "out": (self.num_heads * d, h),
+                  "fc1": (h, 2 * self.ffn if self.mlp == "swiglu" else self.ffn),
+                  "fc2": (self.ffn, h)}
+        return sum(self.lora_rank * sum(shapes[t]) for t in self.lora_target_list)
 
     @property
     def layer_params(self) -> int:

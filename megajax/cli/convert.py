@@ -20,7 +20,9 @@ def convert_parser() -> argparse.ArgumentParser:
                "  megajax-convert import --megatron checkpoints/gpt2_345m --tokenizer "
                "tiktoken:gpt2 --workdir runs/345m\n"
                "  python eval.py --workdir runs/gpt2 --task wikitext --mesh model=2\n"
-               "  megajax-convert export --workdir runs/bert --out exported/bert",
+               "  megajax-convert export --workdir runs/bert --out exported/bert\n"
+               "  megajax-convert export --adapter --workdir runs/lora --out exported/adapter\n"
+               "  megajax-convert merge --workdir runs/lora --out exported/merged",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="direction", required=True)
     imp = sub.add_parser("import",
@@ -49,6 +51,19 @@ def convert_parser() -> argparse.ArgumentParser:
                      help="the new HF directory (must not exist, or be empty)")
     exp.add_argument("--step", type=int,
                      help="the checkpoint to export (default: the newest that reads back)")
+    exp.add_argument("--adapter", action="store_true",
+                     help="a LoRA run: its adapters alone, in PEFT's format "
+                          "(adapter_config.json, adapter_model.safetensors)")
+    exp.add_argument("--base", default="", metavar="NAME_OR_DIR",
+                     help="--adapter: the base model PEFT records (base_model_name_or_path)")
+    merge = sub.add_parser(
+        "merge", help="a LoRA run's checkpoint with its adapters folded into the base -> an HF "
+                      "directory")
+    merge.add_argument("--workdir", type=given, required=True)
+    merge.add_argument("--out", type=given, required=True, metavar="DIR",
+                       help="the new HF directory (must not exist, or be empty)")
+    merge.add_argument("--step", type=int,
+                       help="the checkpoint to merge (default: the newest that reads back)")
     return p
 
 
@@ -56,7 +71,7 @@ def convert_main(argv=None) -> int:
     guard_stdout()
     args = convert_parser().parse_args(argv)
     # jax is imported only now, as every command line does.
-    from megajax.convert import export_hf
+    from megajax.convert import export_adapter, export_hf, merge_export
 
     exit_on_signal(_stopped_line)
     try:
@@ -65,8 +80,15 @@ def convert_main(argv=None) -> int:
             cfg = _import(args)
             print(
                 f"imported {args.hf or args.megatron} into {args.workdir}: {cfg.model.describe()}")
+        elif args.direction == "merge":
+            for line in merge_export(args.workdir, args.out, args.step):
+                print(line)
         else:
-            for line in export_hf(args.workdir, args.out, args.step):
+            if args.base and not args.adapter:
+                raise UserError("--base is for --adapter: the base model PEFT records")
+            export = export_adapter if args.adapter else export_hf
+            kwargs = {"base": args.base} if args.adapter else {}
+            for line in export(args.workdir, args.out, args.step, **kwargs):
                 print(line)
     except UserError as e:
         return fail(str(e))

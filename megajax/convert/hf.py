@@ -166,20 +166,30 @@ def save_step0(workdir: Path, cfg: Config, params: dict, source: str):
 def export_hf(workdir, out_dir, step: int | None = None) -> list[str]:
     """Write an HF model directory from a workdir's checkpoint; returns notes for the user."""
     loaded = load_workdir(Path(workdir), single_device_mesh(), step)
-    model_cfg = loaded.cfg.model
+    if loaded.cfg.model.lora_rank:
+        raise UserError(
+            f"{workdir} holds LoRA adapters on its base model: export them with --adapter "
+            f"(PEFT's format), or fold them into the base with megajax-convert merge")
+    params = jax.tree.map(np.asarray, ModelDef(loaded.model).params(loaded.model))
+    notes = write_hf_model(Path(workdir), Path(out_dir), loaded.cfg.model, params,
+                           loaded.tokenizer)
+    arch = hf_config.hf_config(loaded.cfg.model)["architectures"][0]
+    return [f"step {loaded.step} of {workdir} written to {out_dir} as {arch}", *notes]
+
+
+def write_hf_model(workdir: Path, out_dir: Path, model_cfg, params: dict, tokenizer) -> list[str]:
+    """config.json, model.safetensors and the tokenizer of a model (params: numpy) in a new HF
+    directory, which appears whole or not at all; returns notes for the user."""
     config = hf_config.hf_config(model_cfg)
-    eos, bos = loaded.tokenizer.eos_id, getattr(loaded.tokenizer, "bos_id", None)
+    eos, bos = tokenizer.eos_id, getattr(tokenizer, "bos_id", None)
     if model_cfg.kind == "gpt" and eos is not None:   # GPT-2's <|endoftext|> opens and ends
         config.update(bos_token_id=eos if bos is None else bos, eos_token_id=eos)
-    model_type = config["model_type"]
-    params = jax.tree.map(np.asarray, ModelDef(loaded.model).params(loaded.model))
-    tensors = hf_weights.to_hf_tensors(model_type, params, model_cfg)
+    tensors = hf_weights.to_hf_tensors(config["model_type"], params, model_cfg)
     notes = []
-    with staged_directory(Path(out_dir), "--out") as tmp:
+    with staged_directory(out_dir, "--out") as tmp:
         write_atomic(tmp / "config.json", json.dumps(config, indent=1) + "\n")
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        if (note := write_tokenizer(loaded.tokenizer, tmp)) is not None:
+        if (note := write_tokenizer(tokenizer, tmp)) is not None:
             notes.append(note)
-        copy_tokenizer_extras(Path(workdir), tmp, loaded.tokenizer)
-    return [f"step {loaded.step} of {workdir} written to {out_dir} as {config['architectures'][0]}",
-            *notes]
+        copy_tokenizer_extras(workdir, tmp, tokenizer)
+    return notes

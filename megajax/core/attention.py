@@ -19,6 +19,7 @@ from megajax import analytic
 from megajax.core import sharding as S
 from megajax.core.blocked_attention import blocked_attention, blocked_attention_pays
 from megajax.core.fused_attention import fused_attention_core
+from megajax.core.lora import adapter, adapter_keys
 from megajax.core.layers import (ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear,
                                  dropout)
 from megajax.core.ops import (attention_context, attention_scores, is_segments, masked_softmax,
@@ -35,9 +36,14 @@ def kv_copies(cfg: ModelConfig, tp: int) -> int:
 
 def copied_weights(cfg: ModelConfig, tp: int) -> dict[str, int]:
     """{weight name: the share of it each device computes a gradient for} of the weights held in
-    copies: grouped-query attention's key/value kernel and bias when kv_copies > 1."""
+    copies: grouped-query attention's key/value kernel and bias (and LoRA's B of them) when
+    kv_copies > 1."""
     copies = kv_copies(cfg, tp)
-    return {"kv_kernel": cfg.kv_heads, "kv_bias": cfg.kv_heads} if copies > 1 else {}
+    if copies == 1:
+        return {}
+    # (LoRA's B of the key/value part is held in copies like the kernel: core/layers.py)
+    return {"kv_kernel": cfg.kv_heads, "kv_bias": cfg.kv_heads,
+            **({"b_kv": cfg.kv_heads} if "qkv" in cfg.lora_target_list else {})}
 
 
 def stored_kv_heads(cfg: ModelConfig, tp: int) -> int:
@@ -70,12 +76,18 @@ class ParallelSelfAttention(nnx.Module):
                       std=cfg.init_std, rngs=rngs, use_bias=cfg.bias != "none")
         width = cfg.num_heads * cfg.head_dim
         if self.grouped:
-            kv = ("kv", 2 * cfg.kv_heads * cfg.head_dim, kv_copies(cfg, layout.tp))
-            self.qkv = FusedColumnParallelLinear(cfg.hidden, [("q", width, 1), kv], **common)
+            parts = [("q", width, 1), ("kv", 2 * cfg.kv_heads * cfg.head_dim,
+                                       kv_copies(cfg, layout.tp))]
+            self.qkv = FusedColumnParallelLinear(
+                cfg.hidden, parts, lora=adapter(cfg, "qkv", cfg.hidden, 0, column=True, rngs=rngs,
+                                                parts=parts), **common)
         else:
-            self.qkv = ColumnParallelLinear(cfg.hidden, 3 * width, **common)
+            self.qkv = ColumnParallelLinear(cfg.hidden, 3 * width, lora=adapter(
+                cfg, "qkv", cfg.hidden, 3 * width, column=True, rngs=rngs), **common)
         self.out = RowParallelLinear(width, cfg.hidden, layout=layout, precision=precision,
-                                     std=out_std, rngs=rngs, use_bias=cfg.bias == "all")
+                                     std=out_std, rngs=rngs, use_bias=cfg.bias == "all",
+                                     lora=adapter(cfg, "out", width, cfg.hidden, column=False,
+                                                  rngs=rngs))
         self.recompute_norm_gelu = precision.recompute_norm_gelu
 
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None, norm=None):
@@ -87,7 +99,8 @@ class ParallelSelfAttention(nnx.Module):
         token attends within its segment, its rotary position counted from the segment's
         start). Returns the output (and the new cache)."""
         b, s, _ = x.shape
-        project = lambda x: self.qkv(x if norm is None else norm(x))   # noqa: E731
+        k_qkv, k_out = adapter_keys(key, 2)
+        project = lambda x: self.qkv(x if norm is None else norm(x), k_qkv)   # noqa: E731
         project = jax.checkpoint(project) if self.recompute_norm_gelu else project
         q, k, v = self.split_heads(project(x))
         q_pos = jnp.arange(s) if pos is None else pos + jnp.arange(s)
@@ -112,7 +125,7 @@ class ParallelSelfAttention(nnx.Module):
             core = jax.checkpoint(self.core) if self.selective_remat else self.core
         ctx = core(q, *self.shared_kv(k, v, core), q_pos, mask, key)
         ctx = self.layout.constrain(jnp.moveaxis(ctx, 1, 2), S.ACT_HEADS)
-        out = self.out(ctx.reshape(b, s, self.num_heads * self.head_dim))
+        out = self.out(ctx.reshape(b, s, self.num_heads * self.head_dim), k_out)
         return out if cache is None else (out, cache)
 
     def split_heads(self, projected):

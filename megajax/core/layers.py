@@ -1,6 +1,7 @@
-"""Megatron's tensor-parallel building blocks as Flax NNX modules: norms, the column-, row- and
-vocab-parallel linear layers (the attention and MLP blocks built from them are in attention.py
-and mlp.py, the layer in transformer.py).
+"""Megatron's tensor-parallel building blocks as Flax NNX modules: the column-, row- and
+vocab-parallel linear layers, with their LoRA adapters (lora.py). The norms are in norms.py, the
+attention and MLP blocks built from these in attention.py and mlp.py, the layer in
+transformer.py.
 
 Each weight carries its PartitionSpec (from megajax/core/sharding.py) as NNX sharding metadata.
 Inside a block, activations stay split over "model"; the single all-reduce per block is
@@ -16,10 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megajax.core import sharding as S
+from megajax.core.lora import Adapter, low_rank, per_device
 from megajax.core.loss import vocab_parallel_lookup
-from megajax.core.ops import apply_dropout, keep_mask, layer_norm, rms_norm
+from megajax.core.ops import apply_dropout, keep_mask
 from megajax.core.precision import Precision, logits_product, matmul
-from megajax.model_config import ModelConfig
 
 
 def param(init, spec, key, shape):
@@ -40,40 +41,6 @@ def dropout(x, rate: float, key, layout: S.Layout, spec):
         x, layout.constrain(keep_mask(key, x.shape, rate, layout.row_ids(x.shape[0])), spec), rate)
 
 
-class LayerNorm(nnx.Module):
-    """LayerNorm with float32 statistics; its parameters are replicated over the mesh.
-    `rows_2d`: normalise a (rows, hidden) view, faster on XLA:CPU; off for sequence-parallel
-    activations, whose (b, s/tp) split the merged rows would lose (XLA would gather them)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5, rows_2d: bool = True):
-        self.eps, self.rows_2d = eps, rows_2d
-        self.scale = param(nnx.initializers.ones, S.REPLICATED_BIAS, jax.random.key(0), (dim,))
-        self.bias = param(nnx.initializers.zeros, S.REPLICATED_BIAS, jax.random.key(0), (dim,))
-
-    def __call__(self, x):
-        # On (rows, hidden): XLA:CPU's backward (column sums for scale/bias) is ~1.5x faster in 2-D.
-        rows = x.reshape(-1, x.shape[-1]) if self.rows_2d else x
-        return layer_norm(rows, self.scale[...], self.bias[...], self.eps).reshape(x.shape)
-
-
-class RMSNorm(nnx.Module):
-    """RMSNorm (Llama's), float32 statistic, a replicated scale; `rows_2d` as LayerNorm's."""
-
-    def __init__(self, dim: int, eps: float = 1e-5, rows_2d: bool = True):
-        self.eps, self.rows_2d = eps, rows_2d
-        self.scale = param(nnx.initializers.ones, S.REPLICATED_BIAS, jax.random.key(0), (dim,))
-
-    def __call__(self, x):
-        rows = x.reshape(-1, x.shape[-1]) if self.rows_2d else x
-        return rms_norm(rows, self.scale[...], self.eps).reshape(x.shape)
-
-
-def norm(cfg: ModelConfig, layout: S.Layout):
-    """The config's norm over `hidden` features, LayerNorm or RMSNorm."""
-    kind = RMSNorm if cfg.norm == "rmsnorm" else LayerNorm
-    return kind(cfg.hidden, cfg.ln_eps, rows_2d=not layout.sequence_parallel)
-
-
 class _Linear(nnx.Module):
     """W (d_in, d_out) and b (d_out,) split as the subclass's specs say, and the local x W.
     `use_bias` False: no b (Llama's layers).
@@ -84,21 +51,29 @@ class _Linear(nnx.Module):
     BIAS_SPEC: S.P
 
     def __init__(self, d_in: int, d_out: int, *, layout: S.Layout, precision: Precision, std: float,
-                 rngs: nnx.Rngs, use_bias: bool = True):
+                 rngs: nnx.Rngs, use_bias: bool = True, lora: Adapter | None = None):
         self.layout, self.precision = layout, precision
         self.kernel = param(nnx.initializers.normal(std), self.KERNEL_SPEC, rngs.params(),
                             (d_in, d_out))
         self.bias = param(nnx.initializers.zeros, self.BIAS_SPEC, rngs.params(),
                           (d_out,)) if use_bias else None
+        self.lora = lora
 
     def weights(self):
         """(kernel, bias or None) as the matmul takes them."""
         return self.kernel[...], None if self.bias is None else self.bias[...]
 
+    def adapter_weights(self):
+        """LoRA's (A, B as the matmul takes it), or None without an adapter."""
+        if self.lora is None:
+            return None
+        return self.lora.a_weight(), self.lora.b_of()
+
     def local_matmul(self, x, kernel=None):
         kernel = self.weights()[0] if kernel is None else kernel
         return matmul(x.astype(self.precision.compute), kernel, self.precision.matmul,
                       self.precision.stacked_residuals)
+
 
     def plus_bias(self, y, bias):
         return y if bias is None else y + bias.astype(self.precision.compute)
@@ -114,23 +89,55 @@ class ColumnParallelLinear(_Linear):
         super().__init__(*args, **kwargs)
         self.regather = regather    # False under full remat, which recomputes the gather anyway
 
-    def __call__(self, x):
+    def __call__(self, x, key=None):
         kernel, bias = self.weights()
-        y = self.gathered_matmul(x, kernel) if self.layout.sequence_parallel else self.local_matmul(
-            x, kernel)
+        adapter = self.adapter_weights()
+        if self.layout.sequence_parallel or adapter is not None:
+            y = self.manual_matmul(x, kernel, adapter, key)
+        else:
+            y = self.local_matmul(x, kernel)
         return self.layout.constrain(self.plus_bias(y, bias), S.ACT_COLUMN)
 
-    def gathered_matmul(self, x, kernel):
+    def low_rank_of(self, x, a, b, keep):
+        x = x if keep is None else apply_dropout(x, keep, self.lora.rate)
+        return low_rank(x, per_device(a, self.layout), b, self.lora.scale, self.local_matmul)
+
+    def manual_matmul(self, x, kernel, adapter=None, key=None):
+        """The matmul in a shard_map: with sequence parallelism x arrives split along the sequence
+        and is all-gathered first; an adapter reads the same input, its dropout mask drawn whole
+        on each device (no second gather). Written out, an adapter's replicated A gets its
+        partial gradients summed in the step's one reduction of A's gradient (over "data" and
+        "model" at once) instead of an all-reduce of its own."""
+        sp = self.layout.sequence_parallel
+
+        def local(x, w, *adapter):
+            # Without sequence parallelism x is the same on every device of "model", but typed
+            # as varying there, as the product is: its gradient is then the one all-reduce of
+            # Megatron's f, and an adapter's A gets its partial gradients summed together with
+            # its data-axis reduction (not (x A)'s on their own, tokens x rank more numbers)
+            x = _gather_sequence(x) if sp else jax.lax.pcast(x, S.MODEL, to="varying")
+            x = x.astype(self.precision.compute)
+            y = matmul(x, w, self.precision.matmul, self.precision.stacked_residuals)
+            if not adapter:
+                return y
+            return y + self.low_rank_of(x, *adapter)
         # Checkpointed, as Megatron does: the backward pass keeps the (b, s/tp, h) shard and
         # all-gathers it again for the weight gradient, instead of keeping the whole sequence.
         # In a scanned stack; in unrolled layers XLA may merge the two gathers (jax 0.10's does),
         # which keeps the whole input as without the checkpoint.
-        def local(x, w):
-            return matmul(_gather_sequence(x).astype(self.precision.compute), w,
-                          self.precision.matmul, self.precision.stacked_residuals)
-        local = jax.checkpoint(local) if self.regather else local
-        return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.COLUMN)), S.ACT_COLUMN)(x,
-                                                                                            kernel)
+        local = jax.checkpoint(local) if self.regather and sp else local
+        specs = (self.layout.between_blocks, S.P(*S.COLUMN))
+        if adapter is None:
+            return self.layout.shard_map(local, specs, S.ACT_COLUMN)(x, kernel)
+        keep = None
+        if key is not None and self.lora.rate > 0:
+            # x's global shape, each device drawing the whole mask of its rows
+            keep = self.layout.constrain(keep_mask(key, x.shape, self.lora.rate,
+                                                   self.layout.row_ids(x.shape[0])),
+                                         S.ACT_REPLICATED)
+        return self.layout.shard_map(
+            local, (*specs, S.P(*S.REPLICATED_2D), S.P(*S.COLUMN), S.ACT_REPLICATED),
+            S.ACT_COLUMN)(x, kernel, *adapter, keep)
 
 
 class FusedColumnParallelLinear(ColumnParallelLinear):
@@ -144,9 +151,10 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
     over the copies). The output is (..., tp, sum of each device's widths)."""
 
     def __init__(self, d_in: int, parts, *, layout: S.Layout, precision: Precision, std: float,
-                 rngs: nnx.Rngs, use_bias: bool = True, regather: bool = True):
+                 rngs: nnx.Rngs, use_bias: bool = True, regather: bool = True,
+                 lora: Adapter | None = None):
         self.layout, self.precision, self.regather = layout, precision, regather
-        self.parts = tuple(parts)
+        self.parts, self.lora = tuple(parts), lora
         for name, width, copies in self.parts:
             kernel_spec, bias_spec = (S.REPLICATED_2D, S.REPLICATED_BIAS) if copies > 1 else (
                 S.COLUMN, S.COLUMN_BIAS)
@@ -176,6 +184,17 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         kernel = self.layout.constrain(kernel, S.P(*S.COLUMN))
         return kernel, None if bias is None else self.layout.constrain(bias, S.P(*S.COLUMN_BIAS))
 
+    def adapter_weights(self):
+        """A, and the parts' B side by side per device as the kernels are (each part's B split
+        or held in copies like its kernel)."""
+        if self.lora is None:
+            return None
+        with jax.named_scope("lora_gradient"):    # a copied part's B: summed like the kernel's
+            bs = [self._per_device(self.lora.b_of(name), copies)
+                  for name, _, copies in self.parts]
+        b = jnp.concatenate(bs, axis=-1).reshape(self.lora.rank, -1)
+        return self.lora.a_weight(), self.layout.constrain(b, S.P(*S.COLUMN))
+
     def _per_device(self, w, copies: int):
         """A weight's last axis as (tp, its columns on each device), split over "model" on tp:
         a split of its columns, or with `copies`, each of its width * copies / tp column groups
@@ -192,8 +211,8 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
                 split = split.reshape(*lead, tp, -1)
         return self.layout.constrain(split, S.P(*([None] * len(lead)), S.MODEL, None))
 
-    def __call__(self, x):
-        y = super().__call__(x)
+    def __call__(self, x, key=None):
+        y = super().__call__(x, key)
         return self.layout.constrain(y.reshape(*y.shape[:-1], self.layout.tp, -1), S.ACT_HEADS)
 
 
@@ -222,20 +241,38 @@ class RowParallelLinear(_Linear):
     a reduce-scatter forward, an all-gather backward)."""
     KERNEL_SPEC, BIAS_SPEC = S.ROW, S.REPLICATED_BIAS
 
-    def __call__(self, x):
-        bias = self.weights()[1]
-        if self.layout.sequence_parallel:
-            return self.plus_bias(self.scattered_matmul(x), bias)
+    def __call__(self, x, key=None):
+        bias, adapter = self.weights()[1], self.adapter_weights()
+        if adapter is not None:
+            adapter = (*adapter, dropout(x, self.lora.rate, key, self.layout, S.ACT_COLUMN))
+        if self.layout.sequence_parallel or adapter is not None:
+            return self.plus_bias(self.manual_matmul(x, adapter), bias)
         return self.plus_bias(self.layout.reduce_to_replicated(self.local_matmul(x)), bias)
 
-    def scattered_matmul(self, x):
-        def local(x, w):
+    def manual_matmul(self, x, adapter=None):
+        """The matmul and its reduction in a shard_map: reduce-scattered along the sequence with
+        sequence parallelism, else all-reduced. An adapter's partial product joins the layer's
+        before that one reduction (left to XLA, (x A) would be all-reduced on its own)."""
+        sp = self.layout.sequence_parallel
+
+        def local(x, w, *adapter):
             y = matmul(x.astype(self.precision.compute), w, self.precision.matmul,
                        self.precision.stacked_residuals)
+            if adapter:
+                a, b, dropped = adapter
+                y = y + low_rank(dropped.astype(self.precision.compute), a,
+                                 per_device(b, self.layout), self.lora.scale, self.local_matmul)
+            if not sp:
+                with jax.named_scope("g_all_reduce"):
+                    return jax.lax.psum(y, S.MODEL)
             with jax.named_scope("g_reduce_scatter"):
                 return jax.lax.psum_scatter(y, S.MODEL, scatter_dimension=1, tiled=True)
-        return self.layout.shard_map(local, (S.ACT_COLUMN, S.P(*S.ROW)),
-                                     S.ACT_SEQUENCE)(x, self.kernel[...])
+        specs = (S.ACT_COLUMN, S.P(*S.ROW))
+        out = self.layout.between_blocks
+        if adapter is None:
+            return self.layout.shard_map(local, specs, out)(x, self.kernel[...])
+        return self.layout.shard_map(local, (*specs, S.P(*S.ROW), S.P(*S.REPLICATED_2D),
+                                             S.ACT_COLUMN), out)(x, self.kernel[...], *adapter)
 
 
 def _gather_sequence(x):

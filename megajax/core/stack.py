@@ -25,13 +25,18 @@ def _stacked_layers(cfg: ModelConfig, layout: S.Layout, precision: Precision, rn
                     causal: bool):
     """num_layers layers whose parameters are stacked on a new leading (unsharded) axis."""
     keys = jax.random.split(rngs.params(), cfg.num_layers)
+    # LoRA adapters: their own stream, so that the base weights are those of the same seed without
+    lora_keys = keys
+    if cfg.lora_rank:
+        lora_keys = jax.random.split(rngs.lora() if "lora" in rngs else rngs.params(),
+                                     cfg.num_layers)
 
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-    def make(key):
-        return TransformerLayer(cfg, layout=layout, precision=precision, rngs=nnx.Rngs(params=key),
-                                causal=causal)
+    def make(key, lora_key):
+        return TransformerLayer(cfg, layout=layout, precision=precision,
+                                rngs=nnx.Rngs(params=key, lora=lora_key), causal=causal)
 
-    return make(keys)
+    return make(keys, lora_keys)
 
 
 # While set, a LayerStack does not run: it hands its input to this function and returns what

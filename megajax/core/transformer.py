@@ -7,7 +7,8 @@ from flax import nnx
 
 from megajax.core import sharding as S
 from megajax.core.attention import ParallelSelfAttention
-from megajax.core.layers import dropout, norm
+from megajax.core.layers import dropout
+from megajax.core.norms import norm
 from megajax.core.mlp import ParallelMLP
 from megajax.core.precision import Precision
 from megajax.model_config import ModelConfig
@@ -21,6 +22,7 @@ class TransformerLayer(nnx.Module):
                  causal: bool = True):
         self.layout, self.placement = layout, cfg.ln_placement
         self.hidden_dropout = cfg.hidden_dropout
+        self.lora_dropout = cfg.lora_rank > 0 and cfg.lora_dropout > 0
         self.ln1 = norm(cfg, layout)
         self.attention = ParallelSelfAttention(cfg, layout=layout, precision=precision, rngs=rngs,
                                                causal=causal)
@@ -46,8 +48,12 @@ class TransformerLayer(nnx.Module):
                 x = self.ln1(x + drop(a, k1))
         with jax.named_scope("mlp"):
             if self.placement == "pre":
-                x = x + drop(self.mlp(x, norm=self.ln2), k2)
+                x = x + drop(self.mlp(x, norm=self.ln2, key=self.adapter_key(k2)), k2)
             else:
-                x = self.ln2(x + drop(self.mlp(x), k2))
+                x = self.ln2(x + drop(self.mlp(x, key=self.adapter_key(k2)), k2))
         x = self.layout.constrain(x, self.layout.between_blocks)
         return x if cache is None else (x, new_cache)
+
+    def adapter_key(self, key):
+        """The MLP adapters' dropout key (derived: the layer's own keys stay as without them)."""
+        return None if key is None or not self.lora_dropout else key

@@ -119,9 +119,15 @@ def load_chat(spec: str, cfg, tokenizer: Tokenizer | None) -> ChatData:
     n_val = int(len(examples) * d.val_fraction)
     train = [examples[i] for i in order[:len(examples) - n_val]]
     val = [examples[i] for i in order[len(examples) - n_val:]]
+    packed = pack(train, length)
+    if not target_weights(packed.segments, packed.mask).any():
+        raise UserError(
+            f"chat:{spec} leaves no target token to learn from (the assistant's turns "
+            f"{'were truncated away' if long else 'are empty'} at model.seq_len "
+            f"{cfg.model.seq_len}): raise model.seq_len, or set data.chat_loss = \"all\"")
     first = conversations[order[-1] if val else order[0]].messages
     sample = list(first[:next(i for i, m in enumerate(first) if m["role"] == "assistant")])
-    return ChatData(tokenizer, template, pack(train, length), pack(val, length) if val else None,
+    return ChatData(tokenizer, template, packed, pack(val, length) if val else None,
                     len(examples), len(long), sample)
 
 

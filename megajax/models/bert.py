@@ -27,7 +27,8 @@ import optax
 from flax import nnx
 
 from megajax.core import sharding as S
-from megajax.core.layers import LayerNorm, ReplicatedLinear, VocabParallelEmbedding, dropout, param
+from megajax.core.layers import ReplicatedLinear, VocabParallelEmbedding, dropout, param
+from megajax.core.norms import LayerNorm
 from megajax.core.loss import vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
 from megajax.core.precision import Precision

@@ -11,7 +11,8 @@ from flax import nnx
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
 from megajax.core.attention import stored_kv_heads
-from megajax.core.layers import VocabParallelEmbedding, dropout, norm, param
+from megajax.core.layers import VocabParallelEmbedding, dropout, param
+from megajax.core.norms import norm
 from megajax.core.loss import mask_padded_vocab, vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
 from megajax.core.ops import segment_positions

@@ -53,7 +53,10 @@ def init_model(cfg: ModelConfig, mesh, seed: int = 0, param_shardings: dict | No
 
     @jax.jit
     def create():
-        return nnx.state(model_class(cfg)(cfg, layout, rngs=nnx.Rngs(seed)))
+        # LoRA adapters draw from a stream of their own: a seed's base weights are the same
+        # with and without them
+        rngs = nnx.Rngs(seed, lora=jax.random.fold_in(jax.random.key(seed), 1))
+        return nnx.state(model_class(cfg)(cfg, layout, rngs=rngs))
 
     state = jax.jit(create, out_shardings=shardings)()
     return nnx.merge(graphdef, state)

@@ -266,7 +266,7 @@ def init_from_pretrained(trainer, params: dict, src: Path, out=print) -> dict:
 
     def pick(path, x):
         name = jax.tree_util.keystr(path)
-        top = name.split("'")[1]
+        top = "LoRA adapters" if "'lora'" in name else name.split("'")[1]
         if name in pre and pre[name].shape != x.shape:
             raise UserError(
                 f"--init-from {src}: {name} is {pre[name].shape} there but {x.shape} in this run")

@@ -29,8 +29,8 @@ def param_count(cfg) -> int:
     positions = m.seq_len * m.hidden if m.positions == "learned" else 0
     output_layer = 0 if m.tie_embeddings else m.padded_vocab * m.hidden
     final_norm = (2 if m.norm == "layernorm" else 1) * m.hidden
-    shared = (m.num_layers * m.layer_params + m.padded_vocab * m.hidden + positions + output_layer
-              + final_norm)
+    shared = (m.num_layers * (m.layer_params + m.adapter_params) + m.padded_vocab * m.hidden
+              + positions + output_layer + final_norm)
     return shared + task_for(cfg).head_params(cfg)
 
 

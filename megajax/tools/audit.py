@@ -103,8 +103,10 @@ class AuditResult:
         an all-gather thus send what one all-reduce does."""
         n = self.mesh_shape[0]
         factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1}
+        # over both axes (LoRA's replicated factors) at the data axis's share
+        origins = (origin, "adapter_gradients") if origin == "gradients" else (origin,)
         return round(sum(factor.get(c.kind, 1) * c.elements * c.count for c in self.collectives
-                         if c.axis == DATA and c.origin == origin))
+                         if DATA in c.axis.split("+") and c.origin in origins))
 
     @property
     def data_axis_min(self) -> float:
@@ -161,7 +163,15 @@ class AuditResult:
 
     @property
     def model_axis_elements(self) -> int:
-        return sum(c.elements * c.count for c in self.collectives if MODEL in c.axis)
+        """Elements over "model" but LoRA adapters' gradient sums (`adapter_gradient_elements`)."""
+        return sum(c.elements * c.count for c in self.collectives
+                   if MODEL in c.axis and c.origin != "adapter_gradients")
+
+    @property
+    def adapter_gradient_elements(self) -> int:
+        """LoRA's replicated factors' gradients summed over "model" alone (core/lora.py)."""
+        return sum(c.elements * c.count for c in self.collectives
+                   if c.axis == MODEL and c.origin == "adapter_gradients")
 
     @property
     def ratio(self) -> float:
@@ -285,12 +295,20 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
 
 def data_axis_minimum(trainer) -> tuple[str, dict]:
     """(scheme, {origin: elements each device sends per step}) at the minimum of the run's
-    data-parallel scheme (analytic.data_axis_minimum), from the elements of a device's model
-    shard of the parameters, counted from the trainer's shardings and data-axis split."""
+    data-parallel scheme (analytic.data_axis_minimum), from a device's model shard of the
+    trained weights (with LoRA the adapters'; FSDP gathers every split weight)."""
+    scheme, trained = _scheme_minimum(trainer, trainer.trained)
+    if scheme == "fsdp" and trainer.cfg.model.lora_rank:
+        every = _scheme_minimum(trainer, lambda tree: tree)[1]
+        trained = {**trained, "params": every["params"], "regather": every["regather"]}
+    return scheme, trained
+
+
+def _scheme_minimum(trainer, part) -> tuple[str, dict]:
     n, m = trainer.mesh.shape[DATA], trainer.cfg.train.microbatches
-    shapes = trainer.modeldef.abstract_params()
+    shapes = part(trainer.modeldef.abstract_params())
     local = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)), shapes,
-                         param_shardings(trainer.mesh, trainer.modeldef.specs()))
+                         part(param_shardings(trainer.mesh, trainer.modeldef.specs())))
     dp = trainer.data_parallel
     if dp is None:
         # A weight held in copies over "model" has its gradient reduced over "data" on the share
@@ -301,7 +319,7 @@ def data_axis_minimum(trainer) -> tuple[str, dict]:
         return "plain", data_axis_sent_minimum("plain", n, m, 0, sum(jax.tree.leaves(local)))
     split = whole = layers = layers_read = 0
     for (path, size), d in zip(jax.tree_util.tree_flatten_with_path(local)[0],
-                               jax.tree.leaves(dp.dims)):
+                               jax.tree.leaves(part(dp.dims))):
         keys = path_keys(path)
         if d == NONE:
             whole += size
@@ -322,9 +340,9 @@ def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, trainer=None) ->
     result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), tuple(mesh_shape), shape,
                          cfg.model.scan_layers)
     if trainer is not None:
-        result.gradient_shard_elements = per_device_elements(
+        result.gradient_shard_elements = per_device_elements(trainer.trained(
             trainer.modeldef.abstract_sharded_params(
-                param_shardings(trainer.mesh, trainer.modeldef.specs())))
+                param_shardings(trainer.mesh, trainer.modeldef.specs()))))
         result.data_scheme, result.data_axis_minimum = data_axis_minimum(trainer)
     if verbose:
         result.print()

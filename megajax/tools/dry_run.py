@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import jax
+
 from megajax.config import Config
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL
@@ -28,8 +30,9 @@ def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
         "mesh": {DATA: mesh.shape[DATA], MODEL: mesh.shape[MODEL]},
         "param_bytes_per_device": per_device_bytes(params),
         # float32: the accumulator, split like the parameters (ZeRO-1 reduce-scatters it once per
-        # step)
-        "gradient_bytes_per_device": per_device_bytes(params),
+        # step); with LoRA the adapters' alone
+        "gradient_bytes_per_device": per_device_bytes(trainer.trained(params)),
+        "trained_params": sum(x.size for x in jax.tree.leaves(trainer.trained(params))),
         "optimizer_bytes_per_device": per_device_bytes(opt),
         "data_parallel": _scheme(cfg, trainer),
         "compile_s": compile_s,
@@ -60,6 +63,9 @@ def _print(report: dict, cfg: Config, out):
     out(f"dry run: {cfg.name}, {report['params']:,} parameters "
         f"({m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, seq {m.seq_len}, vocab "
         f"{m.padded_vocab})")
+    if m.lora_rank:
+        out(f"LoRA: rank {m.lora_rank} on {m.lora_targets}: {report['trained_params']:,} "
+            f"trained parameters, the rest frozen")
     out(
         f"mesh data={report['mesh'][DATA]} model={report['mesh'][MODEL]}; global batch "
         f"{t.batch_size} "

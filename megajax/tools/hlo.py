@@ -204,6 +204,8 @@ def _classify(op_name: str, axis: str):
         direction = "backward" if "transpose(" in op_name else "forward"
     if "fsdp_all_gather" in op_name and direction != "backward":
         return direction, "params", layer
+    if "lora_gradient" in op_name and direction == "backward":   # core/lora.py: per_device
+        return direction, "adapter_gradients", layer
     if "kv_copies_gradient" in op_name:    # grouped-query attention's copied key/value weights
         return direction, "gradients", layer
     origin = "other"

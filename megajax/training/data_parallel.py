@@ -34,6 +34,7 @@ from megajax.core import sharding as S
 from megajax.core.attention import copied_weights
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.training.loss_scale import scaled
+from megajax.training.trainable import trained, with_trained
 
 NONE = -1   # a weight no dimension of which "data" divides
 
@@ -122,8 +123,10 @@ class DataParallel:
     def _local(self, params, batch, key, loss_scale):
         """One device's rows: (metrics, gradients) summed over the microbatches, reduced once."""
         t = self.cfg.train
-        grad_fn = jax.value_and_grad(lambda p, b, k: self._objective(p, b, k, loss_scale),
-                                     has_aux=True)
+        grad_fn = jax.value_and_grad(
+            lambda part, b, k: self._objective(with_trained(params, part), b, k, loss_scale),
+            has_aux=True)
+        part = trained(self.cfg, params)
         m = t.microbatches
         # Microbatch j takes this shard's rows j, j+m, ...: the rows j, j+m, ... of the global
         # batch that this shard holds, as the GSPMD step splits them.
@@ -132,13 +135,13 @@ class DataParallel:
 
         def accumulate(carry, xs):
             mb, j = xs
-            (_, metrics), grads = grad_fn(params, mb, key if m == 1 else jax.random.fold_in(key, j))
+            (_, metrics), grads = grad_fn(part, mb, key if m == 1 else jax.random.fold_in(key, j))
             return jax.tree.map(jnp.add, carry, (metrics, grads)), None
 
         first = jax.tree.map(lambda x: x[0], micro)
         metric_shapes = jax.eval_shape(lambda mb: self._objective(params, mb, key)[1], first)
         total = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), metric_shapes),
-                 jax.tree.map(jnp.zeros_like, params))
+                 jax.tree.map(jnp.zeros_like, part))
         if m == 1 or t.unroll_microbatches:
             for j in range(m):
                 total, _ = accumulate(total, (jax.tree.map(lambda x: x[j], micro), j))
@@ -155,9 +158,10 @@ class DataParallel:
         (the transpose of their gathers). Manual over "model" too: each device reduces its own
         model shard (left to GSPMD, a data-axis collective inside the data-manual region would
         first gather its operand over "model")."""
-        return jax.shard_map(lambda g: jax.tree.map(self._reduce_one, g, self.dims),
-                             in_specs=(self.model_specs,),
-                             out_specs=self.model_specs, axis_names={S.MODEL},
+        specs = trained(self.cfg, self.model_specs)
+        return jax.shard_map(lambda g: jax.tree.map(self._reduce_one, g,
+                                                    trained(self.cfg, self.dims)),
+                             in_specs=(specs,), out_specs=specs, axis_names={S.MODEL},
                              check_vma=False)(grads)
 
     def _reduce_one(self, g, d):
@@ -176,24 +180,27 @@ class DataParallel:
         specs = jax.tree.map(lambda d, x: self._data_spec(d, x.ndim), self.dims, params)
         held = specs if self.fsdp else jax.tree.map(lambda _: P(), params)
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=(held, P(S.DATA), P(), P()),
-                           out_specs=(P(), specs), axis_names={S.DATA}, check_vma=False)
+                           out_specs=(P(), trained(self.cfg, specs)), axis_names={S.DATA},
+                           check_vma=False)
         metrics, grads = fn(params, batch, key, loss_scale)
-        return metrics, jax.lax.with_sharding_constraint(grads, self.sharded)
+        return metrics, jax.lax.with_sharding_constraint(grads, trained(self.cfg, self.sharded))
 
     def updated_params(self, params):
-        """ZeRO-1: the updated slices all-gathered into whole parameters for the next step
-        (FSDP keeps them split)."""
+        """ZeRO-1: the updated slices of the trained weights all-gathered into whole ones for
+        the next step (FSDP keeps them split)."""
         if self.fsdp:
             return params
+        dims = trained(self.cfg, self.dims)
 
         def gather(params):
             with jax.named_scope("params_all_gather"):
                 return jax.tree.map(lambda x, d: x if d == NONE
                                     else jax.lax.all_gather(x, S.DATA, axis=d, tiled=True),
-                                    params, self.dims)
-        sharded = jax.tree.map(lambda s: s.spec, self.sharded)
+                                    params, dims)
+        sharded = trained(self.cfg, jax.tree.map(lambda s: s.spec, self.sharded))
         return jax.shard_map(gather, mesh=self.mesh, in_specs=(sharded,),
-                             out_specs=self.model_specs, check_vma=False)(params)
+                             out_specs=trained(self.cfg, self.model_specs),
+                             check_vma=False)(params)
 
     def describe(self) -> str:
         """One line for the dry run: what stays whole on every data shard."""

@@ -21,8 +21,14 @@ KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "
 def flops_per_token(cfg) -> float:
     """Model FLOPs per trained token (analytic.flops_per_token), the weights each token goes
     through counted by the run's task."""
-    task = task_for(cfg)
-    return analytic.flops_per_token(StepShape.of(cfg, task), task.matmul_params_per_token(cfg))
+    task, m = task_for(cfg), cfg.model
+    shape, weights = StepShape.of(cfg, task), task.matmul_params_per_token(cfg)
+    if not m.lora_rank:
+        return analytic.flops_per_token(shape, weights)
+    # LoRA: the frozen weights cost 4 (forward and input gradient, no weight gradient), the
+    # adapters 6
+    return (analytic.flops_per_token(shape, 0) + 4.0 * weights
+            + 6.0 * m.num_layers * m.adapter_params)
 
 
 def device_peak_tflops(measure_cpu: bool = True) -> float | None:

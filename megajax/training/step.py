@@ -32,6 +32,7 @@ from megajax.training.data_parallel import DataParallel
 from megajax.training.layer_programs import LayerProgramStep
 from megajax.training.loss_scale import around, scaled, uses_loss_scaling
 from megajax.training.optimizer import lr_schedule, make_optimizer
+from megajax.training.trainable import trained, with_trained
 
 
 @dataclasses.dataclass
@@ -66,13 +67,17 @@ class Trainer:
         seed = self.cfg.train.seed if seed is None else seed
         params = self.modeldef.params(
             init_model(self.cfg.model, self.mesh, seed, self.param_shardings))
-        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.trained(params))
         return params, opt_state
+
+    def trained(self, tree: dict) -> dict:
+        """The trained part of a params-shaped dict: all of it, or the LoRA adapters alone."""
+        return trained(self.cfg, tree)
 
     def abstract_state(self):
         """ShapeDtypeStructs with shardings for params and optimizer state: nothing allocated."""
         params = self.modeldef.abstract_sharded_params(self.param_shardings)
-        opt = jax.eval_shape(self.tx.init, params)
+        opt = jax.eval_shape(self.tx.init, self.trained(params))
         opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                            opt, self.opt_shardings)
         return params, opt
@@ -132,18 +137,20 @@ class Trainer:
             step = step - opt_state.skipped       # a skipped step did not advance the schedule
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
-            updates, new_state = self.tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+            part = self.trained(params)
+            updates, new_state = self.tx.update(grads, opt_state, part)
+            part = optax.apply_updates(part, updates)
         if self.data_parallel is not None:
-            params = self.data_parallel.updated_params(params)
+            part = self.data_parallel.updated_params(part)
+        params = with_trained(params, part)
         if scale is not None:
             extra = {"loss_scale": scale, "skipped_steps": new_state.skipped}
         metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(t)(step), **extra}
         return params, new_state, metrics
 
     def gradients(self, params, batch, key, loss_scale=None):
-        """(metrics, gradients): means over the step's microbatches, reduced over "data" (the
-        gradients of the loss times `loss_scale`, if given)."""
+        """(metrics, gradients of the trained part): means over the step's microbatches, reduced
+        over "data" (the gradients of the loss times `loss_scale`, if given)."""
         if self.data_parallel is not None:
             return self.data_parallel.gradients(params, batch, key, loss_scale)
         return self._gspmd_gradients(params, batch, key, loss_scale)
@@ -151,23 +158,25 @@ class Trainer:
     def _gspmd_gradients(self, params, batch, key, loss_scale):
         """GSPMD places the data-axis reductions: once per microbatch."""
         t = self.cfg.train
-        grad_fn = jax.value_and_grad(lambda p, b, k: self.objective(p, b, k, loss_scale),
-                                     has_aux=True)
+        grad_fn = jax.value_and_grad(
+            lambda part, b, k: self.objective(with_trained(params, part), b, k, loss_scale),
+            has_aux=True)
+        part = self.trained(params)
         if t.microbatches == 1:
-            (_, metrics), grads = grad_fn(params, batch, key)
+            (_, metrics), grads = grad_fn(part, batch, key)
         else:
             m = t.microbatches
 
             def accumulate(carry, xs):
                 mb, j = xs
-                (_, metrics), grads = grad_fn(params, mb, jax.random.fold_in(key, j))
+                (_, metrics), grads = grad_fn(part, mb, jax.random.fold_in(key, j))
                 return jax.tree.map(jnp.add, carry, (metrics, grads)), None
 
             micro = self.split_microbatches(batch)
             metric_shapes = jax.eval_shape(lambda mb: self.objective(params, mb, key)[1],
                                            jax.tree.map(lambda x: x[0], micro))
             zeros = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), metric_shapes),
-                     jax.tree.map(jnp.zeros_like, params))
+                     jax.tree.map(jnp.zeros_like, part))
             if t.unroll_microbatches:
                 # Independent subgraphs, summed in the scan's order: XLA may run them at once.
                 total = zeros
@@ -220,16 +229,16 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     check_fits(cfg, mesh)
     modeldef = ModelDef(abstract_model(cfg.model, S.Layout.for_model(mesh, cfg.model)))
     tx = make_optimizer(cfg)
-    opt_shapes = jax.eval_shape(tx.init, modeldef.abstract_params())
+    opt_shapes = jax.eval_shape(tx.init, trained(cfg, modeldef.abstract_params()))
     shardings = S.param_shardings(mesh, modeldef.specs())
     if not (cfg.train.shard_optimizer or cfg.train.shard_params):
         return Trainer(cfg, mesh, task, modeldef, tx, shardings,
-                       _opt_shardings(opt_shapes, shardings, mesh))
+                       _opt_shardings(opt_shapes, trained(cfg, shardings), mesh))
     dp = DataParallel.build(cfg, mesh, modeldef)
     if cfg.train.shard_params:
         shardings = dp.sharded
     return Trainer(cfg, mesh, task, modeldef, tx, shardings,
-                   _opt_shardings(opt_shapes, dp.sharded, mesh), dp)
+                   _opt_shardings(opt_shapes, trained(cfg, dp.sharded), mesh), dp)
 
 
 def _opt_shardings(opt_shapes, param_shardings, mesh):
