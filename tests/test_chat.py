@@ -315,3 +315,56 @@ def test_resume_after_sigkill_logs_the_same_losses(learned, tmp_path):
     p = run(*args, timeout=400)
     assert "resuming from step" in p.stdout
     assert losses(wd) == {s: ref[s] for s in range(1, 61)}      # every step, bitwise
+
+
+def test_prepared_conversations_equal_the_templates_ids_and_resume(tmp_path, monkeypatch):
+    """megajax-prepare --chat, its files cut into one-line units and stopped after a few: the
+    same command resumes, and the splits hold transformers' ids and masks, in order (the last
+    fifth held out); train.py reads the directory as it reads the file."""
+    import megajax.prepare.chat as prep
+    import megajax.prepare.units as units
+    from megajax.data.prepared import load_conversations
+    monkeypatch.setattr(units, "UNIT_BYTES", 200)
+    calls, real = [], prep._run_unit
+
+    def stop_after_three(job):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(job[0])
+        return real(job)
+    monkeypatch.setattr(prep, "_run_unit", stop_after_three)
+    args = ([str(CHAT / "conversations.jsonl")], tmp_path / "d",
+            f"hf:{CHAT / 'llama3' / 'tokenizer.json'}", 0.2)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare_chat(*args, workers=1, say=lambda _: None)
+    assert not (tmp_path / "d" / "meta.json").exists()
+    said = []
+    monkeypatch.setattr(prep, "_run_unit", real)
+    prep.prepare_chat(*args, workers=1, say=said.append)
+    assert said and said[0].startswith("resuming: 3 of ")
+    train, val, _ = load_conversations(tmp_path / "d", None)
+    assert (len(train), len(val)) == (20, 4)
+    for (ids, mask), ref in zip(train + val, REFERENCE["llama3"]["conversations"]):
+        assert ids.tolist() == ref["input_ids"] and mask.tolist() == ref["assistant_masks"]
+    import dataclasses
+
+    from megajax.tasks import task_for
+    cfg = tiny_config(seq_len=192)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, source=f"chat:{tmp_path / 'd'}", tokenizer="hf:unused"))
+    data = task_for(cfg).load_data(cfg)
+    assert data.describe().startswith("24 conversations packed in") and data.val.rows >= 1
+    assert int(data.train.segments.max(1).sum()) == 20
+
+
+def test_a_bad_line_stops_the_preparation_naming_it(tmp_path):
+    data = tmp_path / "c.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n{"messages": [{"role": "user", '
+                    '"content": "no answer"}]}\n')
+    p = subprocess.run([sys.executable, "-m", "megajax.prepare", str(data), "--chat", "--out",
+                        str(tmp_path / "d")], capture_output=True, text=True, env=env(), cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == f"error: {data}:2: the conversation has no assistant turn to " \
+                               f"learn from"
+    assert not (tmp_path / "d" / "meta.json").exists() and not (tmp_path / "d" / ".partial").exists()

@@ -23,7 +23,9 @@ def prepare_parser() -> argparse.ArgumentParser:
                "  python train.py --config gpt2_355m --data bin:data/corpus\n"
                "  megajax-prepare 'books/*.txt' --pairs --seq-len 512 --tokenizer "
                "wordpiece:vocab.txt --out data/pairs\n"
-               "  python train.py --config bert_336m --data pairs:data/pairs",
+               "  python train.py --config bert_336m --data pairs:data/pairs\n"
+               "  megajax-prepare chats.jsonl --chat --tokenizer runs/llama --out data/chats\n"
+               "  python train.py --init-from runs/llama --data chat:data/chats",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", type=given, nargs="+",
                    help="text files or globs (one document per file), .jsonl files (one "
@@ -46,6 +48,11 @@ def prepare_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int,
                    help="--pairs: the train.seed whose draws shape the pairs, as "
                                             "in memory (default 0)")
+    p.add_argument("--chat", action="store_true",
+                   help=".jsonl conversations rendered with the tokenizer's chat template, "
+                        "with their loss masks, for --data chat:DIR")
+    p.add_argument("--chat-loss", choices=("assistant", "all"),
+                   help="--chat: the tokens the loss covers (default assistant)")
     return p
 
 
@@ -63,6 +70,11 @@ def check_prepare_args(args):
             f"--seq-len must be at least 8 (and below 2^31) for sentence pairs, got {args.seq_len}")
     if not 0 <= args.seed < 2**31:
         raise UserError(f"--seed must be in 0..2^31-1, got {args.seed}")
+    if args.chat and args.pairs:
+        raise UserError("--chat and --pairs prepare different corpora: give one of them")
+    if args.chat_loss is not None and not args.chat:
+        raise UserError("--chat-loss is for --chat")
+    args.chat_loss = args.chat_loss or "assistant"
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
 
@@ -70,21 +82,31 @@ def check_prepare_args(args):
 def prepare_main(argv=None) -> int:
     guard_stdout()
     args = prepare_parser().parse_args(argv)
-    from megajax.prepare import Settings, prepare
+    from megajax.prepare import Settings, prepare, prepare_chat
 
     stop_with_a_line(
         f"the finished units are kept in {args.out}/.partial: the same command continues")
     try:
         check_prepare_args(args)
-        settings = Settings(args.tokenizer, args.val_fraction, args.text_field,
-                            args.seq_len if args.pairs else 0, args.seed)
-        meta = prepare(args.inputs, args.out, settings, args.workers)
+        if args.chat:
+            meta = prepare_chat(args.inputs, args.out, args.tokenizer, args.val_fraction,
+                                args.chat_loss, args.workers)
+        else:
+            settings = Settings(args.tokenizer, args.val_fraction, args.text_field,
+                                args.seq_len if args.pairs else 0, args.seed)
+            meta = prepare(args.inputs, args.out, settings, args.workers)
     except UserError as e:
         return fail(str(e))
     except Stopped as e:
         return stopped(e)
     except Exception as e:  # noqa: BLE001  (a full disk: one line; a bug: raised)
         return failed(e, "use fewer --workers")
+    if args.chat:
+        t, v = meta["splits"]["train"], meta["splits"]["val"]
+        print(f"{args.out}: train {t['conversations']:,} conversations ({t['tokens']:,} tokens), "
+              f"validation {v['conversations']:,} ({v['tokens']:,} tokens), "
+              f"{meta['tokenizer']['kind']} tokenizer; train.py --data chat:{args.out}")
+        return 0
     if args.pairs:
         print(
             f"{args.out}: {meta['pairs']:,} sentence pairs ({meta['tokens']:,} tokens) for seq_len "

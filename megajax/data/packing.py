@@ -11,12 +11,14 @@ Batch `step` is a pure function of (seed, step): rows in a fresh permutation eac
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from megajax.data.chat import (LOSS_ON, encode_conversation, read_conversations, template_for)
 from megajax.data.chat_template import ChatTemplate
+from megajax.data.prepared import is_prepared, load_conversations
 from megajax.data.tokenizer import Tokenizer, chosen
 from megajax.errors import UserError
 
@@ -71,8 +73,8 @@ class ChatData:
     val: Packed | None
     conversations: int
     truncated: int
-    # what train.py's sample answers: a held-out conversation up to its first assistant turn
-    sample_messages: list
+    # what train.py's sample answers: the ids of a conversation up to its first target
+    sample_prompt: list
     vocab_size: int = 0
     prepared = False
 
@@ -98,37 +100,51 @@ class ChatData:
 
 
 def load_chat(spec: str, cfg, tokenizer: Tokenizer | None) -> ChatData:
-    """The conversations of chat:`spec`, rendered, tokenized and packed in rows of seq_len + 1;
-    the last data.val_fraction of them (in the shuffled order) held out."""
+    """The conversations of chat:`spec` (JSONL files, rendered and tokenized here, the last
+    data.val_fraction of them in a fixed shuffled order held out; or a `megajax-prepare
+    --chat` directory with its own splits), packed in rows of seq_len + 1."""
     d, length = cfg.data, cfg.model.seq_len + 1
-    conversations = read_conversations(spec)
-    if tokenizer is None:   # chars and wordpiece[:SIZE] build theirs from the rendered text
-        plain = ChatTemplate.plain()
-        tokenizer = chosen(None, d.tokenizer, "\n".join(plain.render(list(c.messages))[0]
-                                                        for c in conversations))
-    template = template_for(tokenizer)
-    examples = [encode_conversation(c, template, tokenizer, d.chat_loss) for c in conversations]
-    long = [(c.where, len(e[0])) for c, e in zip(conversations, examples) if len(e[0]) > length]
-    if long and d.chat_overflow == "refuse":
-        raise UserError(
-            f"{len(long)} conversation(s) longer than model.seq_len + 1 = {length} tokens (first: "
-            f"{long[0][0]}, {long[0][1]} tokens): raise model.seq_len, or set "
-            f"data.chat_overflow = \"truncate\"")
-    examples = [(ids[:length], mask[:length]) for ids, mask in examples]
-    order = np.random.default_rng([cfg.train.seed, 2]).permutation(len(examples))
-    n_val = int(len(examples) * d.val_fraction)
-    train = [examples[i] for i in order[:len(examples) - n_val]]
-    val = [examples[i] for i in order[len(examples) - n_val:]]
+    if is_prepared(Path(spec)):
+        train, val, tokenizer = load_conversations(Path(spec), tokenizer)
+        where = [f"{spec} conversation {i + 1}" for i in range(len(train) + len(val))]
+    else:
+        conversations = read_conversations(spec)
+        if tokenizer is None:   # chars and wordpiece[:SIZE] build theirs from the rendered text
+            plain = ChatTemplate.plain()
+            tokenizer = chosen(None, d.tokenizer, "\n".join(plain.render(list(c.messages))[0]
+                                                            for c in conversations))
+        template = template_for(tokenizer)
+        examples = [encode_conversation(c, template, tokenizer, d.chat_loss)
+                    for c in conversations]
+        order = np.random.default_rng([cfg.train.seed, 2]).permutation(len(examples))
+        n_val = int(len(examples) * d.val_fraction)
+        train = [examples[i] for i in order[:len(examples) - n_val]]
+        val = [examples[i] for i in order[len(examples) - n_val:]]
+        where = [conversations[i].where for i in order]
+    train, val, long = _fitted(train + val, len(train), where, length, d.chat_overflow)
     packed = pack(train, length)
     if not target_weights(packed.segments, packed.mask).any():
         raise UserError(
             f"chat:{spec} leaves no target token to learn from (the assistant's turns "
             f"{'were truncated away' if long else 'are empty'} at model.seq_len "
             f"{cfg.model.seq_len}): raise model.seq_len, or set data.chat_loss = \"all\"")
-    first = conversations[order[-1] if val else order[0]].messages
-    sample = list(first[:next(i for i, m in enumerate(first) if m["role"] == "assistant")])
-    return ChatData(tokenizer, template, packed, pack(val, length) if val else None,
-                    len(examples), len(long), sample)
+    # what train.py's sample answers: a held-out conversation up to its first target token
+    ids, mask = (val or train)[0]
+    sample = ids[:max(1, int(np.argmax(mask > 0)))].tolist()
+    return ChatData(tokenizer, template_for(tokenizer), packed,
+                    pack(val, length) if val else None, len(train) + len(val), long, sample)
+
+
+def _fitted(examples, n_train: int, where: list[str], length: int, overflow: str):
+    """(train, val, how many were cut): conversations longer than a row refused, or cut."""
+    long = [(w, len(e[0])) for w, e in zip(where, examples) if len(e[0]) > length]
+    if long and overflow == "refuse":
+        raise UserError(
+            f"{len(long)} conversation(s) longer than model.seq_len + 1 = {length} tokens (first: "
+            f"{long[0][0]}, {long[0][1]} tokens): raise model.seq_len, or set "
+            f"data.chat_overflow = \"truncate\"")
+    examples = [(ids[:length], mask[:length]) for ids, mask in examples]
+    return examples[:n_train], examples[n_train:], len(long)
 
 
 class PackedBatches:

@@ -27,6 +27,7 @@ from megajax.errors import UserError
 META = "meta.json"
 FORMAT = "megajax-tokens"
 PAIRS_FORMAT = "megajax-pairs"
+CHAT_FORMAT = "megajax-chat"      # megajax-prepare --chat: megajax/prepare/chat.py
 VERSION = 1
 SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
 # Text every tokenizer encodes: two tokenizers that give it the same ids and have the same
@@ -68,7 +69,8 @@ def read_meta(directory: Path, fmt: str = FORMAT) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != fmt or meta.get("version") != VERSION:
         other = meta.get("format") if isinstance(meta, dict) else None
         hint = {FORMAT: f" (it holds token files: --data bin:{directory})",
-                PAIRS_FORMAT: f" (it holds BERT sentence pairs: --data pairs:{directory})"}.get(
+                PAIRS_FORMAT: f" (it holds BERT sentence pairs: --data pairs:{directory})",
+                CHAT_FORMAT: f" (it holds conversations: --data chat:{directory})"}.get(
                     other, "")
         raise UserError(f"{path} is not a megajax-prepare {fmt} v{VERSION} description{hint}")
     _check_fields(meta, path, fmt)
@@ -90,6 +92,13 @@ def _check_fields(meta: dict, path: Path, fmt: str):
          and isinstance(fingerprint, dict)
          and _count(fingerprint.get("vocab_size"))
          and isinstance(fingerprint.get("probe_ids"), list), "tokenizer")
+    if fmt == CHAT_FORMAT:
+        splits = meta.get("splits")
+        for split in SPLIT_FILES:
+            entry = splits.get(split) if isinstance(splits, dict) else None
+            need(isinstance(entry, dict) and _count(entry.get("tokens"))
+                 and _count(entry.get("conversations")), f"splits.{split}")
+        return
     if fmt == FORMAT:
         splits = meta.get("splits")
         for split in SPLIT_FILES:
@@ -143,6 +152,38 @@ def load_prepared(directory: Path,
         _mapped(directory / meta["splits"][s]["file"], meta["dtype"], meta["splits"][s]["tokens"])
         for s in ("train", "val"))
     return train, val, tokenizer
+
+
+def load_conversations(directory: Path, tokenizer: Tokenizer | None):
+    """([train (ids, mask) per conversation], [val ones], tokenizer) of a `megajax-prepare
+    --chat` directory: the arrays memory-mapped, each conversation a view into them."""
+    directory = Path(directory)
+    meta = read_meta(directory, CHAT_FORMAT)
+    tokenizer = _check_tokenizer(directory, meta, tokenizer)
+    out = []
+    for split in SPLIT_FILES:
+        entry = meta["splits"][split]
+        def load(k, dtype, count):
+            path = directory / f"{split}.{k}.npy"
+            try:
+                array = np.load(path, mmap_mode="r")
+            except (OSError, ValueError):
+                array = None
+            if array is None or array.dtype != np.dtype(dtype) or array.shape != (count,):
+                raise UserError(f"{path} is damaged or incomplete (not {count:,} {dtype} "
+                                f"values): prepare the corpus again")
+            return array
+        ids, mask = (load(k, t, entry["tokens"]) for k, t in (("ids", meta["dtype"]),
+                                                                ("mask", "int8")))
+        lengths = load("lengths", "int32", entry["conversations"])
+        if int(lengths.sum(dtype=np.int64)) != entry["tokens"] or (lengths < 0).any():
+            raise UserError(f"{directory / f'{split}.lengths.npy'} is damaged: prepare the "
+                            f"corpus again")
+        check_ids(ids, tokenizer.vocab_size, str(directory / f"{split}.ids.npy"))
+        ends = np.cumsum(lengths)
+        out.append([(ids[e - n:e].astype(np.int32), mask[e - n:e])
+                    for n, e in zip(lengths.tolist(), ends.tolist())])
+    return out[0], out[1], tokenizer
 
 
 class DiskPairs:

@@ -27,7 +27,14 @@ def answer(model, tokenizer, messages: list[dict], max_new_tokens: int, temperat
     template = template_for(tokenizer)
     if messages and messages[-1].get("role") == "assistant":
         raise UserError("the conversation ends with an assistant turn: nothing to answer")
-    prompt = prompt_ids(messages, template, tokenizer)
+    return answer_ids(model, tokenizer, prompt_ids(messages, template, tokenizer), max_new_tokens,
+                      temperature, top_k, rng, emit, stopped)
+
+
+def answer_ids(model, tokenizer, prompt: list[int], max_new_tokens: int, temperature: float,
+               top_k: int | None, rng, emit=None, stopped=None) -> dict:
+    """`answer` for the ids of a rendered conversation."""
+    template = template_for(tokenizer)
     new = generate(model, np.asarray([prompt], np.int32), max_new_tokens, temperature, top_k, rng,
                    eos_id=end_of_turn_id(tokenizer, template), emit=emit, stopped=stopped)
     tokens = new[0].tolist()

@@ -26,7 +26,7 @@ from megajax.errors import UserError
 from megajax.files import WorkdirLock
 from megajax.host.distributed import agreed_stop, check_same_run
 from megajax.host.signals import StopRequested
-from megajax.evaluation.chat import answer
+from megajax.evaluation.chat import answer_ids
 from megajax.models.generate import generate
 from megajax.models.registry import ModelDef, abstract_model
 from megajax.runs.checkpoint import Checkpoints
@@ -216,9 +216,9 @@ def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: floa
     layout = Layout.for_model(trainer.mesh, trainer.cfg.model, "inference")
     model = ModelDef(abstract_model(trainer.cfg.model, layout)).bind(params)
     key = jax.random.key(trainer.cfg.train.seed)
-    if getattr(data, "sample_messages", None):    # conversations: the assistant's answer
-        r = answer(model, data.tokenizer, data.sample_messages, n_tokens, temperature, top_k,
-                   key, stopped=stopped)
+    if getattr(data, "sample_prompt", None):    # conversations: the assistant's answer
+        r = answer_ids(model, data.tokenizer, data.sample_prompt, n_tokens, temperature, top_k,
+                       key, stopped=stopped)
         return r["prompt"] + r["answer"]
     prompt = np.asarray(data.val[:16] if len(data.val) >= 16 else data.train[:16], dtype=np.int32)
     new = generate(model, prompt[None], n_tokens, temperature, top_k, key,
