@@ -367,4 +367,5 @@ def test_a_bad_line_stops_the_preparation_naming_it(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip() == f"error: {data}:2: the conversation has no assistant turn to " \
                                f"learn from"
-    assert not (tmp_path / "d" / "meta.json").exists() and not (tmp_path / "d" / ".partial").exists()
+    assert not (tmp_path / "d" / "meta.json").exists()
+    assert not (tmp_path / "d" / ".partial").exists()
