@@ -244,7 +244,7 @@ def test_three_steps_on_conversations_equal_one_device(devices, mesh, sets):
     assert_close(losses_on(mesh, **sets), want, F32, what=mesh)
 
 
-LEARN_ARGS = ["--config", "tiny", "--host-devices", "8", "--mesh", "2x4", "--sample-tokens", "0",
+LEARN_ARGS = ["--config", "tiny", "--host-devices", "2", "--mesh", "1x2", "--sample-tokens", "0",
               "--steps", "300", "--log-every", "1", "--eval-every", "1000",
               "--set", "model.seq_len=160", "--set", "model.hidden_dropout=0",
               "--set", "model.attention_dropout=0", "--set", "data.val_fraction=0.01",

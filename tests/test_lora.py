@@ -72,12 +72,11 @@ def reference():
 @pytest.mark.parametrize("mesh,extra,train", [
     ("2x4", {"sequence_parallel": True}, {"shard_optimizer": True}),
     ("1x8", {"remat": "full"}, {"shard_params": True}),
-    ("2x4", {"remat": "selective"}, {}),
 ])
 def test_adapters_after_three_steps_equal_one_device(devices, reference, mesh, extra, train):
     """2x4 with sequence parallelism and ZeRO-1; 1x8 with full remat and FSDP (the adapters and
-    their optimizer state split over "data"); 2x4 plain with selective remat: 1x1's adapters
-    within Adam's bound, and the base weights bitwise as they were."""
+    their optimizer state split over "data"): 1x1's adapters within Adam's bound, and the base
+    weights bitwise as they were."""
     _, _, want, _, grads = reference
     cfg = lora_config({**LLAMA, **extra}, train, lora_dropout=0.1)
     _, before, got, _, _ = _train(mesh, cfg, 3)
@@ -92,7 +91,9 @@ def test_adapters_after_three_steps_equal_one_device(devices, reference, mesh, e
 
 
 def test_ten_steps_leave_the_base_bitwise_and_keep_no_state_for_it(devices):
-    trainer, before, after, opt, _ = _train("2x4", lora_config(), 10)
+    """In mixed precision (bfloat16 matmul operands) on 2x4: the adapters train, the base does not
+    move a bit, and Adam keeps moments for the adapters alone."""
+    trainer, before, after, opt, _ = _train("2x4", lora_config({"compute_dtype": "mixed"}), 10)
     before, after = _flat(before), _flat(after)
     adapters = [n for n in after if "'lora'" in n]
     assert adapters and all(not np.array_equal(after[n], before[n]) for n in adapters
@@ -153,7 +154,7 @@ def lora_runs(tmp_path_factory):
         import_hf(ROOT / "tests" / "fixtures" / "hf" / name, root / f"{name}_base", [])
         runs[name] = root / name
         run("--init-from", str(root / f"{name}_base"), "--data", f"chat:{CHAT}", "--workdir",
-            str(runs[name]), "--steps", "3", "--host-devices", "8", "--mesh", "2x4",
+            str(runs[name]), "--steps", "3", "--host-devices", "2", "--mesh", "1x2",
             "--sample-tokens", "0", "--set", "model.lora_rank=4", "--set", "model.lora_alpha=8",
             "--set", "data.chat_overflow=truncate", "--set", "data.chat_loss=all",
             "--set", f"train.lr={lr}", "--set", "train.warmup_steps=1")

@@ -128,9 +128,10 @@ def load_chat(spec: str, cfg, tokenizer: Tokenizer | None) -> ChatData:
             f"chat:{spec} leaves no target token to learn from (the assistant's turns "
             f"{'were truncated away' if long else 'are empty'} at model.seq_len "
             f"{cfg.model.seq_len}): raise model.seq_len, or set data.chat_loss = \"all\"")
-    # what train.py's sample answers: a held-out conversation up to its first target token
-    ids, mask = (val or train)[0]
-    sample = ids[:max(1, int(np.argmax(mask > 0)))].tolist()
+    # what train.py's sample answers: the first held-out (else trained) conversation with a
+    # target, up to its first one
+    ids, mask = next(e for e in val + train if e[1][1:].any())
+    sample = ids[:int(np.argmax(mask[1:] > 0)) + 1].tolist()
     return ChatData(tokenizer, template_for(tokenizer), packed,
                     pack(val, length) if val else None, len(train) + len(val), long, sample)
 
