@@ -294,7 +294,20 @@ def test_a_tiny_model_learns_32_conversations(learned):
                        env=env(), cwd=ROOT, timeout=240)
     assert q.returncode == 0, q.stderr
     result = json.loads((wd / "eval_chat.json").read_text())
-    assert result["answer"] == first[1]["content"]
+    assert result["answer"] == first[1]["content"] and first[1]["content"] in q.stdout
+    # a file of conversations: each cut after its last user turn (the second line's "Again."),
+    # and answered
+    asked = data.parent / "ask.jsonl"
+    asked.write_text(data.read_text().splitlines()[1] + "\n" + json.dumps(
+        {"prompt": json.loads(data.read_text().splitlines()[0])["prompt"]}) + "\n")
+    q = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--workdir", str(wd), "--task",
+                        "chat", "--data", str(asked), "--temperature", "0", "--host-devices", "1",
+                        "--mesh", "1x1", "--out", str(data.parent / "answers.json")],
+                       capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
+    assert q.returncode == 0, q.stderr
+    answers = json.loads((data.parent / "answers.json").read_text())["answers"]
+    assert [a["answer"] for a in answers] == [first[-1]["content"], json.loads(
+        data.read_text().splitlines()[0])["completion"]]     # (line 2's last question)
 
 
 def test_resume_after_sigkill_logs_the_same_losses(learned, tmp_path):

@@ -210,3 +210,22 @@ def test_merge_folds_the_adapters_into_a_whole_model(lora_runs, tmp_path):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 320, (2, 24)), jnp.int32)
     want = np.asarray(adapted(tokens))[..., :320]
     assert_close(np.asarray(merged(tokens))[..., :320], want, F32)
+
+
+def test_the_dry_run_counts_optimizer_state_for_the_adapters_alone(devices):
+    """`train.py --dry-run`'s optimizer bytes: Adam's two moments of the adapters (and its
+    step counters), none for the frozen base; gradients the adapters' too."""
+    from megajax.tools.dry_run import dry_run_report
+    from megajax.training.memory import per_device_bytes
+    cfg = lora_config(LLAMA, {"shard_optimizer": True})
+    report = dry_run_report(cfg, mesh_for("2x4"), out=lambda *_: None)
+    trainer = make_trainer(cfg, mesh_for("2x4"))
+    params, opt = trainer.abstract_state()
+    adapters = per_device_bytes(trainer.trained(params))
+    assert report["gradient_bytes_per_device"] == adapters < per_device_bytes(params) / 10
+    assert report["optimizer_bytes_per_device"] == per_device_bytes(opt)
+    # the state's arrays are the adapters' two moments (split over "data" by ZeRO-1), nothing else
+    arrays = sorted(x.shape for x in jax.tree.leaves(opt) if x.ndim)
+    assert arrays == sorted(2 * [x.shape for x in jax.tree.leaves(trainer.trained(params))])
+    assert per_device_bytes(opt) < 2 * adapters
+    assert report["trained_params"] == cfg.model.num_layers * cfg.model.adapter_params

@@ -38,8 +38,16 @@ def answer_ids(model, tokenizer, prompt: list[int], max_new_tokens: int, tempera
     new = generate(model, np.asarray([prompt], np.int32), max_new_tokens, temperature, top_k, rng,
                    eos_id=end_of_turn_id(tokenizer, template), emit=emit, stopped=stopped)
     tokens = new[0].tolist()
-    return {"prompt": tokenizer.decode(prompt), "answer": until_end_of_turn(
+    return {"prompt": with_special_tokens(tokenizer, prompt), "answer": until_end_of_turn(
         tokenizer.decode(tokens), template).strip(), "tokens": tokens}
+
+
+def with_special_tokens(tokenizer, ids) -> str:
+    """The text of ids as the template wrote it, its special tokens (headers, turn ends)
+    shown."""
+    if tokenizer.kind == "hf":
+        return tokenizer.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    return tokenizer.decode(ids)
 
 
 def conversations_to_answer(spec: str) -> list[list[dict]]:

@@ -117,12 +117,12 @@ def chat(args, loaded: Loaded, progress):
                    args.max_new_tokens, args.temperature, args.top_k, key, emit=stream.add)
         stream.close(loaded.tokenizer.decode(r["tokens"]))
         return {"prompt": args.prompt, **r}, None
-    answers = []
-    for i, messages in enumerate(conversations_to_answer(args.data)):
+    answers, asked = [], conversations_to_answer(args.data)
+    for i, messages in enumerate(asked):
         r = answer(loaded.model, loaded.tokenizer, messages, args.max_new_tokens,
                    args.temperature, args.top_k, jax.random.fold_in(key, i))
         answers.append({"messages": messages, **r})
-        progress(1)
+        progress(i + 1, len(asked))
     rows = [(f"answer {i + 1}", a["answer"][:60]) for i, a in enumerate(answers)]
     return {"answers": answers}, rows
 
