@@ -59,10 +59,10 @@ ROWS = [("gpt2_355m", "gpt2_355m", FUSED, FAST),
 STACKS = [("gpt2_355m", ("scan", "per_layer", "unrolled")), ("gpt2_1.2b", ("scan", "per_layer"))]
 STACK_BATCH = 16
 # --smoke: the same configs shrunk until a CPU runs them in seconds.
-SMOKE = ["model.num_layers=2", "model.hidden=128", "model.num_heads=4", "model.seq_len=64",
+SMOKE = ["model.num_layers=2", "model.hidden=64", "model.num_heads=4", "model.seq_len=32",
          "model.vocab_size=512", "model.vocab_multiple=128"]
 # 4 heads need fewer kv heads
-SMOKE_ARCHITECTURE = {"llama3.2_1b": ["model.num_kv_heads=2", "model.ffn_hidden=256"]}
+SMOKE_ARCHITECTURE = {"llama3.2_1b": ["model.num_kv_heads=2", "model.ffn_hidden=128"]}
 # The attention check's model: head dim 64 and sequence 256, shapes cuDNN's kernel takes.
 CHECK = ["model.num_layers=2", "model.hidden=256", "model.num_heads=4", "model.seq_len=256",
          "model.vocab_size=1024", "model.vocab_multiple=128", "model.hidden_dropout=0",
