@@ -92,19 +92,13 @@ def _check_fields(meta: dict, path: Path, fmt: str):
          and isinstance(fingerprint, dict)
          and _count(fingerprint.get("vocab_size"))
          and isinstance(fingerprint.get("probe_ids"), list), "tokenizer")
-    if fmt == CHAT_FORMAT:
+    if fmt in (FORMAT, CHAT_FORMAT):     # per split its tokens and its file, or conversations
+        field, valid = ("file", _bare_name) if fmt == FORMAT else ("conversations", _count)
         splits = meta.get("splits")
         for split in SPLIT_FILES:
             entry = splits.get(split) if isinstance(splits, dict) else None
             need(isinstance(entry, dict) and _count(entry.get("tokens"))
-                 and _count(entry.get("conversations")), f"splits.{split}")
-        return
-    if fmt == FORMAT:
-        splits = meta.get("splits")
-        for split in SPLIT_FILES:
-            entry = splits.get(split) if isinstance(splits, dict) else None
-            need(isinstance(entry, dict) and _count(entry.get("tokens"))
-                 and _bare_name(entry.get("file")), f"splits.{split}")
+                 and valid(entry.get(field)), f"splits.{split}")
         return
     for field in ("seq_len", "pairs", "val_pairs", "tokens"):
         need(_count(meta.get(field)), field)

@@ -15,7 +15,6 @@ model.seq_len). Files, all memory-mapped (data/prepared.py reads them):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -31,7 +30,7 @@ from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import UserError
 from megajax.files import WorkdirLock, write_atomic
 from megajax.prepare.corpus import (_fixed_tokenizer, _npy_bytes, _pool, _readable,
-                                    _start_or_resume)
+                                    _start_or_resume, publish)
 from megajax.prepare.units import describe_source, expand_inputs, plan_units
 
 FIELDS = ("ids", "mask", "lengths")
@@ -122,12 +121,7 @@ def prepare_chat(inputs: list[str], out, tokenizer: str, val_fraction: float,
                               "fingerprint": P.tokenizer_fingerprint(tok)},
                 "plan": sources, "settings": settings, "splits": splits,
                 "seconds": round(time.perf_counter() - t0, 3)}
-        for f in partial.iterdir():
-            if f.is_file() and f.name != "plan.json":
-                os.replace(f, out / f.name)
-        write_atomic(out / P.META, json.dumps(meta, indent=1) + "\n")
-        shutil.rmtree(partial, ignore_errors=True)
-        return meta
+        return publish(partial, out, meta)
 
 
 def _tokenize(partial: Path, units, loss_on: str, dtype: str, workers: int, say):

@@ -326,7 +326,12 @@ def _prepare_locked(out: Path, sources: list[dict], tok: Tokenizer, settings: Se
         shutil.rmtree(partial, ignore_errors=True)
         raise
     meta["seconds"] = round(time.perf_counter() - t0, 3)
-    # the splits and the tokenizer move up, then meta.json
+    return publish(partial, out, meta)
+
+
+def publish(partial: Path, out: Path, meta: dict) -> dict:
+    """The finished files (the splits, the tokenizer) moved up from DIR/.partial, then
+    meta.json, which makes DIR a prepared corpus."""
     for f in partial.iterdir():
         if f.is_file() and f.name != "plan.json":
             os.replace(f, out / f.name)
