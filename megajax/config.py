@@ -148,6 +148,9 @@ class Config:
             raise ConfigError(
                 "train.layer_programs runs the stacked layers of model.scan_layers = true one at a "
                 "time; set model.scan_layers = true (or train.layer_programs = false)")
+        if self.model.lora_rank and self.model.kind != "gpt":
+            raise ConfigError("LoRA adapters (model.lora_rank) are for GPT decoders: BERT's "
+                              "heads train from scratch, so its fine-tuning trains every weight")
         if self.train.layer_programs and self.model.lora_rank:
             raise ConfigError("train.layer_programs trains every weight: LoRA adapters "
                               "(model.lora_rank) train with the single-program step")

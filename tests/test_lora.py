@@ -230,3 +230,35 @@ def test_the_dry_run_counts_optimizer_state_for_the_adapters_alone(devices):
     assert arrays == sorted(2 * [x.shape for x in jax.tree.leaves(trainer.trained(params))])
     assert per_device_bytes(opt) < 2 * adapters
     assert report["trained_params"] == cfg.model.num_layers * cfg.model.adapter_params
+
+
+def test_init_from_a_lora_run_starts_from_its_adapted_model(lora_runs, tmp_path):
+    """A run without adapters initialised from a LoRA run starts from the model the adapters
+    make (folded into the base): after one step at the warmup's learning rate of 0, its logits
+    are the LoRA run's."""
+    from megajax.core.mesh import make_mesh
+    from megajax.runs.workdir import load_workdir
+    p = run("--init-from", str(lora_runs["llama"]), "--data", f"chat:{CHAT}", "--workdir",
+            str(tmp_path / "plain"), "--steps", "1", "--host-devices", "1", "--mesh", "1x1",
+            "--sample-tokens", "0", "--set", "data.chat_overflow=truncate")
+    assert "its LoRA adapters folded into the base weights" in p.stdout
+    mesh = make_mesh("1x1", devices=jax.devices()[:1])
+    adapted, plain = (load_workdir(w, mesh) for w in (lora_runs["llama"], tmp_path / "plain"))
+    assert plain.cfg.model.lora_rank == 0
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 320, (2, 24)), jnp.int32)
+    want = np.asarray(adapted.model(tokens))[..., :320]
+    assert_close(np.asarray(plain.model(tokens))[..., :320], want, F32)
+
+
+@pytest.mark.parametrize("sets,says", [
+    (["model.lora_rank=-1"], "model.lora_rank must be 0"),
+    (["model.lora_rank=4", "model.lora_targets=qkv,proj"], "model.lora_targets names layers"),
+    (["model.lora_rank=4", "model.lora_dropout=1"], "lora_dropout in [0, 1)"),
+    (["model.lora_rank=4", "train.layer_programs=true"], "train.layer_programs trains every"),
+])
+def test_lora_settings_a_user_gets_wrong_are_one_line(sets, says):
+    from megajax.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=says.replace("[", r"\[").replace(")", r"\)")):
+        load_config("tiny", sets)
+    with pytest.raises(ConfigError, match="LoRA adapters .* are for GPT decoders"):
+        load_config("bert_tiny", ["model.lora_rank=4"])

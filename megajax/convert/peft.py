@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 from megajax.convert import hf_config
 from megajax.convert.hf import write_hf_model
 from megajax.convert.hf_weights import LAYER, PREFIX, _expand, _flatten, rules_for, to_hf
+from megajax.core.lora import folded
 from megajax.core.mesh import single_device_mesh
 from megajax.errors import UserError
 from megajax.files import staged_directory, write_atomic
@@ -80,25 +81,11 @@ def adapter_config(cfg, modules: list[str], conv: bool, base: str) -> dict:
 
 
 def merged(params: dict, cfg) -> tuple[dict, object]:
-    """(params with every adapter folded into its kernel, K + (alpha / rank) A B, and no
-    adapters; the config without them)."""
+    """(params with every adapter folded into its kernel and none left, numpy; the config
+    without adapters)."""
     m = cfg.model
-    scale = m.lora_alpha / m.lora_rank
-
-    def fold(layer: dict) -> dict:
-        lora = layer.get("lora")
-        out = {k: fold(v) if isinstance(v, dict) else v for k, v in layer.items() if k != "lora"}
-        if lora is not None:
-            a = np.asarray(lora["a"], np.float32)
-            for name, b in lora.items():
-                if name.startswith("b"):
-                    kernel = "kernel" if name == "b" else f"{name.removeprefix('b_')}_kernel"
-                    delta = np.matmul(a, np.asarray(b, np.float32)) * np.float32(scale)
-                    out[kernel] = np.asarray(out[kernel], np.float32) + delta
-        return out
-
-    plain = dataclasses.replace(cfg, model=dataclasses.replace(m, lora_rank=0))
-    return fold(params), plain
+    params = jax.tree.map(lambda x: np.asarray(x, np.float32), folded(params, m))
+    return params, dataclasses.replace(cfg, model=dataclasses.replace(m, lora_rank=0))
 
 
 def _loaded_adapters(workdir: Path, step):

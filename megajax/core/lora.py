@@ -102,3 +102,19 @@ def per_device(w, layout: S.Layout):
 def low_rank(x, a, b, scale: float, matmul):
     """scale * (x a) b in the layer's precision (`matmul(x, w)`)."""
     return matmul(matmul(x, a), b) * scale
+
+
+def folded(params: dict, cfg) -> dict:
+    """A params dict (numpy or jax arrays) with every adapter folded into its kernel,
+    K + (lora_alpha / lora_rank) A B (stacked layers: per layer), and no adapters left: the
+    model the adapters make, as a plain one."""
+    scale = cfg.lora_alpha / cfg.lora_rank
+
+    def fold(tree: dict) -> dict:
+        out = {k: fold(v) if isinstance(v, dict) else v for k, v in tree.items() if k != NAME}
+        for name, b in tree.get(NAME, {}).items():
+            if name.startswith("b"):
+                kernel = "kernel" if name == "b" else f"{name.removeprefix('b_')}_kernel"
+                out[kernel] = out[kernel] + (tree[NAME]["a"] @ b) * scale
+        return out
+    return fold(params)

@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 
 from megajax.config import Config, load_config
+from megajax.core.lora import folded
 from megajax.core.mesh import as_mesh, check_fits
 from megajax.core.sharding import Layout, param_shardings
 from megajax.data.tokenizer import FILE as TOKENIZER_FILE
@@ -260,8 +261,14 @@ def init_from_pretrained(trainer, params: dict, src: Path, out=print) -> dict:
     into this mesh's shardings. A tensor both have in different shapes is an error, not a
     silent fresh start."""
     loaded = load_workdir(src, trainer.mesh)
+    weights = ModelDef(loaded.model).params(loaded.model)
+    if loaded.cfg.model.lora_rank and not trainer.cfg.model.lora_rank:
+        # a LoRA run's model is its base with the adapters: this run starts from that
+        weights = folded(weights, loaded.cfg.model)
+        if is_main():
+            out(f"--init-from {src}: its LoRA adapters folded into the base weights")
     pre = {jax.tree_util.keystr(p): x for p, x in
-           jax.tree_util.tree_flatten_with_path(ModelDef(loaded.model).params(loaded.model))[0]}
+           jax.tree_util.tree_flatten_with_path(weights)[0]}
     taken, new = set(), set()
 
     def pick(path, x):
