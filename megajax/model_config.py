@@ -188,7 +188,7 @@ class ModelConfig:
                 f"model.lora_rank must be 0 (no adapters) or positive, lora_alpha positive and "
                 f"lora_dropout in [0, 1); got {self.lora_rank}, {self.lora_alpha}, "
                 f"{self.lora_dropout}")
-        targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        targets = self.named_lora_targets
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown or (self.lora_rank and not targets):
             raise ConfigError(
@@ -253,8 +253,11 @@ class ModelConfig:
     @property
     def lora_target_list(self) -> tuple[str, ...]:
         """The adapted layers (none without model.lora_rank)."""
-        if not self.lora_rank:
-            return ()
+        return self.named_lora_targets if self.lora_rank else ()
+
+    @property
+    def named_lora_targets(self) -> tuple[str, ...]:
+        """The layers model.lora_targets names, comma-separated."""
         return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
     @property
