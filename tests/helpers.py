@@ -50,6 +50,21 @@ def run(*args, check=True, timeout=240):
     return p
 
 
+def killed_after_checkpoint(args, workdir: Path, step: int, timeout=180):
+    """train.py ARGS started, and SIGKILLed as soon as its checkpoint `step` exists (asserted):
+    a run cut off with no chance to save or clean up."""
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (workdir / "checkpoints" / str(step)).is_dir():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (workdir / "checkpoints" / str(step)).is_dir()
+
+
 def losses(workdir: Path) -> dict[int, float]:
     out = {}
     for line in (workdir / "metrics.jsonl").read_text().splitlines():

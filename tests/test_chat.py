@@ -2,17 +2,15 @@
 against transformers, the loss on the assistant's tokens only, packed conversations each
 attending to itself alone, and a tiny model that learns a chat file end to end."""
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, mesh_for, tiny_config
-from helpers import env, losses, run
+from helpers import env, killed_after_checkpoint, losses, run
 from tolerances import F32, assert_close
 
 from megajax.core.blocked_attention import blocked_attention
@@ -317,14 +315,7 @@ def test_resume_after_sigkill_logs_the_same_losses(learned, tmp_path):
     wd = tmp_path / "killed"
     args = [*LEARN_ARGS, "--data", f"chat:{data}", "--workdir", str(wd), "--save-every", "20",
             "--steps", "60"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and not (wd / "checkpoints" / "20").is_dir():
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert (wd / "checkpoints" / "20").is_dir()
+    killed_after_checkpoint(args, wd, 20, timeout=300)
     p = run(*args, timeout=400)
     assert "resuming from step" in p.stdout
     assert losses(wd) == {s: ref[s] for s in range(1, 61)}      # every step, bitwise

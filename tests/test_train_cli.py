@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, mesh_for
 from flax import nnx
-from helpers import BASE, RUN_ARGS, SHAKESPEARE, env, losses, run
+from helpers import BASE, RUN_ARGS, SHAKESPEARE, env, killed_after_checkpoint, losses, run
 from tolerances import F32
 
 from megajax.cli.common import failed, start_jax
@@ -57,14 +57,7 @@ def test_resume_after_sigkill_is_bitwise_exact(reference, tmp_path):
     wd = tmp_path / "killed"
     args = [*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "16", "--save-every", "4",
             "--eval-every", "8"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 180
-    while time.time() < deadline and not (wd / "checkpoints" / "8").is_dir():
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert (wd / "checkpoints" / "8").is_dir()
+    killed_after_checkpoint(args, wd, 8)
     p = run(*args)
     assert "resuming from step" in p.stdout
     got = losses(wd)
