@@ -8,7 +8,7 @@ machine.
     runs.jsonl --profile prof
 
 For each config that fits: step time, tokens/s, model TFLOP/s per device and MFU against the
-GPU's dense bf16 peak (megajax.training.mfu.KNOWN_PEAK_TFLOPS, or --peak-tflops). Configs that do
+GPU's dense bf16 peak (the hardware table, megajax/hardware.py, or --peak-tflops). Configs that do
 not fit in memory are reported as such. Writes a Markdown table; `--set` overrides every config,
 `--json` appends each result as a line, `--profile` traces two steps (kernel times on the GPU's
 streams, with the compiled program whose op names they carry).
@@ -115,11 +115,12 @@ def main():
     from megajax.config import load_config
     from megajax.core.mesh import make_mesh
     from megajax.tasks import param_count
-    from megajax.training.mfu import device_peak_tflops
+    from megajax.training.mfu import device_peak
 
     n = jax.device_count()
     mesh = make_mesh(a.mesh or f"model={n}")
-    peak = a.peak_tflops or device_peak_tflops(measure_cpu=False)
+    known = device_peak(measure_cpu=False)
+    peak = a.peak_tflops or (known.tflops if known else None)
     kind = jax.devices()[0].device_kind
     rows = [
         "| config | params | mesh | batch x seq | step (ms) | tokens/s | TFLOP/s/device | MFU |",

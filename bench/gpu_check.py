@@ -136,7 +136,7 @@ def main() -> int:
     from megajax.cli.common import fail, start_jax
     from megajax.core.mesh import make_mesh
     from megajax.errors import UserError
-    from megajax.training.mfu import device_peak_tflops
+    from megajax.training.mfu import device_peak
 
     try:
         start_jax()   # JAX_PLATFORMS=cuda with a jax built without CUDA: one line
@@ -155,7 +155,7 @@ def main() -> int:
     a.hardware = planner_hardware(devices[0].device_kind, a.smoke)
     result = {"device": devices[0].device_kind, "backend": jax.default_backend(),
               "jax": jax.__version__, "planner_hardware": a.hardware,
-              "bf16_peak_tflops": device_peak_tflops(measure_cpu=False), "smoke": a.smoke,
+              "bf16_peak_tflops": getattr(device_peak(measure_cpu=False), "tflops", None), "smoke": a.smoke,
               "rows": []}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -235,12 +235,12 @@ def measure_stack(name: str, ways, mesh, smoke: bool) -> dict:
 
 
 def planner_hardware(device_kind: str, smoke: bool) -> str | None:
-    """The planner's entry for this GPU (megajax/plan/hardware.py), to print its prediction beside
+    """The planner's entry for this GPU (megajax/hardware.py), to print its prediction beside
     each row; with --smoke the H200's, so that the path runs."""
-    for marker, name in (("H200", "h200"), ("H100", "h100-80g"), ("A100", "a100-80g")):
-        if marker in device_kind:
-            return name
-    return "h200" if smoke else None
+    from megajax.hardware import for_device
+
+    known = for_device(device_kind)
+    return known.name if known else "h200" if smoke else None
 
 
 def predicted(cfg, hardware: str | None) -> dict:

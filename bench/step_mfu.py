@@ -86,36 +86,19 @@ def matmul_peak(dtype: str) -> float:
     return best
 
 
-def op_time_by_kind(trace_dir: str) -> dict[str, float]:
-    """Seconds per kind of compiled op (`ynn_fusion.26` and `ynn_fusion.3` are one kind) in the
-    Perfetto trace jax.profiler wrote under trace_dir. Ops on different threads overlap, so the
-    kinds add up to more than the wall time."""
-    import collections
-    import gzip
-    import json
-    import re
-
-    # DIR may hold older runs
-    newest = max(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda f: f.stat().st_mtime)
-    trace = json.load(gzip.open(newest))
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    kinds = collections.Counter()
-    for e in events:
-        name = e.get("name", "")
-        if e.get("ph") == "X" and not name.startswith(
-            ("$", "ThunkExecutor", "SlinkyThreadPool", "PjitFunction",
-                                                         "CommonPjRt")):
-            kinds[re.sub(r"\.\d+$", "", name)] += e.get("dur", 0) / 1e6
-    return dict(kinds.most_common())
-
-
-def profile(fn, args, trace_dir: str, top: int = 8) -> str:
+def profile(fn, args, trace_dir: str) -> str:
+    """Trace one call of jitted `fn` and say where its time went by kind of op
+    (megajax/tools/profile.py, as train.py --profile does)."""
     import jax
 
+    from megajax.tools.profile import by_kind_line, newest, time_by_kind
+
+    text = fn.lower(*args).compile().as_text()
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         jax.block_until_ready(fn(*args))
-    kinds = op_time_by_kind(trace_dir)
-    return ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in list(kinds.items())[:top])
+    run = newest(trace_dir, "*.trace.json.gz").parent
+    (run / "step.hlo.txt").write_text(text, encoding="utf-8")
+    return by_kind_line(time_by_kind(run))
 
 
 # The Llama shape of the same size: RMSNorm, rotary positions, SwiGLU (Llama's width rule),

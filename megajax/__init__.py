@@ -4,7 +4,7 @@ The package is laid out in layers; a module imports only from its own layer and 
 above it in this list (tests/test_architecture.py checks it):
 
     errors, files, model_config, config, shapes, progress,
-    analytic, specs                                             foundation: no jax
+    analytic, specs, hardware                                   foundation: no jax
     host/        the process: glibc settings, signals, the multi-process runtime
     core/        the parallel core: mesh, partition specs, precision, layers, vocab-parallel loss
     data/        text sources, tokenizers, GPT token batches, BERT pretraining and fine-tuning data

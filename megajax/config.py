@@ -69,6 +69,9 @@ class TrainConfig:
     eval_batches: int = 8
     save_every: int = 500
     keep_checkpoints: int = 3
+    # where the log goes besides metrics.jsonl: tensorboard (event files in WORKDIR/tensorboard) |
+    # wandb (Weights & Biases too; pip install 'megajax[wandb]')
+    tracker: str = "tensorboard"
 
     def validate(self):
         for name in ("batch_size", "microbatches", "steps", "log_every", "eval_every",
@@ -93,7 +96,7 @@ class TrainConfig:
         if self.min_lr > self.lr:   # Megatron-LM refuses it too: the "decay" would raise the rate
             raise ConfigError(
                 f"train.min_lr ({self.min_lr:g}) must not exceed train.lr ({self.lr:g})")
-        one_of(self, "train", schedule=("cosine", "linear"))
+        one_of(self, "train", schedule=("cosine", "linear"), tracker=("tensorboard", "wandb"))
 
 
 @dataclasses.dataclass(slots=True)

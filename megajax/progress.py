@@ -23,14 +23,18 @@ class Progress:
         if self.bar is not None:
             self.bar.n = step
             self.bar.set_postfix(loss=f"{record['loss']:.4f}",
-                                 tok_s=f"{record['tokens_per_sec']:,.0f}", refresh=False)
+                                 tok_s=f"{record['tokens_per_sec']:,.0f}",
+                                 **({"mfu": f"{100 * record['mfu']:.1f}%"} if "mfu" in record
+                                    else {}), refresh=False)
             self.bar.refresh()
         else:
             norm = "skipped (overflow)" if record[
                 "grad_norm"] is None else f"{record['grad_norm']:.3f}"
             print(f"step {step:>6}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
                   f"grad_norm {norm}  {record['tokens_per_sec']:,.0f} tok/s  "
-                  f"{record['step_time_s'] * 1000:.1f} ms/step"
+                  f"{record['step_time_s'] * 1000:.1f} ms/step  "
+                  f"{record['tflops_per_device']:.3g} TFLOP/s/device"
+                  + (f"  MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
                   + "".join(f"  {k} {record[k]:.3f}"
                             for k in ("mlm_accuracy", "sop_accuracy", "accuracy") if k in record)
                   + (f"  loss_scale {record['loss_scale']:g} ({record['skipped_steps']} skipped)"

@@ -41,9 +41,9 @@ def env():
     return e
 
 
-def run(*args, check=True, timeout=240):
+def run(*args, check=True, timeout=240, env=None):
     p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True,
-                       text=True, env=env(), timeout=timeout, cwd=ROOT)
+                       text=True, env=env or globals()["env"](), timeout=timeout, cwd=ROOT)
     if check and p.returncode != 0:
         raise AssertionError(
             f"train.py {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
@@ -79,3 +79,32 @@ def exact_model_axis_elements(r):
     scalars = [c for c in r.collectives if c.axis == "model" and c.origin == "optimizer"]
     assert all(c.shape == () for c in scalars)
     return r.model_axis_elements - sum(c.count for c in scalars)
+
+
+def tensorboard_scalars(workdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} as TensorBoard itself reads WORKDIR/tensorboard (its event
+    accumulator, which applies a resumed run's purge of the steps after its checkpoint)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(workdir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def assert_tensorboard_is_metrics(workdir: Path):
+    """Every number of every metrics.jsonl record is in TensorBoard, as float32, at its step,
+    once (train/KEY, val/KEY for val_KEY); and TensorBoard holds nothing else."""
+    import numpy as np
+
+    records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    want = {}
+    for r in records:
+        for k, v in r.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                tag = f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}"
+                want.setdefault(tag, []).append((r["step"], float(np.float32(v))))
+    got = tensorboard_scalars(workdir)
+    assert sorted(got) == sorted(want)
+    for tag in want:
+        assert got[tag] == want[tag], tag
+    return got

@@ -10,7 +10,8 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "megajax"
 # Lowest first; a module may import from its own layer and the ones before it.
-LAYERS = [("errors", "files", "shapes", "model_config", "config", "progress", "analytic", "specs"),
+LAYERS = [("errors", "files", "shapes", "model_config", "config", "progress", "analytic", "specs",
+           "hardware"),
           ("host",), ("core",), ("data",),
           ("models",), ("tasks",), ("runs",), ("training", "evaluation"),
           ("tools", "plan", "convert", "prepare"), ("cli",)]

@@ -49,6 +49,12 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int)
     p.add_argument("--sample-tokens", type=int,
                    help="GPT: tokens to generate at the end (default 200; 0: none)")
+    p.add_argument("--profile", metavar="START:STOP",
+                   help="trace steps START..STOP with jax.profiler into WORKDIR/tensorboard "
+                        "(TensorBoard's profile tab, Perfetto) and print where their time went")
+    p.add_argument("--tracker", choices=("tensorboard", "wandb"),
+                   help="train.tracker: TensorBoard event files in WORKDIR/tensorboard (always), "
+                        "and W&B too with wandb (pip install 'megajax[wandb]')")
     p.add_argument("--dry-run", action="store_true",
                    help="compile abstractly; print sizes, per-device memory and the collective "
                         "audit")
@@ -65,7 +71,8 @@ def train_parser() -> argparse.ArgumentParser:
 FLAG_KEYS = (("steps", "train.steps"), ("log_every", "train.log_every"),
              ("eval_every", "train.eval_every"),
              ("save_every", "train.save_every"), ("data", "data.source"),
-             ("tokenizer", "data.tokenizer"), ("init_from", "train.init_from"))
+             ("tokenizer", "data.tokenizer"), ("init_from", "train.init_from"),
+             ("tracker", "train.tracker"))
 
 
 def train_main(argv=None) -> int:
@@ -102,9 +109,13 @@ def _train_main(args) -> int:
         from megajax.core.mesh import make_mesh
         from megajax.tools.dry_run import dry_run_report
         from megajax.training.loop import train
+        from megajax.training.profiling import parse_window
         from megajax.runs.workdir import refuse_overridden_shape, with_pretrained_shape
 
         workdir = Path(args.workdir or Path("runs") / cfg.name)
+        window = parse_window(args.profile)
+        if window and args.dry_run:
+            raise UserError("--profile traces a run's steps; a --dry-run runs none")
         refuse_overridden_shape(cfg, overrides, workdir)
         start_jax(args)
         try:
@@ -115,9 +126,18 @@ def _train_main(args) -> int:
             dry_run_report(with_pretrained_shape(cfg, workdir)[0], mesh, costs=args.costs)
         elif args.costs:
             raise UserError("--costs goes with --dry-run")
+
         else:
             # handles the signals itself
-            train(cfg, mesh, workdir, sample_tokens=_sample_tokens(args.sample_tokens, cfg))
+            result = train(cfg, mesh, workdir, sample_tokens=_sample_tokens(args.sample_tokens, cfg),
+                           profile=window)
+            if result.profile is not None:
+                from megajax.tools.profile import by_kind_line, time_by_kind
+
+                steps = window[1] - window[0] + 1
+                print(f"profile of steps {window[0]}-{window[1]} in {result.profile} "
+                      f"(tensorboard --logdir {workdir / 'tensorboard'}); per step, by kind: "
+                      f"{by_kind_line(time_by_kind(result.profile), steps)}")
     except UserError as e:
         return fail(str(e))
     except Exception as e:  # noqa: BLE001

@@ -8,7 +8,7 @@ fits first. Nothing is compiled or allocated; `megajax-plan` / `python -m megaja
     search.py    the plans and their order                  report.py  the table
     paper.py     the paper's scaling study, predicted
 """
-from megajax.plan.hardware import BUILTIN, Hardware, load_hardware, pick_hardware
+from megajax.hardware import BUILTIN, Hardware, load_hardware, pick_hardware
 from megajax.plan.search import Plan, plan
 
 __all__ = ["BUILTIN", "Hardware", "Plan", "load_hardware", "pick_hardware", "plan"]

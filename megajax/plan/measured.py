@@ -14,7 +14,7 @@ import dataclasses
 
 from megajax.config import Config, load_config
 from megajax.plan import timing
-from megajax.plan.hardware import BUILTIN
+from megajax.hardware import BUILTIN
 
 FUSED = ("model.attention_dropout=0", "model.attention=fused")   # cuDNN's flash attention
 

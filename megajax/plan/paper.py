@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megajax.config import Config, load_config
 from megajax.plan import timing
-from megajax.plan.hardware import BUILTIN
+from megajax.hardware import BUILTIN
 from megajax.plan.memory import state_split
 from megajax.plan.timing import step_time
 from megajax.plan.volumes import step_flops

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from megajax.config import Config
-from megajax.plan.hardware import Hardware
+from megajax.hardware import Hardware
 from megajax.plan.search import Plan
 
 GIB = 2**30

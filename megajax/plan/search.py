@@ -10,7 +10,7 @@ import numbers
 
 from megajax.config import Config, load_config, with_values
 from megajax.errors import UserError
-from megajax.plan.hardware import Hardware, pick_hardware
+from megajax.hardware import Hardware, pick_hardware
 from megajax.plan.memory import memory_bytes
 from megajax.plan.timing import axis_links, step_time
 from megajax.plan.volumes import step_flops

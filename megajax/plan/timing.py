@@ -34,7 +34,7 @@ from typing import NamedTuple
 from megajax.analytic import DTYPE_BYTES, Matmul, recompute_passes
 from megajax.config import Config
 from megajax.core.attention import fused_attention
-from megajax.plan.hardware import Hardware
+from megajax.hardware import Hardware
 from megajax.plan.memory import (activation_dtype, kept_activation_bytes, rows_per_microbatch,
                                  state_split)
 from megajax.plan.volumes import data_axis_sent, head_matmul, layer_matmuls, model_axis_elements

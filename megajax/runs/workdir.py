@@ -7,6 +7,7 @@
     WORKDIR/diverged/STEP      checkpoints whose weights gave a non-finite loss, set aside
     WORKDIR/metrics.jsonl      one JSON record per logged step and evaluation
     WORKDIR/loss.png           the loss curve
+    WORKDIR/tensorboard/       TensorBoard event files (and WORKDIR/wandb/: W&B's run, if asked)
 
 Also here: `--init-from`, which takes a run's model shape and weights from another workdir
 (a pretrained BERT's encoder for fine-tuning, a GPT's every weight to train it further, or a
@@ -36,7 +37,7 @@ from megajax.runs.checkpoint import Checkpoints
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
 FILES = (CONFIG_FILE, TOKENIZER_FILE, "metrics.jsonl", "loss.png")
-DIRECTORIES = (CHECKPOINTS, "damaged", "diverged")
+DIRECTORIES = (CHECKPOINTS, "damaged", "diverged", "tensorboard", "wandb")
 
 
 def is_main() -> bool:

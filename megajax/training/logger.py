@@ -16,9 +16,10 @@ from megajax.host.distributed import Watchdog, describe
 from megajax.progress import Progress
 from megajax.runs.checkpoint import Checkpoints
 from megajax.runs.metrics import MetricsLog
+from megajax.runs.tracking import Tracking
 from megajax.runs.workdir import is_main
 from megajax.tasks import param_count
-from megajax.training.mfu import device_peak_tflops, flops_per_token
+from megajax.training.mfu import device_peak, flops_per_token
 
 if TYPE_CHECKING:
     from megajax.training.loop import Run
@@ -52,9 +53,11 @@ class StepLogger:
         self.val_loss = None
         self.tokens_per_step = cfg.train.batch_size * run.task.tokens_per_example(cfg)
         self.flops = flops_per_token(cfg) * self.tokens_per_step / mesh.devices.size
-        self.peak = device_peak_tflops() if self.main else None
+        self.peak = device_peak(cfg) if self.main else None
         self.metrics = MetricsLog(run.workdir, enabled=self.main)
         self.metrics.truncate_after(self.start)
+        self.tracking = Tracking(run.workdir, cfg.to_dict(), self.start, cfg.train.tracker,
+                                 enabled=self.main)
         self.progress = Progress(cfg.train.steps, self.start, enabled=self.main)
         self.watchdog = Watchdog()
         self.restart_clock(self.start)
@@ -72,6 +75,8 @@ class StepLogger:
             f"device(s) | "
             f"{self.run.data.describe()} | step compiled in {compile_s:.1f}s"
             + (f" | {describe()}" if describe() else "")
+            + (f" | MFU against {self.peak.tflops:.3g} TFLOP/s per device ({self.peak.what})"
+               if self.peak else " | MFU: no peak known for this device")
             + (f" | resuming from step {start}" if start else ""))
         if start >= cfg.train.steps:
             self.out(
@@ -112,9 +117,14 @@ class StepLogger:
             record["grad_norm"] = record["grad_norm"] if math.isfinite(
                 record["grad_norm"]) else None
         if self.peak:
-            record["mfu"] = record["tflops_per_device"] / self.peak
-        self.metrics.write(record)
+            record["mfu"] = record["tflops_per_device"] / self.peak.tflops
+        self.write(record)
         return record
+
+    def write(self, record: dict):
+        """One record to metrics.jsonl, TensorBoard and (if asked) W&B."""
+        self.metrics.write(record)
+        self.tracking.write(record["step"], record)
 
     def _check_finite(self, step: int, m: dict):
         bad = fatal_non_finite(m)
@@ -150,7 +160,7 @@ class StepLogger:
         self.val_loss = val["loss"]
         record = {"step": step, "val_loss": self.val_loss, **self.run.task.val_extras(val)}
         record.update({f"val_{k}": v for k, v in val.items() if k != "loss"})
-        self.metrics.write(record)
+        self.write(record)
         self.progress.write(f"step {step:>6}  "
                             + "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
 
@@ -187,5 +197,8 @@ class StepLogger:
         self.clock = (step, time.perf_counter())
 
     def close(self):
-        self.save_failed(self.ckpts.failed_save(block=True), last=True)
-        self.progress.close()
+        try:
+            self.save_failed(self.ckpts.failed_save(block=True), last=True)
+        finally:
+            self.progress.close()
+            self.tracking.close()

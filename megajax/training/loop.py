@@ -31,12 +31,14 @@ from megajax.models.generate import generate
 from megajax.models.registry import ModelDef, abstract_model
 from megajax.runs.checkpoint import Checkpoints
 from megajax.runs.metrics import plot_workdir
+from megajax.runs.tracking import check_tracker
 from megajax.runs.workdir import (check_layout, check_same_tokenizer, init_from_pretrained, is_main,
                                   run_tokenizer,
                                       run_vocab_size, with_pretrained_shape, write_run_files)
 from megajax.tasks import Task, task_for
 from megajax.training.logger import StepLogger
 from megajax.training.memory import check_step_fits
+from megajax.training.profiling import StepTrace
 from megajax.training.step import Trainer, make_trainer
 
 
@@ -48,6 +50,7 @@ class RunResult:
     val_loss: float | None
     stopped_by: str | None = None
     sample: str | None = None
+    profile: Path | None = None     # --profile's trace (megajax/tools/profile.py reads it)
 
 
 @dataclasses.dataclass
@@ -63,9 +66,11 @@ class Run:
     pretrained: Path | None
 
 
-def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=print) -> RunResult:
+def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=print,
+          profile: tuple[int, int] | None = None) -> RunResult:
     """Train `cfg` on `mesh` in `workdir`, resuming from its newest intact checkpoint. `out`
-    receives each line of the log (None: no log; metrics.jsonl is written either way)."""
+    receives each line of the log (None: no log; metrics.jsonl is written either way).
+    `profile` = (first, last): trace those steps with jax.profiler (RunResult.profile)."""
     workdir, mesh, out = Path(workdir), as_mesh(mesh), out or (lambda *lines, **kwargs: None)
     # not at the end
     if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 0:
@@ -75,6 +80,9 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
     with contextlib.ExitStack() as held:
         stop = held.enter_context(StopRequested())
         run = validate(cfg, mesh, workdir, sample_tokens)
+        if profile and profile[1] > run.cfg.train.steps:
+            raise UserError(f"--profile {profile[0]}:{profile[1]} ends after the run's last step, "
+                            f"{run.cfg.train.steps}")
         if is_main():     # one run per workdir; taken before its checkpoints are read
             held.enter_context(WorkdirLock(workdir))
         t0 = time.perf_counter()
@@ -85,14 +93,19 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
         start, params, opt_state = restore_or_init(run, ckpts, out)
         write_run_files(run.cfg, workdir, run.data.tokenizer)   # only now, with every check passed
         logger = StepLogger(run, ckpts, start, out)
+        held.callback(logger.tracking.close)    # however the run ends, its event files complete
         logger.announce(compile_s)
+        trace = StepTrace(profile, workdir, is_main(), step_fn, start or 0, out)
+        held.callback(trace.stop)
         stop.start_training()
         with logger.watchdog:     # a frozen peer: one line, not the runtime's abort
             step, params, stopped_by = _steps(run, logger, ckpts, stop, step_fn, params, opt_state,
-                                              start or 0)
+                                              start or 0, trace)
         logger.close()
         ckpts.close()
-        return finish(run, logger, step, params, stopped_by, sample_tokens, out, stop)
+        result = finish(run, logger, step, params, stopped_by, sample_tokens, out, stop)
+        result.profile = trace.dir
+        return result
 
 
 def validate(cfg: Config, mesh, workdir: Path, sample_tokens: int = 0) -> Run:
@@ -103,6 +116,7 @@ def validate(cfg: Config, mesh, workdir: Path, sample_tokens: int = 0) -> Run:
     # validate: what Python changed since loading
     cfg, pretrained = with_pretrained_shape(cfg.validate(), workdir)
     task = task_for(cfg)
+    check_tracker(cfg.train.tracker)
     # Everything the processes' collectives depend on, before the first one: a mesh of another
     # shape or device order, or a sample of another length, would leave them waiting on each other.
     check_same_run(
@@ -136,15 +150,17 @@ def restore_or_init(run: Run, ckpts: Checkpoints, out) -> tuple[int | None, dict
 
 
 def _steps(run: Run, logger: StepLogger, ckpts: Checkpoints, stop: StopRequested, step_fn,
-           params, opt_state, start: int):
+           params, opt_state, start: int, trace: StepTrace):
     """Train until train.steps or an agreed stop; returns (last step, params, the signal that
     stopped it)."""
     t = run.cfg.train
     eval_fn = run.trainer.jit_eval()
     step = start
     while step < t.steps:
+        trace.before(step + 1)
         params, opt_state, m = step_fn(params, opt_state, run.train_batches(step), np.int32(step))
         step += 1
+        trace.after(step, m)
         logger.add(step, m)
         logged = step % t.log_every == 0 or step == t.steps or step == start + 1
         if logged:

@@ -1,7 +1,8 @@
 """Throughput accounting for the log's MFU: model FLOPs per token (megajax/analytic.py) and the
-device's peak (a table of accelerators, or a matmul rate measured on the CPU)."""
+device's peak (the hardware table's, or a matmul rate measured on the CPU)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -9,14 +10,9 @@ import jax.numpy as jnp
 
 from megajax import analytic
 from megajax.analytic import StepShape
+from megajax.core.precision import Precision
+from megajax.hardware import for_device
 from megajax.tasks import task_for
-
-# Dense bf16 peak TFLOP/s per device, for MFU where nothing was measured.
-KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0,
-                     "V100": 125.0, "T4": 65.0, "L40S": 362.0, "RTX 4090": 165.0, "TPU v4": 275.0,
-                     "TPU v5e": 197.0}
-# (V100 and T4: float16, which their tensor cores take instead of bfloat16)
-
 
 def flops_per_token(cfg) -> float:
     """Model FLOPs per trained token (analytic.flops_per_token), the weights each token goes
@@ -31,21 +27,33 @@ def flops_per_token(cfg) -> float:
             + 6.0 * m.num_layers * m.adapter_params)
 
 
-def device_peak_tflops(measure_cpu: bool = True) -> float | None:
-    """The device's bf16 peak from a table, or a measured float32 matmul rate on the CPU."""
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    tflops: float
+    what: str        # for the log's first line: where the figure comes from
+
+
+def device_peak(cfg=None, measure_cpu: bool = True) -> Peak | None:
+    """The peak a device's MFU is measured against: on a GPU the hardware table's (megajax/
+    hardware.py) dense 16-bit peak, or its float32 one for a run whose matmuls are float32; on
+    the CPU a matmul rate measured in the run's matmul dtype. None: a device nobody measured."""
     dev = jax.devices()[0]
-    kind = getattr(dev, "device_kind", "")
-    for name, peak in KNOWN_PEAK_TFLOPS.items():
-        if name.lower() in kind.lower():
-            return peak
+    matmul = Precision.of(cfg.model).matmul if cfg is not None else jnp.dtype(jnp.bfloat16)
+    known = for_device(getattr(dev, "device_kind", ""))
+    if known is not None:
+        if matmul == jnp.float32:
+            if not known.peak_flops_f32:
+                return None
+            return Peak(known.peak_flops_f32 / 1e12, f"{known.name} float32")
+        return Peak(known.peak_flops / 1e12, f"{known.name} dense 16-bit")
     if dev.platform == "cpu" and measure_cpu:
-        return measure_matmul_tflops()
+        return Peak(measure_matmul_tflops(dtype=matmul), f"measured {matmul.name} matmul")
     return None
 
 
-def measure_matmul_tflops(n: int = 1024, reps: int = 5) -> float:
-    """float32 n x n matmul rate on one device, in TFLOP/s (the best of `reps`)."""
-    a = jnp.ones((n, n), jnp.float32, device=jax.devices()[0])
+def measure_matmul_tflops(n: int = 1024, reps: int = 5, dtype=jnp.float32) -> float:
+    """n x n matmul rate on one device, in TFLOP/s (the best of `reps`)."""
+    a = jnp.ones((n, n), dtype, device=jax.devices()[0])
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best = float("inf")

@@ -1,4 +1,5 @@
-"""The accelerators the planner knows, and the TOML a user adds their own with.
+"""The accelerators megajax knows (the planner's hardware, and the peak the training log's MFU is
+measured against), and the TOML a user adds their own with.
 
 Every figure is per GPU unless it says per node; bandwidths are one direction (what a ring
 all-reduce moves data over), in bytes per second. Sources are the vendors' datasheets and, for
@@ -16,6 +17,8 @@ A user file (`--hardware my_gpus.toml`) holds one table per accelerator, keys as
     intra_node_bandwidth = 450e9 # per GPU, one direction (NVLink)
     inter_node_bandwidth = 400e9 # per node, all NICs together, one direction
     stack = "megajax"            # optional: what runs there (below)
+    peak_flops_f32 = 67e12       # optional: float32 FLOP/s without tensor cores (the log's MFU
+                                 # of a float32 run)
 
 `stack` picks the step-time constants of megajax/plan/timing.py: "megajax" (the default) is
 megajax's XLA-compiled step, calibrated on an H200; "megatron-2019" is the paper's Megatron-LM
@@ -47,6 +50,9 @@ class Hardware:
     source: str = ""
     # whose step runs there: one of STACKS (timing.py's constants)
     stack: str = "megajax"
+    peak_flops_f32: float = 0.0         # float32 FLOP/s, CUDA cores (0: unknown)
+    # what jax calls the device (device_kind contains one of these): the log's MFU finds it
+    device_kinds: tuple[str, ...] = ()
 
 
 STACKS = ("megajax", "megatron-2019")
@@ -54,26 +60,31 @@ GB, TB, TFLOPS = 1e9, 1e12, 1e12
 BUILTIN = {h.name: h for h in (
     Hardware("v100-dgx2h", 130 * TFLOPS, 32 * 2**30, 900 * GB, 16, 150 * GB, 100 * GB,
              stack="megatron-2019",
+             peak_flops_f32=15.7 * TFLOPS, device_kinds=("V100",),
              source="the paper's: DGX-2H, V100 SXM3 32GB at 450 W (39 TFLOP/s = 30% of peak: 130), "
                     "NVSwitch 300 GB/s per GPU both ways, 8 x 100 Gb/s InfiniBand per node; HBM2 "
                     "900 GB/s "
                     "(NVIDIA V100 datasheet)"),
     Hardware("a100-80g", 312 * TFLOPS, 80 * GB, 2039 * GB, 8, 300 * GB, 200 * GB,
+             peak_flops_f32=19.5 * TFLOPS, device_kinds=("A100",),
              source="DGX A100: A100 SXM4 80GB, 312 TFLOP/s bf16 dense, HBM2e 2,039 GB/s, NVLink 3 "
                     "600 GB/s "
                     "per GPU both ways, 8 x 200 Gb/s HDR InfiniBand per node (NVIDIA A100 "
                     "datasheet)"),
     Hardware("h100-80g", 989 * TFLOPS, 80 * GB, 3350 * GB, 8, 450 * GB, 400 * GB,
+             peak_flops_f32=67 * TFLOPS, device_kinds=("H100",),
              source="DGX H100: H100 SXM5 80GB, 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s, NVLink 4 "
                     "900 GB/s "
                     "per GPU both ways, 8 x 400 Gb/s NDR InfiniBand per node (NVIDIA H100 "
                     "datasheet)"),
     Hardware("t4", 65 * TFLOPS, 15 * 2**30, 320 * GB, 1, 16 * GB, 16 * GB,
+             peak_flops_f32=8.1 * TFLOPS, device_kinds=("T4",),
              source="one T4 (Colab's free GPU): 65 TFLOP/s fp16 dense (no bf16 tensor cores: "
                     "model.compute_dtype float16), 16 GB GDDR6 (15 GiB usable) at 320 GB/s, PCIe 3 "
                     "x16 "
                     "16 GB/s (NVIDIA T4 datasheet)"),
     Hardware("h200", 989 * TFLOPS, 141 * GB, 4800 * GB, 8, 450 * GB, 400 * GB,
+             peak_flops_f32=67 * TFLOPS, device_kinds=("H200",),
              source="HGX H200: H200 SXM 141GB, 989 TFLOP/s bf16 dense, HBM3e 4.8 TB/s, NVLink 4 "
                     "900 GB/s "
                     "per GPU both ways, 8 x 400 Gb/s NDR InfiniBand per node (NVIDIA H200 "
@@ -116,6 +127,12 @@ def _hardware(name: str, table, path: Path) -> Hardware:
     for key, value in table.items():
         if key in ("name", "source"):
             continue
+        if key == "device_kinds":
+            if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
+                raise UserError(f"hardware file {path}: [{name}] device_kinds must be a list of "
+                                f"names, e.g. [\"H100\"], got {value!r}")
+            values[key] = tuple(value)
+            continue
         if key == "stack":
             if value not in STACKS:
                 raise UserError(
@@ -130,7 +147,7 @@ def _hardware(name: str, table, path: Path) -> Hardware:
 # Physical bounds of each number, far outside any accelerator built or announced: a value past
 # them is a typo or a unit slip (1e-300 FLOP/s; 0.5 GPUs per node), and the planner's arithmetic
 # must never see a NaN, an infinity, a zero it divides by, or a count that is not whole.
-BOUNDS = {"peak_flops": (1e9, 1e18), "memory_bytes": (2**20, 1e15), "hbm_bandwidth": (1e6, 1e15),
+BOUNDS = {"peak_flops": (1e9, 1e18), "peak_flops_f32": (0.0, 1e18), "memory_bytes": (2**20, 1e15), "hbm_bandwidth": (1e6, 1e15),
           "gpus_per_node": (1, 4096), "intra_node_bandwidth": (1e6, 1e15),
           "inter_node_bandwidth": (1e6, 1e15),
           "intra_node_latency": (1e-9, 1.0), "inter_node_latency": (1e-9, 1.0)}
@@ -162,3 +179,10 @@ def pick_hardware(name_or_path: str) -> Hardware:
         raise UserError(f"{name_or_path} describes {len(table)} accelerators ({', '.join(table)}): "
                         f"pick one with {name_or_path}:NAME")
     return next(iter(table.values()))
+
+
+def for_device(device_kind: str) -> Hardware | None:
+    """The built-in accelerator jax's device_kind names ("NVIDIA H100 80GB HBM3" -> h100-80g)."""
+    kind = device_kind.lower()
+    return next((h for h in BUILTIN.values()
+                 if any(k.lower() in kind for k in h.device_kinds)), None)
