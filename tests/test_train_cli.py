@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, mesh_for
 from flax import nnx
-from helpers import BASE, RUN_ARGS, SHAKESPEARE, env, killed_after_checkpoint, losses, run
+from helpers import (BASE, RUN_ARGS, SHAKESPEARE, assert_tensorboard_is_metrics, env,
+                     killed_after_checkpoint, losses, run)
 from tolerances import F32
 
 from megajax.cli.common import failed, start_jax
@@ -63,6 +64,8 @@ def test_resume_after_sigkill_is_bitwise_exact(reference, tmp_path):
     got = losses(wd)
     assert sorted(got) == list(range(1, 17))
     assert got == ref  # every step, bitwise
+    # TensorBoard: each step once, what metrics.jsonl holds, however far the killed run got
+    assert [s for s, _ in assert_tensorboard_is_metrics(wd)["train/loss"]] == list(range(1, 17))
 
 
 @pytest.mark.parametrize("mesh,first,second", [("1x8", [], []),

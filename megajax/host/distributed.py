@@ -56,6 +56,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if explicit and not 0 <= process_id < num_processes:
         raise UserError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    native_stdout_to_devnull()
     global _HEARTBEAT_S
     _HEARTBEAT_S = heartbeat_timeout_s
     timeout = max(heartbeat_timeout_s, 60)
@@ -75,6 +76,24 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     finally:
         watchdog.cancel()
     return True
+
+
+def native_stdout_to_devnull():
+    """Gloo prints "[Gloo] Rank 1 is connected to 3 peer ranks..." from C++ straight to file
+    descriptor 1, on every process, each time it connects a group. Python's stdout moves to a copy
+    of that descriptor and the descriptor itself to /dev/null, so that only megajax's own lines
+    are printed, and only by process 0 (errors, on stderr, are untouched)."""
+    sys.stdout.flush()
+    copy = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    stream = os.fdopen(copy, "w", buffering=1, encoding=sys.stdout.encoding or "utf-8",
+                       errors="backslashreplace")
+    if hasattr(sys.stdout, "_stream"):      # cli.common's guard around a closed pipe
+        sys.stdout._stream = stream
+    else:
+        sys.stdout = stream
 
 
 def _give_up_waiting(timeout: int, num_processes):
