@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -30,6 +31,26 @@ CONFIG_DIR = _config_dir()
 
 FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127   # float32 arrays hold these
 MAX_LOSS_SCALE = 2.0 ** 32
+
+
+# train.py's flags that are shorthands for config keys (--steps N is --set train.steps=N)
+FLAG_KEYS = (("steps", "train.steps"), ("log_every", "train.log_every"),
+             ("eval_every", "train.eval_every"), ("save_every", "train.save_every"),
+             ("data", "data.source"), ("tokenizer", "data.tokenizer"),
+             ("init_from", "train.init_from"), ("tracker", "train.tracker"))
+
+
+def in_python_terms(message: str) -> str:
+    """A message written for train.py's user, for a caller of megajax.train(cfg, mesh, workdir):
+    `--set model.x=1` is `cfg.model.x = 1`, `--steps` is `cfg.train.steps`, `--workdir` the
+    workdir argument."""
+    message = re.sub(r"--set ([\w.]+)=(\S+)", r"cfg.\1 = \2", message)
+    message = re.sub(r"--set\b", "a field of cfg", message)
+    for flag, key in FLAG_KEYS:
+        message = re.sub(rf"--{flag.replace('_', '-')}\b", f"cfg.{key}", message)
+    for flag in ("workdir", "profile", "sample-tokens"):
+        message = re.sub(rf"--{flag}\b", flag.replace("-", "_"), message)
+    return message
 
 
 @dataclasses.dataclass(slots=True)

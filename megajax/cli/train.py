@@ -7,7 +7,7 @@ from pathlib import Path
 
 from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, fail, failed, given,
                                 guard_stdout, set_host_devices, start_jax, stop_during_startup)
-from megajax.config import load_config
+from megajax.config import FLAG_KEYS, load_config
 from megajax.errors import UserError
 from megajax.host.signals import STOP_SIGNALS, StopRequested, stdout_closed
 
@@ -65,14 +65,6 @@ def train_parser() -> argparse.ArgumentParser:
                         "recomputation's share")
     add_distributed_args(p)
     return p
-
-
-# Flags that are shorthands for config keys.
-FLAG_KEYS = (("steps", "train.steps"), ("log_every", "train.log_every"),
-             ("eval_every", "train.eval_every"),
-             ("save_every", "train.save_every"), ("data", "data.source"),
-             ("tokenizer", "data.tokenizer"), ("init_from", "train.init_from"),
-             ("tracker", "train.tracker"))
 
 
 def train_main(argv=None) -> int:

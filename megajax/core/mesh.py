@@ -9,6 +9,9 @@ Accepted specs:
 """
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -22,6 +25,17 @@ AUTO_AXES = (jax.sharding.AxisType.Auto,) * 2   # weights carry specs, XLA propa
 def _describe_devices(devices) -> str:
     kinds = sorted({d.platform for d in devices})
     return f"{len(devices)} {'/'.join(kinds)} device{'s' if len(devices) != 1 else ''} available"
+
+
+def _simulate_hint(spec: str, devices) -> str:
+    """On the CPU, how to get the devices a mesh asks for: simulate them."""
+    if any(d.platform != "cpu" for d in devices):
+        return ""
+    sizes = [int(n) for n in re.findall(r"\d+", spec or "")]
+    n = math.prod(sizes) if sizes else 8
+    return (f"; simulate {n} on the CPU with --host-devices {n} (train.py, eval.py, megajax-"
+            f"convert), or in Python set XLA_FLAGS=--xla_force_host_platform_device_count={n} "
+            f"before importing jax")
 
 
 def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, int]:
@@ -80,7 +94,8 @@ def make_mesh(spec: str = "auto", devices=None) -> Mesh:
     try:
         data, model = parse_mesh_spec(spec, len(devices))
     except ValueError as e:
-        raise ValueError(f"{e}; {_describe_devices(devices)}") from None
+        raise ValueError(f"{e}; {_describe_devices(devices)}{_simulate_hint(spec, devices)}") \
+            from None
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
         # jax.make_mesh orders devices so that the model axis gets the fastest links.
         return jax.make_mesh((data, model), AXES, axis_types=AUTO_AXES)

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from megajax.config import Config
+from megajax.config import Config, in_python_terms
 from megajax.core.mesh import as_mesh
 from megajax.core.sharding import Layout
 from megajax.errors import UserError
@@ -71,6 +71,15 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
     """Train `cfg` on `mesh` in `workdir`, resuming from its newest intact checkpoint. `out`
     receives each line of the log (None: no log; metrics.jsonl is written either way).
     `profile` = (first, last): trace those steps with jax.profiler (RunResult.profile)."""
+    try:
+        return _train(cfg, mesh, workdir, sample_tokens, out, profile)
+    except UserError as e:
+        if StopRequested.command_line:
+            raise
+        raise UserError(in_python_terms(str(e))) from None
+
+
+def _train(cfg: Config, mesh, workdir: Path, sample_tokens: int, out, profile) -> RunResult:
     workdir, mesh, out = Path(workdir), as_mesh(mesh), out or (lambda *lines, **kwargs: None)
     # not at the end
     if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 0:
