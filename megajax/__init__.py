@@ -36,15 +36,20 @@ _API = {
     "make_trainer": "megajax.training.step",
     "train": "megajax.training.loop",
     "audit": "megajax.tools.audit",
-    "plan": "megajax.plan",
     "import_hf": "megajax.convert", "export_hf": "megajax.convert",
     "import_megatron": "megajax.convert",
 }
 
-__all__ = sorted(_API)
+__all__ = sorted(_API) + ["plan"]
+
+
+# Subpackages reached as attributes: megajax.plan.plan(...), megajax.plan.Plan
+_SUBPACKAGES = ("plan",)
 
 
 def __getattr__(name):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"megajax.{name}")
     if name not in _API:
         raise AttributeError(f"module 'megajax' has no attribute '{name}'")
     value = getattr(importlib.import_module(_API[name]), name)
@@ -53,4 +58,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_API))
+    return sorted(set(globals()) | set(_API) | set(_SUBPACKAGES))

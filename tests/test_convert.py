@@ -188,6 +188,20 @@ def test_training_starts_from_an_imported_gpt2(imported, tmp_path):
     assert load_workdir(tmp_path / "run", mesh_for("1x1")).tokenizer.kind == "hf"
 
 
+def test_exporting_a_bytes_tokenizer_run_warns_a_python_caller(tmp_path):
+    """A bytes tokenizer has no Hugging Face file: export_hf says so (a warning, which
+    megajax-convert prints as a note), it does not silently leave it out."""
+    from megajax.convert.hf import ExportNote
+
+    cfg = load_config("tiny", ["train.steps=1", "model.num_layers=1"])
+    train(cfg, mesh_for("1x1"), tmp_path / "run", out=None, sample_tokens=0)
+    with pytest.warns(ExportNote, match="'bytes' tokenizer has no Hugging Face file"):
+        notes = export_hf(tmp_path / "run", tmp_path / "out")
+    assert any("no Hugging Face file" in n for n in notes)
+    assert sorted(f.name for f in (tmp_path / "out").iterdir()) == ["config.json",
+                                                                   "model.safetensors"]
+
+
 def cli(capsys, *argv) -> tuple[int, str]:
     code = convert_main(list(argv))
     return code, capsys.readouterr().err

@@ -346,7 +346,8 @@ def test_dry_run_costs_follow_the_memory_model():
     (["--set", "train.lr=nan"],
      "train.lr must be a finite number in float32's range (0, or 1.2e-38 to 3.4e+38 in magnitude), "
      "got nan"),
-    (["--set", "model.seq_len=100000"], "per device, more than the"),   # the compiled step's memory
+    # the planner's memory, at once (not minutes of compiling)
+    (["--set", "model.seq_len=100000"], "per device (the planner's figure"),
     (["--set", "train.seed=4294967296"], "train.seed must be below 2^31 (the run counts in int32)"),
     (["--set", "train.batch_size=268435456"],
      "a batch of 268435456 x 33 tokens is more than the 2^31"),
@@ -365,6 +366,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert p.stderr.strip().count("\n") == 0 and "Traceback" not in p.stderr, p.stderr
     assert message in p.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_a_compiled_step_too_big_for_the_devices_is_refused(monkeypatch):
+    """What the planner lets through, the compiled step's own peak decides."""
+    from types import SimpleNamespace
+
+    from megajax.training import memory
+
+    compiled = SimpleNamespace(memory_analysis=lambda: SimpleNamespace(
+        argument_size_in_bytes=3 * 2**30, output_size_in_bytes=2**30, alias_size_in_bytes=2**30,
+        temp_size_in_bytes=2**30))
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 4 * 2**30 - 1)
+    with pytest.raises(UserError, match="needs 4.00 GiB per device, more than the 4.00 GiB"):
+        memory.check_step_fits(compiled)
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 4 * 2**30)
+    memory.check_step_fits(compiled)
 
 
 def test_a_backend_jax_cannot_start_is_one_line(reference, tmp_path, monkeypatch):

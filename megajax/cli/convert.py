@@ -71,7 +71,12 @@ def convert_main(argv=None) -> int:
     guard_stdout()
     args = convert_parser().parse_args(argv)
     # jax is imported only now, as every command line does.
+    import warnings
+
     from megajax.convert import export_adapter, export_hf, merge_export
+    from megajax.convert.hf import ExportNote
+
+    warnings.simplefilter("ignore", ExportNote)    # printed below, with the other notes
 
     exit_on_signal(_stopped_line)
     try:

@@ -114,6 +114,8 @@ def _train_main(args) -> int:
             mesh = make_mesh(args.mesh)
         except ValueError as e:
             raise UserError(str(e)) from None
+        if not args.dry_run:
+            refuse_far_too_big(with_pretrained_shape(cfg, workdir)[0], mesh)
         if args.dry_run:
             dry_run_report(with_pretrained_shape(cfg, workdir)[0], mesh, costs=args.costs)
         elif args.costs:
@@ -138,6 +140,24 @@ def _train_main(args) -> int:
                       "model.remat, or use "
                          "a larger model axis (checkpoints already saved are intact)")
     return 0
+
+
+def refuse_far_too_big(cfg, mesh):
+    """Sizes far beyond the devices are refused at once, not after minutes of compiling."""
+    import jax
+
+    from megajax.core.sharding import DATA, MODEL
+    from megajax.plan.memory import far_too_big
+    from megajax.training.memory import device_memory_bytes
+
+    try:
+        cfg = cfg.validate()
+    except UserError:
+        return          # train() says what is wrong with it
+    why = far_too_big(cfg, mesh.shape[DATA], mesh.shape[MODEL], jax.default_backend(),
+                      device_memory_bytes())
+    if why:
+        raise UserError(why)
 
 
 def _sample_tokens(given: int | None, cfg) -> int:

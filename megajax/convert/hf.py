@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import jax
@@ -37,6 +38,11 @@ from megajax.runs.workdir import CONFIG_FILE, load_workdir
 from megajax.training.optimizer import make_optimizer
 
 WEIGHTS = "model.safetensors"
+
+
+class ExportNote(UserWarning):
+    """What an export could not carry over (a tokenizer with no Hugging Face file): warned to a
+    Python caller, printed by megajax-convert with its other notes."""
 INDEX = "model.safetensors.index.json"
 # Model fields the HF config decides: a --set of one of them would contradict the weights.
 FROM_HF = ("kind", "task", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len",
@@ -191,5 +197,6 @@ def write_hf_model(workdir: Path, out_dir: Path, model_cfg, params: dict, tokeni
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         if (note := write_tokenizer(tokenizer, tmp)) is not None:
             notes.append(note)
+            warnings.warn(f"{out_dir}: {note}", ExportNote, stacklevel=3)
         copy_tokenizer_extras(workdir, tmp, tokenizer)
     return notes

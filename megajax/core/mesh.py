@@ -33,9 +33,8 @@ def _simulate_hint(spec: str, devices) -> str:
         return ""
     sizes = [int(n) for n in re.findall(r"\d+", spec or "")]
     n = math.prod(sizes) if sizes else 8
-    return (f"; simulate {n} on the CPU with --host-devices {n} (train.py, eval.py, megajax-"
-            f"convert), or in Python set XLA_FLAGS=--xla_force_host_platform_device_count={n} "
-            f"before importing jax")
+    return (f"; simulate {n} on the CPU with --host-devices {n} (train.py, eval.py), or in Python "
+            f"set XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax")
 
 
 def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, int]:

@@ -191,3 +191,25 @@ def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu") -> dict:
            "working": max(working, logits) + gathered}
     out["total"] = sum(out.values())
     return out
+
+
+# The planner's prediction is within a few percent of the compiled peak (tests/test_plan.py);
+# a run predicted to need this many times what a device has is refused before the compile,
+# which for such sizes takes minutes (XLA folding (seq, seq) attention masks).
+FAR_TOO_BIG = 4.0
+
+
+def far_too_big(cfg: Config, dp: int, tp: int, backend: str, device_bytes: int | None) -> str | None:
+    """A line refusing a step the planner predicts to need FAR_TOO_BIG times what a device has,
+    or None (then the compiled step's own figure decides)."""
+    if not device_bytes:
+        return None
+    need = memory_bytes(cfg, dp, tp, "cpu" if backend == "cpu" else "gpu")
+    if need["total"] <= FAR_TOO_BIG * device_bytes:
+        return None
+    parts = ", ".join(f"{k} {v / 2**30:,.1f}" for k, v in need.items() if k != "total" and v)
+    return (f"the train step would need about {need['total'] / 2**30:,.0f} GiB per device (the "
+            f"planner's figure, GiB: {parts}), {need['total'] / device_bytes:,.0f} times the "
+            f"{device_bytes / 2**30:,.1f} GiB a device has here: refused before compiling. Lower "
+            f"train.batch_size or model.seq_len, raise train.microbatches, set model.remat, or "
+            f"use a larger model axis (megajax-plan finds a way to run it)")
