@@ -155,7 +155,8 @@ def main() -> int:
     a.hardware = planner_hardware(devices[0].device_kind, a.smoke)
     result = {"device": devices[0].device_kind, "backend": jax.default_backend(),
               "jax": jax.__version__, "planner_hardware": a.hardware,
-              "bf16_peak_tflops": getattr(device_peak(measure_cpu=False), "tflops", None), "smoke": a.smoke,
+              "bf16_peak_tflops": getattr(device_peak(measure_cpu=False), "tflops", None),
+              "smoke": a.smoke,
               "rows": []}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -147,7 +147,8 @@ def _hardware(name: str, table, path: Path) -> Hardware:
 # Physical bounds of each number, far outside any accelerator built or announced: a value past
 # them is a typo or a unit slip (1e-300 FLOP/s; 0.5 GPUs per node), and the planner's arithmetic
 # must never see a NaN, an infinity, a zero it divides by, or a count that is not whole.
-BOUNDS = {"peak_flops": (1e9, 1e18), "peak_flops_f32": (0.0, 1e18), "memory_bytes": (2**20, 1e15), "hbm_bandwidth": (1e6, 1e15),
+BOUNDS = {"peak_flops": (1e9, 1e18), "peak_flops_f32": (0.0, 1e18),
+          "memory_bytes": (2**20, 1e15), "hbm_bandwidth": (1e6, 1e15),
           "gpus_per_node": (1, 4096), "intra_node_bandwidth": (1e6, 1e15),
           "inter_node_bandwidth": (1e6, 1e15),
           "intra_node_latency": (1e-9, 1.0), "inter_node_latency": (1e-9, 1.0)}

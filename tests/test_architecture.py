@@ -19,7 +19,9 @@ LAYERS = [("errors", "files", "shapes", "model_config", "config", "progress", "a
 DEFERRED = {
     "cli.common": {"jax", "megajax.host.distributed"},
     "cli.train": {"megajax.core.mesh", "megajax.tools.dry_run", "megajax.training.loop",
-                  "megajax.runs.workdir", "megajax.tasks"},
+                  "megajax.runs.workdir", "megajax.tasks", "megajax.training.profiling",
+                  "megajax.tools.profile", "jax", "megajax.core.sharding", "megajax.plan.memory",
+                  "megajax.training.memory"},
     "cli.plot": {"megajax.runs.metrics", "megajax.runs.workdir"},
     "cli.eval": {"megajax.evaluation.tasks"},
     "cli.plan": {"jax", "megajax.config", "megajax.plan", "megajax.plan.report"},

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from megajax.cli.common import Parser, exit_on_signal, fail, failed, given, guard_stdout, start_jax
 from megajax.errors import UserError
@@ -71,10 +72,7 @@ def convert_main(argv=None) -> int:
     guard_stdout()
     args = convert_parser().parse_args(argv)
     # jax is imported only now, as every command line does.
-    import warnings
-
-    from megajax.convert import export_adapter, export_hf, merge_export
-    from megajax.convert.hf import ExportNote
+    from megajax.convert import ExportNote, export_adapter, export_hf, merge_export
 
     warnings.simplefilter("ignore", ExportNote)    # printed below, with the other notes
 

@@ -123,8 +123,8 @@ def _train_main(args) -> int:
 
         else:
             # handles the signals itself
-            result = train(cfg, mesh, workdir, sample_tokens=_sample_tokens(args.sample_tokens, cfg),
-                           profile=window)
+            result = train(cfg, mesh, workdir, profile=window,
+                           sample_tokens=_sample_tokens(args.sample_tokens, cfg))
             if result.profile is not None:
                 from megajax.tools.profile import by_kind_line, time_by_kind
 

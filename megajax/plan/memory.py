@@ -199,7 +199,8 @@ def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu") -> dict:
 FAR_TOO_BIG = 4.0
 
 
-def far_too_big(cfg: Config, dp: int, tp: int, backend: str, device_bytes: int | None) -> str | None:
+def far_too_big(cfg: Config, dp: int, tp: int, backend: str,
+                device_bytes: int | None) -> str | None:
     """A line refusing a step the planner predicts to need FAR_TOO_BIG times what a device has,
     or None (then the compiled step's own figure decides)."""
     if not device_bytes:

@@ -76,7 +76,7 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
     except UserError as e:
         if StopRequested.command_line:
             raise
-        raise UserError(in_python_terms(str(e))) from None
+        raise type(e)(in_python_terms(str(e))) from None   # ConfigError stays one
 
 
 def _train(cfg: Config, mesh, workdir: Path, sample_tokens: int, out, profile) -> RunResult:

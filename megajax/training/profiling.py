@@ -18,9 +18,9 @@ def parse_window(text: str | None) -> tuple[int, int] | None:
     """'4:6' -> (4, 6); None stays None."""
     if text is None:
         return None
-    first, sep, last = text.partition(":")
+    ends = text.split(":")
     try:
-        window = (int(first), int(last)) if sep else (int(first), int(first))
+        window = (int(ends[0]), int(ends[-1])) if len(ends) <= 2 else None
     except ValueError:
         window = None
     if window is None or not 1 <= window[0] <= window[1]:
@@ -60,7 +60,8 @@ class StepTrace:
         jax.block_until_ready(metrics)
         jax.profiler.stop_trace()
         self.tracing = False
-        runs = sorted((self.root / "plugins" / "profile").iterdir(), key=lambda p: p.stat().st_mtime)
+        runs = sorted((self.root / "plugins" / "profile").iterdir(),
+                      key=lambda p: p.stat().st_mtime)
         self.dir = runs[-1]
         text = getattr(self.step_fn, "as_text", None)   # one compiled program (not layer_programs)
         if text is not None:
