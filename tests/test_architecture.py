@@ -28,6 +28,7 @@ DEFERRED = {
     "cli.convert": {"megajax.convert"},
     "cli.prepare": {"megajax.prepare"},
     "data.sources": {"tensorflow_datasets"},
+    "runs.tracking": {"tensorboardX", "wandb"},    # wandb optional; both slow to import
     "runs.metrics": {"matplotlib", "matplotlib.pyplot", "matplotlib.backends.backend_agg"},
 }
 

@@ -6,4 +6,5 @@ from megajax.convert.hf import ExportNote, export_hf, import_hf
 from megajax.convert.megatron_ckpt import import_megatron
 from megajax.convert.peft import export_adapter, merge_export
 
-__all__ = ["ExportNote", "export_adapter", "export_hf", "import_hf", "import_megatron", "merge_export"]
+__all__ = ["ExportNote", "export_adapter", "export_hf", "import_hf", "import_megatron",
+           "merge_export"]
