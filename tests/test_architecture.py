@@ -29,7 +29,7 @@ DEFERRED = {
     "cli.prepare": {"megajax.prepare"},
     "data.sources": {"tensorflow_datasets"},
     "runs.tracking": {"tensorboardX", "wandb"},
-    "__main__": {"megajax.cli", "megajax.cli.plot"},   # only the tool asked for    # wandb optional; both slow to import
+    "__main__": {"megajax.cli", "megajax.cli.plot"},   # the tool asked for, only
     "runs.metrics": {"matplotlib", "matplotlib.pyplot", "matplotlib.backends.backend_agg"},
 }
 
