@@ -23,6 +23,7 @@ import numpy as np
 
 from megajax.config import ModelConfig
 from megajax.errors import UserError
+from megajax.progress import Progress
 
 # megajax names under this prefix are per layer, stacked (or listed) under "layers"
 LAYER = "layer."
@@ -206,25 +207,28 @@ def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
     """An HF state dict (name -> array) as a megajax params dict for `cfg` (scanned or not)."""
     tensors = _strip_prefix(tensors, arch)
     flat, per_layer, used = {}, [{} for _ in range(cfg.num_layers)], set()
-    for rule in rules_for(arch, cfg):
-        for names, ours, i in _expand(rule, cfg.num_layers):
-            missing = [n for n in names if n not in tensors]
-            if missing:
-                raise UserError(f"the checkpoint has no tensor '{missing[0]}' (a {arch} model with "
-                                f"{cfg.num_layers} layers needs it)")
-            arrays = [finite(n, np.asarray(tensors[n], np.float32)) for n in names]
-            if rule.form == "vocab_rows" and arrays[0].shape[0] != cfg.vocab_size:
-                raise UserError(
-                    f"'{names[0]}' has {arrays[0].shape[0]} rows but config.json's vocab_size is "
-                    f"{cfg.vocab_size}")
-            try:
-                value = to_ours(rule.form, arrays, cfg)
-            except ValueError:
-                raise UserError(
-                    f"'{names[0]}' has shape {arrays[0].shape}, which config.json's sizes "
-                    f"do not give") from None
-            (flat if i is None else per_layer[i])[ours.removeprefix(LAYER)] = value
-            used.update(names)
+    todo = [(rule, e) for rule in rules_for(arch, cfg) for e in _expand(rule, cfg.num_layers)]
+    shown = Progress(unit="tensor")      # a bar on a terminal: a 70B model converts for minutes
+    for done, (rule, (names, ours, i)) in enumerate(todo):
+        shown.advance(done, len(todo))
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise UserError(f"the checkpoint has no tensor '{missing[0]}' (a {arch} model with "
+                            f"{cfg.num_layers} layers needs it)")
+        arrays = [finite(n, np.asarray(tensors[n], np.float32)) for n in names]
+        if rule.form == "vocab_rows" and arrays[0].shape[0] != cfg.vocab_size:
+            raise UserError(
+                f"'{names[0]}' has {arrays[0].shape[0]} rows but config.json's vocab_size is "
+                f"{cfg.vocab_size}")
+        try:
+            value = to_ours(rule.form, arrays, cfg)
+        except ValueError:
+            raise UserError(
+                f"'{names[0]}' has shape {arrays[0].shape}, which config.json's sizes "
+                f"do not give") from None
+        (flat if i is None else per_layer[i])[ours.removeprefix(LAYER)] = value
+        used.update(names)
+    shown.close()
     for alias, target in ALIASES[arch].items():
         if alias in tensors and alias not in used:
             if not np.array_equal(np.asarray(tensors[alias], np.float32),

@@ -15,6 +15,8 @@ from collections import Counter, defaultdict
 
 from tokenizers import normalizers, pre_tokenizers
 
+from megajax.progress import Progress
+
 PREFIX = "##"
 
 
@@ -84,7 +86,10 @@ def train_vocab(text: str, vocab_size: int, specials: tuple[str, ...],
 
     heap = [entry(p) for p in pair_count]
     heapq.heapify(heap)
+    shown = Progress(unit="token")       # a bar on a terminal: large vocabularies take minutes
     while len(vocab) < vocab_size and heap:
+        if len(vocab) % 256 == 0:
+            shown.advance(len(vocab), vocab_size)
         neg, _, _, pair = heapq.heappop(heap)
         if pair_count.get(pair, 0) != -neg or neg == 0:
             continue        # a stale entry: this pair's count changed since it was pushed
@@ -104,4 +109,5 @@ def train_vocab(text: str, vocab_size: int, specials: tuple[str, ...],
             else:
                 pair_count.pop(p, None)
                 where.pop(p, None)
+    shown.close()
     return vocab
