@@ -65,31 +65,31 @@ class TrainConfig:
     shard_params: bool = False
     # the step as one compiled program per layer, called from Python (README)
     layer_programs: bool = False
-    steps: int = 1000
-    lr: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_steps: int = 100
+    steps: int = 1000                 # optimizer steps in all
+    lr: float = 6e-4                  # peak learning rate, after warmup
+    min_lr: float = 6e-5              # where the decay ends
+    warmup_steps: int = 100           # linear warmup from 0
     decay_steps: int = 0              # 0 -> steps
     schedule: str = "cosine"          # cosine | linear: the decay after the linear warmup
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    weight_decay: float = 0.01        # AdamW's (not on biases and norms)
+    beta1: float = 0.9                # Adam's
+    beta2: float = 0.95               # Adam's
+    eps: float = 1e-8                 # Adam's
+    grad_clip: float = 1.0            # global-norm clipping
     # float16 activations: the first dynamic loss scale (training/loss_scale.py),
     loss_scale: float = 65536.0
     # doubled after this many steps without overflow, halved from the
     loss_scale_window: int = 1000
     # hysteresis-th overflow on (Megatron-LM's rule and defaults but 2^32)
     loss_scale_hysteresis: int = 2
-    seed: int = 0
+    seed: int = 0                     # weights, batches and dropout follow from it
     # a workdir whose weights start this run (BERT fine-tuning: its encoder)
     init_from: str = ""
-    log_every: int = 10
-    eval_every: int = 200
-    eval_batches: int = 8
-    save_every: int = 500
-    keep_checkpoints: int = 3
+    log_every: int = 10               # steps between log lines
+    eval_every: int = 200             # steps between validations
+    eval_batches: int = 8             # validation batches, at most
+    save_every: int = 500             # steps between checkpoints
+    keep_checkpoints: int = 3         # the newest this many are kept
     # where the log goes besides metrics.jsonl: tensorboard (event files in WORKDIR/tensorboard) |
     # wandb (Weights & Biases too; pip install 'megajax[wandb]')
     tracker: str = "tensorboard"
@@ -128,7 +128,7 @@ class DataConfig:
     # bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME | wordpiece:PATH/vocab.txt |
     # wordpiece[:SIZE] (trained on the corpus)
     tokenizer: str = "bytes"
-    val_fraction: float = 0.1
+    val_fraction: float = 0.1         # the last this fraction of text is held out
     bin_dtype: str = "uint16"         # for bin: sources
     # BERT pretraining: fraction of tokens to predict (80% [MASK], 10% random, 10% kept)
     mask_prob: float = 0.15

@@ -50,19 +50,19 @@ class ModelConfig:
     kind: str = "gpt"                 # gpt | bert
     # pretrain (GPT: next token; BERT: MLM + SOP) | BERT: race | mnli | qqp (shapes.py)
     task: str = "pretrain"
-    num_layers: int = 4
-    hidden: int = 256
-    num_heads: int = 4
+    num_layers: int = 4               # transformer layers
+    hidden: int = 256                 # the model width h
+    num_heads: int = 4                # attention (query) heads; split over the model axis
     ffn_hidden: int = 0               # 0 -> 4 * hidden
-    seq_len: int = 256
+    seq_len: int = 256                # training sequence length (and learned positions' rows)
     vocab_size: int = 256             # the tokenizer's size; padded below, never by the mesh
     # padded vocab = vocab_size rounded up to this (50257 -> 51200)
     vocab_multiple: int = 1024
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1       # after attention and MLP, and on embeddings
+    attention_dropout: float = 0.1    # on the attention probabilities
     ln_placement: str = "pre"         # pre (GPT-2, the paper's BERT) | post (original BERT)
-    ln_eps: float = 1e-5
-    init_std: float = 0.02
+    ln_eps: float = 1e-5              # LayerNorm's / RMSNorm's epsilon
+    init_std: float = 0.02            # normal init; output layers scaled by 1/sqrt(2L)
     # auto (16-bit on GPU/TPU, float32 on CPU) | float32 | bfloat16 | float16 | mixed
     compute_dtype: str = "auto"
                                       # (mixed: bfloat16 matmul operands, float32 accumulation and
@@ -91,7 +91,7 @@ class ModelConfig:
     rope_factor: float = 1.0          # long-context rule: low frequencies / factor, high ones kept,
     rope_low_freq_factor: float = 1.0     # a smooth blend between, over wavelengths relative to
     rope_high_freq_factor: float = 4.0    # rope_original_context)
-    rope_original_context: int = 8192
+    rope_original_context: int = 8192  # the context the rope_factor rule is relative to
     max_positions: int = 0            # rope: the longest sequence the model is made for (HF's
                                       # max_position_embeddings; sampling stops there); 0 -> seq_len
     # gelu | swiglu (silu(x Wg) * (x Wu), then Wd; ffn_hidden 0 -> swiglu_ffn)

@@ -146,8 +146,8 @@ def add_distributed_args(p):
     g = p.add_argument_group(
         "multi-process (jax.distributed; on SLURM/Open MPI/... detected automatically)")
     g.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
-    g.add_argument("--num-processes", type=int)
-    g.add_argument("--process-id", type=int)
+    g.add_argument("--num-processes", type=int, help="how many processes the run has in all")
+    g.add_argument("--process-id", type=int, help="this process's number, 0 .. N-1")
     g.add_argument("--heartbeat-timeout", type=int, default=60,
                    help="seconds after which a silent peer counts as dead (default 60)")
 

@@ -47,7 +47,7 @@ def convert_parser() -> argparse.ArgumentParser:
                           "model.scan_layers=false")
     exp = sub.add_parser(
         "export", help="a workdir's checkpoint -> an HF directory that from_pretrained loads")
-    exp.add_argument("--workdir", type=given, required=True)
+    exp.add_argument("--workdir", type=given, required=True, help="the run to export")
     exp.add_argument("--out", type=given, required=True, metavar="DIR",
                      help="the new HF directory (must not exist, or be empty)")
     exp.add_argument("--step", type=int,
@@ -60,7 +60,8 @@ def convert_parser() -> argparse.ArgumentParser:
     merge = sub.add_parser(
         "merge", help="a LoRA run's checkpoint with its adapters folded into the base -> an HF "
                       "directory")
-    merge.add_argument("--workdir", type=given, required=True)
+    merge.add_argument("--workdir", type=given, required=True,
+                       help="a LoRA run, whose adapters are folded into its base model")
     merge.add_argument("--out", type=given, required=True, metavar="DIR",
                        help="the new HF directory (must not exist, or be empty)")
     merge.add_argument("--step", type=int,

@@ -33,8 +33,9 @@ def eval_parser() -> argparse.ArgumentParser:
                "  python eval.py --workdir runs/sft --task chat --prompt 'Name a colour.'\n"
                "  python eval.py --workdir runs/bert_race --task race --data RACE",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", type=given, required=True)
-    p.add_argument("--task", required=True, choices=TASK_CHOICES)
+    p.add_argument("--workdir", type=given, required=True,
+                   help="a train.py (or megajax-convert import) workdir")
+    p.add_argument("--task", required=True, choices=TASK_CHOICES, help="what to evaluate")
     p.add_argument("--data",
                    type=given,
                    help="ppl: text:PATH | bin:PATH | megatron:PREFIX | PATH; wikitext: the .txt "
@@ -45,8 +46,10 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--split",
                    help="race: dev | test (default test); mnli: dev_matched | dev_mismatched; qqp: "
                         "dev")
-    p.add_argument("--mesh", default="auto")
-    p.add_argument("--host-devices", type=int)
+    p.add_argument("--mesh", default="auto",
+                   help="any mesh, whatever the run was trained on: data=2,model=4 | 2x4 | auto")
+    p.add_argument("--host-devices", type=int,
+                   help="simulate N devices on the CPU (before jax starts)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", type=given, help="JSON result file (default: WORKDIR/eval_TASK.json)")
     p.add_argument("--stride", type=int,

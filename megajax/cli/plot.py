@@ -1,4 +1,4 @@
-"""megajax-plot / python -m megajax.cli.plot WORKDIR: redraw a run's loss curve from its
+"""megajax-plot / python -m megajax plot WORKDIR: redraw a run's loss curve from its
 metrics.jsonl."""
 from __future__ import annotations
 
@@ -9,14 +9,18 @@ from megajax.cli.common import Parser, exit_on_signal, fail, failed, given, guar
 from megajax.errors import UserError
 
 
-def plot_main(argv=None) -> int:
-    guard_stdout()
+def plot_parser() -> Parser:
     p = Parser(prog="megajax-plot", description="Draw WORKDIR/loss.png from metrics.jsonl")
-    p.add_argument("workdir", type=given)
+    p.add_argument("workdir", type=given, help="a run's workdir (its metrics.jsonl)")
     p.add_argument("--out", type=given,
                    help="the picture (default WORKDIR/loss.png); its suffix picks the format: "
                    ".png, .pdf, .svg, .jpg, ...")
-    args = p.parse_args(argv)
+    return p
+
+
+def plot_main(argv=None) -> int:
+    guard_stdout()
+    args = plot_parser().parse_args(argv)
     # imports jax: after the arguments, as everywhere
     from megajax.runs.metrics import plot_workdir
     from megajax.runs.workdir import refuse_run_file

@@ -14,7 +14,9 @@ from megajax.host.signals import STOP_SIGNALS, StopRequested, stdout_closed
 
 def train_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="train.py", description="Train a tensor-parallel GPT or BERT with megajax.",
+        prog="train.py",
+        description="Train a tensor-parallel GPT, BERT or Llama-family model with megajax, or "
+                    "fine-tune one.",
         epilog="examples:\n  python train.py\n  python train.py --host-devices 8 --mesh 2x4\n"
                "  python train.py --config shakespeare_char --mesh model=2 --workdir "
                "runs/shakespeare\n"
@@ -32,10 +34,12 @@ def train_parser() -> argparse.ArgumentParser:
                         "train.lr=3e-4")
     p.add_argument("--data",
                    type=given,
-                   help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | bin:DIR | megatron:PREFIX | "
-                        "tfds:NAME[/CONFIG]")
+                   help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | bin:DIR | pairs:DIR | "
+                        "megatron:PREFIX | tfds:NAME[/CONFIG] | chat:FILE.jsonl[,FILE|GLOB] | "
+                        "chat:DIR; fine-tuning: the task's directory (data.source)")
     p.add_argument("--tokenizer", type=given,
-                   help="bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME")
+                   help="bytes | chars | hf:PATH/tokenizer.json | hf:DIR | tiktoken:NAME | "
+                        "wordpiece:PATH/vocab.txt | wordpiece[:SIZE] (data.tokenizer)")
     p.add_argument("--workdir", type=given,
                    help="where checkpoints, metrics and the config go (default: runs/CONFIG)")
     p.add_argument("--init-from", type=given, metavar="DIR",
@@ -43,10 +47,13 @@ def train_parser() -> argparse.ArgumentParser:
                                                           "a GPT: all of them; e.g. one made by "
                                                           "megajax-convert import)")
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
-    p.add_argument("--host-devices", type=int, help="simulate N devices on the CPU")
-    p.add_argument("--log-every", type=int)
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--save-every", type=int)
+    p.add_argument("--host-devices", type=int,
+                   help="simulate N devices on the CPU (before jax starts)")
+    p.add_argument("--log-every", type=int, help="steps between log lines (train.log_every)")
+    p.add_argument("--eval-every", type=int,
+                   help="steps between validations (train.eval_every)")
+    p.add_argument("--save-every", type=int,
+                   help="steps between checkpoints (train.save_every)")
     p.add_argument("--sample-tokens", type=int,
                    help="GPT: tokens to generate at the end (default 200; 0: none)")
     p.add_argument("--profile", metavar="START:STOP",
