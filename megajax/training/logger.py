@@ -42,7 +42,7 @@ class StepLogger:
     loss or gradient norm is not finite stops the run before it can be saved), written to
     metrics.jsonl with throughput and MFU, and shown as progress."""
 
-    def __init__(self, run: Run, ckpts: Checkpoints, start: int | None, out):
+    def __init__(self, run: Run, ckpts: Checkpoints, start: int | None, out, quiet: bool = False):
         cfg, mesh = run.cfg, run.trainer.mesh
         self.run, self.ckpts, self.out, self.main = run, ckpts, out, is_main()
         self.start = start or 0
@@ -58,7 +58,7 @@ class StepLogger:
         self.metrics.truncate_after(self.start)
         self.tracking = Tracking(run.workdir, cfg.to_dict(), self.start, cfg.train.tracker,
                                  enabled=self.main)
-        self.progress = Progress(cfg.train.steps, self.start, enabled=self.main)
+        self.progress = Progress(cfg.train.steps, self.start, enabled=self.main and not quiet)
         self.watchdog = Watchdog()
         self.restart_clock(self.start)
 

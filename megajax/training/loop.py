@@ -80,6 +80,7 @@ def train(cfg: Config, mesh, workdir: Path, *, sample_tokens: int = 200, out=pri
 
 
 def _train(cfg: Config, mesh, workdir: Path, sample_tokens: int, out, profile) -> RunResult:
+    quiet = out is None     # no log at all: not the step lines either
     workdir, mesh, out = Path(workdir), as_mesh(mesh), out or (lambda *lines, **kwargs: None)
     # not at the end
     if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 0:
@@ -101,7 +102,7 @@ def _train(cfg: Config, mesh, workdir: Path, sample_tokens: int, out, profile) -
         ckpts = Checkpoints(workdir, keep=run.cfg.train.keep_checkpoints)
         start, params, opt_state = restore_or_init(run, ckpts, out)
         write_run_files(run.cfg, workdir, run.data.tokenizer)   # only now, with every check passed
-        logger = StepLogger(run, ckpts, start, out)
+        logger = StepLogger(run, ckpts, start, out, quiet)
         held.callback(logger.tracking.close)    # however the run ends, its event files complete
         logger.announce(compile_s)
         trace = StepTrace(profile, workdir, is_main(), step_fn, start or 0, out)
