@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megajax.files import write_atomic
 from megajax.model_config import REMAT_ALIASES, ConfigError, ModelConfig, one_of
+from megajax.specs import DataSpec
 
 
 def _config_dir() -> Path:
@@ -323,7 +324,21 @@ def load_config(name_or_path: str = "default", overrides: list[str] | None = Non
             raise ConfigError(f"{path}: [{section}] must be a table of keys, got {table!r}")
         for key, value in table.items():
             set_value(cfg, f"{section}.{key}", value)
+    if path.resolve().parent == CONFIG_DIR.resolve():
+        cfg.data.source = _from_checkout(cfg.data.source)
     return apply_overrides(cfg, overrides).validate()
+
+
+def _from_checkout(source: str) -> str:
+    """A shipped config's data paths are the repository's own (data/tinyshakespeare.txt): found
+    from any directory, not only from the checkout's."""
+    spec = DataSpec.of(source)
+    if spec.kind not in ("text", "bin", "chat", "pairs", "megatron") or not spec.arg:
+        return source
+    root = CONFIG_DIR.parent
+    paths = [str(root / p) if not Path(p).is_absolute() and (root / p).exists() else p
+             for p in spec.paths]
+    return str(DataSpec(spec.kind, ",".join(paths)))
 
 
 def available_configs() -> list[str]:

@@ -1,9 +1,10 @@
 """Every shipped config parses; the paper's models have the paper's sizes, computed abstractly."""
 import re
+from pathlib import Path
 
 import jax
 import pytest
-from conftest import mesh_for
+from conftest import ROOT, mesh_for
 from flax import nnx
 
 from megajax.cli.convert import convert_parser
@@ -278,3 +279,15 @@ def test_every_model_head_has_exactly_one_task():
     for name in available_configs():
         cfg = load_config(name)
         assert (task_for(cfg).kind, task_for(cfg).model_task) == (cfg.model.kind, cfg.model.task)
+
+
+def test_a_shipped_configs_data_is_found_from_any_directory(tmp_path, monkeypatch):
+    """configs/shakespeare_char.toml names data/tinyshakespeare.txt, the repository's: from
+    another working directory it is still that file, not one beside the caller."""
+    from megajax.specs import DataSpec
+
+    monkeypatch.chdir(tmp_path)
+    spec = DataSpec.of(load_config("shakespeare_char").data.source)
+    assert spec.kind == "text" and Path(spec.arg) == ROOT / "data" / "tinyshakespeare.txt"
+    (tmp_path / "mine.toml").write_text('[data]\nsource = "text:data/x.txt"\n')
+    assert load_config(str(tmp_path / "mine.toml")).data.source == "text:data/x.txt"  # a user's
