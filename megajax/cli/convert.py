@@ -20,7 +20,8 @@ def convert_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  megajax-convert import --hf ~/models/gpt2 --workdir runs/gpt2\n"
                "  megajax-convert import --megatron checkpoints/gpt2_345m --tokenizer "
                "tiktoken:gpt2 --workdir runs/345m\n"
-               "  python eval.py --workdir runs/gpt2 --task wikitext --mesh model=2\n"
+               "  python eval.py --workdir runs/gpt2 --task sample --prompt 'Hello' --mesh model=2 "
+               "--host-devices 2\n"
                "  megajax-convert export --workdir runs/bert --out exported/bert\n"
                "  megajax-convert export --adapter --workdir runs/lora --out exported/adapter\n"
                "  megajax-convert merge --workdir runs/lora --out exported/merged",

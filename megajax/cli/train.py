@@ -18,8 +18,8 @@ def train_parser() -> argparse.ArgumentParser:
         description="Train a tensor-parallel GPT, BERT or Llama-family model with megajax, or "
                     "fine-tune one.",
         epilog="examples:\n  python train.py\n  python train.py --host-devices 8 --mesh 2x4\n"
-               "  python train.py --config shakespeare_char --mesh model=2 --workdir "
-               "runs/shakespeare\n"
+               "  python train.py --config shakespeare_char --mesh model=2 --host-devices 2 "
+               "--workdir runs/shakespeare\n"
                "  python train.py --config gpt2_8.3b --mesh model=8 --host-devices 8 --dry-run\n"
                "  python train.py --config bert_small --workdir runs/bert\n"
                "  python train.py --config finetune_race --init-from runs/bert --data RACE "
@@ -157,10 +157,13 @@ def refuse_far_too_big(cfg, mesh):
     from megajax.plan.memory import far_too_big
     from megajax.training.memory import device_memory_bytes
 
+    from megajax.core.mesh import check_fits
+
     try:
         cfg = cfg.validate()
+        check_fits(cfg, mesh)
     except UserError:
-        return          # train() says what is wrong with it
+        return          # train() says what is wrong with it, in its order
     why = far_too_big(cfg, mesh.shape[DATA], mesh.shape[MODEL], jax.default_backend(),
                       device_memory_bytes())
     if why:
