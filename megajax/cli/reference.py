@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import inspect
 import io
-import os
 import sys
 import tokenize
 from pathlib import Path
@@ -42,6 +41,11 @@ def _cell(text) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _usage(p: argparse.ArgumentParser) -> str:
+    """The usage line, unwrapped: argparse wraps it differently from one Python to the next."""
+    return " ".join(p.format_usage().split()).removeprefix("usage: ")
+
+
 def _options(p: argparse.ArgumentParser) -> list[str]:
     rows = ["| argument | values | default | what it does |", "| --- | --- | --- | --- |"]
     for a in p._actions:
@@ -60,19 +64,18 @@ def _options(p: argparse.ArgumentParser) -> list[str]:
 
 
 def cli_page() -> str:
-    os.environ["COLUMNS"] = "100"       # argparse wraps usage lines to the terminal's width
     out = [HEADER.format(what="megajax/cli/*.py"), "# Command-line reference", "",
            "Every program runs from a checkout as `python -m megajax TOOL` (train.py and eval.py "
            "also as themselves); `pip install .` names them `megajax-TOOL`.", ""]
     for name, p in parsers():
         out += [f"## {name}", "", _cell(p.description or ""), "", "```text",
-                p.format_usage().strip().replace("usage: ", ""), "```", "", *_options(p), ""]
+                _usage(p), "```", "", *_options(p), ""]
         subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
         for sub in subs:
             helps = {c.dest: c.help for c in sub._choices_actions}
             for sub_name, sp in sub.choices.items():
                 out += [f"### {name} {sub_name}", "", _cell(helps.get(sub_name) or ""), "",
-                        "```text", sp.format_usage().strip().replace("usage: ", ""), "```", "",
+                        "```text", _usage(sp), "```", "",
                         *_options(sp), ""]
     return "\n".join(out).rstrip() + "\n"
 

@@ -101,8 +101,10 @@ def time_by_kind(profile_dir: Path) -> dict[str, float]:
     totals = dict.fromkeys(KINDS, 0.0)
     for name, s in op_seconds(newest(profile_dir, "*.trace.json.gz"),
                               module.group(1) if module else None).items():
-        kind = kinds.get(name) or kinds.get(_NUMBERED.sub("", name)) or guess_kind(name)
-        totals[kind] += s
+        kind = kinds.get(name) or kinds.get(_NUMBERED.sub("", name))
+        if kind is None and kinds:
+            continue        # not an instruction of the step (the runtime's own work)
+        totals[kind or guess_kind(name)] += s
     return totals
 
 
