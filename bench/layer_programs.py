@@ -7,8 +7,7 @@ activations cost and whether one compiled program per layer avoids it.
 
   scan       jax.lax.scan over the stacked weights (model.scan_layers = true): one compiled
              layer, but the activations the backward pass needs are stacked over layers:
-             zero-filled, written in and copied out again (README, "Performance of the big-model
-             path");
+             zero-filled, written in and copied out again (docs/performance.md);
   unrolled   the layers inlined into one program (model.scan_layers = false): no copies, but
              the compile time grows with the depth;
   per_layer  a Python loop over two compiled programs, a layer's forward (which returns
@@ -171,7 +170,7 @@ def main() -> int:
     if unknown := [w for w in ways if w not in WAYS]:
         p.error(f"unknown way {unknown[0]!r}: choose from {', '.join(WAYS)}")
     from megajax.host.env import restart_with_malloc_tuning
-    restart_with_malloc_tuning()   # as train.py does (README: the glibc settings)
+    restart_with_malloc_tuning()   # as train.py does (docs/performance.md: the glibc settings)
     import jax
 
     from megajax.config import load_config

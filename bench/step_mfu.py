@@ -15,8 +15,8 @@ each one's step against the unrolled one's, each timed alone, and again with the
 run in turn (`--rounds` each), and the MFU of the Llama shape of the same size (RMSNorm, rotary
 positions, SwiGLU, a quarter of the key/value heads, untied) against the GPT shape's. In turn both
 see the same minutes of a shared VM, but XLA:CPU's unrolled step runs slower when another program
-runs between its steps (README: up to 1.2x), so that ratio flatters the scan. Last, how long the
-train step takes to compile at two depths. With --profile DIR it also traces one forward+backward
+runs between its steps (docs/performance.md: up to 1.2x), so that ratio flatters the scan. Last,
+how long the train step takes to compile at two depths. With --profile DIR it also traces one forward+backward
 call of each stack (jax.profiler, Perfetto JSON under DIR; on the CPU with XLA's per-op trace
 events turned on) and prints the time by kind of compiled op, the kernels' numeric suffixes
 dropped: where the scanned stack spends what the unrolled one does not. Like train.py it restarts

@@ -64,7 +64,7 @@ class TrainConfig:
     shard_optimizer: bool = False
     # FSDP (implies shard_optimizer): parameters split over "data" too, gathered per layer
     shard_params: bool = False
-    # the step as one compiled program per layer, called from Python (README)
+    # the step as one compiled program per layer, called from Python (docs/performance.md)
     layer_programs: bool = False
     steps: int = 1000                 # optimizer steps in all
     lr: float = 6e-4                  # peak learning rate, after warmup

@@ -568,8 +568,8 @@ def test_finetune_sentence_pairs(pretrained, files, task, chance):
                       [f"train.init_from={pretrained}", f"data.source={files[task]}",
                                            "train.batch_size=16", "train.lr=5e-4",
                                            "train.warmup_steps=10",
-                                           "train.steps=200", "train.log_every=50",
-                                           "train.eval_every=200", "train.eval_batches=2"])
+                                           "train.steps=100", "train.log_every=50",
+                                           "train.eval_every=100", "train.eval_batches=2"])
     workdir = files["dir"] / task
     mesh = mesh_for("1x2")
     train(cfg, mesh, workdir, out=None)     # no log (it was a TypeError)

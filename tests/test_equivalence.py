@@ -52,11 +52,12 @@ def test_mesh_matches_single_device(reference, spec):
     assert_matches_reference(reference, run(mesh_for(spec)))
 
 
-@pytest.mark.parametrize("spec", ["2x2", "2x4", "4x2", "1x8"])
+@pytest.mark.parametrize("spec", ["2x4", "1x8"])
 def test_sequence_parallel_matches_single_device(reference, spec):
     """Activations split along the sequence between blocks (all-gather / reduce-scatter around
-    each block instead of all-reduces): the same numbers as one device without it. (On 8x1 the
-    model axis is one device: nothing to split.)"""
+    each block instead of all-reduces): the same numbers as one device without it, with data
+    parallelism beside it and with the model axis on every device. (On 8x1 the model axis is one
+    device: nothing to split.)"""
     assert_matches_reference(reference, run(mesh_for(spec), tiny_config(sequence_parallel=True)))
 
 

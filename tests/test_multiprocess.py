@@ -119,7 +119,8 @@ def _start_two(args, port):
 
 @pytest.mark.parametrize("who", ["one", "both"])
 def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, who):
-    """one: Ctrl-C reaches only process 1 (the README's `... &` then foreground example). both:
+    """one: Ctrl-C reaches only process 1 (docs/guides/multi-host.md's `... &` then foreground
+    example). both:
     SIGUSR1 (SLURM's warning before a time limit) reaches process 0, then process 1 0.4 s later,
     as it reaches two nodes.
     Either way the stop is agreed, both save the same step and exit 0; the checkpoint resumes

@@ -194,7 +194,7 @@ def test_flops_are_the_papers_formula():
 # paper's. Two constants are fitted on two figures (exact); the rest are predictions: within
 # 5 points (weak scaling) and 10% (strong scaling) but for the 2.5B and 8.3B models with
 # 64-way data parallelism, which no model of the all-reduce as bytes over a fixed bandwidth can
-# both meet (test_two_data_parallel_figures_cannot_both_be_met; README, "Planner").
+# both meet (test_two_data_parallel_figures_cannot_both_be_met; docs/concepts/planner.md).
 KNOWN_MISSES = {("model_and_data_parallel", 1): 10, ("model_and_data_parallel", 3): 8}
 
 

@@ -2,10 +2,9 @@
 
 Why: a scanned stack compiles one layer and loops it, but the activations each layer's backward
 pass needs are kept in buffers stacked over the layers, which XLA zero-fills, writes and copies
-out again: about 17% of a GPT-2 1.2B step on an H200 (README, "Performance of the big-model
-path"). An unrolled stack keeps them in separate buffers but compiles every layer. Here one
-layer is compiled, as in the scan, and called once per layer: its forward returns jax.vjp's
-pullback, whose leaves are that layer's saved activations, in buffers of their own (its
+out again: about 17% of a GPT-2 1.2B step on an H200 (docs/performance.md). An unrolled stack
+keeps them in separate buffers but compiles every layer. Here one layer is compiled, as in the
+scan, and called once per layer: its forward returns jax.vjp's pullback, whose leaves are that layer's saved activations, in buffers of their own (its
 weights are sliced again in the backward program, `_Saved`); its backward adds the layer's weight
 gradients into the stacked gradients in place (bench/layer_programs.py times the three ways).
 
