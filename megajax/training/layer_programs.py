@@ -4,9 +4,10 @@ Why: a scanned stack compiles one layer and loops it, but the activations each l
 pass needs are kept in buffers stacked over the layers, which XLA zero-fills, writes and copies
 out again: about 17% of a GPT-2 1.2B step on an H200 (docs/performance.md). An unrolled stack
 keeps them in separate buffers but compiles every layer. Here one layer is compiled, as in the
-scan, and called once per layer: its forward returns jax.vjp's pullback, whose leaves are that layer's saved activations, in buffers of their own (its
-weights are sliced again in the backward program, `_Saved`); its backward adds the layer's weight
-gradients into the stacked gradients in place (bench/layer_programs.py times the three ways).
+scan, and called once per layer: its forward returns jax.vjp's pullback, whose leaves are that
+layer's saved activations, in buffers of their own (its weights are sliced again in the
+backward program, `_Saved`); its backward adds the layer's weight gradients into the stacked
+gradients in place (bench/layer_programs.py times the three ways).
 
 Per microbatch: the model's own code up to its stack (`_pre`, with jax.vjp), the layers'
 forwards, the model's code after the stack with the loss (`_post`, value and gradient), the
