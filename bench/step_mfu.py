@@ -18,8 +18,9 @@ see the same minutes of a shared VM, but XLA:CPU's unrolled step runs slower whe
 runs between its steps (docs/performance.md: up to 1.2x), so that ratio flatters the scan. Last,
 how long the train step takes to compile at two depths. With --profile DIR it also traces one
 forward+backward call of each stack (jax.profiler, Perfetto JSON under DIR; on the CPU with
-XLA's per-op trace events turned on) and prints the time by kind of compiled op, the kernels' numeric suffixes
-dropped: where the scanned stack spends what the unrolled one does not. Like train.py it restarts
+XLA's per-op trace events turned on) and prints the time by kind of op (megajax/tools/
+profile.py, as train.py --profile does): where the scanned stack spends what the unrolled one
+does not. Like train.py it restarts
 itself once with megajax/host/env.py's glibc malloc settings; MEGAJAX_MALLOC_TUNING=0 measures
 without them.
 """
