@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 from pathlib import Path
 
@@ -89,6 +90,18 @@ BUILTIN = {h.name: h for h in (
                     "900 GB/s "
                     "per GPU both ways, 8 x 400 Gb/s NDR InfiniBand per node (NVIDIA H200 "
                     "datasheet)"),
+    Hardware("l4", 121 * TFLOPS, 24 * GB, 300 * GB, 1, 32 * GB, 32 * GB,
+             peak_flops_f32=30.3 * TFLOPS, device_kinds=("L4",),
+             source="one L4: 121 TFLOP/s bf16 dense, 24 GB GDDR6 at 300 GB/s, PCIe 4 x16 (NVIDIA L4 "
+                    "datasheet)"),
+    Hardware("a10", 125 * TFLOPS, 24 * GB, 600 * GB, 1, 32 * GB, 32 * GB,
+             peak_flops_f32=31.2 * TFLOPS, device_kinds=("A10",),
+             source="one A10: 125 TFLOP/s bf16 dense, 24 GB GDDR6 at 600 GB/s, PCIe 4 x16 (NVIDIA A10 "
+                    "datasheet)"),
+    Hardware("l40s", 362 * TFLOPS, 48 * GB, 864 * GB, 1, 32 * GB, 32 * GB,
+             peak_flops_f32=91.6 * TFLOPS, device_kinds=("L40S",),
+             source="one L40S: 362 TFLOP/s bf16 dense, 48 GB GDDR6 at 864 GB/s, PCIe 4 x16 (NVIDIA "
+                    "L40S datasheet)"),
 )}
 FIELDS = {f.name: f for f in dataclasses.fields(Hardware)}
 
@@ -183,7 +196,8 @@ def pick_hardware(name_or_path: str) -> Hardware:
 
 
 def for_device(device_kind: str) -> Hardware | None:
-    """The built-in accelerator jax's device_kind names ("NVIDIA H100 80GB HBM3" -> h100-80g)."""
-    kind = device_kind.lower()
+    """The built-in accelerator jax's device_kind names ("NVIDIA H100 80GB HBM3" -> h100-80g),
+    by whole words: an A100 is not an A10, an L40S not an L4, and an A10G none of them."""
     return next((h for h in BUILTIN.values()
-                 if any(k.lower() in kind for k in h.device_kinds)), None)
+                 if any(re.search(rf"\b{re.escape(k)}\b", device_kind, re.I)
+                        for k in h.device_kinds)), None)

@@ -159,3 +159,17 @@ def test_scalar_names():
     assert tracking.scalars({"step": 3, "loss": 1.5, "val_loss": 2.0, "val_ppl": np.float32(7),
                              "skipped_steps": 2, "grad_norm": None, "flag": True}) == {
         "train/loss": 1.5, "val/loss": 2.0, "val/ppl": 7.0, "train/skipped_steps": 2.0}
+
+
+def test_the_log_finds_a_gpus_peak_by_its_whole_name():
+    """The hardware table (the planner's) gives the log's MFU peak: by whole words of jax's
+    device_kind, so that an A100 is not taken for an A10, nor an L40S for an L4."""
+    from megajax.hardware import for_device
+
+    named = {kind: getattr(for_device(kind), "name", None) for kind in (
+        "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA A10",
+        "NVIDIA L40S", "NVIDIA L4", "Tesla T4", "Tesla V100-SXM2-32GB", "NVIDIA A10G", "cpu")}
+    assert named == {"NVIDIA H100 80GB HBM3": "h100-80g", "NVIDIA H200": "h200",
+                     "NVIDIA A100-SXM4-80GB": "a100-80g", "NVIDIA A10": "a10",
+                     "NVIDIA L40S": "l40s", "NVIDIA L4": "l4", "Tesla T4": "t4",
+                     "Tesla V100-SXM2-32GB": "v100-dgx2h", "NVIDIA A10G": None, "cpu": None}
