@@ -92,12 +92,12 @@ BUILTIN = {h.name: h for h in (
                     "datasheet)"),
     Hardware("l4", 121 * TFLOPS, 24 * GB, 300 * GB, 1, 32 * GB, 32 * GB,
              peak_flops_f32=30.3 * TFLOPS, device_kinds=("L4",),
-             source="one L4: 121 TFLOP/s bf16 dense, 24 GB GDDR6 at 300 GB/s, PCIe 4 x16 (NVIDIA L4 "
-                    "datasheet)"),
+             source="one L4: 121 TFLOP/s bf16 dense, 24 GB GDDR6 at 300 GB/s, PCIe 4 x16 "
+                    "(NVIDIA L4 datasheet)"),
     Hardware("a10", 125 * TFLOPS, 24 * GB, 600 * GB, 1, 32 * GB, 32 * GB,
              peak_flops_f32=31.2 * TFLOPS, device_kinds=("A10",),
-             source="one A10: 125 TFLOP/s bf16 dense, 24 GB GDDR6 at 600 GB/s, PCIe 4 x16 (NVIDIA A10 "
-                    "datasheet)"),
+             source="one A10: 125 TFLOP/s bf16 dense, 24 GB GDDR6 at 600 GB/s, PCIe 4 x16 "
+                    "(NVIDIA A10 datasheet)"),
     Hardware("l40s", 362 * TFLOPS, 48 * GB, 864 * GB, 1, 32 * GB, 32 * GB,
              peak_flops_f32=91.6 * TFLOPS, device_kinds=("L40S",),
              source="one L40S: 362 TFLOP/s bf16 dense, 48 GB GDDR6 at 864 GB/s, PCIe 4 x16 (NVIDIA "
