@@ -1,4 +1,4 @@
-"""megajax-plan / python -m megajax.plan: how to run a config on N devices, before renting them."""
+"""megajax-plan / python -m megajax plan: how to run a config on N devices, before renting them."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import json
 
 from megajax.cli.common import Parser, exit_on_signal, fail, failed, given, guard_stdout
 from megajax.errors import UserError
+from megajax.hardware import BUILTIN
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -23,8 +24,7 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="a name from configs/ or a path to a .toml/.json")
     p.add_argument("--devices", type=int, required=True, help="how many GPUs")
     p.add_argument("--hardware", default="h100-80g",
-                   help="v100-dgx2h | a100-80g | h100-80g | h200 | t4, or FILE.toml[:NAME] "
-                        "(default: h100-80g)")
+                   help=f"{' | '.join(BUILTIN)}, or FILE.toml[:NAME] (default: h100-80g)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field")
     p.add_argument("--baseline",
