@@ -87,3 +87,16 @@ def handles_signal(pid: int, sig: int) -> bool:
         if line.startswith("SigCgt:"):
             return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     return False
+
+
+# The longest files first (CPU seconds on a 2-core machine, roughly): the two workers take files
+# in collection order, one at a time, so a long file taken last would run alone at the end.
+LONGEST_FIRST = ("test_train_cli", "test_docs_guides", "test_bert", "test_multiprocess",
+                 "test_docs", "test_equivalence", "test_chat", "test_lora", "test_plan",
+                 "test_bench", "test_memory_model", "test_llama_parallel", "test_eval",
+                 "test_data_parallel", "test_blocked_attention")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))   # stable: tests keep order
