@@ -13,7 +13,7 @@ from helpers import assert_tensorboard_is_metrics, env, run
 from megajax.config import load_config
 from megajax.errors import UserError
 from megajax.runs import tracking
-from megajax.tools.profile import op_kinds
+from megajax.tools.profile import KINDS, op_kinds
 from megajax.training.profiling import parse_window
 from megajax.training.step import make_trainer
 
@@ -69,7 +69,7 @@ def test_profile_command_leaves_events_equal_to_metrics_and_a_trace(tmp_path):
     line = next(x for x in p.stdout.splitlines() if x.startswith("profile of steps 4-6"))
     ms = {k: float(v) for k, v in
           (part.split(" ms")[0].rsplit(" ", 1) for part in line.split("by kind: ")[1].split(", "))}
-    assert set(ms) == set(tracking_kinds())
+    assert set(ms) == set(KINDS)
     assert ms["matmuls"] > 0 and ms["attention"] > 0 and ms["optimizer"] > 0
     assert ms["collectives"] == 0      # one device
     head = p.stdout.splitlines()[0]
@@ -81,11 +81,6 @@ def test_profile_command_leaves_events_equal_to_metrics_and_a_trace(tmp_path):
     for x in step_lines:
         r = records[int(x.split()[1])]
         assert f"MFU {100 * r['mfu']:.1f}%" in x and f"{r['tflops_per_device']:.3g} TFLOP/s" in x
-
-
-def tracking_kinds():
-    from megajax.tools.profile import KINDS
-    return KINDS
 
 
 def test_resume_after_death_past_a_checkpoint_purges_and_resumes_the_wandb_run(tmp_path):
