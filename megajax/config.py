@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megajax.files import write_atomic
 from megajax.model_config import REMAT_ALIASES, ConfigError, ModelConfig, one_of
+from megajax.schedules import SCHEDULES
 from megajax.specs import DataSpec
 
 
@@ -66,6 +67,9 @@ class TrainConfig:
     shard_params: bool = False
     # the step as one compiled program per layer, called from Python (docs/performance.md)
     layer_programs: bool = False
+    # with a "pipe" mesh axis: gpipe | 1f1b | interleaved (of train.microbatches)
+    pipeline_schedule: str = "1f1b"
+    pipeline_chunks: int = 1          # model chunks per stage (interleaved: 2 or more)
     steps: int = 1000                 # optimizer steps in all
     lr: float = 6e-4                  # peak learning rate, after warmup
     min_lr: float = 6e-5              # where the decay ends
@@ -91,21 +95,18 @@ class TrainConfig:
     eval_batches: int = 8             # validation batches, at most
     save_every: int = 500             # steps between checkpoints
     keep_checkpoints: int = 3         # the newest this many are kept
-    # where the log goes besides metrics.jsonl: tensorboard (event files in WORKDIR/tensorboard) |
-    # wandb (Weights & Biases too; pip install 'megajax[wandb]')
+    # besides metrics.jsonl: tensorboard (WORKDIR/tensorboard) | wandb ('megajax[wandb]')
     tracker: str = "tensorboard"
 
     def validate(self):
         for name in ("batch_size", "microbatches", "steps", "log_every", "eval_every",
-                     "eval_batches",
-                     "save_every", "keep_checkpoints", "lr", "eps", "grad_clip", "loss_scale",
-                     "loss_scale_window", "loss_scale_hysteresis"):
+                     "eval_batches", "save_every", "keep_checkpoints", "lr", "eps", "grad_clip",
+                     "loss_scale", "loss_scale_window", "loss_scale_hysteresis", "pipeline_chunks"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
         if self.loss_scale > MAX_LOSS_SCALE:
-            raise ConfigError(
-                f"train.loss_scale must be at most 2^32 (where the dynamic scale stops growing), "
-                f"got {self.loss_scale:g}")
+            raise ConfigError(f"train.loss_scale must be at most 2^32 (where the dynamic scale "
+                              f"stops growing), got {self.loss_scale:g}")
         for name in ("warmup_steps", "decay_steps", "seed", "min_lr", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be 0 or more, got {getattr(self, name)}")
@@ -116,9 +117,13 @@ class TrainConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.min_lr > self.lr:   # Megatron-LM refuses it too: the "decay" would raise the rate
-            raise ConfigError(
-                f"train.min_lr ({self.min_lr:g}) must not exceed train.lr ({self.lr:g})")
-        one_of(self, "train", schedule=("cosine", "linear"), tracker=("tensorboard", "wandb"))
+            raise ConfigError(f"train.min_lr ({self.min_lr:g}) must not exceed train.lr "
+                              f"({self.lr:g})")
+        one_of(self, "train", schedule=("cosine", "linear"), tracker=("tensorboard", "wandb"),
+               pipeline_schedule=SCHEDULES)
+        if (self.pipeline_chunks > 1) != (self.pipeline_schedule == "interleaved"):
+            raise ConfigError(f"train.pipeline_chunks={self.pipeline_chunks}: the interleaved "
+                              f"schedule runs 2 or more chunks per stage, the others 1")
 
 
 @dataclasses.dataclass(slots=True)

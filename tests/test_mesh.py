@@ -31,7 +31,8 @@ def test_make_mesh_axes(devices):
 
 @pytest.mark.parametrize("spec,message", [
     ("2x2", "needs 4 devices"), ("data=3", "does not divide"), ("model=0", "must be positive"),
-    ("model=-2", "must be positive"), ("pipe=2", "unknown axis 'pipe'"), ("2x2x2", "DATAxMODEL"),
+    ("model=-2", "must be positive"), ("stage=2", "unknown axis 'stage'"),
+    ("data=2,pipe=3", "pipe=3 x data=2 does not divide"), ("2x2x2", "DATAxMODEL"),
     ("model=two", "must be an integer"), ("data=2,data=4", "given twice"),
 ])
 def test_bad_specs_name_the_devices(devices, spec, message):
@@ -58,7 +59,7 @@ def test_a_users_mesh_is_laid_out_as_megajax_lays_out_its_own(devices):
         assert mesh.axis_names == AXES and mesh.axis_types == (AxisType.Auto,) * 2
         assert mesh.devices.tolist() == expected.tolist()
     with pytest.raises(ConfigError,
-                       match=r"mesh axes are 'data' and 'model', this mesh has \('dp', 'tp'\)"):
+                       match=r"and 'pipe' for pipeline stages\), this mesh has \('dp', 'tp'\)"):
         as_mesh(Mesh(grid, ("dp", "tp")))
     with pytest.raises(TypeError, match="expected a jax.sharding.Mesh"):
         as_mesh(devices)

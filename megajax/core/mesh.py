@@ -3,6 +3,7 @@ run must meet to fit on it, and batches padded to split over its data axis.
 
 Accepted specs:
   "data=2,model=4"  explicit sizes (either may be omitted; it then takes the remaining devices)
+  "data=2,pipe=2,model=2"  with pipeline stages (megajax/training/pipeline.py)
   "2x4"             shorthand for data x model
   "model=8"         model axis of 8, data takes whatever is left
   "auto"            every device on the data axis (pure data parallelism)
@@ -17,9 +18,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from megajax.config import ConfigError
-from megajax.core.sharding import AXES, DATA, MODEL, check_context_mesh, is_megajax_mesh
+from megajax.core.sharding import (AXES, DATA, MODEL, PIPE, PIPE_AXES, check_context_mesh,
+                                   is_megajax_mesh)
 
-AUTO_AXES = (jax.sharding.AxisType.Auto,) * 2   # weights carry specs, XLA propagates them (GSPMD)
 
 
 def _describe_devices(devices) -> str:
@@ -37,12 +38,13 @@ def _simulate_hint(spec: str, devices) -> str:
             f"set XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax")
 
 
-def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, int]:
-    """Return (data, model) sizes for `spec` on `num_devices` devices, or raise ValueError (the
-    caller names the devices)."""
+def parse_mesh_axes(spec: str, num_devices: int) -> dict[str, int]:
+    """{"pipe": P, "data": D, "model": M} for `spec` on `num_devices` devices, or ValueError (the
+    caller names the devices). "pipe" is 1 unless given; of "data" and "model", one left out
+    takes the remaining devices (both: "data" does)."""
     s = (spec or "auto").strip().lower().replace(" ", "")
     if s == "auto":
-        return num_devices, 1
+        return {PIPE: 1, DATA: num_devices, MODEL: 1}
     sizes: dict[str, int] = {}
     if "x" in s and "=" not in s:
         parts = s.split("x")
@@ -56,8 +58,9 @@ def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, int]:
                 raise ValueError(f"mesh '{spec}': expected AXIS=SIZE items such as data=2,model=4")
             pairs.append(tuple(item.split("=", 1)))
     for name, value in pairs:
-        if name not in AXES:
-            raise ValueError(f"mesh '{spec}': unknown axis '{name}' (axes are 'data' and 'model')")
+        if name not in PIPE_AXES:
+            raise ValueError(f"mesh '{spec}': unknown axis '{name}' (axes are 'data', 'pipe' "
+                             f"and 'model')")
         if name in sizes:
             raise ValueError(f"mesh '{spec}': axis '{name}' given twice")
         try:
@@ -70,35 +73,60 @@ def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, int]:
         sizes[name] = size
     if not sizes:
         raise ValueError(f"mesh '{spec}' names no axis")
+    sizes.setdefault(PIPE, 1)
+    if DATA not in sizes and MODEL not in sizes:
+        sizes[MODEL] = 1
     for name, other in ((DATA, MODEL), (MODEL, DATA)):
         if name not in sizes:
-            if num_devices % sizes[other]:
-                raise ValueError(
-                    f"mesh '{spec}': {other}={sizes[other]} does not divide the number of devices")
-            sizes[name] = num_devices // sizes[other]
-    if sizes[DATA] * sizes[MODEL] != num_devices:
-        raise ValueError(
-            f"mesh '{spec}' needs {sizes[DATA] * sizes[MODEL]} devices "
-            f"(data={sizes[DATA]} x model={sizes[MODEL]})")
-    return sizes[DATA], sizes[MODEL]
+            given = sizes[other] * sizes[PIPE]
+            if num_devices % given:
+                raise ValueError(f"mesh '{spec}': {_named(sizes)} does not divide the number "
+                                 f"of devices")
+            sizes[name] = num_devices // given
+    need = math.prod(sizes.values())
+    if need != num_devices:
+        raise ValueError(f"mesh '{spec}' needs {need} devices ({_named(sizes)})")
+    return {a: sizes[a] for a in PIPE_AXES}
+
+
+def _named(sizes: dict) -> str:
+    return " x ".join(f"{a}={sizes[a]}" for a in PIPE_AXES if a in sizes
+                      and (a != PIPE or sizes[a] > 1))
+
+
+def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, ...]:
+    """(data, model) sizes for `spec` on `num_devices` devices, (pipe, data, model) when it has
+    pipeline stages; or ValueError."""
+    sizes = parse_mesh_axes(spec, num_devices)
+    axes = PIPE_AXES if sizes[PIPE] > 1 else AXES
+    return tuple(sizes[a] for a in axes)
 
 
 def make_mesh(spec: str = "auto", devices=None) -> Mesh:
-    """A `Mesh` with axes ("data", "model") over `devices` (default: all devices of all processes).
+    """A `Mesh` with axes ("data", "model"), or ("pipe", "data", "model") when the spec names
+    more than one pipeline stage, over `devices` (default: all devices of all processes).
 
     The axes are Auto (GSPMD-style): weights carry PartitionSpecs and XLA inserts the
     collectives; megajax pins them to Megatron's places with sharding constraints.
     """
     devices = list(jax.devices() if devices is None else devices)
     try:
-        data, model = parse_mesh_spec(spec, len(devices))
+        shape = parse_mesh_spec(spec, len(devices))
     except ValueError as e:
         raise ValueError(f"{e}; {_describe_devices(devices)}{_simulate_hint(spec, devices)}") \
             from None
+    names = PIPE_AXES if len(shape) == 3 else AXES
+    types = (jax.sharding.AxisType.Auto,) * len(names)
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
         # jax.make_mesh orders devices so that the model axis gets the fastest links.
-        return jax.make_mesh((data, model), AXES, axis_types=AUTO_AXES)
-    return Mesh(np.asarray(devices).reshape(data, model), AXES, axis_types=AUTO_AXES)
+        return jax.make_mesh(shape, names, axis_types=types)
+    return Mesh(np.asarray(devices).reshape(shape), names, axis_types=types)
+
+
+def mesh_sizes(mesh) -> dict[str, int]:
+    """{"data": D, "model": M}, with "pipe" first when the mesh has pipeline stages: what the
+    log, the dry run and eval's results name a mesh by."""
+    return {a: mesh.shape[a] for a in PIPE_AXES if a in mesh.shape}
 
 
 def as_mesh(mesh) -> Mesh:
@@ -114,14 +142,17 @@ def as_mesh(mesh) -> Mesh:
         raise TypeError(f"expected a jax.sharding.Mesh with axes {AXES} or a spec such as '2x4', "
                         f"got {type(mesh).__name__}")
     names = tuple(mesh.axis_names)
-    if not names or set(names) - set(AXES) or len(set(names)) != len(names):
+    if not names or set(names) - set(PIPE_AXES) or len(set(names)) != len(names):
         raise ConfigError(
-            f"megajax's mesh axes are 'data' and 'model', this mesh has {names}: name them so "
-            f"(or build the mesh with megajax.make_mesh('2x4'))")
+            f"megajax's mesh axes are 'data' and 'model' (and 'pipe' for pipeline stages), this "
+            f"mesh has {names}: name them so (or build the mesh with megajax.make_mesh('2x4'))")
     if is_megajax_mesh(mesh):
         return mesh
-    devices = mesh.devices.transpose([names.index(a) for a in AXES if a in names])
-    return Mesh(devices.reshape([mesh.shape.get(a, 1) for a in AXES]), AXES, axis_types=AUTO_AXES)
+    target = PIPE_AXES if mesh.shape.get(PIPE, 1) > 1 else AXES
+    order = [names.index(a) for a in PIPE_AXES if a in names]
+    devices = mesh.devices.transpose(order)
+    return Mesh(devices.reshape([mesh.shape.get(a, 1) for a in target]), target,
+                axis_types=(jax.sharding.AxisType.Auto,) * len(target))
 
 
 def single_device_mesh() -> Mesh:
@@ -136,6 +167,7 @@ def check_fits(cfg, mesh, *, batch: bool = True):
     check_model_fits(cfg.model, mesh)
     if not batch:
         return
+    check_pipeline_fits(cfg, mesh)
     m, t, dp = cfg.model, cfg.train, mesh.shape[DATA]
     # never near: GPT-3 trained on 3.2M tokens a batch
     if t.batch_size * (m.seq_len + 1) >= 2**31:
@@ -168,6 +200,30 @@ def check_model_fits(m, mesh):
         raise ConfigError(
             f"model.seq_len={m.seq_len} is not divisible by the model axis ({tp}), which "
             f"sequence parallelism splits the sequence over")
+
+
+def check_pipeline_fits(cfg, mesh):
+    """A pipeline's rules: stages (times chunks) divide the layers, and what it runs with."""
+    pp, t = mesh.shape.get(PIPE, 1), cfg.train
+    if pp == 1:
+        return
+    chunks = pp * t.pipeline_chunks
+    if cfg.model.num_layers % chunks:
+        raise ConfigError(
+            f"model.num_layers={cfg.model.num_layers} is not divisible by the pipeline's "
+            f"{pp} stages" + (f" x {t.pipeline_chunks} chunks" if t.pipeline_chunks > 1 else ""))
+    if t.pipeline_schedule == "interleaved" and t.microbatches % pp:
+        raise ConfigError(
+            f"the interleaved schedule needs train.microbatches ({t.microbatches}) to be a "
+            f"multiple of the pipeline stages ({pp})")
+    for refused, why in ((t.pipeline_schedule == "interleaved",
+                          "the interleaved schedule (megajax-plan plans it; gpipe and 1f1b run)"),
+                         (not cfg.model.scan_layers, "model.scan_layers = false"),
+                         (t.layer_programs, "train.layer_programs"),
+                         (t.shard_optimizer or t.shard_params,
+                          "train.shard_optimizer / shard_params")):
+        if refused:
+            raise ConfigError(f"a pipeline (mesh axis pipe={pp}) does not run with {why} yet")
 
 
 def padded_rows(n: int, dp: int) -> np.ndarray:

@@ -39,6 +39,11 @@ from jax.sharding import PartitionSpec as P
 
 DATA, MODEL = "data", "model"             # the mesh axes: every other module imports these names
 AXES = (DATA, MODEL)
+# Pipeline parallelism's stages (Narayanan et al. 2021): the outermost axis, as Megatron-LM
+# puts its stages across nodes. A mesh has it only when it has more than one stage, so a run
+# without a pipeline is the two-axis program it always was.
+PIPE = "pipe"
+PIPE_AXES = (PIPE, DATA, MODEL)
 
 # Parameter specs as tuples, the form Flax NNX stores in a Variable's sharding metadata.
 COLUMN = (None, MODEL)
@@ -66,7 +71,7 @@ KV_CACHE = P(DATA, MODEL, None, None)
 def is_megajax_mesh(mesh) -> bool:
     """The axes ("data", "model"), both Auto: the only mesh a Layout takes (core.mesh.as_mesh
     turns a user's into one)."""
-    return (tuple(mesh.axis_names) == AXES
+    return (tuple(mesh.axis_names) in (AXES, PIPE_AXES)
             and all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types))
 
 
@@ -93,6 +98,8 @@ class Layout:
     sequence_parallel: bool = False
     # Inside the train step's data-manual shard_map: arrays are this device's rows.
     data_manual: bool = False
+    # Inside the pipelined step's shard_map, manual over "pipe": one stage's layers.
+    pipe_manual: bool = False
     # FSDP: (path inside a layer, (dimension split over "data", the weight's model-axis spec))
     # of every layer weight that is.
     fsdp_layer_dims: tuple = ()
@@ -122,6 +129,11 @@ class Layout:
     @property
     def tp(self) -> int:
         return 1 if self.mesh is None else self.mesh.shape[MODEL]
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages (1: the mesh has no pipe axis)."""
+        return 1 if self.mesh is None else self.mesh.shape.get(PIPE, 1)
 
     @property
     def dp(self) -> int:
@@ -163,7 +175,7 @@ class Layout:
         """Pin an activation's layout so XLA cannot choose a costlier one."""
         if self.mesh is None:
             return x
-        if self.data_manual:   # the context's mesh, where "data" is manual
+        if self.data_manual or self.pipe_manual:   # the context's mesh, where some are manual
             return jax.lax.with_sharding_constraint(x, self.spec(spec))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
@@ -174,6 +186,9 @@ class Layout:
         if self.data_manual:
             return jax.shard_map(fn, in_specs=strip(in_specs), out_specs=strip(out_specs),
                                  axis_names={MODEL})
+        if self.pipe_manual:
+            return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
+                                 axis_names={DATA, MODEL})
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
 
     def global_sum(self, x):

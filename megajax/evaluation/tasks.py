@@ -8,8 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from megajax.core.mesh import make_mesh
-from megajax.core.sharding import DATA, MODEL
+from megajax.core.mesh import make_mesh, mesh_sizes
 from megajax.data.bert_pretrain import load_pretraining, pretraining_from_documents
 from megajax.data.megatron import sentence_documents
 from megajax.data.prepared import load_pairs
@@ -194,7 +193,7 @@ def run_task(args) -> tuple[dict, bool]:
     result, rows = run(args, loaded, Progress(unit="row", enabled=main).advance)
     refuse_non_finite(result, loaded, args)
     head = {"task": args.task, "workdir": str(args.workdir), "step": loaded.step,
-            "mesh": {DATA: mesh.shape[DATA], MODEL: mesh.shape[MODEL]}}
+            "mesh": mesh_sizes(mesh)}
     if main and rows is not None:   # a sample has printed itself as it went
         print(table([("step", loaded.step), *rows]))
     return {**head, **result}, main

@@ -8,6 +8,7 @@ import jax
 
 from megajax.config import Config
 from megajax.core.precision import Precision
+from megajax.core.mesh import mesh_sizes
 from megajax.core.sharding import DATA, MODEL
 from megajax.tasks import param_count
 from megajax.tools.audit import audit_hlo
@@ -27,7 +28,7 @@ def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
     compile_s = time.perf_counter() - t0
     report = {
         "config": cfg.name, "params": param_count(cfg), "num_layers": cfg.model.num_layers,
-        "mesh": {DATA: mesh.shape[DATA], MODEL: mesh.shape[MODEL]},
+        "mesh": mesh_sizes(mesh),
         "param_bytes_per_device": per_device_bytes(params),
         # float32: the accumulator, split like the parameters (ZeRO-1 reduce-scatters it once per
         # step); with LoRA the adapters' alone

@@ -33,18 +33,18 @@ from megajax.models.registry import params_dict
 from megajax.training.memory import per_device_bytes
 
 
-def _get(tree: dict, path: tuple):
+def get_path(tree: dict, path: tuple):
     for k in path:
         tree = tree[k]
     return tree
 
 
-def _replace(tree: dict, path: tuple, sub):
+def replace_path(tree: dict, path: tuple, sub):
     """A copy of the nested dict `tree` with the subtree at `path` replaced (None: removed)."""
     head, *rest = path
     out = dict(tree)
     if rest:
-        out[head] = _replace(tree[head], tuple(rest), sub)
+        out[head] = replace_path(tree[head], tuple(rest), sub)
     elif sub is None:
         del out[head]
     else:
@@ -84,7 +84,7 @@ class _Saved:
             treedef, [next(saved) if slot is None else weights[slot] for slot in slots])
 
 
-def _stack_of(model) -> tuple[tuple[str, ...], LayerStack]:
+def stack_of(model) -> tuple[tuple[str, ...], LayerStack]:
     stacks = [(tuple(str(k) for k in path), node) for path, node in nnx.iter_graph(model)
               if isinstance(node, LayerStack)]
     assert len(stacks) == 1, \
@@ -100,15 +100,16 @@ class LayerProgramStep:
         self.tr = trainer
         t = trainer.cfg.train
         self.microbatches, self.num_layers = t.microbatches, trainer.cfg.model.num_layers
-        path, _ = _stack_of(trainer.modeldef.bind(trainer.modeldef.abstract_params()))
+        path, _ = stack_of(trainer.modeldef.bind(trainer.modeldef.abstract_params()))
         self.path = (*path, "stacked")        # the stacked layers' weights in the params dict
         shardings = trainer.param_shardings
-        self.stacked_shardings = _get(shardings, self.path)
-        self.rest_shardings = _replace(shardings, self.path, None)
+        self.stacked_shardings = get_path(shardings, self.path)
+        self.rest_shardings = replace_path(shardings, self.path, None)
         grads_out = (self.rest_shardings, self.stacked_shardings)
-        self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, (_replace(p, self.path, None),
-                                                                      _get(p, self.path))),
-                              out_shardings=grads_out)
+        self._zeros = jax.jit(
+            lambda p: jax.tree.map(jnp.zeros_like, (replace_path(p, self.path, None),
+                                                    get_path(p, self.path))),
+            out_shardings=grads_out)
         self._pre = jax.jit(self._pre_fn)
         self._forward = jax.jit(self._forward_fn)
         self._post = jax.jit(self._post_fn,
@@ -134,7 +135,7 @@ class LayerProgramStep:
     def _pre_fn(self, params, batch, step, j):
         """The model up to its stack: (stack input, (layer keys, mask), pullback to the weights)."""
         mb, key = self._microbatch(batch, step, j)
-        stacked = _get(params, self.path)
+        stacked = get_path(params, self.path)
 
         def up_to_stack(rest):
             seen = {}
@@ -143,14 +144,14 @@ class LayerProgramStep:
                 seen.update(x=x, aux=(keys, mask))
                 return x      # what the model computes after this is unused: compiled away
             with split_at_stack(record):
-                self.tr.objective(_replace(rest, self.path, stacked), mb, key)
+                self.tr.objective(replace_path(rest, self.path, stacked), mb, key)
             return seen["x"], seen["aux"]
-        x, pullback, aux = jax.vjp(up_to_stack, _replace(params, self.path, None), has_aux=True)
+        x, pullback, aux = jax.vjp(up_to_stack, replace_path(params, self.path, None), has_aux=True)
         return x, aux, pullback
 
     def _layer(self, params, aux, i):
         keys, mask = aux
-        call, _, state = _stack_of(self.tr.modeldef.bind(params))[1].layer_call(mask)
+        call, _, state = stack_of(self.tr.modeldef.bind(params))[1].layer_call(mask)
         layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
                                    state)
         return call, layer_state, None if keys is None else keys[i]
@@ -170,13 +171,14 @@ class LayerProgramStep:
         """The model from its stack's output h: (metrics, grads of the other weights, dh), of the
         loss times `loss_scale` if given (float16)."""
         mb, key = self._microbatch(batch, step, j)
-        stacked = _get(params, self.path)
+        stacked = get_path(params, self.path)
 
         def from_stack(rest, h):
             with split_at_stack(lambda stack, x, keys, mask: h):
-                return self.tr.objective(_replace(rest, self.path, stacked), mb, key, loss_scale)
+                return self.tr.objective(replace_path(rest, self.path, stacked), mb, key,
+                                         loss_scale)
         (_, metrics), (grads, dh) = jax.value_and_grad(from_stack, argnums=(0, 1), has_aux=True)(
-            _replace(params, self.path, None), h)
+            replace_path(params, self.path, None), h)
         return metrics, grads, dh
 
     @staticmethod
@@ -189,7 +191,7 @@ class LayerProgramStep:
 
     def _update_fn(self, params, opt_state, rest_grads, stacked_grads, metrics_sum, step):
         m = self.microbatches
-        grads = _replace(rest_grads, self.path, stacked_grads)
+        grads = replace_path(rest_grads, self.path, stacked_grads)
         metrics, grads = jax.tree.map(lambda x: x / m, (metrics_sum, grads))
         return self.tr.apply_gradients(params, opt_state, grads, metrics, step)
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from megajax.core.sharding import DATA, MODEL
+from megajax.core.mesh import mesh_sizes
 from megajax.errors import UserError
 from megajax.host.distributed import Watchdog, describe
 from megajax.progress import Progress
@@ -70,8 +70,8 @@ class StepLogger:
             return
         self.out(
             f"megajax: {cfg.name} | {param_count(cfg) / 1e6:.2f}M params | mesh "
-            f"data={mesh.shape[DATA]} "
-            f"model={mesh.shape[MODEL]} on {mesh.devices.size} {jax.devices()[0].platform} "
+            + " ".join(f"{a}={n}" for a, n in mesh_sizes(mesh).items())
+            + f" on {mesh.devices.size} {jax.devices()[0].platform} "
             f"device(s) | "
             f"{self.run.data.describe()} | step compiled in {compile_s:.1f}s"
             + (f" | {describe()}" if describe() else "")

@@ -32,6 +32,7 @@ from megajax.training.data_parallel import DataParallel
 from megajax.training.layer_programs import LayerProgramStep
 from megajax.training.loss_scale import around, scaled, uses_loss_scaling
 from megajax.training.optimizer import lr_schedule, make_optimizer
+from megajax.training.pipeline import Pipeline, stage_specs
 from megajax.training.trainable import trained, with_trained
 
 
@@ -48,6 +49,8 @@ class Trainer:
     opt_shardings: object
     # ZeRO-1 / FSDP: the data-manual gradient computation
     data_parallel: DataParallel | None = None
+    # a mesh with a "pipe" axis: the pipelined gradient computation
+    pipeline: Pipeline | None = None
 
     @property
     def batch_sharding(self):
@@ -153,6 +156,8 @@ class Trainer:
         over "data" (the gradients of the loss times `loss_scale`, if given)."""
         if self.data_parallel is not None:
             return self.data_parallel.gradients(params, batch, key, loss_scale)
+        if self.pipeline is not None:
+            return self.pipeline.gradients(params, batch, key, loss_scale)
         return self._gspmd_gradients(params, batch, key, loss_scale)
 
     def _gspmd_gradients(self, params, batch, key, loss_scale):
@@ -230,6 +235,12 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     modeldef = ModelDef(abstract_model(cfg.model, S.Layout.for_model(mesh, cfg.model)))
     tx = make_optimizer(cfg)
     opt_shapes = jax.eval_shape(tx.init, trained(cfg, modeldef.abstract_params()))
+    if mesh.shape.get(S.PIPE, 1) > 1:
+        pipeline = Pipeline(cfg, mesh, modeldef)
+        shardings = S.param_shardings(mesh, stage_specs(modeldef.specs(), pipeline.path))
+        return Trainer(cfg, mesh, task, modeldef, tx, shardings,
+                       _opt_shardings(opt_shapes, trained(cfg, shardings), mesh),
+                       pipeline=pipeline)
     shardings = S.param_shardings(mesh, modeldef.specs())
     if not (cfg.train.shard_optimizer or cfg.train.shard_params):
         return Trainer(cfg, mesh, task, modeldef, tx, shardings,

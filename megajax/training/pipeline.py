@@ -1,0 +1,237 @@
+"""Pipeline parallelism over the mesh's "pipe" axis (Narayanan et al. 2021, Megatron-LM's PTD-P):
+each stage holds a contiguous group of layers (the stacked layers' leading axis split over
+"pipe"), and the step's microbatches flow through the stages on a schedule's table
+(megajax/schedules.py).
+
+The gradient computation runs under a shard_map manual over "pipe" (data and model stay
+GSPMD's, so tensor and sequence parallelism work inside each stage unchanged). It is a scan
+over the table's ticks; at each tick every stage runs the one action the table gives it:
+
+  forward   its chunk of layers on a microbatch (the first stage embeds the tokens first; the
+            last runs the model's head and loss after: the step's metrics)
+  backward  the same recomputed under jax.vjp, from the saved stage input and the gradient
+            the next stage sent: the weights' gradients are accumulated, the input's sent on
+  idle      nothing (the bubble)
+
+and after it the activations move one stage on and the gradients one stage back, point to
+point (`ppermute`). A stage keeps only its inputs between a microbatch's forward and backward
+(the table's buffer slots: m of them for GPipe, at most p for 1F1B). The weights outside the
+stack (embeddings, final norm, heads) are held by every stage; the first stage's and the last
+stage's gradients of them (the tied embedding's two uses) are summed over "pipe" once a step,
+as Megatron-LM all-reduces its embedding group's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from megajax import schedules
+from megajax.core import sharding as S
+from megajax.core.stack import split_at_stack
+from megajax.models.registry import ModelDef, abstract_model
+from megajax.training.layer_programs import get_path, replace_path, stack_of
+from megajax.training.loss_scale import scaled
+from megajax.training.trainable import trained
+
+FIRST, MIDDLE, LAST = 0, 1, 2
+
+
+def stack_path(modeldef: ModelDef) -> tuple[str, ...]:
+    """Where the stacked layers' weights are in a params dict."""
+    path, _ = stack_of(modeldef.bind(modeldef.abstract_params()))
+    return (*path, "stacked")
+
+
+def stage_specs(specs: dict, path: tuple) -> dict:
+    """The weights' PartitionSpecs with the stacked layers' axis split over "pipe"."""
+    def split(spec):
+        return P(S.PIPE, *tuple(spec)[1:])
+    return replace_path(specs, path, jax.tree.map(split, get_path(specs, path),
+                                                  is_leaf=lambda x: isinstance(x, P)))
+
+
+class Pipeline:
+    """The pipelined gradient computation of a Trainer on a mesh with a "pipe" axis."""
+
+    def __init__(self, cfg, mesh, modeldef: ModelDef):
+        t = cfg.train
+        self.cfg, self.mesh = cfg, mesh
+        self.p, self.v, self.m = mesh.shape[S.PIPE], t.pipeline_chunks, t.microbatches
+        self.table = schedules.build(t.pipeline_schedule, self.p, self.m, self.v)
+        self.per_chunk = cfg.model.num_layers // (self.p * self.v)
+        self.path = stack_path(modeldef)
+        layout = S.Layout.for_model(mesh, cfg.model, pipe_manual=True)
+        self.manual = ModelDef(abstract_model(cfg.model, layout))
+        ring = self.v > 1         # interleaved: the last stage's chunk feeds the first's next
+        hops = range(self.p) if ring else range(self.p - 1)
+        self.forward_pairs = [(s, (s + 1) % self.p) for s in hops]
+        self.backward_pairs = [(b, a) for a, b in self.forward_pairs]
+
+    # -- the model's parts --------------------------------------------------------------
+    def _full(self, rest, stacked):
+        return replace_path(rest, self.path, stacked)
+
+    def _pre(self, rest, stacked, mb, key):
+        """The model up to its stack: (stack input, (the layers' dropout keys, mask))."""
+        seen = {}
+
+        def record(stack, x, keys, mask):
+            seen.update(x=x, aux=(keys, mask))
+            return x
+        with split_at_stack(record):
+            self.manual.bind(self._full(rest, stacked)).objective(mb, key=key)
+        return seen["x"], seen["aux"]
+
+    def _post(self, rest, stacked, mb, key, h, loss_scale):
+        """The model after its stack, from the stack's output h: (scaled loss, metrics)."""
+        with split_at_stack(lambda stack, x, keys, mask: h):
+            return scaled(self.manual.bind(self._full(rest, stacked)).objective(mb, key=key),
+                          loss_scale)
+
+    def _chunk(self, rest, stacked, chunk, virtual, x, aux):
+        """This stage's chunk `chunk` (virtual stage `virtual`) of layers on x."""
+        keys, mask = aux
+        stack = stack_of(self.manual.bind(self._full(rest, stacked)))[1]
+        call, _, state = stack.layer_call(mask)
+        n = self.per_chunk
+        state = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * n, n), state)
+        keys = None if keys is None else jax.lax.dynamic_slice_in_dim(keys, virtual * n, n)
+
+        def layer(h, xs):
+            return call(xs[0], h, xs[1]), None
+        return jax.lax.scan(layer, x, (state, keys))[0]
+
+    # -- one tick's actions: (sent on, sent back, rest grads, stacked grads, metrics) --------
+    def _branches(self, zeros):
+        zx, zrest, zstack, zmetrics = zeros
+
+        def idle(op):
+            return zx, zx, zrest, zstack, zmetrics
+
+        def forward(where):
+            def run(op):
+                rest, stacked, mb, key, x, _, chunk, virtual, scale = op
+                first, aux = self._pre(rest, stacked, mb, key)
+                y = self._chunk(rest, stacked, chunk, virtual, first if where == FIRST else x,
+                                aux)
+                if where != LAST:
+                    return y.astype(zx.dtype), zx, zrest, zstack, zmetrics
+                _, metrics = self._post(rest, stacked, mb, key, y, scale)
+                return zx, zx, zrest, zstack, metrics
+            return run
+
+        def backward(where):
+            def run(op):
+                rest, stacked, mb, key, x, g, chunk, virtual, scale = op
+
+                def through(rest, stacked, x):
+                    first, aux = self._pre(rest, stacked, mb, key)
+                    return self._chunk(rest, stacked, chunk, virtual,
+                                       first if where == FIRST else x, aux)
+                if where == LAST:
+                    def loss(rest, stacked, x):
+                        return self._post(rest, stacked, mb, key, through(rest, stacked, x),
+                                          scale)
+                    (_, _), (d_rest, d_stack, dx) = jax.value_and_grad(
+                        loss, argnums=(0, 1, 2), has_aux=True)(rest, stacked, x)
+                else:
+                    _, pullback = jax.vjp(through, rest, stacked, x)
+                    d_rest, d_stack, dx = pullback(g.astype(x.dtype))
+                dx = zx if where == FIRST else dx.astype(zx.dtype)
+                return zx, dx, d_rest, d_stack, zmetrics
+            return run
+        return [idle, *(forward(w) for w in (FIRST, MIDDLE, LAST)),
+                *(backward(w) for w in (FIRST, MIDDLE, LAST))]
+
+    def _table(self) -> dict:
+        """The schedule as arrays, ticks x stages."""
+        ticks = np.asarray(self.table.ticks, np.int32)
+        names = ("kind", "chunk", "micro", "act", "grad")
+        out = {name: ticks[..., n] for n, name in enumerate(names)}
+        out["arrive_act"] = np.asarray(self.table.arrive_act, np.int32)
+        out["arrive_grad"] = np.asarray(self.table.arrive_grad, np.int32)
+        return out
+
+    def _branch(self, kind, chunk, stage):
+        """Which of `_branches` a stage's action is."""
+        virtual = chunk * self.p + stage
+        where = jnp.where(virtual == 0, FIRST,
+                          jnp.where(virtual == self.p * self.v - 1, LAST, MIDDLE))
+        return jnp.where(kind == schedules.IDLE, 0,
+                         jnp.where(kind == schedules.FORWARD, 1, 4) + where), virtual
+
+    def _local(self, params, batch, key, loss_scale):
+        """One stage's share of the step: (metrics, gradients), summed over the microbatches."""
+        stage = jax.lax.axis_index(S.PIPE)
+        stacked, rest = get_path(params, self.path), replace_path(params, self.path, None)
+        micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x.reshape(x.shape[0] // self.m, self.m, *x.shape[1:]).swapaxes(0, 1),
+            P(None, S.DATA)), batch)
+
+        def microbatch(i):
+            mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
+            return mb, key if self.m == 1 else jax.random.fold_in(key, i)
+        mb0, key0 = microbatch(0)
+        x_shape = jax.eval_shape(lambda: self._pre(rest, stacked, mb0, key0)[0])
+        metric_shapes = jax.eval_shape(
+            lambda: self._post(rest, stacked, mb0, key0,
+                               jnp.zeros(x_shape.shape, x_shape.dtype), loss_scale)[1])
+        zx = jnp.zeros(x_shape.shape, x_shape.dtype)
+        zeros = (zx, jax.tree.map(jnp.zeros_like, rest), jax.tree.map(jnp.zeros_like, stacked),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shapes))
+        branches = self._branches(zeros)
+        t = self.table
+        carry = (jnp.zeros((t.act_slots, *zx.shape), zx.dtype),
+                 jnp.zeros((t.grad_slots, *zx.shape), zx.dtype), *zeros[1:])
+
+        def tick(carry, row):
+            acts, grads, d_rest, d_stack, metrics = carry
+            row = {k: v[stage] for k, v in row.items()}
+            mb, k = microbatch(row["micro"])
+            branch, virtual = self._branch(row["kind"], row["chunk"], stage)
+            x = jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row["act"], 0), keepdims=False)
+            g = jax.lax.dynamic_index_in_dim(grads, jnp.maximum(row["grad"], 0), keepdims=False)
+            with jax.named_scope("pipeline_stage"):
+                sent_on, sent_back, dr, ds, mt = jax.lax.switch(
+                    branch, branches, (rest, stacked, mb, k, x, g, row["chunk"], virtual,
+                                       loss_scale))
+            with jax.named_scope("pipeline_send"):
+                arrived = jax.lax.ppermute(sent_on, S.PIPE, self.forward_pairs)
+            with jax.named_scope("pipeline_send_back"):
+                arrived_grad = jax.lax.ppermute(sent_back, S.PIPE, self.backward_pairs)
+            acts = _put(acts, row["arrive_act"], arrived)
+            grads = _put(grads, row["arrive_grad"], arrived_grad)
+            add = lambda a, b: a + b.astype(a.dtype)  # noqa: E731
+            return (acts, grads, jax.tree.map(add, d_rest, dr), jax.tree.map(add, d_stack, ds),
+                    jax.tree.map(add, metrics, mt)), None
+
+        (_, _, d_rest, d_stack, metrics), _ = jax.lax.scan(tick, carry, self._table())
+        with jax.named_scope("pipeline_embedding_all_reduce"):
+            d_rest, metrics = jax.lax.psum((d_rest, metrics), S.PIPE)
+        grads = replace_path(d_rest, self.path, d_stack)
+        metrics, grads = jax.tree.map(lambda x: x / self.m, (metrics, grads))
+        return metrics, trained(self.cfg, grads)
+
+    def specs(self, params) -> dict:
+        """The manual ("pipe") part of each weight's spec."""
+        stacked = get_path(params, self.path)
+        return replace_path(jax.tree.map(lambda _: P(), params), self.path,
+                            jax.tree.map(lambda _: P(S.PIPE), stacked))
+
+    def gradients(self, params, batch, key, loss_scale=None):
+        """(metrics, gradients): means over the step's microbatches, the stacked layers'
+        gradients split over "pipe" like their weights."""
+        specs = self.specs(params)
+        fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=(specs, P(), P(), P()),
+                           out_specs=(P(), trained(self.cfg, specs)), axis_names={S.PIPE},
+                           check_vma=False)
+        return fn(params, batch, key, loss_scale)
+
+
+def _put(buffer, slot, value):
+    """buffer[slot] = value where slot >= 0 (in place)."""
+    at = jnp.maximum(slot, 0)
+    old = jax.lax.dynamic_index_in_dim(buffer, at, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, value, old), at, 0)

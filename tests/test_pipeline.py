@@ -1,0 +1,145 @@
+"""Pipeline parallelism: the schedules' tables (every dependency kept, the paper's bubble, the
+activation memory of each), and pipelined steps that compute what one device computes, with
+dropout on, on every factorisation of the 8 devices that has stages."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from tolerances import F32, adam_tolerance, assert_close, assert_tree_close
+
+from megajax import schedules
+from megajax.config import ConfigError
+from megajax.core.mesh import make_mesh, single_device_mesh
+from megajax.training.step import make_trainer
+
+MICRO = 4
+TOKENS = np.asarray(jax.random.randint(jax.random.key(7), (8, 17), 0, 100))
+
+
+def config(schedule: str = "1f1b", **model):
+    cfg = tiny_config(num_layers=8, **model)
+    cfg.train.microbatches, cfg.train.pipeline_schedule = MICRO, schedule
+    return cfg.validate()
+
+
+# -- the tables ---------------------------------------------------------------------------
+SIZES = [(2, 4), (4, 8), (8, 8), (4, 16), (3, 6), (2, 1)]
+
+
+def replay(t: schedules.Table):
+    """Check a table independently of how it was built: each (virtual stage, microbatch) runs
+    forward once and backward once, each after what it needs, and every input it reads is the
+    one that arrived in its slot (and was not overwritten since)."""
+    p, v, last = t.stages, t.chunks, t.stages * t.chunks - 1
+    ran, acts, grads = {}, [{} for _ in range(p)], [{} for _ in range(p)]
+    for tick, row in enumerate(t.ticks):
+        for s, (kind, chunk, micro, act, grad) in enumerate(row):
+            if kind == schedules.IDLE:
+                continue
+            vs = chunk * p + s
+            key = (kind, vs, micro)
+            assert key not in ran
+            ran[key] = tick
+            if vs > 0:
+                assert acts[s].get(act) == (vs, micro), (tick, s)
+            if kind == schedules.FORWARD:
+                assert vs == 0 or ran[(schedules.FORWARD, vs - 1, micro)] < tick
+            else:
+                assert ran[(schedules.FORWARD, vs, micro)] < tick
+                if vs < last:
+                    assert ran[(schedules.BACKWARD, vs + 1, micro)] < tick
+                    assert grads[s].get(grad) == (vs, micro)
+        for s, (kind, chunk, micro, _, _) in enumerate(row):
+            vs = chunk * p + s
+            if kind == schedules.FORWARD and vs < last:
+                acts[(s + 1) % p][t.arrive_act[tick][(s + 1) % p]] = (vs + 1, micro)
+            if kind == schedules.BACKWARD and vs > 0:
+                grads[(s - 1) % p][t.arrive_grad[tick][(s - 1) % p]] = (vs - 1, micro)
+    assert len(ran) == 2 * (last + 1) * t.micro
+
+
+@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                             ("interleaved", 4)])
+def test_schedule_tables_keep_every_dependency_and_the_papers_bubble(schedule, chunks):
+    for p, m in SIZES:
+        if schedule == "interleaved" and m % p:
+            with pytest.raises(ValueError, match="multiple of the pipeline stages"):
+                schedules.build(schedule, p, m, chunks)
+            continue
+        t = schedules.build(schedule, p, m, chunks)
+        replay(t)
+        # Narayanan et al. 2021: (p - 1) / m, interleaved (p - 1) / (v m), in ticks.
+        assert t.bubble == pytest.approx(schedules.bubble_formula(schedule, p, m, chunks),
+                                         abs=1e-12)
+        assert t.num_ticks == 2 * chunks * m + 2 * (p - 1)
+        # GPipe keeps every microbatch's input; 1F1B at most p on the first stage.
+        held = t.first_stage_inputs()
+        assert held == {"gpipe": m, "1f1b": min(p, m)}.get(schedule, held)
+
+
+def test_pipeline_sizes_are_checked():
+    mesh = make_mesh("pipe=2,model=4")
+    with pytest.raises(ConfigError, match="num_layers=3 is not divisible by the pipeline's 2"):
+        make_trainer(tiny_config(num_layers=3), mesh)
+    cfg = config()
+    cfg.train.shard_optimizer = True
+    with pytest.raises(ConfigError, match="does not run with train.shard_optimizer"):
+        make_trainer(cfg, mesh)
+    with pytest.raises(ValueError, match="axes are 'data', 'pipe' and 'model'"):
+        make_mesh("stage=2")
+
+
+# -- the step -----------------------------------------------------------------------------
+def run(cfg, mesh):
+    """(the first step's loss and gradients, losses of three AdamW steps, final weights): the
+    train step's own computation, compiled once with its gradients as an output."""
+    trainer = make_trainer(cfg, mesh)
+    params, opt = trainer.init_state(seed=0)
+    tokens = jax.device_put(TOKENS, trainer.batch_sharding)
+
+    @jax.jit
+    def step(params, opt, batch, i):
+        metrics, grads = trainer.gradients(params, batch, trainer.step_key(i))
+        return *trainer.apply_gradients(params, opt, grads, metrics, i), grads
+    losses = []
+    for i in range(3):
+        params, opt, m, g = step(params, opt, tokens, jnp.int32(i))
+        losses.append(float(m["loss"]))
+        grads = jax.device_get(g) if i == 0 else grads
+    return dict(loss=losses[0], grads=grads, losses=losses, final=jax.device_get(params))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(config(), single_device_mesh())
+
+
+CASES = [("data=1,pipe=2,model=4", "1f1b"), ("pipe=4,model=2", "1f1b"), ("pipe=8", "1f1b"),
+         ("data=2,pipe=2,model=2", "1f1b"), ("pipe=4,model=2", "gpipe"),
+         ("data=2,pipe=2,model=2", "gpipe")]
+
+
+@pytest.mark.parametrize("spec,schedule", CASES)
+def test_pipelined_step_matches_single_device(reference, spec, schedule):
+    got = run(config(schedule), make_mesh(spec))
+    assert_close(got["loss"], reference["loss"], what="loss")
+    assert_tree_close(reference["grads"], got["grads"], what="gradient")
+    assert_close(got["losses"], reference["losses"], what="losses of 3 steps")
+    lr = config().train.lr
+    flat_grads = dict(jax.tree_util.tree_flatten_with_path(reference["grads"])[0])
+    for (path, want), have in zip(jax.tree_util.tree_flatten_with_path(reference["final"])[0],
+                                  jax.tree.leaves(got["final"])):
+        g = flat_grads[path]
+        bound = adam_tolerance(g, np.abs(g).max(), lr, steps=3) + F32 * np.abs(want).max()
+        assert (np.abs(have - want) <= bound).all(), jax.tree_util.keystr(path)
+
+
+def test_stacked_weights_live_on_their_stage():
+    trainer = make_trainer(config(), make_mesh("pipe=4,model=2"))
+    params, _ = trainer.init_state()
+    kernel = params["layers"]["stacked"]["mlp"]["fc1"]["kernel"]
+    # 8 layers over 4 stages: each device holds 2 layers, and half the columns (model=2).
+    assert {s.data.shape for s in kernel.addressable_shards} == {(2, 64, 128)}
+    stages = {int(np.asarray(s.index[0].start or 0)) // 2 for s in kernel.addressable_shards}
+    assert stages == {0, 1, 2, 3}
