@@ -11,6 +11,7 @@ from tolerances import F32, adam_tolerance, assert_close, assert_tree_close
 from megajax import schedules
 from megajax.config import ConfigError
 from megajax.core.mesh import make_mesh, single_device_mesh
+from megajax.tools.audit import audit_hlo
 from megajax.training.step import make_trainer
 
 MICRO = 4
@@ -143,3 +144,31 @@ def test_stacked_weights_live_on_their_stage():
     assert {s.data.shape for s in kernel.addressable_shards} == {(2, 64, 128)}
     stages = {int(np.asarray(s.index[0].start or 0)) // 2 for s in kernel.addressable_shards}
     assert stages == {0, 1, 2, 3}
+
+
+def test_bubble_and_activation_memory_read_from_the_compiled_step():
+    """On 4 stages and 8 microbatches: the compiled program's tick loop runs 2 (m + p - 1)
+    ticks, so each stage idles (p - 1) / m of its busy time (the audit reads the trip count from
+    the HLO), and its point-to-point sends are one microbatch's stage boundary each. GPipe keeps
+    all m microbatches' stage inputs, 1F1B p: the compiled step's temporaries differ by exactly
+    those m - p buffers."""
+    temp = {}
+    for schedule in ("gpipe", "1f1b"):
+        cfg = tiny_config(num_layers=4, seq_len=64)
+        cfg.train.microbatches, cfg.train.batch_size = 8, 16
+        cfg.train.pipeline_schedule = schedule
+        trainer = make_trainer(cfg.validate(), make_mesh("pipe=4,model=2"))
+        compiled = trainer.lower_step().compile()
+        sends = audit_hlo(compiled.as_text(), cfg, (4, 1, 2), trainer=trainer).pipeline
+        assert sends.ticks == 2 * (8 + 4 - 1)
+        assert sends.bubble == pytest.approx((4 - 1) / 8, abs=1e-12)
+        rows_per_micro = 16 // 8
+        assert sends.boundary_elements == rows_per_micro * 64 * 64
+        assert sends.forward_elements == sends.backward_elements == sends.boundary_elements
+        inputs = {"gpipe": 8, "1f1b": 4}[schedule]
+        assert trainer.pipeline.table.act_slots == inputs
+        temp[schedule] = compiled.memory_analysis().temp_size_in_bytes
+        boundary_bytes = sends.boundary_elements * 4
+    # (buffers are counted in whole bytes: the difference is those 4 inputs, give or take one
+    # buffer XLA may place differently)
+    assert (8 - 4) * boundary_bytes <= temp["gpipe"] - temp["1f1b"] <= (8 - 4 + 1) * boundary_bytes

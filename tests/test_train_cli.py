@@ -68,19 +68,23 @@ def test_resume_after_sigkill_is_bitwise_exact(reference, tmp_path):
     assert [s for s, _ in assert_tensorboard_is_metrics(wd)["train/loss"]] == list(range(1, 17))
 
 
-@pytest.mark.parametrize("mesh,first,second", [("1x8", [], []),
-                                               ("4x2", ["train.shard_params=true"],
-                                                ["train.shard_optimizer=true"])])
-def test_resume_on_another_mesh(reference, tmp_path, mesh, first, second):
-    """Saved on 2x4, resumed on another mesh; the second case saves an FSDP run (parameters split
-    over "data", evaluated so) and resumes it with ZeRO-1: the plain reference's losses."""
+@pytest.mark.parametrize("saved_on,mesh,first,second", [
+    ("2x4", "1x8", [], []),
+    ("2x4", "4x2", ["train.shard_params=true"], ["train.shard_optimizer=true"]),
+    ("data=2,pipe=2,model=2", "2x4", [], [])])
+def test_resume_on_another_mesh(reference, tmp_path, saved_on, mesh, first, second):
+    """Saved on one mesh, resumed on another: the second case saves an FSDP run (parameters
+    split over "data", evaluated so) and resumes it with ZeRO-1, the third saves a pipelined run
+    (two stages of one layer, evaluated so) and resumes it without stages: the plain
+    reference's losses."""
     _, ref, _ = reference
     wd = tmp_path / "moved"
     # decay_steps pins the lr schedule of the 16-step reference while the first leg stops at 8.
     common = [*BASE, "--workdir", str(wd), "--save-every", "8", "--eval-every", "8", "--set",
               "train.decay_steps=16"]
     sets = lambda keys: [a for k in keys for a in ("--set", k)]  # noqa: E731
-    run(*common, "--mesh", "2x4", "--steps", "8", *sets(first))
+    p = run(*common, "--mesh", saved_on, "--steps", "8", *sets(first))
+    assert ("mesh pipe=2 data=2 model=2 on 8 cpu" in p.stdout) == ("pipe" in saved_on)
     p = run(*common, "--mesh", mesh, "--steps", "16", *sets(second))
     assert "resuming from step 8" in p.stdout and f"model={mesh[-1]}" in p.stdout
     got = losses(wd)

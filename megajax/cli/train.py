@@ -28,7 +28,8 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=given, default="default",
                    help="a name from configs/ or a path to a .toml/.json (default: default)")
     p.add_argument("--mesh", default="auto",
-                   help="data=2,model=4 | 2x4 | model=8 | auto (all devices on data)")
+                   help="data=2,model=4 | 2x4 | model=8 | data=2,pipe=2,model=2 (pipeline "
+                        "stages) | auto (all devices on data)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set model.num_layers=4 --set "
                         "train.lr=3e-4")
@@ -43,9 +44,8 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=given,
                    help="where checkpoints, metrics and the config go (default: runs/CONFIG)")
     p.add_argument("--init-from", type=given, metavar="DIR",
-                   help="start from this workdir's weights (BERT fine-tuning: its encoder; "
-                                                          "a GPT: all of them; e.g. one made by "
-                                                          "megajax-convert import)")
+                   help="start from this workdir's weights (BERT fine-tuning: its encoder; a "
+                        "GPT: all of them; e.g. one made by megajax-convert import)")
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     p.add_argument("--host-devices", type=int,
                    help="simulate N devices on the CPU (before jax starts)")
@@ -67,9 +67,8 @@ def train_parser() -> argparse.ArgumentParser:
                         "audit")
     p.add_argument("--costs", action="store_true",
                    help="with --dry-run: compile variants of the step too, for activation bytes "
-                        "per sequence and "
-                        "per layer (compiled and modelled) and the step's FLOPs with "
-                        "recomputation's share")
+                        "per sequence and per layer (compiled and modelled) and the step's "
+                        "FLOPs with recomputation's share")
     add_distributed_args(p)
     return p
 

@@ -16,10 +16,12 @@ import jax
 from megajax.analytic import StepShape, model_axis_minimum, remat_extra_elements
 from megajax.analytic import data_axis_minimum as data_axis_sent_minimum
 from megajax.core.attention import copied_weights
+from megajax.core.mesh import mesh_sizes
 from megajax.core.sharding import DATA, MODEL, param_shardings
 from megajax.models.registry import path_keys
 from megajax.tasks import task_for
 from megajax.tools.hlo import Collective, parse_collectives
+from megajax.tools.pipeline_audit import PipelineSends, pipeline_sends
 from megajax.training.data_parallel import NONE
 from megajax.training.memory import per_device_elements
 from megajax.training.step import make_trainer
@@ -38,6 +40,8 @@ class AuditResult:
     data_scheme: str = "plain"
     # origin -> elements sent (ring) per step
     data_axis_minimum: dict = dataclasses.field(default_factory=dict)
+    # a pipelined step's point-to-point sends (tools/pipeline_audit.py)
+    pipeline: PipelineSends | None = None
 
     # The step's numbers under the names the table uses.
     num_layers = property(lambda self: self.shape.layers)
@@ -207,6 +211,7 @@ class AuditResult:
             "data_axis_ratio": round(self.data_axis_ratio, 4),
             "non_all_reduce_on_model_axis": sum(c.count for c in self.collectives
                                                 if MODEL in c.axis and c.kind != "all-reduce"),
+            **({"pipeline": self.pipeline.summary()} if self.pipeline else {}),
         }
 
     def table(self) -> str:
@@ -228,6 +233,8 @@ class AuditResult:
         fmt = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths))  # noqa: E731
         lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
         lines.append("")
+        if self.pipeline is not None:
+            return "\n".join(lines + self.pipeline.lines())
         for kind in ("all-gather", "reduce-scatter",
                      "all-reduce") if self.sequence_parallel else ("all-reduce",):
             lines.append(self._per_layer_line(kind))
@@ -289,7 +296,7 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
     """Compile `cfg`'s train step on `mesh` (abstractly: no weights allocated) and audit it."""
     trainer = make_trainer(cfg, mesh)
     hlo = trainer.lower_step().compile().as_text()
-    shape = (trainer.mesh.shape[DATA], trainer.mesh.shape[MODEL])
+    shape = tuple(mesh_sizes(trainer.mesh).values())
     return audit_hlo(hlo, cfg, shape, verbose=verbose, trainer=trainer)
 
 
@@ -335,10 +342,15 @@ def _scheme_minimum(trainer, part) -> tuple[str, dict]:
 
 
 def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, trainer=None) -> AuditResult:
+    """The audit of a compiled step on a (data, model) mesh, or (pipe, data, model)."""
     # (each RACE option is a sequence of its own: StepShape.of counts sequences)
+    collectives = parse_collectives(hlo, tuple(mesh_shape))
+    pipe, mesh_shape = (mesh_shape[0], tuple(mesh_shape[1:])) if len(mesh_shape) == 3 \
+        else (1, tuple(mesh_shape))
     shape = StepShape.of(cfg, task_for(cfg), dp=mesh_shape[0], tp=mesh_shape[1])
-    result = AuditResult(parse_collectives(hlo, tuple(mesh_shape)), tuple(mesh_shape), shape,
-                         cfg.model.scan_layers)
+    result = AuditResult(collectives, mesh_shape, shape, cfg.model.scan_layers)
+    if pipe > 1:
+        result.pipeline = pipeline_sends(collectives, trainer.pipeline, shape)
     if trainer is not None:
         result.gradient_shard_elements = per_device_elements(trainer.trained(
             trainer.modeldef.abstract_sharded_params(

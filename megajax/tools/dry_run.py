@@ -9,7 +9,7 @@ import jax
 from megajax.config import Config
 from megajax.core.precision import Precision
 from megajax.core.mesh import mesh_sizes
-from megajax.core.sharding import DATA, MODEL
+from megajax.core.sharding import DATA
 from megajax.tasks import param_count
 from megajax.tools.audit import audit_hlo
 from megajax.tools.step_figures import step_figures
@@ -40,7 +40,7 @@ def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
         **step_memory(compiled),
         "device_bytes": device_memory_bytes(),
     }
-    audit = audit_hlo(compiled.as_text(), cfg, (mesh.shape[DATA], mesh.shape[MODEL]),
+    audit = audit_hlo(compiled.as_text(), cfg, tuple(mesh_sizes(mesh).values()),
                       trainer=trainer)
     report["audit"] = audit.summary()
     if costs:
@@ -67,10 +67,9 @@ def _print(report: dict, cfg: Config, out):
     if m.lora_rank:
         out(f"LoRA: rank {m.lora_rank} on {m.lora_targets}: {report['trained_params']:,} "
             f"trained parameters, the rest frozen")
-    out(
-        f"mesh data={report['mesh'][DATA]} model={report['mesh'][MODEL]}; global batch "
-        f"{t.batch_size} "
-        f"in {t.microbatches} microbatch(es); compute {Precision.of(m).name}, remat {m.remat}")
+    out(f"mesh {' '.join(f'{a}={n}' for a, n in report['mesh'].items())}; global batch "
+        f"{t.batch_size} in {t.microbatches} microbatch(es); compute {Precision.of(m).name}, "
+        f"remat {m.remat}")
     if report["mesh"][DATA] > 1:
         out(f"data parallelism: {report['data_parallel']}")
     out(f"per device: params {gib(report['param_bytes_per_device'])}, "

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from megajax.core.sharding import AXES, DATA
+from megajax.core.sharding import AXES, DATA, PIPE_AXES
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
@@ -106,8 +106,8 @@ def _mesh_groups(axes_text: str, device_ids: str | None, reduced_text: str) -> l
                                                  if reduced else 1).tolist()
 
 
-def groups_axis(groups, mesh_shape: tuple[int, int], axis_names=AXES) -> str:
-    """Which mesh axes the groups span: 'model', 'data', 'data+model' or 'none'."""
+def groups_axis(groups, mesh_shape: tuple[int, ...], axis_names=AXES) -> str:
+    """Which mesh axes the groups span: 'model', 'data', 'data+model', 'pipe', ... or 'none'."""
     coords = lambda d: np.unravel_index(d, mesh_shape)  # noqa: E731
     varying = set()
     for g in groups:
@@ -218,7 +218,8 @@ def _classify(op_name: str, axis: str):
     return direction, origin, layer
 
 
-def parse_collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[Collective]:
+def parse_collectives(hlo: str, mesh_shape: tuple[int, ...]) -> list[Collective]:
+    """Every collective of a compiled program, on a (data, model) or (pipe, data, model) mesh."""
     comps = _split_computations(hlo)
     mult = _multiplicities(comps)
     num_devices = math.prod(mesh_shape)
@@ -249,7 +250,8 @@ def parse_collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[Collective]
             elif opcode == "collective-permute-start":
                 arrays = arrays[:1]
             groups = parse_replica_groups(line, num_devices)
-            axis = groups_axis(groups, mesh_shape)
+            axis = groups_axis(groups, mesh_shape,
+                               PIPE_AXES if len(mesh_shape) == 3 else AXES)
             op = _OPNAME.search(line)
             combined = op.group(1) if op else ""
             for i, (dtype, shape) in enumerate(arrays):

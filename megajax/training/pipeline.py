@@ -208,7 +208,7 @@ class Pipeline:
                     jax.tree.map(add, metrics, mt)), None
 
         (_, _, d_rest, d_stack, metrics), _ = jax.lax.scan(tick, carry, self._table())
-        with jax.named_scope("pipeline_embedding_all_reduce"):
+        with jax.named_scope("pipeline_gradient_sum"):
             d_rest, metrics = jax.lax.psum((d_rest, metrics), S.PIPE)
         grads = replace_path(d_rest, self.path, d_stack)
         metrics, grads = jax.tree.map(lambda x: x / self.m, (metrics, grads))
