@@ -2,9 +2,7 @@
 
 Megatron's claim is that a tensor-parallel transformer layer needs exactly two all-reduces
 over the model axis in the forward pass and two in the backward pass. `audit()` checks it
-from the program XLA actually compiled (megajax/tools/hlo.py reads it) and compares the
-model-axis traffic with the analytic minimum.
-"""
+from the program XLA compiled (tools/hlo.py reads it) against the analytic minimum."""
 from __future__ import annotations
 
 import dataclasses
@@ -138,32 +136,22 @@ class AuditResult:
         least = round(self.data_axis_min)
         head = "data-axis elements sent per step and device (ring algorithms): "
         if self.data_scheme == "plain":
-            return (head
-                    + f"gradients {grads:,} = {self.data_axis_ratio:.3f} x the minimum {least:,} "
-                      f"(each "
-                    f"gradient shard all-reduced once per step; GSPMD reduces once per microbatch, "
-                    f"here "
-                    f"{self.microbatches}, and the tied embedding's two contributions apart; "
-                    f"train.shard_optimizer reduces once per step)")
+            return (head + f"gradients {grads:,} = {self.data_axis_ratio:.3f} x the minimum "
+                    f"{least:,} (each gradient shard all-reduced once per step; GSPMD reduces "
+                    f"once per microbatch, here {self.microbatches}, and the tied embedding's "
+                    f"two contributions apart; train.shard_optimizer reduces once per step)")
         if self.data_scheme == "zero":
-            what = (
-                "ZeRO-1: one reduce-scatter of the accumulated gradients and one all-gather of the "
-                "updated "
-                "parameters per step, the bytes of one all-reduce")
+            what = ("ZeRO-1: one reduce-scatter of the accumulated gradients and one all-gather "
+                    "of the updated parameters per step, the bytes of one all-reduce")
         else:
-            what = (
-                "FSDP: per layer and microbatch an all-gather of its weights and a reduce-scatter "
-                "of its "
-                "gradients, the other weights gathered once per step")
+            what = ("FSDP: per layer and microbatch an all-gather of its weights and a "
+                    "reduce-scatter of its gradients, the other weights gathered once per step")
             if self.data_axis_regathered:
                 least += self.data_axis_regathered
-                what += (
-                    f"; with the {self.data_axis_regathered:,} of the weights the backward pass "
-                    f"gathers "
-                    f"again, one layer at a time")
-        return (head
-                + f"gradients {grads:,} + parameters {params:,} = {self.data_axis_ratio:.3f} x the "
-                f"minimum {least:,} ({what})")
+                what += (f"; with the {self.data_axis_regathered:,} of the weights the backward "
+                         f"pass gathers again, one layer at a time")
+        return (head + f"gradients {grads:,} + parameters {params:,} = "
+                f"{self.data_axis_ratio:.3f} x the minimum {least:,} ({what})")
 
     @property
     def model_axis_elements(self) -> int:
@@ -181,8 +169,8 @@ class AuditResult:
     def ratio(self) -> float:
         """Model-axis elements over the analytic minimum of the scheme (tensor or sequence
         parallel)."""
-        return self.model_axis_elements / self.analytic_min_elements if self.mesh_shape[
-            1] > 1 else 0.0
+        tp = self.mesh_shape[1]
+        return self.model_axis_elements / self.analytic_min_elements if tp > 1 else 0.0
 
     def summary(self) -> dict:
         by = Counter()
