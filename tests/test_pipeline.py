@@ -136,6 +136,27 @@ def test_pipelined_step_matches_single_device(reference, spec, schedule):
         assert (np.abs(have - want) <= bound).all(), jax.tree_util.keystr(path)
 
 
+LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", num_kv_heads=2,
+             ffn_hidden=128, tie_embeddings=False)
+
+
+def test_pipelined_llama_gradients_match_single_device():
+    """The Llama family's layers (RMSNorm, rotary positions, SwiGLU, grouped-query attention
+    with its key/value heads copied over model=4) and its untied output layer on the last
+    stage."""
+    cfg = config(**LLAMA)
+    params = make_trainer(cfg, single_device_mesh()).init_state(seed=0)[0]
+    results = []
+    for mesh in (single_device_mesh(), make_mesh("pipe=2,model=4")):
+        trainer = make_trainer(cfg, mesh)
+        results.append(jax.device_get(jax.jit(trainer.gradients)(
+            jax.device_put(params, trainer.param_shardings),
+            jax.device_put(TOKENS, trainer.batch_sharding), jax.random.key(3))))
+    (want_metrics, want), (got_metrics, got) = results
+    assert_close(got_metrics["loss"], want_metrics["loss"], what="loss")
+    assert_tree_close(want, got, what="gradient")
+
+
 def test_stacked_weights_live_on_their_stage():
     trainer = make_trainer(config(), make_mesh("pipe=4,model=2"))
     params, _ = trainer.init_state()
