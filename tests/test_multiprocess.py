@@ -46,15 +46,19 @@ def one_process_reference(tmp_path_factory):
     return losses(wd)
 
 
-@pytest.mark.parametrize("sharding", [[], ["--set", "train.shard_params=true"]])
+@pytest.mark.parametrize("sharding", [[], ["--set", "train.shard_params=true"],
+                                      ["--mesh", "data=2,pipe=2,model=2"]])
 def test_two_processes_log_the_losses_of_one(one_process_reference, tmp_path, sharding):
     """Also with FSDP: parameters and Adam state split over the data axis, which here spans the
-    two processes (each holds one data shard), and checkpointed from both."""
+    two processes (each holds one data shard), and checkpointed from both; and with two
+    pipeline stages, one in each process (the outermost mesh axis), their activations and
+    gradients sent between the processes."""
     wd = tmp_path / "two"
     (out0, err0), (out1, err1) = two_processes(*ARGS, *sharding, "--workdir", str(wd), "--steps",
                                                "3")
     # Only process 0 prints, megajax's lines only (not Gloo's C++ "[Gloo] Rank 1 is connected")
     assert "process 0/2" in out0 and "done:" in out0 and "Gloo" not in out0 + err0
+    assert ("mesh pipe=2 data=2 model=2" in out0) == ("--mesh" in sharding)
     assert out1 == "" and err1 == ""
     assert len(list((wd / "tensorboard").glob("events.out.tfevents.*"))) == 1  # one writer
     got = losses(wd)
