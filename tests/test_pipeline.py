@@ -1,6 +1,8 @@
 """Pipeline parallelism: the schedules' tables (every dependency kept, the paper's bubble, the
 activation memory of each), and pipelined steps that compute what one device computes, with
 dropout on, on every factorisation of the 8 devices that has stages."""
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,7 +170,8 @@ def test_stacked_weights_live_on_their_stage():
 
 
 def test_bubble_and_activation_memory_read_from_the_compiled_step():
-    """On 4 stages and 8 microbatches: the compiled program's tick loop runs 2 (m + p - 1)
+    """On 4 stages and 8 microbatches: each layer's two all-reduces over "model" forward and two
+    backward, wherever its stage runs it; the compiled program's tick loop runs 2 (m + p - 1)
     ticks, so each stage idles (p - 1) / m of its busy time (the audit reads the trip count from
     the HLO), and its point-to-point sends are one microbatch's stage boundary each. GPipe keeps
     all m microbatches' stage inputs, 1F1B p: the compiled step's temporaries differ by exactly
@@ -180,7 +183,17 @@ def test_bubble_and_activation_memory_read_from_the_compiled_step():
         cfg.train.pipeline_schedule = schedule
         trainer = make_trainer(cfg.validate(), make_mesh("pipe=4,model=2"))
         compiled = trainer.lower_step().compile()
-        sends = audit_hlo(compiled.as_text(), cfg, (4, 1, 2), trainer=trainer).pipeline
+        audit = audit_hlo(compiled.as_text(), cfg, (4, 1, 2), trainer=trainer)
+        # Megatron's per layer: 2 all-reduces forward, 2 backward, counted over the stages
+        # through the schedule's switch (the backward tick recomputes the forward's first)
+        per_layer = audit.model_axis_layer_counts()
+        assert sorted(per_layer) == ["0", "1", "2", "3"]
+        for counts in per_layer.values():
+            by_pass = Counter()
+            for (_, direction), n in counts.items():
+                by_pass[direction] += n
+            assert by_pass["forward"] == by_pass["backward"] == 2, counts
+        sends = audit.pipeline
         assert sends.ticks == 2 * (8 + 4 - 1)
         assert sends.bubble == pytest.approx((4 - 1) / 8, abs=1e-12)
         rows_per_micro = 16 // 8

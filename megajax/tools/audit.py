@@ -18,7 +18,7 @@ from megajax.core.mesh import mesh_sizes
 from megajax.core.sharding import DATA, MODEL, param_shardings
 from megajax.models.registry import path_keys
 from megajax.tasks import task_for
-from megajax.tools.hlo import Collective, parse_collectives
+from megajax.tools.hlo import Collective, parse_collectives, program_order
 from megajax.tools.pipeline_audit import PipelineSends, pipeline_sends
 from megajax.training.data_parallel import NONE
 from megajax.training.memory import per_device_elements
@@ -61,16 +61,17 @@ class AuditResult:
         """{layer: Counter((origin, direction) -> executions per microbatch)} of the model-axis
         collectives of `kind` that carry a block's activations (at least b s h / tp elements;
         the h-sized gradient reductions of sequence parallelism's LayerNorms are not counted)."""
-        per = defaultdict(Counter)
+        per, scanned = defaultdict(Counter), Counter()
         least = self.batch_local * self.seq_len * self.hidden // self.mesh_shape[1]
         for c in self.select(kind=kind, axis=MODEL):
             if c.origin in ("attention", "mlp") and c.elements >= least:
-                if c.layer == "all":  # one scanned body, executed once per layer
-                    for i in range(self.num_layers):
-                        per[str(i)][(c.origin, c.direction)] += c.count // (
-                            self.num_layers * self.microbatches)
+                if c.layer == "all":  # a scanned body (or a pipeline's), run for every layer
+                    scanned[(c.origin, c.direction)] += c.count
                 else:
                     per[c.layer][(c.origin, c.direction)] += c.count // self.microbatches
+        for i in range(self.num_layers if scanned else 0):
+            for key, n in scanned.items():
+                per[str(i)][key] += n // (self.num_layers * self.microbatches)
         return dict(per)
 
     @property
@@ -178,17 +179,12 @@ class AuditResult:
             by[(c.kind, c.axis, c.origin, c.direction)] += c.count
         return {
             "mesh": {DATA: self.mesh_shape[0], MODEL: self.mesh_shape[1]},
-            "per_layer_model_all_reduces": {k: {f"{o}/{d}": n for (o, d), n in v.items()}
-                                            for k, v in sorted(
-                                                self.model_axis_layer_counts().items(),
-                                                key=lambda kv: int(kv[0]))},
+            "per_layer_model_all_reduces": self._per_layer_dict("all-reduce"),
             "counts": {"/".join(k): n for k, n in sorted(by.items())},
             "model_axis_elements": self.model_axis_elements,
             "analytic_min_elements": self.analytic_min_elements,
             "ratio_to_megatron_min": round(self.ratio, 4),
-            **({f"per_layer_model_{k.replace('-', '_')}s": {
-                i: {f"{o}/{d}": n for (o, d), n in v.items()}
-                for i, v in self.model_axis_layer_counts(k).items()}
+            **({f"per_layer_model_{k.replace('-', '_')}s": self._per_layer_dict(k)
                 for k in ("all-gather", "reduce-scatter")} if self.sequence_parallel else {}),
             "data_axis_gradient_elements": self.data_axis_gradient_elements,
             "data_axis_gradient_min_elements": self.gradient_shard_elements,
@@ -202,10 +198,14 @@ class AuditResult:
             **({"pipeline": self.pipeline.summary()} if self.pipeline else {}),
         }
 
+    def _per_layer_dict(self, kind: str) -> dict:
+        return {i: {f"{o}/{d}": n for (o, d), n in v.items()} for i, v in
+                sorted(self.model_axis_layer_counts(kind).items(), key=lambda kv: int(kv[0]))}
+
     def table(self) -> str:
         """One row per activation collective; gradient and optimizer tensors summed per layer."""
         rows, grouped = [], {}
-        for c in sorted(self.collectives, key=_order):
+        for c in sorted(self.collectives, key=program_order):
             if c.origin in ("gradients", "params", "metrics", "optimizer"):
                 key = (c.kind, c.axis, c.direction, c.origin, c.layer or "-")
                 n, el, by, cnt = grouped.get(key, (0, 0, 0, c.count))
@@ -221,10 +221,10 @@ class AuditResult:
         fmt = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths))  # noqa: E731
         lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
         lines.append("")
-        if self.pipeline is not None:
-            return "\n".join(lines + self.pipeline.lines())
-        for kind in ("all-gather", "reduce-scatter",
-                     "all-reduce") if self.sequence_parallel else ("all-reduce",):
+        if self.pipeline is not None:   # per layer: the stages' executions summed
+            return "\n".join(lines + [self._per_layer_line(k) for k in self._kinds()]
+                             + self.pipeline.lines())
+        for kind in self._kinds():
             lines.append(self._per_layer_line(kind))
         scheme = "sequence-parallel " if self.sequence_parallel else ""
         lines.append(f"model-axis elements per step and device: {self.model_axis_elements:,} "
@@ -248,11 +248,17 @@ class AuditResult:
                          f"{self.model_axis_elements / total:.3f}")
         return "\n".join(lines)
 
+    def _kinds(self) -> tuple[str, ...]:
+        return (("all-gather", "reduce-scatter", "all-reduce") if self.sequence_parallel
+                else ("all-reduce",))
+
     def _per_layer_line(self, kind: str) -> str:
         per = self.model_axis_layer_counts(kind)
         count = lambda d: sorted({sum(n for (o, dd), n in c.items() if dd == d)
                                   for c in per.values()} or {0})  # noqa: E731
-        if self.remat:
+        if self.pipeline is not None:
+            recompute = f", recomputed by the backward tick {count('recompute')}"
+        elif self.remat:
             recompute = f", recomputed by remat {count('recompute')}"
         elif self.sequence_parallel and kind == "all-gather":
             recompute = f", again for the backward pass {count('recompute')}"
@@ -265,19 +271,6 @@ class AuditResult:
 
     def print(self):
         print(self.table())
-
-
-def _order(c: Collective):
-    """Program order: embedding, layers, logits, loss forward; the reverse backward; then the
-    rest."""
-    stage = {"embedding": 0, "attention": 1, "mlp": 1, "logits": 2, "loss": 3}.get(c.origin, 4)
-    layer = -1 if c.layer in ("", "all") else int(c.layer)
-    within = 0 if c.origin == "attention" else 1
-    pass_rank = {"forward": 0, "recompute": 1, "backward": 1}.get(c.direction, 2)
-    if pass_rank == 1:
-        stage, layer, within = -stage, -layer, -within
-    return (pass_rank, c.axis != MODEL, c.origin in ("gradients", "params", "metrics", "optimizer"),
-            stage, layer, within, c.hlo_name)
 
 
 def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
@@ -332,7 +325,9 @@ def _scheme_minimum(trainer, part) -> tuple[str, dict]:
 def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, trainer=None) -> AuditResult:
     """The audit of a compiled step on a (data, model) mesh, or (pipe, data, model)."""
     # (each RACE option is a sequence of its own: StepShape.of counts sequences)
-    collectives = parse_collectives(hlo, tuple(mesh_shape))
+    piped = trainer is not None and trainer.pipeline is not None
+    collectives = parse_collectives(hlo, tuple(mesh_shape),
+                                    trainer.pipeline.switch_runs() if piped else None)
     pipe, mesh_shape = (mesh_shape[0], tuple(mesh_shape[1:])) if len(mesh_shape) == 3 \
         else (1, tuple(mesh_shape))
     shape = StepShape.of(cfg, task_for(cfg), dp=mesh_shape[0], tp=mesh_shape[1])

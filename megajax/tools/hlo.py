@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from megajax.core.sharding import AXES, DATA, PIPE_AXES
+from megajax.core.sharding import AXES, DATA, MODEL, PIPE_AXES
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
@@ -29,6 +29,7 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"\bbody=%([^\s,]+)")
 _CALLS = re.compile(
     r"\b(?:calls|to_apply|branch_computations|true_computation|false_computation)=\{?%([^\s,}]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _GTE = re.compile(r"get-tuple-element\(%([^)\s]+)\), index=(\d+)")
 
 
@@ -158,8 +159,13 @@ def _split_computations(hlo: str) -> dict[str, list[str]]:
     return comps
 
 
-def _multiplicities(comps) -> dict[str, int]:
-    """How many times each computation runs per step (while bodies times their trip count)."""
+def _multiplicities(comps, switch: tuple[int, list[int]] | None = None) -> dict[str, int]:
+    """How many times each computation runs per step (while bodies times their trip count).
+
+    A conditional counts its first branch (where a program has them, they are rare paths);
+    the pipeline's switch (megajax/training/pipeline.py) counts each branch as often as the
+    schedule runs it, summed over the stages: `switch` is (the tick loop's trips, per branch
+    the table's entries that run it)."""
     mult = defaultdict(int)
     entry = comps.get("__entry__")
     stack = [(entry, 1)]
@@ -171,6 +177,12 @@ def _multiplicities(comps) -> dict[str, int]:
             if body and " while(" in line:
                 trip = _TRIP.search(line)
                 stack.append((body.group(1), n * (int(trip.group(1)) if trip else 1)))
+            branches = _BRANCHES.search(line)
+            if branches and switch and "pipeline_stage" in line:
+                ticks, runs = switch
+                names = re.findall(r"%([^\s,}]+)", branches.group(1))
+                stack += [(b, n * k // ticks) for b, k in zip(names, runs) if k]
+                continue
             for callee in _CALLS.findall(line):
                 if callee in comps and callee != name:
                     stack.append((callee, n))
@@ -198,7 +210,8 @@ def _classify(op_name: str, axis: str):
         return "update", "params", layer
     if "metrics_all_reduce" in op_name:
         return "forward", "metrics", layer
-    if "rematted_computation" in op_name:
+    if "rematted_computation" in op_name or (
+            "pipeline_recompute" in op_name and "transpose(" not in op_name):
         direction = "recompute"
     else:
         direction = "backward" if "transpose(" in op_name else "forward"
@@ -218,10 +231,12 @@ def _classify(op_name: str, axis: str):
     return direction, origin, layer
 
 
-def parse_collectives(hlo: str, mesh_shape: tuple[int, ...]) -> list[Collective]:
-    """Every collective of a compiled program, on a (data, model) or (pipe, data, model) mesh."""
+def parse_collectives(hlo: str, mesh_shape: tuple[int, ...],
+                      switch: tuple[int, list[int]] | None = None) -> list[Collective]:
+    """Every collective of a compiled program, on a (data, model) or (pipe, data, model) mesh
+    (a pipelined step's `switch`: see _multiplicities)."""
     comps = _split_computations(hlo)
-    mult = _multiplicities(comps)
+    mult = _multiplicities(comps, switch)
     num_devices = math.prod(mesh_shape)
     gte_names = {}
     for lines in comps.values():
@@ -261,3 +276,16 @@ def parse_collectives(hlo: str, mesh_shape: tuple[int, ...]) -> list[Collective]
                     Collective(kind, axis, dtype, shape, mult[comp], direction, origin, layer,
                                       op_name, name if len(arrays) == 1 else f"{name}[{i}]"))
     return out
+
+
+def program_order(c: Collective):
+    """Program order: embedding, layers, logits, loss forward; the reverse backward; then the
+    rest."""
+    stage = {"embedding": 0, "attention": 1, "mlp": 1, "logits": 2, "loss": 3}.get(c.origin, 4)
+    layer = -1 if c.layer in ("", "all") else int(c.layer)
+    within = 0 if c.origin == "attention" else 1
+    pass_rank = {"forward": 0, "recompute": 1, "backward": 1}.get(c.direction, 2)
+    if pass_rank == 1:
+        stage, layer, within = -stage, -layer, -within
+    return (pass_rank, c.axis != MODEL, c.origin in ("gradients", "params", "metrics", "optimizer"),
+            stage, layer, within, c.hlo_name)

@@ -56,8 +56,6 @@ class PipelineSends:
             f"pipeline: the weights outside the stack ({self.embedding_elements:,} elements per "
             f"device) have their gradients summed over pipe once per step (the tied embedding's "
             f"first and last stage)",
-            "model-axis collectives of a pipelined step: each stage's switch holds every action's "
-            "program, so per-layer counts are not read from it",
         ]
 
     def summary(self) -> dict:

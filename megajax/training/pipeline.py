@@ -101,7 +101,8 @@ class Pipeline:
 
         def layer(h, xs):
             return call(xs[0], h, xs[1]), None
-        return jax.lax.scan(layer, x, (state, keys))[0]
+        with jax.named_scope("layers"):
+            return jax.lax.scan(layer, x, (state, keys))[0]
 
     # -- one tick's actions: (sent on, sent back, rest grads, stacked grads, metrics) --------
     def _branches(self, zeros):
@@ -132,12 +133,14 @@ class Pipeline:
                                        first if where == FIRST else x, aux)
                 if where == LAST:
                     def loss(rest, stacked, x):
-                        return self._post(rest, stacked, mb, key, through(rest, stacked, x),
-                                          scale)
+                        with jax.named_scope("pipeline_recompute"):
+                            y = through(rest, stacked, x)
+                        return self._post(rest, stacked, mb, key, y, scale)
                     (_, _), (d_rest, d_stack, dx) = jax.value_and_grad(
                         loss, argnums=(0, 1, 2), has_aux=True)(rest, stacked, x)
                 else:
-                    _, pullback = jax.vjp(through, rest, stacked, x)
+                    with jax.named_scope("pipeline_recompute"):
+                        _, pullback = jax.vjp(through, rest, stacked, x)
                     d_rest, d_stack, dx = pullback(g.astype(x.dtype))
                 dx = zx if where == FIRST else dx.astype(zx.dtype)
                 return zx, dx, d_rest, d_stack, zmetrics
@@ -146,21 +149,25 @@ class Pipeline:
                 *(backward(w) for w in (FIRST, MIDDLE, LAST))]
 
     def _table(self) -> dict:
-        """The schedule as arrays, ticks x stages."""
+        """The schedule as arrays, ticks x stages, with each entry's branch of `_branches` and
+        virtual stage."""
         ticks = np.asarray(self.table.ticks, np.int32)
         names = ("kind", "chunk", "micro", "act", "grad")
         out = {name: ticks[..., n] for n, name in enumerate(names)}
         out["arrive_act"] = np.asarray(self.table.arrive_act, np.int32)
         out["arrive_grad"] = np.asarray(self.table.arrive_grad, np.int32)
-        return out
+        out["virtual"] = out["chunk"] * self.p + np.arange(self.p, dtype=np.int32)
+        where = np.where(out["virtual"] == 0, FIRST,
+                         np.where(out["virtual"] == self.p * self.v - 1, LAST, MIDDLE))
+        out["branch"] = np.where(out["kind"] == schedules.IDLE, 0,
+                                 np.where(out["kind"] == schedules.FORWARD, 1, 4) + where)
+        return {k: v.astype(np.int32) for k, v in out.items()}
 
-    def _branch(self, kind, chunk, stage):
-        """Which of `_branches` a stage's action is."""
-        virtual = chunk * self.p + stage
-        where = jnp.where(virtual == 0, FIRST,
-                          jnp.where(virtual == self.p * self.v - 1, LAST, MIDDLE))
-        return jnp.where(kind == schedules.IDLE, 0,
-                         jnp.where(kind == schedules.FORWARD, 1, 4) + where), virtual
+    def switch_runs(self) -> tuple[int, list[int]]:
+        """(ticks, how many of the table's ticks x stages run each branch): what the audit
+        counts the switch's collectives by (tools/hlo.py)."""
+        branch = self._table()["branch"]
+        return self.table.num_ticks, [int((branch == k).sum()) for k in range(7)]
 
     def _local(self, params, batch, key, loss_scale):
         """One stage's share of the step: (metrics, gradients), summed over the microbatches."""
@@ -190,7 +197,7 @@ class Pipeline:
             acts, grads, d_rest, d_stack, metrics = carry
             row = {k: v[stage] for k, v in row.items()}
             mb, k = microbatch(row["micro"])
-            branch, virtual = self._branch(row["kind"], row["chunk"], stage)
+            branch, virtual = row["branch"], row["virtual"]
             x = jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row["act"], 0), keepdims=False)
             g = jax.lax.dynamic_index_in_dim(grads, jnp.maximum(row["grad"], 0), keepdims=False)
             with jax.named_scope("pipeline_stage"):
