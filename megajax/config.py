@@ -69,7 +69,7 @@ class TrainConfig:
     layer_programs: bool = False
     # with a "pipe" mesh axis: gpipe | 1f1b | interleaved (of train.microbatches)
     pipeline_schedule: str = "1f1b"
-    pipeline_chunks: int = 1          # model chunks per stage (interleaved: 2 or more)
+    pipeline_chunks: int = 1          # layer chunks per stage (interleaved: 2 or more)
     steps: int = 1000                 # optimizer steps in all
     lr: float = 6e-4                  # peak learning rate, after warmup
     min_lr: float = 6e-5              # where the decay ends

@@ -1,6 +1,7 @@
 """Pipeline parallelism: the schedules' tables (every dependency kept, the paper's bubble, the
 activation memory of each), and pipelined steps that compute what one device computes, with
 dropout on, on every factorisation of the 8 devices that has stages."""
+import json
 from collections import Counter
 
 import jax
@@ -14,15 +15,17 @@ from megajax import schedules
 from megajax.config import ConfigError
 from megajax.core.mesh import make_mesh, single_device_mesh
 from megajax.tools.audit import audit_hlo
+from megajax.training.loop import train
 from megajax.training.step import make_trainer
 
 MICRO = 4
 TOKENS = np.asarray(jax.random.randint(jax.random.key(7), (8, 17), 0, 100))
 
 
-def config(schedule: str = "1f1b", **model):
+def config(schedule: str = "1f1b", chunks: int = 1, **model):
     cfg = tiny_config(num_layers=8, **model)
     cfg.train.microbatches, cfg.train.pipeline_schedule = MICRO, schedule
+    cfg.train.pipeline_chunks = chunks
     return cfg.validate()
 
 
@@ -109,8 +112,10 @@ def run(cfg, mesh):
     for i in range(3):
         params, opt, m, g = step(params, opt, tokens, jnp.int32(i))
         losses.append(float(m["loss"]))
-        grads = jax.device_get(g) if i == 0 else grads
-    return dict(loss=losses[0], grads=grads, losses=losses, final=jax.device_get(params))
+        # (an interleaved pipeline keeps its layers stage-major: compared in their own order)
+        grads = jax.device_get(trainer.natural(g)[0]) if i == 0 else grads
+    return dict(loss=losses[0], grads=grads, losses=losses,
+                final=jax.device_get(trainer.natural(params)[0]))
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +123,15 @@ def reference():
     return run(config(), single_device_mesh())
 
 
-CASES = [("data=1,pipe=2,model=4", "1f1b"), ("pipe=4,model=2", "1f1b"), ("pipe=8", "1f1b"),
-         ("data=2,pipe=2,model=2", "1f1b"), ("pipe=4,model=2", "gpipe"),
-         ("data=2,pipe=2,model=2", "gpipe")]
+CASES = [("data=1,pipe=2,model=4", "1f1b", 1), ("pipe=4,model=2", "1f1b", 1),
+         ("pipe=8", "1f1b", 1), ("data=2,pipe=2,model=2", "1f1b", 1),
+         ("pipe=4,model=2", "gpipe", 1), ("data=2,pipe=2,model=2", "gpipe", 1),
+         ("pipe=4,model=2", "interleaved", 2), ("data=1,pipe=2,model=4", "interleaved", 4)]
 
 
-@pytest.mark.parametrize("spec,schedule", CASES)
-def test_pipelined_step_matches_single_device(reference, spec, schedule):
-    got = run(config(schedule), make_mesh(spec))
+@pytest.mark.parametrize("spec,schedule,chunks", CASES)
+def test_pipelined_step_matches_single_device(reference, spec, schedule, chunks):
+    got = run(config(schedule, chunks), make_mesh(spec))
     assert_close(got["loss"], reference["loss"], what="loss")
     assert_tree_close(reference["grads"], got["grads"], what="gradient")
     assert_close(got["losses"], reference["losses"], what="losses of 3 steps")
@@ -206,3 +212,32 @@ def test_bubble_and_activation_memory_read_from_the_compiled_step():
     # (buffers are counted in whole bytes: the difference is those 4 inputs, give or take one
     # buffer XLA may place differently)
     assert (8 - 4) * boundary_bytes <= temp["gpipe"] - temp["1f1b"] <= (8 - 4 + 1) * boundary_bytes
+
+
+def test_interleaved_run_checkpoints_in_the_layers_order(tmp_path):
+    """An interleaved run keeps its layers stage-major, but saves, validates and samples them
+    in their own order: two steps on pipe=2,model=4 (2 chunks a stage) resumed for two more on
+    2x4 log the losses of four straight steps on 2x4."""
+    cfg = tiny_config(num_layers=4)
+    t = cfg.train
+    t.steps, t.microbatches, t.save_every, t.eval_every, t.decay_steps = 4, 2, 2, 2, 4
+    t.pipeline_schedule, t.pipeline_chunks = "interleaved", 2
+    straight = train(cfg.validate(), make_mesh("2x4"), tmp_path / "straight", sample_tokens=0,
+                     out=None)
+    t.steps = 2
+    piped = train(cfg.validate(), make_mesh("pipe=2,model=4"), tmp_path / "moved",
+                  sample_tokens=8, out=None)
+    t.steps = 4
+    moved = train(cfg.validate(), make_mesh("2x4"), tmp_path / "moved", sample_tokens=0,
+                  out=None)
+    losses = {**piped.losses, **moved.losses}
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert_close([losses[s] for s in range(1, 5)], [straight.losses[s] for s in range(1, 5)],
+                 what="losses")
+    assert_close(moved.val_loss, straight.val_loss, what="validation loss")
+    # validated on the stages at step 2, with the weights back in order
+    step2 = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").open()
+             if '"val_loss"' in line][0]
+    assert step2["step"] == 2
+    assert_close(piped.val_loss, step2["val_loss"], what="validation loss on the stages")
+    assert piped.sample

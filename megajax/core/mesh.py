@@ -216,9 +216,7 @@ def check_pipeline_fits(cfg, mesh):
         raise ConfigError(
             f"the interleaved schedule needs train.microbatches ({t.microbatches}) to be a "
             f"multiple of the pipeline stages ({pp})")
-    for refused, why in ((t.pipeline_schedule == "interleaved",
-                          "the interleaved schedule (megajax-plan plans it; gpipe and 1f1b run)"),
-                         (not cfg.model.scan_layers, "model.scan_layers = false"),
+    for refused, why in ((not cfg.model.scan_layers, "model.scan_layers = false"),
                          (t.layer_programs, "train.layer_programs"),
                          (t.shard_optimizer or t.shard_params,
                           "train.shard_optimizer / shard_params")):

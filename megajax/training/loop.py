@@ -152,10 +152,11 @@ def restore_or_init(run: Run, ckpts: Checkpoints, out) -> tuple[int | None, dict
                                         warn=out if is_main() else lambda _: None)
     if found is not None:
         step, (params, opt_state, _) = found
-        return step, params, opt_state
+        return (step, *run.trainer.stored(params, opt_state))
     params, opt_state = run.trainer.init_state()
     if run.pretrained is not None:
-        params = init_from_pretrained(run.trainer, params, run.pretrained, out)
+        params = run.trainer.stored(init_from_pretrained(
+            run.trainer, run.trainer.natural(params)[0], run.pretrained, out))[0]
     return None, params, opt_state
 
 
@@ -184,8 +185,8 @@ def _steps(run: Run, logger: StepLogger, ckpts: Checkpoints, stop: StopRequested
                 logger.flush(step)  # never save weights from a step whose loss was not finite
             # the save before: orbax finishes it first
             logger.save_failed(ckpts.failed_save(block=True))
-            logger.saved(
-                step, ckpts.save(step, params, opt_state, {"step": step, "config": run.cfg.name}))
+            logger.saved(step, ckpts.save(step, *run.trainer.natural(params, opt_state),
+                                          {"step": step, "config": run.cfg.name}))
         else:
             logger.save_failed(ckpts.failed_save())   # a background save that failed: known at once
             if step % t.eval_every == 0:
@@ -240,7 +241,7 @@ def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | No
 def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: float = 0.8,
                 top_k: int = 40, stopped=None) -> str:
     layout = Layout.for_model(trainer.mesh, trainer.cfg.model, "inference")
-    model = ModelDef(abstract_model(trainer.cfg.model, layout)).bind(params)
+    model = ModelDef(abstract_model(trainer.cfg.model, layout)).bind(trainer.natural(params)[0])
     key = jax.random.key(trainer.cfg.train.seed)
     if getattr(data, "sample_prompt", None):    # conversations: the assistant's answer
         r = answer_ids(model, data.tokenizer, data.sample_prompt, n_tokens, temperature, top_k,

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from megajax import schedules
 from megajax.core import sharding as S
 from megajax.core.stack import split_at_stack
-from megajax.models.registry import ModelDef, abstract_model
+from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.training.layer_programs import get_path, replace_path, stack_of
 from megajax.training.loss_scale import scaled
 from megajax.training.trainable import trained
@@ -42,6 +42,12 @@ def stack_path(modeldef: ModelDef) -> tuple[str, ...]:
     """Where the stacked layers' weights are in a params dict."""
     path, _ = stack_of(modeldef.bind(modeldef.abstract_params()))
     return (*path, "stacked")
+
+
+def _is_stacked(path, stacked_path: tuple) -> bool:
+    """Whether a leaf (of params, or of optimizer state mirroring them) is a stacked weight."""
+    keys, n = path_keys(path), len(stacked_path)
+    return any(keys[i:i + n] == stacked_path for i in range(len(keys) - n + 1))
 
 
 def stage_specs(specs: dict, path: tuple) -> dict:
@@ -68,6 +74,28 @@ class Pipeline:
         hops = range(self.p) if ring else range(self.p - 1)
         self.forward_pairs = [(s, (s + 1) % self.p) for s in hops]
         self.backward_pairs = [(b, a) for a, b in self.forward_pairs]
+
+    # -- stage-major storage (interleaved) ----------------------------------------------
+    def layer_order(self) -> np.ndarray | None:
+        """Interleaved: stage s holds chunks s, s + p, ..., which are not contiguous layers, so
+        the stacked weights are stored stage-major: position k holds layer order[k] (stage s's
+        v chunks one after another, each its n layers). None: the layers' own order."""
+        if self.v == 1:
+            return None
+        p, v, n = self.p, self.v, self.per_chunk
+        return np.asarray([(c * p + s) * n + j for s in range(p) for c in range(v)
+                           for j in range(n)], np.int32)
+
+    def reorder(self, tree, inverse: bool = False):
+        """The stacked leaves of params (or of optimizer state) from the layers' order into
+        storage order, or back with `inverse` (a jit-traceable take along the layer axis)."""
+        order = self.layer_order()
+        if order is None:
+            return tree
+        index = np.argsort(order) if inverse else order
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.take(x, index, axis=0)
+            if _is_stacked(path, self.path) and getattr(x, "ndim", 0) else x, tree)
 
     # -- the model's parts --------------------------------------------------------------
     def _full(self, rest, stacked):

@@ -70,8 +70,23 @@ class Trainer:
         seed = self.cfg.train.seed if seed is None else seed
         params = self.modeldef.params(
             init_model(self.cfg.model, self.mesh, seed, self.param_shardings))
+        params = self.stored(params)[0]
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.trained(params))
         return params, opt_state
+
+    def stored(self, params, opt_state=None, inverse: bool = False):
+        """(params, optimizer state) in the order the step keeps them: an interleaved pipeline
+        stores its stacked layers stage-major (training/pipeline.py); with `inverse`, back to
+        the layers' own order, which checkpoints, evaluation and sampling use. Otherwise the
+        same arrays."""
+        if self.pipeline is None or self.pipeline.layer_order() is None:
+            return params, opt_state
+        return jax.jit(lambda t: self.pipeline.reorder(t, inverse),
+                       out_shardings=jax.tree.map(lambda x: x.sharding, (params, opt_state)))(
+            (params, opt_state))
+
+    def natural(self, params, opt_state=None):
+        return self.stored(params, opt_state, inverse=True)
 
     def trained(self, tree: dict) -> dict:
         """The trained part of a params-shaped dict: all of it, or the LoRA adapters alone."""
@@ -204,6 +219,8 @@ class Trainer:
     def jit_eval(self):
         """Metrics of one batch without dropout (a dict; "loss" always among them)."""
         def eval_metrics(params, batch):
+            if self.pipeline is not None:
+                params = self.pipeline.reorder(params, inverse=True)
             return self.objective(params, batch, None)[1]
         return jax.jit(eval_metrics, in_shardings=(self.param_shardings, self.batch_sharding),
                        out_shardings=self.replicated())
