@@ -23,7 +23,8 @@ A user file (`--hardware my_gpus.toml`) holds one table per accelerator, keys as
 `stack` picks the step-time constants of megajax/plan/timing.py: "megajax" (the default) is
 megajax's XLA-compiled step, calibrated on an H200; "megatron-2019" is the paper's Megatron-LM
 (PyTorch, eager), calibrated on its DGX-2H figures, which the built-in v100-dgx2h uses so that
-the planner reproduces the paper's scaling study.
+the planner reproduces the paper's scaling study; "megatron-2021" is Narayanan et al.'s
+Megatron-LM on A100s (megajax/plan/paper2021.py).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class Hardware:
     device_kinds: tuple[str, ...] = ()
 
 
-STACKS = ("megajax", "megatron-2019")
+STACKS = ("megajax", "megatron-2019", "megatron-2021")
 GB, TB, TFLOPS = 1e9, 1e12, 1e12
 BUILTIN = {h.name: h for h in (
     Hardware("v100-dgx2h", 130 * TFLOPS, 32 * 2**30, 900 * GB, 16, 150 * GB, 100 * GB,

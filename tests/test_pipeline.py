@@ -14,6 +14,7 @@ from tolerances import F32, adam_tolerance, assert_close, assert_tree_close
 from megajax import schedules
 from megajax.config import ConfigError
 from megajax.core.mesh import make_mesh, single_device_mesh
+from megajax.plan.memory import _slots
 from megajax.tools.audit import audit_hlo
 from megajax.training.loop import train
 from megajax.training.step import make_trainer
@@ -82,6 +83,8 @@ def test_schedule_tables_keep_every_dependency_and_the_papers_bubble(schedule, c
         # GPipe keeps every microbatch's input; 1F1B at most p on the first stage.
         held = t.first_stage_inputs()
         assert held == {"gpipe": m, "1f1b": min(p, m)}.get(schedule, held)
+        if schedule != "interleaved":    # the planner's closed form of a stage's buffers
+            assert t.act_slots + t.grad_slots == _slots(schedule, p, m, chunks)
 
 
 def test_pipeline_sizes_are_checked():

@@ -152,7 +152,7 @@ def refuse_far_too_big(cfg, mesh):
     """Sizes far beyond the devices are refused at once, not after minutes of compiling."""
     import jax
 
-    from megajax.core.sharding import DATA, MODEL
+    from megajax.core.sharding import DATA, MODEL, PIPE
     from megajax.plan.memory import far_too_big
     from megajax.training.memory import device_memory_bytes
 
@@ -164,7 +164,7 @@ def refuse_far_too_big(cfg, mesh):
     except UserError:
         return          # train() says what is wrong with it, in its order
     why = far_too_big(cfg, mesh.shape[DATA], mesh.shape[MODEL], jax.default_backend(),
-                      device_memory_bytes())
+                      device_memory_bytes(), mesh.shape.get(PIPE, 1))
     if why:
         raise UserError(why)
 

@@ -29,11 +29,13 @@ the dry run's compiled peak at several points, in float32. (XLA:CPU of jax 0.10 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 from jax.sharding import PartitionSpec as P
 
+from megajax import schedules
 from megajax.analytic import DTYPE_BYTES, activation_bytes_per_layer
 from megajax.config import Config, ModelConfig
 from megajax.core.attention import fused_attention, stored_kv_heads
@@ -101,15 +103,18 @@ class StateSplit:
     nonlayer_shard: int = 0   # model-shard elements outside the stacked layers
 
 
-def state_split(cfg: Config, dp: int, tp: int) -> StateSplit:
+def state_split(cfg: Config, dp: int, tp: int, pp: int = 1) -> StateSplit:
+    """One device's shares of the state; with `pp` pipeline stages, of its stage's layers (the
+    weights outside the stack on every stage)."""
     t = cfg.train
     zero, fsdp = (t.shard_optimizer or t.shard_params) and dp > 1, t.shard_params and dp > 1
     out = StateSplit()
     for w in weights(cfg.model):
-        local = shard_elements(w.shape, w.spec, 1, tp)
+        local = shard_elements(w.shape, w.spec, 1, tp) // (pp if w.stacked else 1)
         split = data_sharded_spec(w.shape, w.spec, dp, tp,
                                   skip_leading=w.stacked and fsdp) if zero else None
-        sliced = local if split is None else shard_elements(w.shape, split, dp, tp)
+        sliced = local if split is None else shard_elements(w.shape, split, dp, tp) // (
+            pp if w.stacked else 1)
         out.model_shard += local
         out.params_local += sliced if fsdp else local
         out.optimizer_local += sliced
@@ -168,12 +173,15 @@ def kept_activation_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu") -
                                                              **_layer_shape(cfg, dp, tp, backend))
 
 
-def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu") -> dict:
-    """Per-device bytes of the train step by kind, and their total: the compiled step's peak."""
+def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu", pp: int = 1) -> dict:
+    """Per-device bytes of the train step by kind, and their total: the compiled step's peak.
+    With pp pipeline stages (training/pipeline.py): the stage's layers' state, and as kept
+    activations the stage inputs its schedule holds (1F1B: at most p microbatches, GPipe: m),
+    with one microbatch's activations of its layers while a backward tick recomputes them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     m, t = cfg.model, cfg.train
-    st, task, kw = state_split(cfg, dp, tp), task_for(cfg), _layer_shape(cfg, dp, tp, backend)
+    st, task, kw = state_split(cfg, dp, tp, pp), task_for(cfg), _layer_shape(cfg, dp, tp, backend)
     b, s, h, L = kw["b"], m.seq_len, m.hidden, m.num_layers
     working = 0
     if m.remat == "full":
@@ -184,13 +192,35 @@ def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu") -> dict:
     gathered = 0
     if t.shard_params and dp > 1:
         gathered = 4 * (st.layers // L + st.nonlayer_shard)
+    kept = kept_activation_bytes(cfg, dp, tp, backend)
+    copies = gradient_copies(cfg, backend)
+    if pp > 1:
+        copies += 1                  # a tick's gradients, beside the accumulated ones
+        slots = pipeline_slots(cfg, pp)
+        boundary = b * s * h // (tp if m.sequence_parallel else 1) * DTYPE_BYTES[kw["dtype"]]
+        working += kept // pp        # the backward tick's stage, one microbatch
+        kept = slots * boundary
     out = {"params": 4 * st.params_local,
-           "gradients": 4 * gradient_copies(cfg, backend) * st.params_local,
+           "gradients": 4 * copies * st.params_local,
            "optimizer": 4 * ADAM_MOMENTS * st.optimizer_local + OPTIMIZER_COUNTERS,
-           "activations": kept_activation_bytes(cfg, dp, tp, backend),
+           "activations": kept,
            "working": max(working, logits) + gathered}
     out["total"] = sum(out.values())
     return out
+
+
+def pipeline_slots(cfg: Config, pp: int) -> int:
+    """Stage inputs and incoming gradients a stage of the run's schedule holds at most."""
+    t = cfg.train
+    return _slots(t.pipeline_schedule, pp, t.microbatches, t.pipeline_chunks)
+
+
+@functools.lru_cache(maxsize=None)
+def _slots(schedule: str, pp: int, micro: int, chunks: int) -> int:
+    if schedule != "interleaved":      # the tables' closed forms (tests/test_plan.py)
+        return (micro if schedule == "gpipe" else min(pp, micro)) + 1
+    table = schedules.build(schedule, pp, micro, chunks)
+    return table.act_slots + table.grad_slots
 
 
 # The planner's prediction is within a few percent of the compiled peak (tests/test_plan.py);
@@ -200,12 +230,12 @@ FAR_TOO_BIG = 4.0
 
 
 def far_too_big(cfg: Config, dp: int, tp: int, backend: str,
-                device_bytes: int | None) -> str | None:
+                device_bytes: int | None, pp: int = 1) -> str | None:
     """A line refusing a step the planner predicts to need FAR_TOO_BIG times what a device has,
     or None (then the compiled step's own figure decides)."""
     if not device_bytes:
         return None
-    need = memory_bytes(cfg, dp, tp, "cpu" if backend == "cpu" else "gpu")
+    need = memory_bytes(cfg, dp, tp, "cpu" if backend == "cpu" else "gpu", pp)
     if need["total"] <= FAR_TOO_BIG * device_bytes:
         return None
     parts = ", ".join(f"{k} {v / 2**30:,.1f}" for k, v in need.items() if k != "total" and v)

@@ -20,6 +20,8 @@ def _options(p: Plan) -> str:
         parts.append(p.scheme.upper() if p.scheme == "fsdp" else "ZeRO-1")
     if p.layer_programs:
         parts.append("layer programs")
+    if p.pipe > 1:
+        parts.append(f"1F1B, bubble {(p.pipe - 1) / p.microbatches:.2f}")
     return ", ".join(parts)
 
 
@@ -39,6 +41,8 @@ def why(best: Plan, plans: list[Plan]) -> str:
              f"({_gib(best.memory['total'])} of {_gib(best.device_bytes)} GiB per device)"]
     if best.model > 1:
         parts.append(f"its model axis runs over {best.links['model']} links")
+    if best.pipe > 1:
+        parts.append(f"its {best.pipe} pipeline stages send over {best.links['pipe']} links")
     if cheaper:
         c = min(cheaper, key=lambda p: p.step_seconds)
         parts.append(
@@ -49,7 +53,7 @@ def why(best: Plan, plans: list[Plan]) -> str:
 
 
 HEADER = ("mesh", "options", "params", "grads", "optim", "activ", "total GiB", "fits", "step s",
-          "compute", "model-ax", "data-ax", "tokens/s", "TFLOP/s", "MFU", "scaling")
+          "compute", "model-ax", "data-ax", "pipe", "tokens/s", "TFLOP/s", "MFU", "scaling")
 
 
 def row(p: Plan) -> tuple:
@@ -60,14 +64,15 @@ def row(p: Plan) -> tuple:
             _gib(p.memory["optimizer"]),
             _gib(p.memory["activations"] + p.memory["working"]), _gib(p.memory["total"]), fits,
             f"{p.step_seconds:.3f}", f"{compute:.3f}", f"{s['model_axis']:.3f}",
-            f"{s['data_axis']:.3f}",
+            f"{s['data_axis']:.3f}", f"{s.get('pipeline', 0.0):.3f}",
             f"{p.tokens_per_s:,.0f}", f"{p.tflops_per_device:.1f}", f"{100 * p.mfu:.1f}%",
             f"{100 * p.scaling_efficiency:.0f}%")
 
 
 # Whose step the times are of (megajax/plan/timing.py)
 STACK_NOTE = {"megajax": "megajax's compiled step (constants fitted on an H200)",
-              "megatron-2019": "the paper's Megatron-LM (constants fitted on its DGX-2H figures)"}
+              "megatron-2019": "the paper's Megatron-LM (constants fitted on its DGX-2H figures)",
+              "megatron-2021": "the 2021 Megatron-LM (constant fitted on its Table 1, A100s)"}
 
 
 def render(cfg: Config, devices: int, hw: Hardware, plans: list[Plan], top: int = 10) -> str:

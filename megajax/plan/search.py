@@ -36,9 +36,12 @@ class Plan:
     scaling_efficiency: float = 0.0
     links: dict = dataclasses.field(default_factory=dict)
     layer_programs: bool = False  # train.layer_programs (as the config asks: not searched)
+    pipe: int = 1                 # pipeline stages (the 1F1B schedule)
 
     @property
     def mesh(self) -> str:
+        if self.pipe > 1:
+            return f"data={self.data},pipe={self.pipe},model={self.model}"
         return f"data={self.data},model={self.model}"
 
     @property
@@ -70,39 +73,53 @@ def model_sizes(cfg: Config, devices: int) -> list[int]:
             and all(x % t == 0 for x in (m.num_heads, m.hidden, m.ffn, m.padded_vocab))]
 
 
-def candidates(cfg: Config, devices: int, schemes=tuple(SCHEMES)):
-    """(data, model, microbatches, remat, sequence parallel, scheme) for every valid plan
-    (train.layer_programs runs with plain data parallelism only)."""
+def stage_counts(cfg: Config, devices: int, tp: int, pipelines: bool = True) -> list[int]:
+    """Pipeline stages a plan may have: dividing the layers and the devices left by tp. (A
+    pipeline runs with plain data parallelism and a scanned stack: core/mesh.py's rules.)"""
+    if not pipelines or not cfg.model.scan_layers or cfg.train.layer_programs:
+        return [1]
+    return [p for p in range(1, cfg.model.num_layers + 1)
+            if cfg.model.num_layers % p == 0 and (devices // tp) % p == 0]
+
+
+def candidates(cfg: Config, devices: int, schemes=tuple(SCHEMES), pipelines: bool = True):
+    """(data, model, pipe, microbatches, remat, sequence parallel, scheme) for every valid
+    plan (train.layer_programs runs with plain data parallelism only, a pipeline too;
+    `pipelines`: whether stages are considered, which the 2019 Megatron-LM had not)."""
     batch = cfg.train.batch_size
     if cfg.train.layer_programs:
         schemes = [s for s in schemes if s == "plain"]
     for tp in model_sizes(cfg, devices):
-        dp = devices // tp
-        if batch % dp:
-            continue
-        per_shard = batch // dp
-        for rows in (r for r in range(1, per_shard + 1) if per_shard % r == 0):
-            for remat, sp, scheme in itertools.product(("none", "selective", "full"), (False, True),
-                                                       schemes):
-                if (sp and (tp == 1 or cfg.model.seq_len % tp)) or (scheme != "plain" and dp == 1):
-                    continue
-                yield dp, tp, per_shard // rows, remat, sp, scheme
+        for pp in stage_counts(cfg, devices, tp, pipelines):
+            dp = devices // tp // pp
+            if batch % dp:
+                continue
+            per_shard = batch // dp
+            for rows in (r for r in range(1, per_shard + 1) if per_shard % r == 0):
+                for remat, sp, scheme in itertools.product(("none", "selective", "full"),
+                                                           (False, True), schemes):
+                    if ((sp and (tp == 1 or cfg.model.seq_len % tp))
+                            or (scheme != "plain" and (dp == 1 or pp > 1))):
+                        continue
+                    yield dp, tp, pp, per_shard // rows, remat, sp, scheme
 
 
-def evaluate(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 4) -> Plan:
-    """One plan: `cfg` (with the plan's options set) on a data x model mesh of `hw`."""
+def evaluate(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 4,
+             pp: int = 1) -> Plan:
+    """One plan: `cfg` (with the plan's options set) on a data x model mesh of `hw`, with pp
+    pipeline stages."""
     m, t = cfg.model, cfg.train
     scheme = "fsdp" if t.shard_params else "zero" if t.shard_optimizer else "plain"
-    seconds = step_time(cfg, dp, tp, hw, gradient_bytes).parts
+    seconds = step_time(cfg, dp, tp, hw, gradient_bytes, pp).parts
     total = sum(seconds.values())
-    n = dp * tp
+    n = dp * tp * pp
     return Plan(dp, tp, t.microbatches, m.remat, m.sequence_parallel, scheme,
-                memory_bytes(cfg, dp, tp),
+                memory_bytes(cfg, dp, tp, pp=pp),
                 hw.memory_bytes, seconds, t.batch_size * m.seq_len / total,
                 step_flops(cfg) / n / total / 1e12,
                 step_flops(cfg, remat="none") / n / total / hw.peak_flops,
-                links={axis: link for axis, (_, _, link) in axis_links(dp, tp, hw).items()},
-                layer_programs=t.layer_programs)
+                links={axis: link for axis, (_, _, link) in axis_links(dp, tp, hw, pp).items()},
+                layer_programs=t.layer_programs, pipe=pp)
 
 
 def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = None,
@@ -121,11 +138,12 @@ def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = Non
             "train.layer_programs works with plain data parallelism only: plan it with --schemes "
             "plain")
     found = []
-    for dp, tp, mb, remat, sp, scheme in candidates(cfg, devices, schemes):
+    for dp, tp, pp, mb, remat, sp, scheme in candidates(cfg, devices, schemes,
+                                                        hw.stack != "megatron-2019"):
         c = with_values(
             cfg, {"train.microbatches": mb, "model.remat": remat, "model.sequence_parallel": sp,
-                              **SCHEMES[scheme]})
-        found.append(evaluate(c, dp, tp, hw))
+                  **SCHEMES[scheme]})
+        found.append(evaluate(c, dp, tp, hw, pp=pp))
     if not found:
         raise UserError(
             f"no mesh of {devices} devices fits {cfg.name}: the model axis must divide heads "
@@ -144,7 +162,7 @@ def best_single_device(cfg: Config, hw: Hardware) -> Plan:
     """The reference for scaling efficiency: the config on one device, its fastest plan that
     fits, or when none does its fastest plan as if the device's memory were unlimited."""
     one = [evaluate(with_values(cfg, {"train.microbatches": mb, "model.remat": remat}), 1, 1, hw)
-           for _, _, mb, remat, _, _ in candidates(
+           for _, _, _, mb, remat, _, _ in candidates(
                with_values(cfg, {"model.sequence_parallel": False}), 1)]
     return sorted(one, key=lambda p: (not p.fits, -p.tokens_per_s))[0]
 

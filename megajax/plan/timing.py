@@ -42,6 +42,9 @@ from megajax.plan.volumes import data_axis_sent, head_matmul, layer_matmuls, mod
 MATMUL_EFFICIENCY = 0.5407        # calibrated: gpt2_1.2b on one V100, 39 TFLOP/s
 # calibrated: gpt2_8.3b on 8 V100s, 77% of the 1.2B model's FLOP/s per GPU
 LAYER_OVERHEAD_SECONDS = 7.72e-3
+# calibrated: Narayanan et al. 2021's Table 1 on A100s, its 1.7B row (megajax/plan/paper2021.py)
+MATMUL_EFFICIENCY_2021 = 0.7487
+LAYER_OVERHEAD_SECONDS_2021 = 0.0   # none: fitted on the 1T row it comes out at zero
 # calibrated: gpt2_1.2b on one H200, 320.1 ms (megajax/plan/measured.py)
 XLA_MATMUL_EFFICIENCY = 0.6656
 # A scan's kept activations: its stacked buffers zero-filled (a write), each layer's slice
@@ -76,15 +79,19 @@ class Stack(NamedTuple):
     weight_bytes: int                 # per parameter and microbatch (without accumulation)
     accumulate_bytes: int             # per parameter and microbatch, with accumulation
     flash_attention: bool             # cuDNN's, where the model asks for the fused core
+    # a pipeline's backward tick recomputes its stage's forward (megajax/training/pipeline.py)
+    stage_recompute: bool = False
 
 
 def stack_constants(hw: Hardware) -> Stack:
-    """The constants of what runs on hw (read when called: megajax/plan/paper.py and
-    measured.py refit them)."""
+    """The constants of what runs on hw (read when called: megajax/plan/paper.py,
+    paper2021.py and measured.py refit them)."""
     if hw.stack == "megatron-2019":
         return Stack(MATMUL_EFFICIENCY, LAYER_OVERHEAD_SECONDS, 0, 0, 0, False)
+    if hw.stack == "megatron-2021":
+        return Stack(MATMUL_EFFICIENCY_2021, LAYER_OVERHEAD_SECONDS_2021, 0, 0, 0, False)
     return Stack(XLA_MATMUL_EFFICIENCY, 0.0, SCAN_COPY_PASSES, WEIGHT_BYTES_PER_PARAM,
-                 ACCUMULATE_BYTES_PER_PARAM, True)
+                 ACCUMULATE_BYTES_PER_PARAM, True, stage_recompute=True)
 
 
 def matmul_seconds(mm: Matmul, hw: Hardware) -> float:
@@ -93,36 +100,47 @@ def matmul_seconds(mm: Matmul, hw: Hardware) -> float:
     return mm.flops / (hw.peak_flops * eff)
 
 
-def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware) -> dict[str, float]:
-    """Per device and step: matmuls, element-wise memory traffic and the optimizer update."""
+def pipeline_ticks(cfg: Config, pp: int) -> int:
+    """Forward-and-backward ticks of a step: the microbatches, and with pp stages the p - 1
+    of the pipeline's fill and drain (GPipe and 1F1B alike: Narayanan et al. 2021, eq. 1)."""
+    return cfg.train.microbatches + pp - 1
+
+
+def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware,
+                    pp: int = 1) -> dict[str, float]:
+    """Per device and step: matmuls, element-wise memory traffic and the optimizer update. With
+    pp stages each device runs L / pp layers a microbatch, and the step takes as many ticks as
+    `pipeline_ticks`, each as long as the last stage's (its layers and the output layer)."""
     m, mb = cfg.model, cfg.train.microbatches
-    # forward, backward (2), the recomputed forward
-    passes = 3 + recompute_passes(m.remat)
+    ticks, layers = pipeline_ticks(cfg, pp), m.num_layers // pp
+    stack = stack_constants(hw)
+    # forward, backward (2), the recomputed forward; megajax's pipeline recomputes each stage's
+    # forward in its backward tick on top of the model's own remat
+    passes = 3 + recompute_passes(m.remat) + (pp > 1 and stack.stage_recompute)
     mms = layer_matmuls(cfg, dp, tp)
     layer = passes * sum(matmul_seconds(mm, hw) for mm in mms)
     if m.remat == "selective":
         layer += sum(matmul_seconds(mm, hw) for mm in mms[4:])
-    matmuls = mb * (m.num_layers * layer + 3 * matmul_seconds(head_matmul(cfg, dp, tp), hw))
+    matmuls = ticks * (layers * layer + 3 * matmul_seconds(head_matmul(cfg, dp, tp), hw))
     act = DTYPE_BYTES[activation_dtype(cfg)]
-    stack = stack_constants(hw)
     b, s, h = rows_per_microbatch(cfg, dp), m.seq_len, m.hidden
     stream = b * s * h // (tp if m.sequence_parallel else 1)
     on_chip = stack.flash_attention and fused_attention(m, on="gpu")     # scores never reach memory
     scores = 0 if on_chip else b * m.num_heads // tp * s * s
     forward = HIDDEN_PASSES * stream + FFN_PASSES * b * s * m.ffn // tp + SCORE_PASSES * scores
-    total = forward * (1 + BACKWARD_PASSES + recompute_passes(m.remat))
+    total = forward * (passes - 2 + BACKWARD_PASSES)
     if m.remat == "selective":
         total += SCORE_PASSES * scores
-    elementwise = mb * m.num_layers * total * act / hw.hbm_bandwidth
+    elementwise = ticks * layers * total * act / hw.hbm_bandwidth
     # the layer programs keep them in buffers of their own
     if m.scan_layers and not cfg.train.layer_programs:
-        elementwise += mb * stack.scan_copy_passes * kept_activation_bytes(cfg, dp,
-                                                                           tp) / hw.hbm_bandwidth
-    local = state_split(cfg, dp, tp)
+        elementwise += ticks * stack.scan_copy_passes * kept_activation_bytes(
+            cfg, dp, tp) // pp / hw.hbm_bandwidth
+    local = state_split(cfg, dp, tp, pp)
     per_param = stack.weight_bytes + (stack.accumulate_bytes if mb > 1 else 0)
-    elementwise += mb * per_param * local.model_shard / hw.hbm_bandwidth
+    elementwise += ticks * per_param * local.model_shard / hw.hbm_bandwidth
     optimizer = OPTIMIZER_BYTES_PER_PARAM * local.optimizer_local / hw.hbm_bandwidth
-    overhead = mb * m.num_layers * stack.layer_overhead_seconds
+    overhead = ticks * layers * stack.layer_overhead_seconds
     return {"matmuls": matmuls, "elementwise": elementwise, "optimizer": optimizer,
             "overhead": overhead}
 
@@ -139,10 +157,13 @@ def ring_seconds(kind: str, elements: float, nbytes: int, n: int, bandwidth: flo
     return factor * elements * nbytes / (bandwidth * LINK_EFFICIENCY) + calls * steps * latency
 
 
-def axis_links(dp: int, tp: int, hw: Hardware) -> dict[str, tuple[float, float, str]]:
+def axis_links(dp: int, tp: int, hw: Hardware, pp: int = 1) -> dict[str, tuple[float, float,
+                                                                            str]]:
     """(bandwidth per device, latency, which link) for each axis. The model axis is placed
     within a node when it fits; the data axis spans nodes when the mesh does, its ring crossing
-    each node once, so the groups that share a node share its network adapters."""
+    each node once, so the groups that share a node share its network adapters; pipeline
+    stages (the outermost axis) are nodes apart once a stage fills a node, every device of a
+    stage sending its share of the boundary through its node's adapters."""
     g = hw.gpus_per_node
     intra = (hw.intra_node_bandwidth, hw.intra_node_latency, "intra-node")
     inter_share = hw.inter_node_bandwidth / g
@@ -152,26 +173,39 @@ def axis_links(dp: int, tp: int, hw: Hardware) -> dict[str, tuple[float, float, 
     else:
         per_node = max(1, g // tp)          # devices of one data group in a node
         data = (inter_share * per_node, hw.inter_node_latency, "inter-node")
-    return {"model": model, "data": data}
+    links = {"model": model, "data": data}
+    if pp > 1:
+        links["pipe"] = intra if dp * tp * pp <= g else (inter_share, hw.inter_node_latency,
+                                                        "inter-node")
+    return links
 
 
 def communication_seconds(cfg: Config, dp: int, tp: int, hw: Hardware,
-                          gradient_bytes: int = 4) -> dict[str, float]:
-    """Per device and step: the model axis's activation collectives (in the compute dtype) and
-    the data axis's gradient and parameter traffic (float32 in megajax: `gradient_bytes`)."""
+                          gradient_bytes: int = 4, pp: int = 1) -> dict[str, float]:
+    """Per device and step: the model axis's activation collectives (in the compute dtype), the
+    data axis's gradient and parameter traffic (float32 in megajax: `gradient_bytes`) and the
+    pipeline's sends (each tick one forward and one back, a microbatch's stage boundary split
+    over the model axis's devices, as Megatron-LM's scatter/gather sends it)."""
     m, mb = cfg.model, cfg.train.microbatches
-    links = axis_links(dp, tp, hw)
+    links = axis_links(dp, tp, hw, pp)
     bw, lat, _ = links["model"]
     act = DTYPE_BYTES[activation_dtype(cfg)]
-    calls = mb * (4 + recompute_passes(m.remat)) * m.num_layers + 2 * mb
-    model = sum(ring_seconds(kind, e, act, tp, bw, lat, calls)
+    # a stage's share of the step's model-axis traffic, for each of its ticks
+    share = pipeline_ticks(cfg, pp) / mb / pp
+    calls = share * (mb * (4 + recompute_passes(m.remat)) * m.num_layers + 2 * mb)
+    model = sum(ring_seconds(kind, share * e, act, tp, bw, lat, calls)
                 for kind, e in model_axis_elements(cfg, dp, tp).items())
     bw, lat, _ = links["data"]
-    sent = data_axis_sent(cfg, dp, tp)
+    sent = data_axis_sent(cfg, dp, tp, pp, once_per_step=hw.stack != "megajax")
     data = ring_seconds("sent", sent["gradients"] + sent["regather"], gradient_bytes, dp, bw, lat,
                         1)
     data += ring_seconds("sent", sent["params"], 4, dp, bw, lat, 1)
-    return {"model_axis": model, "data_axis": data}
+    out = {"model_axis": model, "data_axis": data}
+    if pp > 1:
+        bw, lat, _ = links["pipe"]
+        boundary = rows_per_microbatch(cfg, dp) * m.seq_len * m.hidden / tp * act
+        out["pipeline"] = 2 * pipeline_ticks(cfg, pp) * (boundary / bw + lat)
+    return out
 
 
 @dataclasses.dataclass
@@ -183,6 +217,7 @@ class StepTime:
         return sum(self.parts.values())
 
 
-def step_time(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 4) -> StepTime:
-    return StepTime({**compute_seconds(cfg, dp, tp, hw),
-                     **communication_seconds(cfg, dp, tp, hw, gradient_bytes)})
+def step_time(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 4,
+              pp: int = 1) -> StepTime:
+    return StepTime({**compute_seconds(cfg, dp, tp, hw, pp),
+                     **communication_seconds(cfg, dp, tp, hw, gradient_bytes, pp)})

@@ -37,12 +37,15 @@ def model_axis_elements(cfg: Config, dp: int, tp: int) -> dict[str, int]:
     return analytic.model_axis_elements(step_shape(cfg, dp, tp))
 
 
-def data_axis_sent(cfg: Config, dp: int, tp: int) -> dict[str, float]:
-    """Elements each device sends over "data" per step (ring algorithms), in the audit's forms."""
-    t, st = cfg.train, state_split(cfg, dp, tp)
+def data_axis_sent(cfg: Config, dp: int, tp: int, pp: int = 1,
+                   once_per_step: bool = False) -> dict[str, float]:
+    """Elements each device sends over "data" per step (ring algorithms), in the audit's forms
+    (with pp stages, for its stage's weights). `once_per_step`: plain data parallelism
+    all-reduces the accumulated gradients once (Megatron-LM), not once per microbatch."""
+    t, st = cfg.train, state_split(cfg, dp, tp, pp)
     scheme = "fsdp" if t.shard_params else "zero" if t.shard_optimizer else "plain"
     sent = analytic.data_axis_minimum(scheme, dp, t.microbatches, st.split, st.whole, st.layers,
                                       st.layers_read)
-    if scheme == "plain":
+    if scheme == "plain" and not once_per_step:
         sent["gradients"] *= t.microbatches
     return sent
