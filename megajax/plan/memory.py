@@ -195,7 +195,6 @@ def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu", pp: int = 
     kept = kept_activation_bytes(cfg, dp, tp, backend)
     copies = gradient_copies(cfg, backend)
     if pp > 1:
-        copies += 1                  # a tick's gradients, beside the accumulated ones
         slots = pipeline_slots(cfg, pp)
         boundary = b * s * h // (tp if m.sequence_parallel else 1) * DTYPE_BYTES[kw["dtype"]]
         working += kept // pp        # the backward tick's stage, one microbatch

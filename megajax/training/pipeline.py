@@ -132,27 +132,30 @@ class Pipeline:
         with jax.named_scope("layers"):
             return jax.lax.scan(layer, x, (state, keys))[0]
 
-    # -- one tick's actions: (sent on, sent back, rest grads, stacked grads, metrics) --------
-    def _branches(self, zeros):
-        zx, zrest, zstack, zmetrics = zeros
+    # -- one tick's actions ------------------------------------------------------------------
+    # Each takes (the tick's operands, the sums so far: rest grads, stacked grads, metrics) and
+    # returns (sent on, sent back, the sums): the sums go through the switch, so a backward
+    # adds its gradients into them in place instead of returning a second gradient-sized copy.
+    def _branches(self, zx):
+        add = lambda a, b: a + b.astype(a.dtype)  # noqa: E731
 
-        def idle(op):
-            return zx, zx, zrest, zstack, zmetrics
+        def idle(op, sums):
+            return zx, zx, sums
 
         def forward(where):
-            def run(op):
+            def run(op, sums):
                 rest, stacked, mb, key, x, _, chunk, virtual, scale = op
                 first, aux = self._pre(rest, stacked, mb, key)
                 y = self._chunk(rest, stacked, chunk, virtual, first if where == FIRST else x,
                                 aux)
                 if where != LAST:
-                    return y.astype(zx.dtype), zx, zrest, zstack, zmetrics
+                    return y.astype(zx.dtype), zx, sums
                 _, metrics = self._post(rest, stacked, mb, key, y, scale)
-                return zx, zx, zrest, zstack, metrics
+                return zx, zx, (*sums[:2], jax.tree.map(add, sums[2], metrics))
             return run
 
         def backward(where):
-            def run(op):
+            def run(op, sums):
                 rest, stacked, mb, key, x, g, chunk, virtual, scale = op
 
                 def through(rest, stacked, x):
@@ -171,7 +174,8 @@ class Pipeline:
                         _, pullback = jax.vjp(through, rest, stacked, x)
                     d_rest, d_stack, dx = pullback(g.astype(x.dtype))
                 dx = zx if where == FIRST else dx.astype(zx.dtype)
-                return zx, dx, d_rest, d_stack, zmetrics
+                return zx, dx, (jax.tree.map(add, sums[0], d_rest),
+                                jax.tree.map(add, sums[1], d_stack), sums[2])
             return run
         return [idle, *(forward(w) for w in (FIRST, MIDDLE, LAST)),
                 *(backward(w) for w in (FIRST, MIDDLE, LAST))]
@@ -214,35 +218,32 @@ class Pipeline:
             lambda: self._post(rest, stacked, mb0, key0,
                                jnp.zeros(x_shape.shape, x_shape.dtype), loss_scale)[1])
         zx = jnp.zeros(x_shape.shape, x_shape.dtype)
-        zeros = (zx, jax.tree.map(jnp.zeros_like, rest), jax.tree.map(jnp.zeros_like, stacked),
-                 jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shapes))
-        branches = self._branches(zeros)
+        sums = (jax.tree.map(jnp.zeros_like, rest), jax.tree.map(jnp.zeros_like, stacked),
+                jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shapes))
+        branches = self._branches(zx)
         t = self.table
         carry = (jnp.zeros((t.act_slots, *zx.shape), zx.dtype),
-                 jnp.zeros((t.grad_slots, *zx.shape), zx.dtype), *zeros[1:])
+                 jnp.zeros((t.grad_slots, *zx.shape), zx.dtype), sums)
 
         def tick(carry, row):
-            acts, grads, d_rest, d_stack, metrics = carry
+            acts, grads, sums = carry
             row = {k: v[stage] for k, v in row.items()}
             mb, k = microbatch(row["micro"])
-            branch, virtual = row["branch"], row["virtual"]
             x = jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row["act"], 0), keepdims=False)
             g = jax.lax.dynamic_index_in_dim(grads, jnp.maximum(row["grad"], 0), keepdims=False)
             with jax.named_scope("pipeline_stage"):
-                sent_on, sent_back, dr, ds, mt = jax.lax.switch(
-                    branch, branches, (rest, stacked, mb, k, x, g, row["chunk"], virtual,
-                                       loss_scale))
+                sent_on, sent_back, sums = jax.lax.switch(
+                    row["branch"], branches, (rest, stacked, mb, k, x, g, row["chunk"],
+                                              row["virtual"], loss_scale), sums)
             with jax.named_scope("pipeline_send"):
                 arrived = jax.lax.ppermute(sent_on, S.PIPE, self.forward_pairs)
             with jax.named_scope("pipeline_send_back"):
                 arrived_grad = jax.lax.ppermute(sent_back, S.PIPE, self.backward_pairs)
             acts = _put(acts, row["arrive_act"], arrived)
             grads = _put(grads, row["arrive_grad"], arrived_grad)
-            add = lambda a, b: a + b.astype(a.dtype)  # noqa: E731
-            return (acts, grads, jax.tree.map(add, d_rest, dr), jax.tree.map(add, d_stack, ds),
-                    jax.tree.map(add, metrics, mt)), None
+            return (acts, grads, sums), None
 
-        (_, _, d_rest, d_stack, metrics), _ = jax.lax.scan(tick, carry, self._table())
+        (_, _, (d_rest, d_stack, metrics)), _ = jax.lax.scan(tick, carry, self._table())
         with jax.named_scope("pipeline_gradient_sum"):
             d_rest, metrics = jax.lax.psum((d_rest, metrics), S.PIPE)
         grads = replace_path(d_rest, self.path, d_stack)
