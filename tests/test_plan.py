@@ -45,8 +45,13 @@ LOCAL_POINTS = [("gpt2_8.3b", 1, 8, [F32]),
                  [F32, "model.recompute_norm_gelu=false", "train.microbatches=64",
                                      "model.remat=none"]),
                 ("bert_336m", 2, 4, [F32])]
-WIDE_POINTS = [("gpt2_8.3b", 8, 8, [F32, "train.microbatches=8"]),
-               ("gpt2_8.3b", 8, 8, [F32, "train.microbatches=8", "train.shard_params=true"])]
+# (config, data, model, overrides, pipeline stages): ... and a 70B Llama on the plan the
+# planner picks for 64 H100s with plain data parallelism (remat full: the CPU's float32 copy
+# fits a GPU's 80 GB too)
+WIDE_POINTS = [("gpt2_8.3b", 8, 8, [F32, "train.microbatches=8"], 1),
+               ("gpt2_8.3b", 8, 8, [F32, "train.microbatches=8", "train.shard_params=true"], 1),
+               ("llama3.1_70b", 2, 4, [F32, "train.microbatches=128", "model.remat=full",
+                                       "model.sequence_parallel=true"], 8)]
 
 WIDE_SCRIPT = """
 import json, sys, jax
@@ -55,8 +60,8 @@ from megajax.config import ConfigError, load_config, with_values
 from megajax.core.mesh import make_mesh
 from megajax.training.memory import per_device_bytes, step_memory
 from megajax.training.step import make_trainer
-for name, dp, tp, sets in json.loads(sys.argv[1]):
-    mesh = make_mesh(f"data={dp},model={tp}", jax.devices()[:dp * tp])
+for name, dp, tp, sets, pp in json.loads(sys.argv[1]):
+    mesh = make_mesh(f"data={dp},pipe={pp},model={tp}", jax.devices()[:dp * tp * pp])
     compiled = make_trainer(load_config(name, sets), mesh).lower_step().compile()
     print(step_memory(compiled)["step_peak_bytes"])
 """
@@ -89,9 +94,13 @@ def test_memory_within_ten_percent_on_64_devices():
            "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", WIDE_SCRIPT, json.dumps(WIDE_POINTS)], env=env,
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    for (name, dp, tp, sets), peak in zip(WIDE_POINTS, map(int, out), strict=True):
-        predicted = memory_bytes(load_config(name, sets), dp, tp, backend="cpu")["total"]
+    for (name, dp, tp, sets, pp), peak in zip(WIDE_POINTS, map(int, out), strict=True):
+        predicted = memory_bytes(load_config(name, sets), dp, tp, backend="cpu", pp=pp)["total"]
         assert predicted == pytest.approx(peak, rel=MEMORY_TOLERANCE), (name, sets)
+        if pp > 1:
+            assert peak < BUILTIN["h100-80g"].memory_bytes, peak
+    best = plan("llama3.1_70b", 64, "h100-80g", schemes=("plain",))[0]
+    assert (best.data, best.pipe, best.model) == (2, 8, 4)
 
 
 # The runs megajax/plan/measured.py records from one H200 (bench/gpu_check.py): XLA's memory
