@@ -184,7 +184,10 @@ def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu", pp: int = 
     st, task, kw = state_split(cfg, dp, tp, pp), task_for(cfg), _layer_shape(cfg, dp, tp, backend)
     b, s, h, L = kw["b"], m.seq_len, m.hidden, m.num_layers
     working = 0
-    if m.remat == "full":
+    # A layer's backward pass with its recomputed activations (and the random bits its dropout
+    # masks come from): full remat's, and any pipeline's backward tick, whose stage holds one
+    # microbatch's activations only, so this transient is no longer small beside them.
+    if m.remat == "full" or pp > 1:
         random_bits = 4 * (b * m.num_heads // tp * s * s * (m.attention_dropout > 0)
                            + 2 * b * s * h * (m.hidden_dropout > 0))
         working = activation_bytes_per_layer(remat="none", **kw) + random_bits
@@ -193,14 +196,13 @@ def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu", pp: int = 
     if t.shard_params and dp > 1:
         gathered = 4 * (st.layers // L + st.nonlayer_shard)
     kept = kept_activation_bytes(cfg, dp, tp, backend)
-    copies = gradient_copies(cfg, backend)
     if pp > 1:
         slots = pipeline_slots(cfg, pp)
         boundary = b * s * h // (tp if m.sequence_parallel else 1) * DTYPE_BYTES[kw["dtype"]]
         working += kept // pp        # the backward tick's stage, one microbatch
         kept = slots * boundary
     out = {"params": 4 * st.params_local,
-           "gradients": 4 * copies * st.params_local,
+           "gradients": 4 * gradient_copies(cfg, backend) * st.params_local,
            "optimizer": 4 * ADAM_MOMENTS * st.optimizer_local + OPTIMIZER_COUNTERS,
            "activations": kept,
            "working": max(working, logits) + gathered}

@@ -124,7 +124,8 @@ class Pipeline:
         stack = stack_of(self.manual.bind(self._full(rest, stacked)))[1]
         call, _, state = stack.layer_call(mask)
         n = self.per_chunk
-        state = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * n, n), state)
+        if self.v > 1:    # (one chunk: the stage's weights as they are, not a sliced copy)
+            state = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * n, n), state)
         keys = None if keys is None else jax.lax.dynamic_slice_in_dim(keys, virtual * n, n)
 
         def layer(h, xs):
