@@ -16,6 +16,7 @@ from tolerances import F32, assert_close, assert_tree_close
 from helpers import SHAKESPEARE, env, exact_model_axis_elements, run
 
 from megajax.config import ConfigError, load_config
+from megajax.core.mesh import make_mesh
 from megajax.data.bert_pretrain import PretrainBatches, Specials, choose_ngrams, load_pretraining
 from megajax.data.finetune import Example, encode, load_task_data, read_task
 from megajax.data.sentences import make_pairs, split_documents
@@ -595,3 +596,33 @@ def test_bert_user_errors(pretrained, files, tmp_path):
                         "--data", str(files["race"])], capture_output=True, text=True, env=env(),
                         cwd=ROOT)
     assert e.returncode == 2 and "fine-tuned on race" in e.stderr
+
+
+@pytest.mark.parametrize("task", ["pretrain", "race"])
+def test_pipelined_bert_matches_one_device(files, task):
+    """Two stages of BERT's layers (pipe=2,model=4, 1F1B over 4 microbatches): the padding mask
+    and the heads on the last stage (MLM and SOP, or RACE's four choices), the embedding with its
+    token types on the first: one device's metrics and gradients."""
+    cfg = bert_config(files["tok"], task)
+    cfg.train.microbatches = 4
+    cfg = cfg.validate()
+    make = pretrain_batch if task == "pretrain" else task_batch
+    results = []
+    for mesh in (mesh_for("1x1"), make_mesh("pipe=2,model=4")):
+        trainer = make_trainer(cfg, mesh)
+        params, _ = trainer.init_state(seed=0)
+        batch = make(files, cfg, trainer.batch_sharding)
+        results.append(jax.device_get(jax.jit(trainer.gradients)(params, batch, KEY)))
+    (want_metrics, want), (got_metrics, got) = results
+    # an accuracy may differ by one prediction where two scores tie within rounding
+    # (tests/tolerances.py); each microbatch's is a mean over its own predictions
+    # (microbatch j: rows j, j + 4, ...)
+    fewest = {"mlm_accuracy": min(int(np.sum(np.asarray(batch["mlm_weights"])[j::4]))
+                                  for j in range(4)) if "mlm_weights" in batch else 1,
+              "sop_accuracy": 8 // 4, "accuracy": 8 // 4}
+    for name, value in want_metrics.items():
+        if name.endswith("accuracy"):
+            assert abs(got_metrics[name] - value) <= 1 / (4 * fewest[name]) + 1e-6, name
+        else:
+            assert_close(got_metrics[name], value, what=name)
+    assert_tree_close(want, got, what="gradient")
