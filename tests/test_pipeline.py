@@ -14,6 +14,7 @@ from tolerances import F32, adam_tolerance, assert_close, assert_tree_close
 from megajax import schedules
 from megajax.config import ConfigError
 from megajax.core.mesh import make_mesh, single_device_mesh
+from megajax.models.registry import path_keys
 from megajax.plan.memory import _slots
 from megajax.tools.audit import audit_hlo
 from megajax.training.loop import train
@@ -92,8 +93,8 @@ def test_pipeline_sizes_are_checked():
     with pytest.raises(ConfigError, match="num_layers=3 is not divisible by the pipeline's 2"):
         make_trainer(tiny_config(num_layers=3), mesh)
     cfg = config()
-    cfg.train.shard_optimizer = True
-    with pytest.raises(ConfigError, match="does not run with train.shard_optimizer"):
+    cfg.train.shard_params = True
+    with pytest.raises(ConfigError, match="does not run with train.shard_params"):
         make_trainer(cfg, mesh)
     with pytest.raises(ValueError, match="axes are 'data', 'pipe' and 'model'"):
         make_mesh("stage=2")
@@ -166,6 +167,25 @@ def test_pipelined_llama_gradients_match_single_device():
     (want_metrics, want), (got_metrics, got) = results
     assert_close(got_metrics["loss"], want_metrics["loss"], what="loss")
     assert_tree_close(want, got, what="gradient")
+
+
+def test_zero_1_on_stages_splits_adams_state_and_matches_single_device(reference):
+    """train.shard_optimizer on data=2,pipe=2,model=2: each device holds half its stage's Adam
+    moments (split over "data" on a dimension the model axis leaves whole), and the three steps
+    are one device's."""
+    cfg = config()
+    cfg.train.shard_optimizer = True
+    got = run(cfg.validate(), make_mesh("data=2,pipe=2,model=2"))
+    assert_close(got["losses"], reference["losses"], what="losses of 3 steps")
+    assert_tree_close(reference["grads"], got["grads"], what="gradient")
+    trainer = make_trainer(cfg.validate(), make_mesh("data=2,pipe=2,model=2"))
+    _, opt = trainer.init_state()
+    kernel = ("layers", "stacked", "mlp", "fc1", "kernel")               # (8, 64, 256)
+    moments = [x for path, x in jax.tree_util.tree_flatten_with_path(opt)[0]
+               if path_keys(path)[-5:] == kernel]
+    assert len(moments) == 2           # Adam's mu and nu
+    for moment in moments:     # 4 layers a stage, 64 rows over "data", 256 columns over "model"
+        assert {s.data.shape for s in moment.addressable_shards} == {(4, 32, 128)}
 
 
 def test_stacked_weights_live_on_their_stage():

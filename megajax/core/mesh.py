@@ -218,8 +218,8 @@ def check_pipeline_fits(cfg, mesh):
             f"multiple of the pipeline stages ({pp})")
     for refused, why in ((not cfg.model.scan_layers, "model.scan_layers = false"),
                          (t.layer_programs, "train.layer_programs"),
-                         (t.shard_optimizer or t.shard_params,
-                          "train.shard_optimizer / shard_params")):
+                         (t.shard_params, "train.shard_params (FSDP; train.shard_optimizer, "
+                                          "ZeRO-1, runs)")):
         if refused:
             raise ConfigError(f"a pipeline (mesh axis pipe={pp}) does not run with {why} yet")
 

@@ -58,6 +58,17 @@ def stage_specs(specs: dict, path: tuple) -> dict:
                                                   is_leaf=lambda x: isinstance(x, P)))
 
 
+def zero_specs(specs: dict, shapes: dict, mesh) -> dict:
+    """ZeRO-1 on a pipeline: the stage-split specs with "data" added where it divides a
+    dimension the other axes leave whole (never the stacked layers' axis, which "pipe"
+    splits), for the optimizer state."""
+    def add(spec, shape):
+        zero = S.data_sharded_spec(shape.shape, spec, mesh.shape[S.DATA], mesh.shape[S.MODEL],
+                                   skip_leading=S.PIPE in tuple(spec))
+        return spec if zero is None else zero
+    return jax.tree.map(add, specs, shapes, is_leaf=lambda x: isinstance(x, P))
+
+
 class Pipeline:
     """The pipelined gradient computation of a Trainer on a mesh with a "pipe" axis."""
 

@@ -32,7 +32,7 @@ from megajax.training.data_parallel import DataParallel
 from megajax.training.layer_programs import LayerProgramStep
 from megajax.training.loss_scale import around, scaled, uses_loss_scaling
 from megajax.training.optimizer import lr_schedule, make_optimizer
-from megajax.training.pipeline import Pipeline, stage_specs
+from megajax.training.pipeline import Pipeline, stage_specs, zero_specs
 from megajax.training.trainable import trained, with_trained
 
 
@@ -254,10 +254,14 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     opt_shapes = jax.eval_shape(tx.init, trained(cfg, modeldef.abstract_params()))
     if mesh.shape.get(S.PIPE, 1) > 1:
         pipeline = Pipeline(cfg, mesh, modeldef)
-        shardings = S.param_shardings(mesh, stage_specs(modeldef.specs(), pipeline.path))
+        specs = stage_specs(modeldef.specs(), pipeline.path)
+        shardings = S.param_shardings(mesh, specs)
+        # ZeRO-1: Adam's state split over "data" by its shardings; GSPMD slices the gradients
+        # for the update and all-gathers the updated weights
+        held = S.param_shardings(mesh, zero_specs(specs, modeldef.abstract_params(), mesh)
+                                 ) if cfg.train.shard_optimizer else shardings
         return Trainer(cfg, mesh, task, modeldef, tx, shardings,
-                       _opt_shardings(opt_shapes, trained(cfg, shardings), mesh),
-                       pipeline=pipeline)
+                       _opt_shardings(opt_shapes, trained(cfg, held), mesh), pipeline=pipeline)
     shardings = S.param_shardings(mesh, modeldef.specs())
     if not (cfg.train.shard_optimizer or cfg.train.shard_params):
         return Trainer(cfg, mesh, task, modeldef, tx, shardings,
