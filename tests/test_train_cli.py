@@ -670,3 +670,17 @@ def test_a_sequence_parallel_run_samples_and_evaluates(tmp_path):
                                                     or many.model.layout.sequence_parallel)
     a, b = (perplexity_of_tokens(x.model, tokens, 16, 8) for x in (one, many))
     assert abs(a["loss"] - b["loss"]) <= F32 * a["loss"]
+
+
+def test_more_simulated_devices_than_xla_cpu_compiles_for_is_one_line(tmp_path):
+    """XLA:CPU takes simulated devices past 2048 for other processes and refuses to compile
+    over them: one line naming the way out, exit 2, nothing written."""
+    e = env()
+    e["XLA_FLAGS"] = e["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "tiny",
+                        "--host-devices", "3072", "--mesh", "model=1", "--set",
+                        "train.batch_size=3072", "--dry-run", "--workdir", str(tmp_path / "w")],
+                       capture_output=True, text=True, env=e, cwd=ROOT, timeout=240)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr[-2000:]
+    assert "simulate fewer with --host-devices" in p.stderr
+    assert not (tmp_path / "w").exists()

@@ -91,6 +91,11 @@ FILE_SYSTEM_ERRNOS = frozenset(
                                 errno.ENAMETOOLONG, errno.ESTALE})
 
 
+# what XLA:CPU says of a program over more simulated devices than one process runs (it takes the
+# devices past 2048 for other processes')
+SIMULATED_TOO_MANY = "Multiprocess computations aren't implemented on the CPU backend"
+
+
 def failed(e: Exception, memory_hint: str) -> int:
     """A program's exit status for an exception nothing below handled. Running out of host memory
     (MemoryError) or a device's (XLA's RESOURCE_EXHAUSTED), which the user fixes with
@@ -100,6 +105,10 @@ def failed(e: Exception, memory_hint: str) -> int:
     if device or isinstance(e, MemoryError):
         status = fail(
             f"out of {'device' if device else 'host'} memory ({first_line(e, 200)}): {memory_hint}")
+    elif SIMULATED_TOO_MANY in str(e) and process_count() == 1:
+        status = fail("XLA's CPU backend compiles no program over this many simulated devices in "
+                      "one process (more than 2048 here): simulate fewer with --host-devices, "
+                      "e.g. one data replica of the mesh (data=1: the same memory per device)")
     elif (code := os_error_code(e)) in FILE_SYSTEM_ERRNOS:
         where = (f": {e.filename}" if getattr(e, "filename", None) else
                  "" if isinstance(e, OSError) else f" ({type(e).__name__}: {first_line(e, 160)})")
