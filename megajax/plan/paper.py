@@ -125,7 +125,7 @@ def windows_table(windows: dict | None = None) -> str:
     return "\n".join(rows)
 
 
-def _bisect(f, lo: float, hi: float, steps: int = 50) -> float:
+def bisect(f, lo: float, hi: float, steps: int = 50) -> float:
     """x in [lo, hi] where the increasing function f crosses zero."""
     for _ in range(steps):
         mid = (lo + hi) / 2
@@ -143,13 +143,13 @@ def calibrate() -> tuple[float, float]:
 
     def weak_scaling_gap(overhead):    # falls as the overhead grows: negated for the bisection
         timing.LAYER_OVERHEAD_SECONDS = overhead
-        timing.MATMUL_EFFICIENCY = _bisect(baseline_gap, 0.05, 1.0, steps=25)
+        timing.MATMUL_EFFICIENCY = bisect(baseline_gap, 0.05, 1.0, steps=25)
         return (PAPER["model_parallel"][3]
                 - 100 * tflops_per_gpu(CONFIGS[3], 1, 8) / PAPER["baseline_tflops"])
 
     saved = timing.MATMUL_EFFICIENCY, timing.LAYER_OVERHEAD_SECONDS
     try:
-        overhead = _bisect(weak_scaling_gap, 0.0, 0.05, steps=22)
+        overhead = bisect(weak_scaling_gap, 0.0, 0.05, steps=22)
         weak_scaling_gap(overhead)
         return timing.MATMUL_EFFICIENCY, overhead
     finally:

@@ -21,6 +21,7 @@ from megajax.analytic import paper_flops
 from megajax.config import Config, ModelConfig, TrainConfig
 from megajax.hardware import BUILTIN, Hardware
 from megajax.plan import timing
+from megajax.plan.paper import bisect
 from megajax.plan.timing import step_time
 from megajax.plan.volumes import step_shape
 
@@ -98,14 +99,6 @@ def table() -> str:
     return "\n".join(out)
 
 
-def _bisect(f, lo: float, hi: float, steps: int = 40) -> float:
-    """x in [lo, hi] where the increasing function f crosses zero."""
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
-    return (lo + hi) / 2
-
-
 def calibrate() -> float:
     """MATMUL_EFFICIENCY_2021 that reproduces CALIBRATED_ON's row (the 1.7B model, no tensor or
     pipeline parallelism: its step is the matmuls and the elementwise passes)."""
@@ -117,6 +110,6 @@ def calibrate() -> float:
 
     saved = timing.MATMUL_EFFICIENCY_2021
     try:
-        return _bisect(gap, 0.05, 1.0)
+        return bisect(gap, 0.05, 1.0, steps=40)
     finally:
         timing.MATMUL_EFFICIENCY_2021 = saved
