@@ -251,7 +251,8 @@ def model_axis_minimum(x: StepShape) -> int:
 
 # --- communication over "data" ----------------------------------------------------------------
 def data_axis_minimum(scheme: str, n: int, microbatches: int, split: int, whole: int,
-                      layers: int = 0, layers_read: int = 0) -> dict[str, float]:
+                      layers: int = 0, layers_read: int = 0,
+                      outside_once: bool = False) -> dict[str, float]:
     """Elements each device sends over "data" per step (ring algorithms) at the minimum of its
     data-parallel scheme, from the elements of its model shard of the parameters: `split` over
     "data" by ZeRO/FSDP (a dimension divides), `whole` (none does), and of the split ones those
@@ -260,7 +261,9 @@ def data_axis_minimum(scheme: str, n: int, microbatches: int, split: int, whole:
       zero   the split part reduce-scattered and all-gathered once, the rest all-reduced;
       fsdp   per microbatch the layers' split weights gathered and every split gradient
              reduce-scattered; the other split weights gathered once per step; `regather`:
-             the gathers again of the weights the backward pass reads, per layer and microbatch."""
+             the gathers again of the weights the backward pass reads, per layer and microbatch;
+             `outside_once` (a pipeline's, which sums the gradients of the weights outside the
+             layers over its ticks): those reduce-scattered once per step too."""
     if scheme not in DATA_SCHEMES:
         raise ValueError(
             f"a data-parallel scheme is one of {', '.join(DATA_SCHEMES)}, got {scheme!r}")
@@ -272,7 +275,8 @@ def data_axis_minimum(scheme: str, n: int, microbatches: int, split: int, whole:
     if scheme == "zero":
         return {"gradients": gather * split + reduce * whole, "params": gather * split,
                 "regather": 0.0}
-    return {"gradients": mb * gather * split + reduce * whole,
+    outside = gather * (split - layers) * (1 if outside_once else mb)
+    return {"gradients": mb * gather * layers + outside + reduce * whole,
             "params": mb * gather * layers + gather * (split - layers),
             "regather": mb * gather * layers_read}
 

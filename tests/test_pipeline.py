@@ -39,7 +39,7 @@ def replay(t: schedules.Table):
     """Check a table independently of how it was built: each (virtual stage, microbatch) runs
     forward once and backward once, each after what it needs, and every input it reads is the
     one that arrived in its slot (and was not overwritten since)."""
-    p, v, last = t.stages, t.chunks, t.stages * t.chunks - 1
+    p, last = t.stages, t.stages * t.chunks - 1
     ran, acts, grads = {}, [{} for _ in range(p)], [{} for _ in range(p)]
     for tick, row in enumerate(t.ticks):
         for s, (kind, chunk, micro, act, grad) in enumerate(row):
@@ -93,9 +93,9 @@ def test_pipeline_sizes_are_checked():
     with pytest.raises(ConfigError, match="num_layers=3 is not divisible by the pipeline's 2"):
         make_trainer(tiny_config(num_layers=3), mesh)
     cfg = config()
-    cfg.train.shard_params = True
-    with pytest.raises(ConfigError, match="does not run with train.shard_params"):
-        make_trainer(cfg, mesh)
+    cfg.model.scan_layers = False
+    with pytest.raises(ConfigError, match="does not run with model.scan_layers = false"):
+        make_trainer(cfg.validate(), mesh)
     with pytest.raises(ValueError, match="axes are 'data', 'pipe' and 'model'"):
         make_mesh("stage=2")
 
@@ -112,7 +112,7 @@ def run(cfg, mesh):
     def step(params, opt, batch, i):
         metrics, grads = trainer.gradients(params, batch, trainer.step_key(i))
         return *trainer.apply_gradients(params, opt, grads, metrics, i), grads
-    losses = []
+    losses, grads = [], None
     for i in range(3):
         params, opt, m, g = step(params, opt, tokens, jnp.int32(i))
         losses.append(float(m["loss"]))
@@ -169,23 +169,35 @@ def test_pipelined_llama_gradients_match_single_device():
     assert_tree_close(want, got, what="gradient")
 
 
-def test_zero_1_on_stages_splits_adams_state_and_matches_single_device(reference):
-    """train.shard_optimizer on data=2,pipe=2,model=2: each device holds half its stage's Adam
-    moments (split over "data" on a dimension the model axis leaves whole), and the three steps
-    are one device's."""
+@pytest.mark.parametrize("scheme", ["shard_optimizer", "shard_params"])
+def test_sharded_data_parallelism_on_stages_matches_single_device(reference, scheme):
+    """ZeRO-1 and FSDP on data=2,pipe=2,model=2: each device holds half its stage's Adam
+    moments (FSDP: and weights), split over "data" on a dimension the model axis leaves whole;
+    the three steps are one device's; and the compiled step moves over "data" exactly its
+    scheme's minimum: ZeRO-1 one reduce-scatter of the gradients summed over the step's
+    microbatches and one all-gather of the updated weights, FSDP each layer's gathers and
+    gradient reduce-scatters per microbatch."""
     cfg = config()
-    cfg.train.shard_optimizer = True
-    got = run(cfg.validate(), make_mesh("data=2,pipe=2,model=2"))
+    setattr(cfg.train, scheme, True)
+    mesh = make_mesh("data=2,pipe=2,model=2")
+    got = run(cfg.validate(), mesh)
     assert_close(got["losses"], reference["losses"], what="losses of 3 steps")
     assert_tree_close(reference["grads"], got["grads"], what="gradient")
-    trainer = make_trainer(cfg.validate(), make_mesh("data=2,pipe=2,model=2"))
-    _, opt = trainer.init_state()
+    trainer = make_trainer(cfg.validate(), mesh)
+    params, opt = trainer.init_state()
     kernel = ("layers", "stacked", "mlp", "fc1", "kernel")               # (8, 64, 256)
-    moments = [x for path, x in jax.tree_util.tree_flatten_with_path(opt)[0]
-               if path_keys(path)[-5:] == kernel]
-    assert len(moments) == 2           # Adam's mu and nu
-    for moment in moments:     # 4 layers a stage, 64 rows over "data", 256 columns over "model"
-        assert {s.data.shape for s in moment.addressable_shards} == {(4, 32, 128)}
+    held = [x for path, x in jax.tree_util.tree_flatten_with_path((params, opt))[0]
+            if path_keys(path)[-5:] == kernel]
+    assert len(held) == 3              # the weight, Adam's mu and nu
+    for i, x in enumerate(held):  # 4 layers a stage, 64 rows over "data", 256 columns / "model"
+        split = i > 0 or scheme == "shard_params"
+        assert {s.data.shape for s in x.addressable_shards} == {(4, 32 if split else 64, 128)}
+    audit = audit_hlo(trainer.lower_step().compile().as_text(), cfg, (2, 2, 2), trainer=trainer)
+    assert audit.data_scheme == {"shard_optimizer": "zero", "shard_params": "fsdp"}[scheme]
+    assert audit.data_axis_ratio == pytest.approx(1.0, abs=1e-9)
+    if scheme == "shard_optimizer":
+        reduced = audit.select(axis="data", origin="gradients", kind="reduce-scatter")
+        assert reduced and all(c.count == 1 for c in reduced)
 
 
 def test_stacked_weights_live_on_their_stage():

@@ -79,10 +79,14 @@ def test_memory_within_ten_percent_of_the_compiled_step(name, dp, tp, sets):
     assert predicted == pytest.approx(compiled_peak(name, dp, tp, sets), rel=MEMORY_TOLERANCE)
 
 
-def test_pipelined_memory_within_ten_percent_of_the_compiled_step():
-    """Two stages of 12 layers, each split over model=2, two data shards: the stage's state,
-    the 1F1B schedule's stage inputs and the backward tick's recomputed stage."""
-    cfg = load_config("gpt2_355m", [F32, "train.microbatches=8", "train.batch_size=32"])
+@pytest.mark.parametrize("sets", [[], ["model.num_layers=8", "train.shard_optimizer=true"],
+                                  ["model.num_layers=8", "train.shard_params=true"]],
+                         ids=["plain", "zero", "fsdp"])
+def test_pipelined_memory_within_ten_percent_of_the_compiled_step(sets):
+    """Two stages, each split over model=2, two data shards: the stage's state (with ZeRO-1 its
+    Adam moments, with FSDP its weights too, split over "data"), the 1F1B schedule's stage
+    inputs and the backward tick's recomputed stage."""
+    cfg = load_config("gpt2_355m", [F32, "train.microbatches=8", "train.batch_size=32", *sets])
     compiled = make_trainer(cfg, make_mesh("data=2,pipe=2,model=2")).lower_step().compile()
     predicted = memory_bytes(cfg, 2, 2, backend="cpu", pp=2)["total"]
     assert predicted == pytest.approx(step_memory(compiled)["step_peak_bytes"],

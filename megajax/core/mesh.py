@@ -217,9 +217,7 @@ def check_pipeline_fits(cfg, mesh):
             f"the interleaved schedule needs train.microbatches ({t.microbatches}) to be a "
             f"multiple of the pipeline stages ({pp})")
     for refused, why in ((not cfg.model.scan_layers, "model.scan_layers = false"),
-                         (t.layer_programs, "train.layer_programs"),
-                         (t.shard_params, "train.shard_params (FSDP; train.shard_optimizer, "
-                                          "ZeRO-1, runs)")):
+                         (t.layer_programs, "train.layer_programs")):
         if refused:
             raise ConfigError(f"a pipeline (mesh axis pipe={pp}) does not run with {why} yet")
 

@@ -18,7 +18,8 @@ at its peak:
     from) and the vocab-parallel logits: float32 logits and their 16-bit gradient for 16-bit
     models on an accelerator (`precision.logits_product`), else float32 logits, their
     exponentials and their gradient (XLA:CPU's plan of gpt2_8.3b);
-  - FSDP: one layer's gathered weights and the weights outside the layers, gathered.
+  - FSDP: one layer's gathered weights and the weights outside the layers, gathered (on a
+    pipeline, with their gradients summed whole over the step: training/pipeline.py).
 
 `backend="gpu"` (the default: the planner's hardware) predicts XLA:GPU's plan, checked against
 the plans compiled on an H200 (tests/test_plan.py); `backend="cpu"` XLA:CPU's, checked against
@@ -194,7 +195,9 @@ def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu", pp: int = 
     logits = logit_bytes(cfg, backend) * b * task.head_rows(cfg) * m.padded_vocab // tp
     gathered = 0
     if t.shard_params and dp > 1:
-        gathered = 4 * (st.layers // L + st.nonlayer_shard)
+        gathered = 4 * (st.layers // (L // pp) + st.nonlayer_shard)
+        if pp > 1:     # a pipeline sums those weights' gradients whole over its ticks
+            gathered += 4 * st.nonlayer_shard
     kept = kept_activation_bytes(cfg, dp, tp, backend)
     if pp > 1:
         slots = pipeline_slots(cfg, pp)

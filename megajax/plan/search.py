@@ -75,7 +75,7 @@ def model_sizes(cfg: Config, devices: int) -> list[int]:
 
 def stage_counts(cfg: Config, devices: int, tp: int, pipelines: bool = True) -> list[int]:
     """Pipeline stages a plan may have: dividing the layers and the devices left by tp. (A
-    pipeline runs with plain data parallelism and a scanned stack: core/mesh.py's rules.)"""
+    pipeline runs with a scanned stack: core/mesh.py's rules.)"""
     if not pipelines or not cfg.model.scan_layers or cfg.train.layer_programs:
         return [1]
     return [p for p in range(1, cfg.model.num_layers + 1)
@@ -99,7 +99,7 @@ def candidates(cfg: Config, devices: int, schemes=tuple(SCHEMES), pipelines: boo
                 for remat, sp, scheme in itertools.product(("none", "selective", "full"),
                                                            (False, True), schemes):
                     if ((sp and (tp == 1 or cfg.model.seq_len % tp))
-                            or (scheme != "plain" and (dp == 1 or pp > 1))):
+                            or (scheme != "plain" and dp == 1)):
                         continue
                     yield dp, tp, pp, per_shard // rows, remat, sp, scheme
 

@@ -45,7 +45,7 @@ def data_axis_sent(cfg: Config, dp: int, tp: int, pp: int = 1,
     t, st = cfg.train, state_split(cfg, dp, tp, pp)
     scheme = "fsdp" if t.shard_params else "zero" if t.shard_optimizer else "plain"
     sent = analytic.data_axis_minimum(scheme, dp, t.microbatches, st.split, st.whole, st.layers,
-                                      st.layers_read)
+                                      st.layers_read, outside_once=pp > 1)
     if scheme == "plain" and not once_per_step:
         sent["gradients"] *= t.microbatches
     return sent

@@ -6,21 +6,15 @@ from the program XLA compiled (tools/hlo.py reads it) against the analytic minim
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter, defaultdict
 
-import jax
-
 from megajax.analytic import StepShape, model_axis_minimum, remat_extra_elements
-from megajax.analytic import data_axis_minimum as data_axis_sent_minimum
-from megajax.core.attention import copied_weights
 from megajax.core.mesh import mesh_sizes
 from megajax.core.sharding import DATA, MODEL, param_shardings
-from megajax.models.registry import path_keys
 from megajax.tasks import task_for
+from megajax.tools.data_axis import data_axis_minimum
 from megajax.tools.hlo import Collective, parse_collectives, program_order
 from megajax.tools.pipeline_audit import PipelineSends, pipeline_sends
-from megajax.training.data_parallel import NONE
 from megajax.training.memory import per_device_elements
 from megajax.training.step import make_trainer
 
@@ -108,8 +102,14 @@ class AuditResult:
         factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1}
         # over both axes (LoRA's replicated factors) at the data axis's share
         origins = (origin, "adapter_gradients") if origin == "gradients" else (origin,)
-        return round(sum(factor.get(c.kind, 1) * c.elements * c.count for c in self.collectives
+        return round(sum(factor.get(c.kind, 1) * c.elements * c.count / self._stages_counted(c)
+                         for c in self.collectives
                          if DATA in c.axis.split("+") and c.origin in origins))
+
+    def _stages_counted(self, c: Collective) -> int:
+        """A pipeline's stage actions are counted summed over its stages (tools/hlo.py): a
+        device runs 1/p of them."""
+        return self.pipeline.stages if self.pipeline and "pipeline_stage" in c.op_name else 1
 
     @property
     def data_axis_min(self) -> float:
@@ -120,7 +120,8 @@ class AuditResult:
         """FSDP's gathers of a layer's weights again for the backward pass, counted as found
         (in an unrolled stack XLA may merge them with the forward's, keeping the weights)."""
         n = self.mesh_shape[0]
-        return round(sum((n - 1) / n * c.elements * c.count for c in self.collectives
+        return round(sum((n - 1) / n * c.elements * c.count / self._stages_counted(c)
+                         for c in self.collectives
                          if c.axis == DATA and c.origin == "params" and c.direction == "recompute"))
 
     @property
@@ -146,7 +147,8 @@ class AuditResult:
                     "of the updated parameters per step, the bytes of one all-reduce")
         else:
             what = ("FSDP: per layer and microbatch an all-gather of its weights and a "
-                    "reduce-scatter of its gradients, the other weights gathered once per step")
+                    "reduce-scatter of its gradients, the other weights gathered once per step"
+                    + (" and their gradients reduce-scattered once" if self.pipeline else ""))
             if self.data_axis_regathered:
                 least += self.data_axis_regathered
                 what += (f"; with the {self.data_axis_regathered:,} of the weights the backward "
@@ -222,8 +224,10 @@ class AuditResult:
         lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
         lines.append("")
         if self.pipeline is not None:   # per layer: the stages' executions summed
+            data = [self.data_axis_line()] if self.mesh_shape[0] > 1 and self.data_axis_minimum \
+                else []
             return "\n".join(lines + [self._per_layer_line(k) for k in self._kinds()]
-                             + self.pipeline.lines())
+                             + self.pipeline.lines() + data)
         for kind in self._kinds():
             lines.append(self._per_layer_line(kind))
         scheme = "sequence-parallel " if self.sequence_parallel else ""
@@ -279,47 +283,6 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
     hlo = trainer.lower_step().compile().as_text()
     shape = tuple(mesh_sizes(trainer.mesh).values())
     return audit_hlo(hlo, cfg, shape, verbose=verbose, trainer=trainer)
-
-
-def data_axis_minimum(trainer) -> tuple[str, dict]:
-    """(scheme, {origin: elements each device sends per step}) at the minimum of the run's
-    data-parallel scheme (analytic.data_axis_minimum), from a device's model shard of the
-    trained weights (with LoRA the adapters'; FSDP gathers every split weight)."""
-    scheme, trained = _scheme_minimum(trainer, trainer.trained)
-    if scheme == "fsdp" and trainer.cfg.model.lora_rank:
-        every = _scheme_minimum(trainer, lambda tree: tree)[1]
-        trained = {**trained, "params": every["params"], "regather": every["regather"]}
-    return scheme, trained
-
-
-def _scheme_minimum(trainer, part) -> tuple[str, dict]:
-    n, m = trainer.mesh.shape[DATA], trainer.cfg.train.microbatches
-    shapes = part(trainer.modeldef.abstract_params())
-    local = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)), shapes,
-                         part(param_shardings(trainer.mesh, trainer.modeldef.specs())))
-    dp = trainer.data_parallel
-    if dp is None:
-        # A weight held in copies over "model" has its gradient reduced over "data" on the share
-        # each device computes, before the copies are made whole.
-        copied = copied_weights(trainer.cfg.model, trainer.mesh.shape[MODEL])
-        local = jax.tree_util.tree_map_with_path(
-            lambda p, size: size // copied.get(path_keys(p)[-1], 1), local)
-        return "plain", data_axis_sent_minimum("plain", n, m, 0, sum(jax.tree.leaves(local)))
-    split = whole = layers = layers_read = 0
-    for (path, size), d in zip(jax.tree_util.tree_flatten_with_path(local)[0],
-                               jax.tree.leaves(part(dp.dims))):
-        keys = path_keys(path)
-        if d == NONE:
-            whole += size
-            continue
-        split += size
-        if keys[0] == "layers":
-            layers += size
-            if keys[-1].endswith("kernel") or keys[
-                -1] == "scale" or trainer.cfg.model.remat == "full":
-                layers_read += size
-    scheme = "fsdp" if dp.fsdp else "zero"
-    return scheme, data_axis_sent_minimum(scheme, n, m, split, whole, layers, layers_read)
 
 
 def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, trainer=None) -> AuditResult:

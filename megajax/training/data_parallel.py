@@ -20,6 +20,10 @@ the data axis divides (`sharding.data_sharded_spec`; with FSDP never the stacked
 axis); one with no such dimension (with FSDP, a column-parallel bias of a stacked layer, say)
 stays whole on every data shard, its gradient all-reduced once per step.
 `DataParallel.whole` lists them.
+
+On a mesh with pipeline stages the same split runs inside the pipeline's shard_map, manual
+over "pipe" and "data" (megajax/training/pipeline.py): `stages` gives the weights' specs with
+the stacked layers' axis split over "pipe", which "data" then never splits.
 """
 from __future__ import annotations
 
@@ -57,9 +61,12 @@ class DataParallel:
     whole: list            # paths of the weights no dimension of which "data" divides
     manual: ModelDef       # the model as each data shard runs it
     model_specs: dict      # params dict of the weights' own PartitionSpecs (the model axis's split)
+    # the weights' specs between steps without "data" (with stages: the layers over "pipe")
+    held_specs: dict
 
     @classmethod
-    def build(cls, cfg, mesh, modeldef: ModelDef) -> "DataParallel":
+    def build(cls, cfg, mesh, modeldef: ModelDef, stages: dict | None = None) -> "DataParallel":
+        """`stages`: on a pipeline, the stage-split specs (pipeline.stage_specs)."""
         dp = mesh.shape[S.DATA]
         specs, shapes = modeldef.specs(), modeldef.abstract_params()
         whole, layer_dims = [], {}
@@ -70,11 +77,12 @@ class DataParallel:
         def pick(path, shape, spec):
             keys = path_keys(path)
             layer = _layer_path(keys)
-            # FSDP gathers a layer at a time: not its axis
+            # FSDP gathers a layer at a time, and a pipeline splits the layers over "pipe":
+            # not their axis
             stacked = layer is not None and layer[1] == 1
             zero = None if keys[-1] in copied else S.data_sharded_spec(
                 shape.shape, spec, dp, mesh.shape[S.MODEL],
-                skip_leading=stacked and cfg.train.shard_params)
+                skip_leading=stacked and (cfg.train.shard_params or stages is not None))
             if zero is None:
                 whole.append("/".join(keys))
                 return NONE
@@ -84,28 +92,30 @@ class DataParallel:
             return dim
 
         dims = jax.tree_util.tree_map_with_path(pick, shapes, specs)
+        held = specs if stages is None else stages
         sharded = jax.tree.map(
             lambda d, spec, x: NamedSharding(mesh, _with_data(spec, d, len(x.shape))),
-            dims, specs, shapes, is_leaf=lambda x: isinstance(x, P))
+            dims, held, shapes, is_leaf=lambda x: isinstance(x, P))
         layout = S.Layout.for_model(mesh, cfg.model, data_manual=True,
+                                    pipe_manual=stages is not None,
                                     fsdp_layer_dims=tuple(sorted(layer_dims.items()))
                                     if cfg.train.shard_params else ())
         return cls(cfg, mesh, dims, sharded, whole, ModelDef(abstract_model(cfg.model, layout)),
-                   specs)
+                   specs, held)
 
     @property
     def fsdp(self) -> bool:
         return self.cfg.train.shard_params
 
     # -- inside the data-manual shard_map --------------------------------------------------
-    def _data_spec(self, d: int, ndim: int) -> P:
+    def data_spec(self, d: int, ndim: int) -> P:
         """The manual ("data") part of a sharded weight's spec: the model axis is GSPMD's."""
         return P(*(S.DATA if i == d else None for i in range(ndim))) if d != NONE else P()
 
     def _is_layer(self, path) -> bool:
         return _layer_path(path_keys(path)) is not None
 
-    def _gather_outside_layers(self, params):
+    def gather_outside_layers(self, params):
         """FSDP: the weights outside the layer stack, all-gathered over "data" inside each
         microbatch's gradient (loop-invariant: XLA hoists them out of the accumulation loop, so
         once per step), their gradients reduce-scattered per microbatch by the transposes."""
@@ -117,7 +127,7 @@ class DataParallel:
 
     def _objective(self, params, batch, key, loss_scale=None):
         if self.fsdp:
-            params = self._gather_outside_layers(params)
+            params = self.gather_outside_layers(params)
         return scaled(self.manual.bind(params).objective(batch, key=key), loss_scale)
 
     def _local(self, params, batch, key, loss_scale):
@@ -150,9 +160,9 @@ class DataParallel:
         metrics, grads = jax.tree.map(lambda x: x / m, total)
         with jax.named_scope("metrics_all_reduce"):
             metrics = jax.lax.psum(metrics, S.DATA)   # each shard's share of the global means
-        return metrics, self._reduce(grads)
+        return metrics, self.reduce(grads)
 
-    def _reduce(self, grads):
+    def reduce(self, grads):
         """Each gradient's one data-axis reduction per step: a reduce-scatter into its slice, an
         all-reduce where no dimension divides; FSDP's split weights arrive reduced already
         (the transpose of their gathers). Manual over "model" too: each device reduces its own
@@ -177,7 +187,7 @@ class DataParallel:
     def gradients(self, params, batch, key, loss_scale=None):
         """(metrics, gradients), the gradients split over "data" like the optimizer state (of
         the loss times `loss_scale`, if given)."""
-        specs = jax.tree.map(lambda d, x: self._data_spec(d, x.ndim), self.dims, params)
+        specs = jax.tree.map(lambda d, x: self.data_spec(d, x.ndim), self.dims, params)
         held = specs if self.fsdp else jax.tree.map(lambda _: P(), params)
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=(held, P(S.DATA), P(), P()),
                            out_specs=(P(), trained(self.cfg, specs)), axis_names={S.DATA},
@@ -199,7 +209,7 @@ class DataParallel:
                                     params, dims)
         sharded = trained(self.cfg, jax.tree.map(lambda s: s.spec, self.sharded))
         return jax.shard_map(gather, mesh=self.mesh, in_specs=(sharded,),
-                             out_specs=trained(self.cfg, self.model_specs),
+                             out_specs=trained(self.cfg, self.held_specs),
                              check_vma=False)(params)
 
     def describe(self) -> str:

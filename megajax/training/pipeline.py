@@ -19,6 +19,13 @@ point (`ppermute`). A stage keeps only its inputs between a microbatch's forward
 stack (embeddings, final norm, heads) are held by every stage; the first stage's and the last
 stage's gradients of them (the tied embedding's two uses) are summed over "pipe" once a step,
 as Megatron-LM all-reduces its embedding group's.
+
+With ZeRO-1 or FSDP (a `DataParallel` given) the shard_map is manual over "data" too: each
+data shard runs its own rows through the stages and keeps its partial gradients until the
+step's end, where ZeRO-1 reduce-scatters them once into the optimizer state's slices; FSDP's
+layers gather their weights over "data" as they run (in forward and backward ticks) and
+reduce-scatter their gradients through the gathers' transposes
+(megajax/training/data_parallel.py).
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from megajax import schedules
 from megajax.core import sharding as S
 from megajax.core.stack import split_at_stack
 from megajax.models.registry import ModelDef, abstract_model, path_keys
+from megajax.training.data_parallel import DataParallel
 from megajax.training.layer_programs import get_path, replace_path, stack_of
 from megajax.training.loss_scale import scaled
 from megajax.training.trainable import trained
@@ -58,29 +66,21 @@ def stage_specs(specs: dict, path: tuple) -> dict:
                                                   is_leaf=lambda x: isinstance(x, P)))
 
 
-def zero_specs(specs: dict, shapes: dict, mesh) -> dict:
-    """ZeRO-1 on a pipeline: the stage-split specs with "data" added where it divides a
-    dimension the other axes leave whole (never the stacked layers' axis, which "pipe"
-    splits), for the optimizer state."""
-    def add(spec, shape):
-        zero = S.data_sharded_spec(shape.shape, spec, mesh.shape[S.DATA], mesh.shape[S.MODEL],
-                                   skip_leading=S.PIPE in tuple(spec))
-        return spec if zero is None else zero
-    return jax.tree.map(add, specs, shapes, is_leaf=lambda x: isinstance(x, P))
-
-
 class Pipeline:
     """The pipelined gradient computation of a Trainer on a mesh with a "pipe" axis."""
 
-    def __init__(self, cfg, mesh, modeldef: ModelDef):
+    def __init__(self, cfg, mesh, modeldef: ModelDef, data_parallel: DataParallel | None = None):
         t = cfg.train
-        self.cfg, self.mesh = cfg, mesh
+        self.cfg, self.mesh, self.data_parallel = cfg, mesh, data_parallel
         self.p, self.v, self.m = mesh.shape[S.PIPE], t.pipeline_chunks, t.microbatches
         self.table = schedules.build(t.pipeline_schedule, self.p, self.m, self.v)
         self.per_chunk = cfg.model.num_layers // (self.p * self.v)
         self.path = stack_path(modeldef)
-        layout = S.Layout.for_model(mesh, cfg.model, pipe_manual=True)
-        self.manual = ModelDef(abstract_model(cfg.model, layout))
+        if data_parallel is not None:
+            self.manual = data_parallel.manual
+        else:
+            layout = S.Layout.for_model(mesh, cfg.model, pipe_manual=True)
+            self.manual = ModelDef(abstract_model(cfg.model, layout))
         ring = self.v > 1         # interleaved: the last stage's chunk feeds the first's next
         hops = range(self.p) if ring else range(self.p - 1)
         self.forward_pairs = [(s, (s + 1) % self.p) for s in hops]
@@ -111,6 +111,18 @@ class Pipeline:
     # -- the model's parts --------------------------------------------------------------
     def _full(self, rest, stacked):
         return replace_path(rest, self.path, stacked)
+
+    def _gathered_rest(self, rest, stacked):
+        """(the weights outside the stack as the stages use them, the map of their gradients
+        back): FSDP gathers them over "data" once per step, before the ticks, and the
+        transpose reduce-scatters their gradients summed over the step (the layers gather
+        their own weights as they run)."""
+        dp = self.data_parallel
+        if dp is None or not dp.fsdp:
+            return rest, lambda g: g
+        gathered, transpose = jax.vjp(lambda r: replace_path(
+            dp.gather_outside_layers(self._full(r, stacked)), self.path, None), rest)
+        return gathered, lambda g: transpose(g)[0]
 
     def _pre(self, rest, stacked, mb, key):
         """The model up to its stack: (stack input, (the layers' dropout keys, mask))."""
@@ -217,9 +229,13 @@ class Pipeline:
         """One stage's share of the step: (metrics, gradients), summed over the microbatches."""
         stage = jax.lax.axis_index(S.PIPE)
         stacked, rest = get_path(params, self.path), replace_path(params, self.path, None)
-        micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-            x.reshape(x.shape[0] // self.m, self.m, *x.shape[1:]).swapaxes(0, 1),
-            P(None, S.DATA)), batch)
+        rest, rest_gradients = self._gathered_rest(rest, stacked)
+        # Microbatch j: the rows j, j+m, ... of the batch (of this data shard's, when "data" is
+        # manual: the same rows as the GSPMD split gives it)
+        micro = jax.tree.map(
+            lambda x: x.reshape(x.shape[0] // self.m, self.m, *x.shape[1:]).swapaxes(0, 1), batch)
+        if self.data_parallel is None:
+            micro = jax.lax.with_sharding_constraint(micro, P(None, S.DATA))
 
         def microbatch(i):
             mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
@@ -258,24 +274,47 @@ class Pipeline:
         (_, _, (d_rest, d_stack, metrics)), _ = jax.lax.scan(tick, carry, self._table())
         with jax.named_scope("pipeline_gradient_sum"):
             d_rest, metrics = jax.lax.psum((d_rest, metrics), S.PIPE)
+        d_rest = rest_gradients(d_rest)
         grads = replace_path(d_rest, self.path, d_stack)
         metrics, grads = jax.tree.map(lambda x: x / self.m, (metrics, grads))
-        return metrics, trained(self.cfg, grads)
+        grads = trained(self.cfg, grads)
+        if self.data_parallel is not None:
+            with jax.named_scope("metrics_all_reduce"):
+                metrics = jax.lax.psum(metrics, S.DATA)   # each shard's share of the means
+            grads = self.data_parallel.reduce(grads)      # once per step
+        return metrics, grads
 
-    def specs(self, params) -> dict:
-        """The manual ("pipe") part of each weight's spec."""
-        stacked = get_path(params, self.path)
-        return replace_path(jax.tree.map(lambda _: P(), params), self.path,
-                            jax.tree.map(lambda _: P(S.PIPE), stacked))
+    def specs(self, params, held: bool = True) -> dict:
+        """The manual part of each weight's spec: "pipe" on the stacked layers' axis, and with
+        ZeRO-1 / FSDP "data" on the dimension it splits (`held`: as the weights are held
+        between steps, split only under FSDP; else as the gradients leave the step, split
+        under both)."""
+        dp = self.data_parallel
+        if dp is None:
+            specs = jax.tree.map(lambda _: P(), params)
+        elif held and not dp.fsdp:
+            specs = jax.tree.map(lambda _: P(), params)
+        else:
+            specs = jax.tree.map(lambda d, x: dp.data_spec(d, x.ndim), dp.dims, params)
+        return replace_path(specs, self.path, jax.tree.map(
+            lambda s: P(S.PIPE, *tuple(s)[1:]), get_path(specs, self.path),
+            is_leaf=lambda x: isinstance(x, P)))
 
     def gradients(self, params, batch, key, loss_scale=None):
         """(metrics, gradients): means over the step's microbatches, the stacked layers'
-        gradients split over "pipe" like their weights."""
-        specs = self.specs(params)
-        fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=(specs, P(), P(), P()),
-                           out_specs=(P(), trained(self.cfg, specs)), axis_names={S.PIPE},
-                           check_vma=False)
-        return fn(params, batch, key, loss_scale)
+        gradients split over "pipe" like their weights (and over "data" like the optimizer
+        state, with ZeRO-1 / FSDP)."""
+        dp = self.data_parallel
+        manual = {S.PIPE} if dp is None else {S.PIPE, S.DATA}
+        fn = jax.shard_map(self._local, mesh=self.mesh,
+                           in_specs=(self.specs(params), P() if dp is None else P(S.DATA), P(),
+                                     P()),
+                           out_specs=(P(), trained(self.cfg, self.specs(params, held=False))),
+                           axis_names=manual, check_vma=False)
+        metrics, grads = fn(params, batch, key, loss_scale)
+        if dp is not None:
+            grads = jax.lax.with_sharding_constraint(grads, trained(self.cfg, dp.sharded))
+        return metrics, grads
 
 
 def _put(buffer, slot, value):

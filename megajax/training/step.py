@@ -32,7 +32,7 @@ from megajax.training.data_parallel import DataParallel
 from megajax.training.layer_programs import LayerProgramStep
 from megajax.training.loss_scale import around, scaled, uses_loss_scaling
 from megajax.training.optimizer import lr_schedule, make_optimizer
-from megajax.training.pipeline import Pipeline, stage_specs, zero_specs
+from megajax.training.pipeline import Pipeline, stack_path, stage_specs
 from megajax.training.trainable import trained, with_trained
 
 
@@ -169,10 +169,10 @@ class Trainer:
     def gradients(self, params, batch, key, loss_scale=None):
         """(metrics, gradients of the trained part): means over the step's microbatches, reduced
         over "data" (the gradients of the loss times `loss_scale`, if given)."""
+        if self.pipeline is not None:     # (which runs the data-parallel part, if any)
+            return self.pipeline.gradients(params, batch, key, loss_scale)
         if self.data_parallel is not None:
             return self.data_parallel.gradients(params, batch, key, loss_scale)
-        if self.pipeline is not None:
-            return self.pipeline.gradients(params, batch, key, loss_scale)
         return self._gspmd_gradients(params, batch, key, loss_scale)
 
     def _gspmd_gradients(self, params, batch, key, loss_scale):
@@ -252,18 +252,17 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     modeldef = ModelDef(abstract_model(cfg.model, S.Layout.for_model(mesh, cfg.model)))
     tx = make_optimizer(cfg)
     opt_shapes = jax.eval_shape(tx.init, trained(cfg, modeldef.abstract_params()))
+    sharded_data = cfg.train.shard_optimizer or cfg.train.shard_params
     if mesh.shape.get(S.PIPE, 1) > 1:
-        pipeline = Pipeline(cfg, mesh, modeldef)
-        specs = stage_specs(modeldef.specs(), pipeline.path)
+        specs = stage_specs(modeldef.specs(), stack_path(modeldef))
+        dp = DataParallel.build(cfg, mesh, modeldef, stages=specs) if sharded_data else None
+        pipeline = Pipeline(cfg, mesh, modeldef, dp)
         shardings = S.param_shardings(mesh, specs)
-        # ZeRO-1: Adam's state split over "data" by its shardings; GSPMD slices the gradients
-        # for the update and all-gathers the updated weights
-        held = S.param_shardings(mesh, zero_specs(specs, modeldef.abstract_params(), mesh)
-                                 ) if cfg.train.shard_optimizer else shardings
-        return Trainer(cfg, mesh, task, modeldef, tx, shardings,
-                       _opt_shardings(opt_shapes, trained(cfg, held), mesh), pipeline=pipeline)
+        held = shardings if dp is None else dp.sharded
+        return Trainer(cfg, mesh, task, modeldef, tx, held if cfg.train.shard_params else shardings,
+                       _opt_shardings(opt_shapes, trained(cfg, held), mesh), dp, pipeline)
     shardings = S.param_shardings(mesh, modeldef.specs())
-    if not (cfg.train.shard_optimizer or cfg.train.shard_params):
+    if not sharded_data:
         return Trainer(cfg, mesh, task, modeldef, tx, shardings,
                        _opt_shardings(opt_shapes, trained(cfg, shardings), mesh))
     dp = DataParallel.build(cfg, mesh, modeldef)

@@ -1,0 +1,60 @@
+"""The data axis's least traffic for a trainer's step: the closed forms of
+analytic.data_axis_minimum fed with one device's model shard of the trained weights, as the
+run's scheme (plain, ZeRO-1, FSDP) and its pipeline stages hold them. The audit
+(tools/audit.py) sets what the compiled step sends against it."""
+from __future__ import annotations
+
+import math
+
+import jax
+
+from megajax.analytic import data_axis_minimum as data_axis_sent_minimum
+from megajax.core.attention import copied_weights
+from megajax.core.sharding import DATA, MODEL, param_shardings
+from megajax.models.registry import path_keys
+from megajax.training.data_parallel import NONE
+
+
+def data_axis_minimum(trainer) -> tuple[str, dict]:
+    """(scheme, {origin: elements each device sends per step}) at the minimum of the run's
+    data-parallel scheme (analytic.data_axis_minimum), from a device's model shard of the
+    trained weights (with LoRA the adapters'; FSDP gathers every split weight)."""
+    scheme, trained = _scheme_minimum(trainer, trainer.trained)
+    if scheme == "fsdp" and trainer.cfg.model.lora_rank:
+        every = _scheme_minimum(trainer, lambda tree: tree)[1]
+        trained = {**trained, "params": every["params"], "regather": every["regather"]}
+    return scheme, trained
+
+
+def _scheme_minimum(trainer, part) -> tuple[str, dict]:
+    n, m = trainer.mesh.shape[DATA], trainer.cfg.train.microbatches
+    shapes = part(trainer.modeldef.abstract_params())
+    dp = trainer.data_parallel
+    # a device's model shard (on a pipeline: of its stage's layers), before "data" splits it
+    held = dp.held_specs if dp is not None else jax.tree.map(lambda s: s.spec,
+                                                                trainer.param_shardings)
+    local = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)), shapes,
+                         part(param_shardings(trainer.mesh, held)))
+    if dp is None:
+        # A weight held in copies over "model" has its gradient reduced over "data" on the share
+        # each device computes, before the copies are made whole.
+        copied = copied_weights(trainer.cfg.model, trainer.mesh.shape[MODEL])
+        local = jax.tree_util.tree_map_with_path(
+            lambda p, size: size // copied.get(path_keys(p)[-1], 1), local)
+        return "plain", data_axis_sent_minimum("plain", n, m, 0, sum(jax.tree.leaves(local)))
+    split = whole = layers = layers_read = 0
+    for (path, size), d in zip(jax.tree_util.tree_flatten_with_path(local)[0],
+                               jax.tree.leaves(part(dp.dims))):
+        keys = path_keys(path)
+        if d == NONE:
+            whole += size
+            continue
+        split += size
+        if keys[0] == "layers":
+            layers += size
+            if keys[-1].endswith("kernel") or keys[
+                -1] == "scale" or trainer.cfg.model.remat == "full":
+                layers_read += size
+    scheme = "fsdp" if dp.fsdp else "zero"
+    return scheme, data_axis_sent_minimum(scheme, n, m, split, whole, layers, layers_read,
+                                          outside_once=trainer.pipeline is not None)
