@@ -229,7 +229,8 @@ def test_bubble_and_activation_memory_read_from_the_compiled_step():
     """On 4 stages and 8 microbatches: each layer's two all-reduces over "model" forward and two
     backward, wherever its stage runs it; the compiled program's tick loop runs 2 (m + p - 1)
     ticks, so each stage idles (p - 1) / m of its busy time (the audit reads the trip count from
-    the HLO), and its point-to-point sends are one microbatch's stage boundary each. GPipe keeps
+    the HLO), and its point-to-point sends carry each microbatch's stage boundary once per
+    boundary and way, the minimum, with no sends of the lockstep's idle ticks. GPipe keeps
     all m microbatches' stage inputs, 1F1B p: the compiled step's temporaries differ by exactly
     those m - p buffers."""
     temp = {}
@@ -255,6 +256,9 @@ def test_bubble_and_activation_memory_read_from_the_compiled_step():
         rows_per_micro = 16 // 8
         assert sends.boundary_elements == rows_per_micro * 64 * 64
         assert sends.forward_elements == sends.backward_elements == sends.boundary_elements
+        # only what a stage passes on crosses the links: each microbatch once per boundary
+        assert sends.minimum == 8 * (4 - 1) * sends.boundary_elements
+        assert sends.forward_sent == sends.backward_sent == sends.minimum
         inputs = {"gpipe": 8, "1f1b": 4}[schedule]
         assert trainer.pipeline.table.act_slots == inputs
         temp[schedule] = compiled.memory_analysis().temp_size_in_bytes

@@ -6,6 +6,7 @@ from the program XLA compiled (tools/hlo.py reads it) against the analytic minim
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter, defaultdict
 
 from megajax.analytic import StepShape, model_axis_minimum, remat_extra_elements
@@ -13,7 +14,7 @@ from megajax.core.mesh import mesh_sizes
 from megajax.core.sharding import DATA, MODEL, param_shardings
 from megajax.tasks import task_for
 from megajax.tools.data_axis import data_axis_minimum
-from megajax.tools.hlo import Collective, parse_collectives, program_order
+from megajax.tools.hlo import Collective, parse_collectives, program_order, runs_of_scope
 from megajax.tools.pipeline_audit import PipelineSends, pipeline_sends
 from megajax.training.memory import per_device_elements
 from megajax.training.step import make_trainer
@@ -296,7 +297,9 @@ def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, trainer=None) ->
     shape = StepShape.of(cfg, task_for(cfg), dp=mesh_shape[0], tp=mesh_shape[1])
     result = AuditResult(collectives, mesh_shape, shape, cfg.model.scan_layers)
     if pipe > 1:
-        result.pipeline = pipeline_sends(collectives, trainer.pipeline, shape)
+        result.pipeline = pipeline_sends(collectives, trainer.pipeline, shape,
+                                         runs_of_scope(hlo, "pipeline_stage"),
+                                         pipe * math.prod(mesh_shape))
     if trainer is not None:
         result.gradient_shard_elements = per_device_elements(trainer.trained(
             trainer.modeldef.abstract_sharded_params(

@@ -135,6 +135,7 @@ class Collective:
     layer: str             # "0", "1", ... ; "all" for the scanned stack; "" outside layers
     op_name: str
     hlo_name: str
+    pairs: int = 0         # a collective-permute's (source, target) device pairs
 
     @property
     def elements(self) -> int:
@@ -159,13 +160,14 @@ def _split_computations(hlo: str) -> dict[str, list[str]]:
     return comps
 
 
-def _multiplicities(comps, switch: tuple[int, list[int]] | None = None) -> dict[str, int]:
+def _multiplicities(comps, switch: dict | None = None) -> dict[str, int]:
     """How many times each computation runs per step (while bodies times their trip count).
 
     A conditional counts its first branch (where a program has them, they are rare paths);
-    the pipeline's switch (megajax/training/pipeline.py) counts each branch as often as the
-    schedule runs it, summed over the stages: `switch` is (the tick loop's trips, per branch
-    the table's entries that run it)."""
+    the pipeline's switches (megajax/training/pipeline.py) count each branch as often as the
+    schedule runs it: `switch` maps each switch's name scope to (the tick loop's trips, per
+    branch the table's entries that run it; for a stage's action summed over the stages)."""
+    scopes = sorted(switch or {}, key=len, reverse=True)   # "pipeline_send_back" first
     mult = defaultdict(int)
     entry = comps.get("__entry__")
     stack = [(entry, 1)]
@@ -178,8 +180,9 @@ def _multiplicities(comps, switch: tuple[int, list[int]] | None = None) -> dict[
                 trip = _TRIP.search(line)
                 stack.append((body.group(1), n * (int(trip.group(1)) if trip else 1)))
             branches = _BRANCHES.search(line)
-            if branches and switch and "pipeline_stage" in line:
-                ticks, runs = switch
+            scope = branches and next((sc for sc in scopes if sc in line), None)
+            if scope:
+                ticks, runs = switch[scope]
                 names = re.findall(r"%([^\s,}]+)", branches.group(1))
                 stack += [(b, n * k // ticks) for b, k in zip(names, runs) if k]
                 continue
@@ -232,7 +235,7 @@ def _classify(op_name: str, axis: str):
 
 
 def parse_collectives(hlo: str, mesh_shape: tuple[int, ...],
-                      switch: tuple[int, list[int]] | None = None) -> list[Collective]:
+                      switch: dict | None = None) -> list[Collective]:
     """Every collective of a compiled program, on a (data, model) or (pipe, data, model) mesh
     (a pipelined step's `switch`: see _multiplicities)."""
     comps = _split_computations(hlo)
@@ -274,8 +277,20 @@ def parse_collectives(hlo: str, mesh_shape: tuple[int, ...],
                 direction, origin, layer = _classify(op_name, axis)
                 out.append(
                     Collective(kind, axis, dtype, shape, mult[comp], direction, origin, layer,
-                                      op_name, name if len(arrays) == 1 else f"{name}[{i}]"))
+                               op_name, name if len(arrays) == 1 else f"{name}[{i}]",
+                               len(groups) if kind == "collective-permute" else 0))
     return out
+
+
+def runs_of_scope(hlo: str, scope: str) -> int:
+    """How many times per step the conditional under `scope` (a name scope) runs: its loop's trip
+    count, as the compiled program has it (the pipeline's tick loop, for "pipeline_stage")."""
+    comps = _split_computations(hlo)
+    mult = _multiplicities(comps)
+    for name, lines in comps.items():
+        if not isinstance(lines, str) and any(_BRANCHES.search(x) and scope in x for x in lines):
+            return mult.get(name, 0)
+    return 0
 
 
 def program_order(c: Collective):

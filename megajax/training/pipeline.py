@@ -14,8 +14,9 @@ over the table's ticks; at each tick every stage runs the one action the table g
   idle      nothing (the bubble)
 
 and after it the activations move one stage on and the gradients one stage back, point to
-point (`ppermute`). A stage keeps only its inputs between a microbatch's forward and backward
-(the table's buffer slots: m of them for GPipe, at most p for 1F1B). The weights outside the
+point (`ppermute`), between the stages that have one to pass on at that tick. A stage keeps
+only its inputs between a microbatch's forward and backward (the table's buffer slots: m of
+them for GPipe, at most p for 1F1B). The weights outside the
 stack (embeddings, final norm, heads) are held by every stage; the first stage's and the last
 stage's gradients of them (the tied embedding's two uses) are summed over "pipe" once a step,
 as Megatron-LM all-reduces its embedding group's.
@@ -81,10 +82,26 @@ class Pipeline:
         else:
             layout = S.Layout.for_model(mesh, cfg.model, pipe_manual=True)
             self.manual = ModelDef(abstract_model(cfg.model, layout))
-        ring = self.v > 1         # interleaved: the last stage's chunk feeds the first's next
-        hops = range(self.p) if ring else range(self.p - 1)
-        self.forward_pairs = [(s, (s + 1) % self.p) for s in hops]
-        self.backward_pairs = [(b, a) for a, b in self.forward_pairs]
+        self.send_on, self.send_back = self._send_patterns()
+
+    def _send_patterns(self):
+        """For each direction, (each tick's pattern: an index into the list, the same on every
+        stage; the list of patterns, each the (source, target) stage pairs that have a
+        microbatch to pass on at such a tick; pattern 0 is none). A tick's send then moves
+        only what the next stage (or, back, the previous) takes, never the lockstep's zeros.
+        Interleaved, the last stage's chunk feeds the first's next one: a ring."""
+        last = self.p * self.v - 1
+        out = []
+        for kind, step, skip in ((schedules.FORWARD, 1, last), (schedules.BACKWARD, -1, 0)):
+            patterns, index = [()], []
+            for row in self.table.ticks:
+                pairs = tuple((s, (s + step) % self.p) for s, (k, chunk, *_) in enumerate(row)
+                              if k == kind and chunk * self.p + s != skip)
+                if pairs not in patterns:
+                    patterns.append(pairs)
+                index.append(patterns.index(pairs))
+            out.append((np.asarray(index, np.int32), patterns))
+        return out
 
     # -- stage-major storage (interleaved) ----------------------------------------------
     def layer_order(self) -> np.ndarray | None:
@@ -217,13 +234,31 @@ class Pipeline:
                          np.where(out["virtual"] == self.p * self.v - 1, LAST, MIDDLE))
         out["branch"] = np.where(out["kind"] == schedules.IDLE, 0,
                                  np.where(out["kind"] == schedules.FORWARD, 1, 4) + where)
+        for name, (index, _) in (("send_on", self.send_on), ("send_back", self.send_back)):
+            out[name] = np.repeat(index[:, None], self.p, axis=1)
         return {k: v.astype(np.int32) for k, v in out.items()}
 
-    def switch_runs(self) -> tuple[int, list[int]]:
-        """(ticks, how many of the table's ticks x stages run each branch): what the audit
-        counts the switch's collectives by (tools/hlo.py)."""
+    def switch_runs(self) -> dict[str, tuple[int, list[int]]]:
+        """What the audit counts the switches' collectives by (tools/hlo.py), per switch's name
+        scope: (ticks, how many of the table's ticks x stages run each branch), and for the
+        sends (ticks, how many ticks run each pattern)."""
         branch = self._table()["branch"]
-        return self.table.num_ticks, [int((branch == k).sum()) for k in range(7)]
+        runs = {"pipeline_stage": (self.table.num_ticks,
+                                   [int((branch == k).sum()) for k in range(7)])}
+        for scope, (index, patterns) in (("pipeline_send", self.send_on),
+                                         ("pipeline_send_back", self.send_back)):
+            runs[scope] = (self.table.num_ticks,
+                           [int((index == k).sum()) for k in range(len(patterns))])
+        return runs
+
+    def _send(self, x, pattern, direction):
+        """One tick's sends in one direction: the tick's pattern of stage pairs (the same on
+        every stage, so every stage takes the same branch of the switch around the
+        collective-permute)."""
+        _, patterns = direction
+        branches = [lambda x: jnp.zeros_like(x)] + [
+            (lambda x, pairs=pairs: jax.lax.ppermute(x, S.PIPE, pairs)) for pairs in patterns[1:]]
+        return jax.lax.switch(pattern, branches, x)
 
     def _local(self, params, batch, key, loss_scale):
         """One stage's share of the step: (metrics, gradients), summed over the microbatches."""
@@ -264,9 +299,9 @@ class Pipeline:
                     row["branch"], branches, (rest, stacked, mb, k, x, g, row["chunk"],
                                               row["virtual"], loss_scale), sums)
             with jax.named_scope("pipeline_send"):
-                arrived = jax.lax.ppermute(sent_on, S.PIPE, self.forward_pairs)
+                arrived = self._send(sent_on, row["send_on"], self.send_on)
             with jax.named_scope("pipeline_send_back"):
-                arrived_grad = jax.lax.ppermute(sent_back, S.PIPE, self.backward_pairs)
+                arrived_grad = self._send(sent_back, row["send_back"], self.send_back)
             acts = _put(acts, row["arrive_act"], arrived)
             grads = _put(grads, row["arrive_grad"], arrived_grad)
             return (acts, grads, sums), None
