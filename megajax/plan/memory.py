@@ -112,8 +112,9 @@ def state_split(cfg: Config, dp: int, tp: int, pp: int = 1) -> StateSplit:
     out = StateSplit()
     for w in weights(cfg.model):
         local = shard_elements(w.shape, w.spec, 1, tp) // (pp if w.stacked else 1)
+        # (FSDP gathers a layer at a time, and stages split the layers: never their axis)
         split = data_sharded_spec(w.shape, w.spec, dp, tp,
-                                  skip_leading=w.stacked and fsdp) if zero else None
+                                  skip_leading=w.stacked and (fsdp or pp > 1)) if zero else None
         sliced = local if split is None else shard_elements(w.shape, split, dp, tp) // (
             pp if w.stacked else 1)
         out.model_shard += local
