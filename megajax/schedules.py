@@ -97,6 +97,22 @@ class Table:
         """Idle time over useful time on each stage, the paper's bubble fraction."""
         return (self.num_ticks - self.busy_ticks) / self.busy_ticks
 
+    def sends(self, kind: int) -> tuple[list[int], list[tuple]]:
+        """Who passes a result on after each tick: for `kind` FORWARD (activations one stage on)
+        or BACKWARD (gradients one stage back), (each tick's pattern, an index into the list;
+        the list of patterns, each the (source, target) stage pairs of one tick). Pattern 0 is
+        none. Interleaved, the last stage's chunk feeds the first's next one: a ring."""
+        p, last = self.stages, self.stages * self.chunks - 1
+        step, skip = (1, last) if kind == FORWARD else (-1, 0)
+        patterns, index = [()], []
+        for row in self.ticks:
+            pairs = tuple((s, (s + step) % p) for s, (k, chunk, *_) in enumerate(row)
+                          if k == kind and chunk * p + s != skip)
+            if pairs not in patterns:
+                patterns.append(pairs)
+            index.append(patterns.index(pairs))
+        return index, patterns
+
     def first_stage_inputs(self) -> int:
         """The most microbatches whose forward stage 0 has run and whose backward it has not
         (what it must keep to run those backwards)."""

@@ -27,7 +27,7 @@ DEFERRED = {
     "cli.train": {"megajax.core.mesh", "megajax.tools.dry_run", "megajax.training.loop",
                   "megajax.runs.workdir", "megajax.tasks", "megajax.training.profiling",
                   "megajax.tools.profile", "jax", "megajax.core.sharding", "megajax.plan.memory",
-                  "megajax.training.memory"},
+                  "megajax.training.memory", "megajax.plan.auto"},
     "cli.plot": {"megajax.runs.metrics", "megajax.runs.workdir"},
     "cli.eval": {"megajax.evaluation.tasks"},
     "cli.plan": {"jax", "megajax.config", "megajax.plan", "megajax.plan.report"},

@@ -82,6 +82,11 @@ def test_schedule_tables_keep_every_dependency_and_the_papers_bubble(schedule, c
         assert t.bubble == pytest.approx(schedules.bubble_formula(schedule, p, m, chunks),
                                          abs=1e-12)
         assert t.num_ticks == 2 * chunks * m + 2 * (p - 1)
+        # each microbatch crosses each of the p v - 1 boundaries once each way
+        for kind in (schedules.FORWARD, schedules.BACKWARD):
+            index, patterns = t.sends(kind)
+            assert len(index) == t.num_ticks and patterns[0] == ()
+            assert sum(len(patterns[i]) for i in index) == m * (p * chunks - 1)
         # GPipe keeps every microbatch's input; 1F1B at most p on the first stage.
         held = t.first_stage_inputs()
         assert held == {"gpipe": m, "1f1b": min(p, m)}.get(schedule, held)

@@ -485,3 +485,29 @@ def test_plan_options_are_validated_copies():
     assert not base.model.sequence_parallel and not base.train.shard_params
     with pytest.raises(ConfigError, match="attention_dropout"):
         with_values(base, {"model.attention": "fused"})
+
+
+def test_mesh_auto_keeps_every_device_on_data_unless_the_model_does_not_fit(monkeypatch, capsys):
+    """`--mesh auto` is every device on "data" when the run fits a device, as it always was;
+    when it does not, the fastest mesh the planner predicts to fit, with the run's options."""
+    from megajax.cli.train import _mesh_spec
+    from megajax.plan.auto import auto_mesh
+    from megajax.training import memory
+
+    three = 3 * 2**30
+    assert auto_mesh(load_config("tiny"), 8, three, "gpu") == ("auto", None)
+    cfg = load_config("gpt2_355m")
+    assert memory_bytes(cfg, 8, 1)["total"] > three
+    spec, why = auto_mesh(cfg, 8, three, "gpu")
+    sizes = {k: int(v) for k, v in (part.split("=") for part in spec.split(","))}
+    dp, tp, pp = sizes["data"], sizes["model"], sizes.get("pipe", 1)
+    assert dp * tp * pp == 8 and dp < 8
+    assert memory_bytes(cfg, dp, tp, pp=pp)["total"] <= three
+    assert why.startswith("--mesh auto: every device on the data axis would need about")
+    # the same through train.py's --mesh, on this machine's 8 simulated devices
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: three)
+    assert _mesh_spec("auto", lambda: cfg) == auto_mesh(cfg, 8, three, "cpu")[0] != "auto"
+    assert "--mesh auto:" in capsys.readouterr().out
+    assert _mesh_spec("data=2,model=4", lambda: cfg) == "data=2,model=4"
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 80 * 2**30)
+    assert _mesh_spec("auto", lambda: cfg) == "auto"

@@ -29,7 +29,8 @@ def train_parser() -> argparse.ArgumentParser:
                    help="a name from configs/ or a path to a .toml/.json (default: default)")
     p.add_argument("--mesh", default="auto",
                    help="data=2,model=4 | 2x4 | model=8 | data=2,pipe=2,model=2 (pipeline "
-                        "stages) | auto (all devices on data)")
+                        "stages) | auto (all devices on data; if the model does not fit "
+                        "there, the fastest mesh megajax-plan predicts to fit)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set model.num_layers=4 --set "
                         "train.lr=3e-4")
@@ -117,7 +118,7 @@ def _train_main(args) -> int:
         refuse_overridden_shape(cfg, overrides, workdir)
         start_jax(args)
         try:
-            mesh = make_mesh(args.mesh)
+            mesh = make_mesh(_mesh_spec(args.mesh, lambda: with_pretrained_shape(cfg, workdir)[0]))
         except ValueError as e:
             raise UserError(str(e)) from None
         if not args.dry_run:
@@ -146,6 +147,28 @@ def _train_main(args) -> int:
                       "model.remat, or use "
                          "a larger model axis (checkpoints already saved are intact)")
     return 0
+
+
+def _mesh_spec(spec: str, run_config) -> str:
+    """--mesh as given; "auto" as megajax/plan/auto.py chooses it for these devices and the
+    config `run_config()` gives (the run's, with a pretrained workdir's shape)."""
+    if (spec or "auto").strip().lower() != "auto":
+        return spec
+    cfg = run_config()
+    import jax
+
+    from megajax.plan.auto import auto_mesh
+    from megajax.training.memory import device_memory_bytes
+
+    try:
+        cfg = cfg.validate()
+    except UserError:
+        return spec          # the run's own checks report it, in their order
+    spec, why = auto_mesh(cfg, jax.device_count(), device_memory_bytes(),
+                          jax.default_backend(), jax.devices()[0].device_kind)
+    if why:
+        print(f"megajax: {why}", flush=True)
+    return spec
 
 
 def refuse_far_too_big(cfg, mesh):

@@ -82,26 +82,10 @@ class Pipeline:
         else:
             layout = S.Layout.for_model(mesh, cfg.model, pipe_manual=True)
             self.manual = ModelDef(abstract_model(cfg.model, layout))
-        self.send_on, self.send_back = self._send_patterns()
-
-    def _send_patterns(self):
-        """For each direction, (each tick's pattern: an index into the list, the same on every
-        stage; the list of patterns, each the (source, target) stage pairs that have a
-        microbatch to pass on at such a tick; pattern 0 is none). A tick's send then moves
-        only what the next stage (or, back, the previous) takes, never the lockstep's zeros.
-        Interleaved, the last stage's chunk feeds the first's next one: a ring."""
-        last = self.p * self.v - 1
-        out = []
-        for kind, step, skip in ((schedules.FORWARD, 1, last), (schedules.BACKWARD, -1, 0)):
-            patterns, index = [()], []
-            for row in self.table.ticks:
-                pairs = tuple((s, (s + step) % self.p) for s, (k, chunk, *_) in enumerate(row)
-                              if k == kind and chunk * self.p + s != skip)
-                if pairs not in patterns:
-                    patterns.append(pairs)
-                index.append(patterns.index(pairs))
-            out.append((np.asarray(index, np.int32), patterns))
-        return out
+        # each tick's pattern of stage pairs that pass a result on (schedules.Table.sends)
+        self.send_on, self.send_back = (
+            (np.asarray(index, np.int32), patterns) for index, patterns in
+            (self.table.sends(schedules.FORWARD), self.table.sends(schedules.BACKWARD)))
 
     # -- stage-major storage (interleaved) ----------------------------------------------
     def layer_order(self) -> np.ndarray | None:
