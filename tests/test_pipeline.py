@@ -276,7 +276,8 @@ def test_bubble_and_activation_memory_read_from_the_compiled_step():
 def test_interleaved_run_checkpoints_in_the_layers_order(tmp_path):
     """An interleaved run keeps its layers stage-major, but saves, validates and samples them
     in their own order: two steps on pipe=2,model=4 (2 chunks a stage) resumed for two more on
-    2x4 log the losses of four straight steps on 2x4."""
+    four stages of one layer (1F1B on pipe=4,model=2) log the losses of four straight steps on
+    2x4, and validate as they do."""
     cfg = tiny_config(num_layers=4)
     t = cfg.train
     t.steps, t.microbatches, t.save_every, t.eval_every, t.decay_steps = 4, 2, 2, 2, 4
@@ -286,9 +287,9 @@ def test_interleaved_run_checkpoints_in_the_layers_order(tmp_path):
     t.steps = 2
     piped = train(cfg.validate(), make_mesh("pipe=2,model=4"), tmp_path / "moved",
                   sample_tokens=8, out=None)
-    t.steps = 4
-    moved = train(cfg.validate(), make_mesh("2x4"), tmp_path / "moved", sample_tokens=0,
-                  out=None)
+    t.steps, t.pipeline_schedule, t.pipeline_chunks = 4, "1f1b", 1
+    moved = train(cfg.validate(), make_mesh("pipe=4,model=2"), tmp_path / "moved",
+                  sample_tokens=0, out=None)
     losses = {**piped.losses, **moved.losses}
     assert sorted(losses) == [1, 2, 3, 4]
     assert_close([losses[s] for s in range(1, 5)], [straight.losses[s] for s in range(1, 5)],
