@@ -235,11 +235,10 @@ class Pipeline:
                            [int((index == k).sum()) for k in range(len(patterns))])
         return runs
 
-    def _send(self, x, pattern, direction):
+    def _send(self, x, pattern, patterns):
         """One tick's sends in one direction: the tick's pattern of stage pairs (the same on
         every stage, so every stage takes the same branch of the switch around the
         collective-permute)."""
-        _, patterns = direction
         branches = [lambda x: jnp.zeros_like(x)] + [
             (lambda x, pairs=pairs: jax.lax.ppermute(x, S.PIPE, pairs)) for pairs in patterns[1:]]
         return jax.lax.switch(pattern, branches, x)
@@ -283,9 +282,9 @@ class Pipeline:
                     row["branch"], branches, (rest, stacked, mb, k, x, g, row["chunk"],
                                               row["virtual"], loss_scale), sums)
             with jax.named_scope("pipeline_send"):
-                arrived = self._send(sent_on, row["send_on"], self.send_on)
+                arrived = self._send(sent_on, row["send_on"], self.send_on[1])
             with jax.named_scope("pipeline_send_back"):
-                arrived_grad = self._send(sent_back, row["send_back"], self.send_back)
+                arrived_grad = self._send(sent_back, row["send_back"], self.send_back[1])
             acts = _put(acts, row["arrive_act"], arrived)
             grads = _put(grads, row["arrive_grad"], arrived_grad)
             return (acts, grads, sums), None
@@ -309,15 +308,11 @@ class Pipeline:
         between steps, split only under FSDP; else as the gradients leave the step, split
         under both)."""
         dp = self.data_parallel
-        if dp is None:
-            specs = jax.tree.map(lambda _: P(), params)
-        elif held and not dp.fsdp:
+        if dp is None or (held and not dp.fsdp):
             specs = jax.tree.map(lambda _: P(), params)
         else:
             specs = jax.tree.map(lambda d, x: dp.data_spec(d, x.ndim), dp.dims, params)
-        return replace_path(specs, self.path, jax.tree.map(
-            lambda s: P(S.PIPE, *tuple(s)[1:]), get_path(specs, self.path),
-            is_leaf=lambda x: isinstance(x, P)))
+        return stage_specs(specs, self.path)
 
     def gradients(self, params, batch, key, loss_scale=None):
         """(metrics, gradients): means over the step's microbatches, the stacked layers'
