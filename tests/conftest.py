@@ -8,40 +8,86 @@ passed on one machine. The suite must pass on any x86-64 or ARM CPU and pinned t
 (`taskset -c 0 python -m pytest -q tests`), which changes XLA:CPU's kernels and summation order.
 """
 import atexit
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
-# Tests compile hundreds of tiny programs and run each a few times: LLVM's optimisation of the
-# generated CPU code costs more than it saves there (the whole suite runs ~40% faster at -O0).
-# XLA's HLO passes (fusion, layouts, the collectives the audit reads) are unaffected; the
-# processes the tests start inherit the flag (TEST_XLA_FLAGS), so their numbers stay comparable.
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0"
-                  if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
-                  else "")
+
+def xla_cache_dir() -> str:
+    """XLA's compilation cache for the suite, inherited by the processes the tests start (the many
+    short runs of the same tiny config compile each program once). On a developer's machine it
+    outlives the run, under the user's cache directory and keyed by the jax and jaxlib versions,
+    so that the next run skips most compiles; MEGAJAX_TEST_XLA_CACHE=tmp (what .ci/run sets)
+    keeps it for one run only, a path puts it there. At most XLA_CACHE_BYTES: jax evicts the
+    least recently used programs beyond that."""
+    where = os.environ.get("MEGAJAX_TEST_XLA_CACHE", "")
+    if where == "tmp":
+        path = tempfile.mkdtemp(prefix="megajax-tests-xla-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        return path
+    versions = "-".join(f"{name}{metadata.version(name)}" for name in ("jax", "jaxlib"))
+    base = Path(where) if where else Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megajax" / "tests"
+    path = base / f"xla-{versions}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def xla_accepts(flag: str, cache: Path) -> bool:
+    """Whether this jaxlib's XLA knows `flag` (an unknown one aborts it): asked once a version, by
+    starting jax in a process of its own; the answer is kept beside the compilation cache."""
+    answers = cache / "xla_flags.json"
+    known = json.loads(answers.read_text()) if answers.is_file() else {}
+    if flag not in known:
+        env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+        known[flag] = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                                     capture_output=True).returncode == 0
+        staged = answers.with_name(f"{answers.name}.{os.getpid()}")
+        staged.write_text(json.dumps(known))
+        os.replace(staged, answers)
+    return known[flag]
+
+
+# The suite compiles hundreds of tiny programs and runs each a few steps: compiling them is most
+# of its time. LLVM's -O0 compiles them faster than its default (a step runs 2-4x slower, which
+# few tests notice), and XLA:CPU's older elemental emitters (jaxlib 0.10; later versions have
+# only the fusion emitters that replaced them) faster again: the suite runs in ~55% of the time
+# with both. XLA's HLO passes, which decide the fusions, layouts and the collectives the audit
+# reads, are the same. The processes the tests start inherit the flags (TEST_XLA_FLAGS), so
+# their numbers stay comparable with the tests'.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", xla_cache_dir())
+LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+given = os.environ.get("XLA_FLAGS", "")
+TEST_XLA_FLAGS = " ".join(
+    ([] if "xla_backend_optimization_level" in given else ["--xla_backend_optimization_level=0"])
+    + ([LEGACY_EMITTERS] if "xla_cpu_use_fusion_emitters" not in given and xla_accepts(
+        LEGACY_EMITTERS, Path(os.environ["JAX_COMPILATION_CACHE_DIR"])) else []))
 os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS,
                                                  "--xla_force_host_platform_device_count=8")))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One XLA compilation cache for the session, inherited by the train.py / eval.py processes the
-# tests start: the many short runs of the same tiny config compile each program once.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="megajax-tests-xla-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+XLA_CACHE_BYTES = 4 * 2**30
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(XLA_CACHE_BYTES))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # The glibc malloc settings train.py restarts itself with (megajax/host/env.py), for the
-# pytest-xdist
-# workers and the processes the tests start: glibc reads them when a process starts, and this
-# module is imported before the workers are.
+# pytest-xdist workers and the processes the tests start: glibc reads them when a process
+# starts, and this module is imported before the workers are.
 from megajax.host.env import tuned_env  # noqa: E402
 
 os.environ.update(tuned_env(dict(os.environ)) or {})
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# The backend starts now, with the 8 devices: a program called in this process (helpers.cli)
+# sets XLA_FLAGS for its --host-devices, which must not reach a backend that starts after it.
+assert jax.device_count() == 8, "conftest must set XLA_FLAGS before jax is imported"
 
 from megajax.config import Config, ModelConfig, TrainConfig  # noqa: E402
 from megajax.core.mesh import make_mesh  # noqa: E402
@@ -69,6 +115,64 @@ def devices():
     return jax.devices()
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The directory `build(path)` makes, built once for the whole test run however many
+    pytest-xdist workers ask for it: the first builds it under a lock, the others wait for it
+    and reuse it. The tests only read it; one that changes a workdir copies it first."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent          # the run's directory, which the workers' own are in
+    path = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / f"{name}.built").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            build(path)
+            (root / f"{name}.built").touch()
+    return path
+
+
+@pytest.fixture(scope="session")
+def trained_gpt(tmp_path_factory):
+    """The suite's tiny trained GPT: an uninterrupted 16-step train.py run on 2x4 (character-level
+    Tiny Shakespeare, checkpoints and validation at steps 8 and 16) that the resumed, moved and
+    damaged runs must reproduce, and that evaluation and conversion read. (workdir, {step: loss},
+    what train.py printed)."""
+    from helpers import BASE, losses, run
+
+    def build(path: Path):
+        p = run(*BASE, "--mesh", "2x4", "--workdir", path, "--steps", "16", "--save-every", "8",
+                "--eval-every", "8")
+        (path.parent / f"{path.name}.stdout").write_text(p.stdout)
+
+    wd = built_once(tmp_path_factory, "trained_gpt", build)
+    return wd, losses(wd), (wd.parent / f"{wd.name}.stdout").read_text()
+
+
+# Settings of the Hugging Face fixtures' imports: float32 throughout, and the vocabulary padded to
+# a multiple of 128 (300 -> 384, 320 -> 384), which every test mesh divides.
+HF_IMPORT_SETTINGS = ["model.compute_dtype=float32", "model.vocab_multiple=128"]
+HF_NAMES = ("gpt2", "bert", "megatron_bert", "llama", "llama_tied", "mistral", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def hf_imported(tmp_path_factory) -> dict:
+    """{name: (its imported config, its workdir)} for each tests/fixtures/hf/ model, imported once
+    for the test run with HF_IMPORT_SETTINGS (megajax.convert.import_hf)."""
+    from megajax.config import load_config
+    from megajax.convert import import_hf
+
+    def build(path: Path):
+        for name in HF_NAMES:
+            import_hf(ROOT / "tests" / "fixtures" / "hf" / name, path / name, HF_IMPORT_SETTINGS)
+
+    root = built_once(tmp_path_factory, "hf_imported", build)
+    return {name: (load_config(str(root / name / "config.json")), root / name)
+            for name in HF_NAMES}
+
+
 def file_size_limited(*args: str, kib: int = 64) -> list[str]:
     """A Python command line (`python ARGS...`) in which no file may grow past `kib` KiB: a
     write fails as a full disk or a quota makes it fail (EFBIG), without needing either. The
@@ -89,14 +193,31 @@ def handles_signal(pid: int, sig: int) -> bool:
     return False
 
 
-# The longest files first (CPU seconds on a 2-core machine, roughly): the two workers take files
-# in collection order, one at a time, so a long file taken last would run alone at the end.
-LONGEST_FIRST = ("test_train_cli", "test_docs_guides", "test_bert", "test_multiprocess",
-                 "test_docs", "test_equivalence", "test_chat", "test_lora", "test_plan",
-                 "test_bench", "test_memory_model", "test_llama_parallel", "test_eval",
-                 "test_data_parallel", "test_blocked_attention")
+# The two tiers (docs/testing.md): the default run takes every feature family once; `--full`
+# adds the cases marked `full` (every mesh x schedule grid, every docs command, every signal
+# case), what .ci/run runs.
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="megajax's full tier: the default tests and those marked `full`")
+
+
+# Seconds each test took in a full run on a 2-core machine (scripts/test_durations.py writes
+# them): pytest-xdist's workers take whole files in collection order, so the files go longest
+# first (by what the selected tests of each take), and no long file is left to run alone at
+# the end. A test not listed yet counts as DEFAULT_SECONDS.
+DURATIONS = ROOT / "tests" / "durations.json"
+DEFAULT_SECONDS = 2.0
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))   # stable: tests keep order
+    if not config.getoption("--full"):
+        extra = [item for item in items if item.get_closest_marker("full")]
+        if extra:
+            config.hook.pytest_deselected(items=extra)
+            items[:] = [item for item in items if not item.get_closest_marker("full")]
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    per_file: dict[str, float] = {}
+    for item in items:
+        per_file[item.path.name] = (per_file.get(item.path.name, 0.0)
+                                    + seconds.get(item.nodeid, DEFAULT_SECONDS))
+    items.sort(key=lambda item: -per_file[item.path.name])   # stable: tests keep their order

@@ -1,8 +1,9 @@
 """What several test files share: the committed corpus and the tiny run the command-line tests
-start, running train.py as a user does, reading back its losses, the audit's model-axis
-count without the optimizer's scalars, and the Hugging Face fixtures imported once a module.
-(conftest.py holds the session's setup: simulated devices, the compilation cache, tiny_config and
-mesh_for.)"""
+start; the programs run as a user runs them, in this process (`cli`) or in one of their own;
+reading back losses and TensorBoard; the audit's model-axis count without the optimizer's
+scalars; the grids whose cases split between the two tiers (`tiered`). (conftest.py holds the
+session's setup: simulated devices, the compilation cache, the tiers, tiny_config, mesh_for and
+the fixtures built once a run: the trained GPT and the imported Hugging Face models.)"""
 import json
 import os
 import subprocess
@@ -16,13 +17,6 @@ RUN_ARGS = ["--config", "tiny", "--data", f"text:{SHAKESPEARE}", "--tokenizer", 
             "--sample-tokens", "0", "--log-every", "1"]
 BASE = [*RUN_ARGS, "--host-devices", "8"]
 HF_FIXTURES = ROOT / "tests" / "fixtures" / "hf"
-
-
-def import_hf_fixtures(root: Path, names, settings) -> dict:
-    """{name: (its imported config, its workdir under root)} for the tests/fixtures/hf/ models."""
-    from megajax.convert import import_hf
-    return {name: (import_hf(HF_FIXTURES / name, root / name, settings), root / name)
-            for name in names}
 
 
 def hf_reference(name: str):
@@ -41,13 +35,84 @@ def env():
     return e
 
 
-def run(*args, check=True, timeout=240, env=None):
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True,
-                       text=True, env=env or globals()["env"](), timeout=timeout, cwd=ROOT)
+def run(*args, check=True, timeout=240, env=None, process=False):
+    """train.py ARGS: in this process (`cli`) unless `process`, an `env` of its own, or arguments
+    only a process of its own can honour (`in_process_ok`)."""
+    args = tuple(map(str, args))
+    if process or env is not None or not in_process_ok(args):
+        p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True,
+                           text=True, env=env or globals()["env"](), timeout=timeout, cwd=ROOT)
+    else:
+        p = cli("train", *args)
     if check and p.returncode != 0:
         raise AssertionError(
             f"train.py {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
+
+
+TOOLS = {"train": "megajax.cli.train:train_main", "eval": "megajax.cli.eval:eval_main",
+         "plan": "megajax.cli.plan:plan_main", "convert": "megajax.cli.convert:convert_main",
+         "prepare": "megajax.cli.prepare:prepare_main", "plot": "megajax.cli.plot:plot_main"}
+
+
+def in_process_ok(args) -> bool:
+    """Whether a command line can run inside the test process: not when it asks for more
+    simulated devices than this process has (XLA reads that once, at start-up; fewer, a program
+    takes the first N: cli.common.program_devices), nor for a multi-process run."""
+    import jax
+
+    args = list(map(str, args))
+    for i, a in enumerate(args):
+        if (a == "--host-devices" and i + 1 < len(args) and args[i + 1].isdigit()
+                and int(args[i + 1]) > jax.device_count()):
+            return False
+        if a in ("--coordinator", "--num-processes", "--process-id"):
+            return False
+    return True
+
+
+def cli(tool: str, *args) -> subprocess.CompletedProcess:
+    """megajax's program TOOL (train, eval, plan, convert, prepare, plot) called in this process
+    as its entry point calls it (`TOOL_main(argv) -> status`), with what it prints captured: for
+    the tests whose subject is what a program says and writes, not its process (signals, a
+    closed pipe, a second process run `run(..., process=True)` or by subprocess). Whatever the
+    program sets for its process (signal handlers, standard streams, the environment, train.py's
+    command-line flag) is put back afterwards. A bug's exception propagates, as a traceback
+    would end the program."""
+    import contextlib
+    import importlib
+    import io
+    import signal
+
+    from megajax.host.signals import STOP_SIGNALS, StopRequested
+
+    assert in_process_ok(args), f"{tool} {args} needs a process of its own: run(..., process=True)"
+    args = tuple(map(str, args))
+    if tool in ("train", "eval") and "--host-devices" not in args:
+        args += ("--host-devices", "1")      # what a process of its own has: XLA's one device
+    module, name = TOOLS[tool].split(":")
+    main = getattr(importlib.import_module(module), name)
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    environ, streams = dict(os.environ), (sys.stdout, sys.stderr)
+    command_line = StopRequested.command_line
+    out, err = io.StringIO(), io.StringIO()
+    sys.stdout, sys.stderr = out, err
+    try:
+        with contextlib.chdir(ROOT):
+            try:
+                status = main([str(a) for a in args])
+            except SystemExit as e:     # argparse's --help and usage errors, sys.exit(...)
+                status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+    finally:
+        sys.stdout, sys.stderr = streams
+        os.environ.clear()
+        os.environ.update(environ)
+        StopRequested.command_line = command_line
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return subprocess.CompletedProcess([tool, *args], status, out.getvalue(), err.getvalue())
 
 
 def killed_after_checkpoint(args, workdir: Path, step: int, timeout=180):
@@ -108,3 +173,13 @@ def assert_tensorboard_is_metrics(workdir: Path):
     for tag in want:
         assert got[tag] == want[tag], tag
     return got
+
+
+def tiered(cases, *default) -> list:
+    """A parametrized grid's cases: those in `default` run in both tiers, the others are marked
+    `full` and run with `pytest --full` only (docs/testing.md)."""
+    import pytest
+
+    return [case if case in default else
+            pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=pytest.mark.full)
+            for case in cases]

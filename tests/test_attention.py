@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import mesh_for, tiny_config
+from helpers import tiered
 from tolerances import BF16_ELEMENT, assert_close, assert_tree_close
 
 from megajax.config import ConfigError
@@ -34,7 +35,8 @@ def loss_and_grads(cfg, spec):
     return jax.device_get((metrics["loss"], grads))
 
 
-@pytest.mark.parametrize("kind,spec", [("gpt", "1x1"), ("gpt", "2x4"), ("bert", "2x4")])
+@pytest.mark.parametrize("kind,spec", tiered([("gpt", "1x1"), ("gpt", "2x4"), ("bert", "2x4")],
+                                             ("bert", "2x4")))
 def test_fused_attention_matches_megajax_core(kind, spec):
     """Causal (GPT) and padding (BERT) masks; float32, so within F32 of each scale
     (tests/tolerances.py)."""

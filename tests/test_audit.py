@@ -3,14 +3,15 @@ import jax
 import numpy as np
 import pytest
 from conftest import mesh_for, tiny_config
-from helpers import exact_model_axis_elements
+from helpers import exact_model_axis_elements, tiered
 
 from megajax.tools.audit import audit
 from megajax.tools.hlo import groups_axis, parse_replica_groups
 
 
-@pytest.mark.parametrize("layers,spec,scan", [(2, "2x4", True), (3, "2x4", True), (2, "1x8", True),
-                                              (3, "1x8", True), (3, "2x4", False)])
+@pytest.mark.parametrize("layers,spec,scan", tiered(
+    [(2, "2x4", True), (3, "2x4", True), (2, "1x8", True), (3, "1x8", True), (3, "2x4", False)],
+    (3, "2x4", True), (3, "2x4", False)))
 def test_megatron_collectives(layers, spec, scan):
     cfg = tiny_config(num_layers=layers, scan_layers=scan)
     mesh = mesh_for(spec)
@@ -104,6 +105,7 @@ def test_remat_recomputes_only_the_attention_all_reduce():
     assert "recomputed by remat [1]" in r.table()
 
 
+@pytest.mark.full
 def test_selective_remat_adds_no_collective_and_drops_the_attention_matrices():
     """Selective remat recomputes only the attention core, which has no collective: the audit
     is that of no remat. What it saves is the per-layer (b, heads/tp, s, s) scores,
@@ -126,10 +128,9 @@ def test_selective_remat_adds_no_collective_and_drops_the_attention_matrices():
     assert temp["none"] - temp["selective"] >= 2 * one_matrix, temp   # 2 layers
 
 
-@pytest.mark.parametrize("layers,scan,spec,remat",
-                         [(2, False, "2x4", "none"), (3, True, "1x8", "none"),
-                                                    (3, False, "1x8", "selective"),
-                                                    (2, True, "2x4", "full")])
+@pytest.mark.parametrize("layers,scan,spec,remat", tiered(
+    [(2, False, "2x4", "none"), (3, True, "1x8", "none"), (3, False, "1x8", "selective"),
+     (2, True, "2x4", "full")], (2, False, "2x4", "none")))
 def test_sequence_parallel_collectives(layers, scan, spec, remat):
     """Sequence parallelism: around each block an all-gather of the sequence (b, s, h) before
     the column-parallel matmul and a reduce-scatter (b, s/t, h) after the row-parallel one,

@@ -16,6 +16,7 @@ from gpu_check import ROWS, STACKS  # noqa: E402
 from layer_programs import inputs, stack_gradients  # noqa: E402
 
 
+@pytest.mark.full
 def test_gpu_check_smoke_writes_its_table(tmp_path):
     e = env()
     e["XLA_FLAGS"] += " --xla_force_host_platform_device_count=1"
@@ -53,6 +54,7 @@ def test_gpu_check_smoke_writes_its_table(tmp_path):
         STACKS) and "[smoke]" in table and "megajax-plan on h200" in table
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_layer_programs_ways_give_the_scans_gradients(remat):
     """bench/layer_programs.py's three ways compute one thing: with dropout, the stacked weights'
@@ -78,6 +80,7 @@ def test_gpu_check_refuses_a_machine_without_gpus(tmp_path):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
+@pytest.mark.full
 def test_step_mfu_runs_with_the_papers_dropout_and_remat():
     """bench/step_mfu.py's whole path at tiny shapes: both stacks, with dropout (its forward and
     backward timings draw the masks too) and full remat."""

@@ -13,7 +13,7 @@ import pytest
 from bert_fixtures import write_corpus, write_mnli, write_qqp, write_race
 from conftest import ROOT, mesh_for, tiny_config
 from tolerances import F32, assert_close, assert_tree_close
-from helpers import SHAKESPEARE, env, exact_model_axis_elements, run
+from helpers import SHAKESPEARE, cli, env, exact_model_axis_elements, run, tiered
 
 from megajax.config import ConfigError, load_config
 from megajax.core.mesh import make_mesh
@@ -72,10 +72,10 @@ def metrics_and_grads(cfg, files, spec):
     return (*jax.device_get((metrics, grads)), counts)
 
 
-@pytest.mark.parametrize(
-    "task,spec,sp", [("pretrain", "2x4", False), ("pretrain", "1x8", False), ("race", "2x4", False),
-                                          ("mnli", "1x8", False), ("pretrain", "2x4", True),
-                                          ("race", "1x8", True), ("qqp", "2x4", True)])
+@pytest.mark.parametrize("task,spec,sp", tiered(
+    [("pretrain", "2x4", False), ("pretrain", "1x8", False), ("race", "2x4", False),
+     ("mnli", "1x8", False), ("pretrain", "2x4", True), ("race", "1x8", True),
+     ("qqp", "2x4", True)], ("pretrain", "2x4", False)))
 def test_bert_matches_single_device(files, task, spec, sp):
     """Loss, every metric and every gradient equal one device's (without sequence
     parallelism), dropout on; `sp`: the multi-device run is sequence parallel."""
@@ -99,6 +99,7 @@ def test_bert_matches_single_device(files, task, spec, sp):
     assert set(metrics) == expected
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("task,spec,mode,sp", [("pretrain", "2x4", "shard_params", False),
                                               ("race", "4x2", "shard_optimizer", True)])
 def test_bert_sharded_data_parallel_matches_plain(files, task, spec, mode, sp):
@@ -134,8 +135,9 @@ def test_bert_sharded_data_parallel_matches_plain(files, task, spec, mode, sp):
     assert_tree_close(ref_grads, grads, what="gradient")
 
 
-@pytest.mark.parametrize("task,spec,scan", [("pretrain", "2x4", True), ("pretrain", "1x8", False),
-                                            ("race", "2x4", True)])
+@pytest.mark.parametrize("task,spec,scan", tiered(
+    [("pretrain", "2x4", True), ("pretrain", "1x8", False), ("race", "2x4", True)],
+    ("pretrain", "2x4", True)))
 def test_bert_has_megatrons_collectives(files, task, spec, scan):
     """2 forward + 2 backward model-axis all-reduces per layer, the embedding's forward one,
     and (pretraining) the tied MLM output layer's backward one and the fused loss's three on
@@ -164,7 +166,9 @@ def test_bert_has_megatrons_collectives(files, task, spec, scan):
     assert r.ratio == pytest.approx(1.0, abs=0.005)
 
 
-@pytest.mark.parametrize("task,spec", [("pretrain", "2x4"), ("mnli", "1x8")])
+@pytest.mark.full
+@pytest.mark.parametrize("task,spec",
+                         tiered([("pretrain", "2x4"), ("mnli", "1x8")], ("pretrain", "2x4")))
 def test_bert_sequence_parallel_collectives(files, task, spec):
     """Sequence-parallel BERT: GPT's all-gather + reduce-scatter around each block, and no
     gather of the sequence for the heads: one all-reduce of the rows they read ([CLS] and,
@@ -207,6 +211,7 @@ def test_bert_sequence_parallel_collectives(files, task, spec):
         assert f"the minimum is {r.analytic_min_elements + regather:,}: ratio 1.000" in r.table()
 
 
+@pytest.mark.full
 def test_pre_and_post_layernorm_differ_and_both_train(files):
     losses, params = {}, {}
     for placement in ("pre", "post"):
@@ -478,6 +483,7 @@ def pretrained(files):
     return workdir
 
 
+@pytest.mark.full
 def test_pretraining_lowers_mlm_and_sop_losses(pretrained):
     records = [json.loads(line) for line in (pretrained / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "mlm_loss" in r]
@@ -495,6 +501,7 @@ def test_pretraining_lowers_mlm_and_sop_losses(pretrained):
     assert (pretrained / "vocab.txt").is_file()
 
 
+@pytest.mark.full
 def test_init_from_restores_the_encoder_exactly(pretrained, files):
     cfg = load_config("finetune_qqp", [f"train.init_from={pretrained}"])
     from megajax.runs.workdir import with_pretrained_shape
@@ -517,6 +524,7 @@ def test_init_from_restores_the_encoder_exactly(pretrained, files):
     np.testing.assert_array_equal(np.asarray(params["classifier"]["kernel"]), fresh_cls)
 
 
+@pytest.mark.full
 def test_mlm_evaluation(pretrained, files):
     """eval.py --task mlm: exact totals over every pair, equal to the training objective on
     one batch of the same examples; and through the CLI on another mesh."""
@@ -533,15 +541,14 @@ def test_mlm_evaluation(pretrained, files):
     for k in ("mlm_loss", "mlm_accuracy", "sop_loss", "sop_accuracy"):
         assert got[k] == pytest.approx(float(want[k]), rel=1e-5), k
     assert got["pairs"] == 20 and got["masked_tokens"] == int(batch["mlm_weights"].sum())
-    e = subprocess.run(
-        [sys.executable, str(ROOT / "eval.py"), "--workdir", str(pretrained), "--task", "mlm",
-                        "--data", str(files["corpus"]), "--host-devices", "8", "--mesh", "2x4"],
-        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
+    e = cli("eval", "--workdir", pretrained, "--task", "mlm", "--data", files["corpus"],
+            "--host-devices", "8", "--mesh", "2x4")
     assert e.returncode == 0, e.stderr
     result = json.loads((pretrained / "eval_mlm.json").read_text())
     assert result["pairs"] > 250 and result["sop_accuracy"] > 0.9 and result["mlm_accuracy"] > 0.4
 
 
+@pytest.mark.full
 def test_finetune_race_through_the_cli(pretrained, files):
     workdir = files["dir"] / "race"
     p = run("--config", "finetune_race", "--init-from", str(pretrained), "--data",
@@ -552,10 +559,8 @@ def test_finetune_race_through_the_cli(pretrained, files):
             "train.eval_batches=2",
             "--host-devices", "2", "--mesh", "1x2", "--workdir", str(workdir))
     assert "initialised from" in p.stdout and "new: classifier" in p.stdout
-    e = subprocess.run(
-        [sys.executable, str(ROOT / "eval.py"), "--workdir", str(workdir), "--task", "race",
-                        "--data", str(files["race"]), "--host-devices", "8", "--mesh", "2x4"],
-        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
+    e = cli("eval", "--workdir", workdir, "--task", "race", "--data", files["race"],
+            "--host-devices", "8", "--mesh", "2x4")
     assert e.returncode == 0, e.stderr
     result = json.loads((workdir / "eval_race.json").read_text())
     assert result["split"] == "test" and result["examples"] == 30
@@ -563,6 +568,7 @@ def test_finetune_race_through_the_cli(pretrained, files):
     assert result["examples_middle"] + result["examples_high"] == 30 and "accuracy_high" in result
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("task,chance", [("mnli", 1 / 3), ("qqp", 1 / 2)])
 def test_finetune_sentence_pairs(pretrained, files, task, chance):
     cfg = load_config(f"finetune_{task}",
@@ -580,6 +586,7 @@ def test_finetune_sentence_pairs(pretrained, files, task, chance):
     assert result["accuracy"] > chance + 0.3, result
 
 
+@pytest.mark.full
 def test_bert_user_errors(pretrained, files, tmp_path):
     p = run("--config", "bert_tiny", "--tokenizer", "bytes", "--data", f"text:{files['corpus']}",
             "--workdir", str(tmp_path / "w"), check=False)
@@ -591,13 +598,11 @@ def test_bert_user_errors(pretrained, files, tmp_path):
     p = run("--config", "finetune_race", "--init-from", str(pretrained), "--data",
             str(tmp_path / "nope"), "--workdir", str(tmp_path / "y"), check=False)
     assert p.returncode == 2 and "race data directory not found" in p.stderr
-    e = subprocess.run(
-        [sys.executable, str(ROOT / "eval.py"), "--workdir", str(pretrained), "--task", "race",
-                        "--data", str(files["race"])], capture_output=True, text=True, env=env(),
-                        cwd=ROOT)
+    e = cli("eval", "--workdir", pretrained, "--task", "race", "--data", files["race"])
     assert e.returncode == 2 and "fine-tuned on race" in e.stderr
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("task", ["pretrain", "race"])
 def test_pipelined_bert_matches_one_device(files, task):
     """Two stages of BERT's layers (pipe=2,model=4, 1F1B over 4 microbatches): the padding mask

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import mesh_for, tiny_config
+from helpers import tiered
 from jax import ad_checkpoint
 from tolerances import assert_close, assert_tree_close
 
@@ -50,7 +51,7 @@ def grads(f, q, k, v):
     ((2, 8, 16, 8), (1, 2), 2 * 16 * 16 * 4, (2, 2)),   # 2 x 4 a device, 2 a block: heads
 ])
 @pytest.mark.parametrize("causal,padding", [(True, True), (False, True), (True, False)])
-@pytest.mark.parametrize("query_tile", [256, 10], ids=["one_tile", "tiles_of_10"])
+@pytest.mark.parametrize("query_tile", tiered([256, 10], 10), ids=["one_tile", "tiles_of_10"])
 def test_blocked_attention_matches_autodiff_of_the_plain_formula(shape, ways, block_bytes, blocks,
                                                                  causal, padding,
                                                                 query_tile, monkeypatch):
@@ -116,7 +117,9 @@ def loss_grads_and_residuals(cfg, spec, capsys):
 
 
 @pytest.mark.parametrize("kind,spec,scan",
-                         [("gpt", "1x1", False), ("gpt", "1x1", True), ("bert", "2x4", True)])
+                         tiered([("gpt", "1x1", False), ("gpt", "1x1", True),
+                                 ("bert", "2x4", True)],
+                                ("gpt", "1x1", True)))
 def test_models_get_the_same_numbers_and_keep_no_probabilities(kind, spec, scan, monkeypatch,
                                                                capsys):
     """GPT (causal, queries in tiles) unrolled and scanned, BERT (padding) scanned on 2x4: loss and
@@ -160,7 +163,8 @@ def test_blocked_attention_adds_no_collective(monkeypatch):
 
 
 @pytest.mark.parametrize("train,model",
-                         [({"shard_params": True}, {}), ({}, {"sequence_parallel": True})],
+                         tiered([({"shard_params": True}, {}), ({}, {"sequence_parallel": True})],
+                                ({}, {"sequence_parallel": True})),
                          ids=["fsdp", "sequence_parallel"])
 def test_blocked_attention_with_fsdp_and_sequence_parallelism(train, model, monkeypatch):
     """GPT on 2x4 with FSDP (inside its data-manual shard_map the batch is each device's own

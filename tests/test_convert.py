@@ -17,12 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, handles_signal, mesh_for
+from conftest import HF_IMPORT_SETTINGS, ROOT, handles_signal, mesh_for
 from safetensors.numpy import load_file
-from helpers import HF_FIXTURES, hf_reference, import_hf_fixtures
+from helpers import HF_FIXTURES, cli, hf_reference
 from tolerances import F32, assert_close
 
-from megajax.cli.convert import convert_main
 from megajax.config import load_config
 from megajax.convert import export_hf, import_hf
 from megajax.core.loss import vocab_parallel_cross_entropy
@@ -35,13 +34,12 @@ from megajax.training.loop import train
 FIXTURES = HF_FIXTURES
 NAMES = ("gpt2", "bert", "megatron_bert")
 SAMPLE = "A single man, in want of a WATERY fortune: 42 foxes!"   # as in make_hf_fixtures.py
-# float32 throughout; a padding multiple of 128 keeps padded rows (300 -> 384) on every mesh here.
-IMPORT_SETTINGS = ["model.compute_dtype=float32", "model.vocab_multiple=128"]
+IMPORT_SETTINGS = HF_IMPORT_SETTINGS      # float32; the padded rows (300 -> 384) on every mesh
 
 
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    return import_hf_fixtures(tmp_path_factory.mktemp("imported"), NAMES, IMPORT_SETTINGS)
+def imported(hf_imported):
+    return {name: hf_imported[name] for name in NAMES}
 
 
 reference = hf_reference
@@ -171,6 +169,7 @@ def test_scanned_and_unrolled_imports_hold_the_same_weights(imported, tmp_path):
             assert np.array_equal(scanned[key], x), key
 
 
+@pytest.mark.full
 def test_training_starts_from_an_imported_gpt2(imported, tmp_path):
     """--init-from an imported model: every tensor is taken, on a mesh of its own."""
     corpus = tmp_path / "corpus.txt"
@@ -202,9 +201,9 @@ def test_exporting_a_bytes_tokenizer_run_warns_a_python_caller(tmp_path):
                                                                    "model.safetensors"]
 
 
-def cli(capsys, *argv) -> tuple[int, str]:
-    code = convert_main(list(argv))
-    return code, capsys.readouterr().err
+def convert(*argv) -> tuple[int, str]:
+    p = cli("convert", *argv)
+    return p.returncode, p.stderr
 
 
 def copy_fixture(name, dest, drop=(), config=None):
@@ -253,27 +252,27 @@ def test_user_errors_are_one_line_and_write_nothing(capsys, tmp_path, imported):
         json.dumps({**vocab, **{f"extra{i}": 300 + i for i in range(5)}}))
     cases["the tokenizer has 305 tokens but the model's embedding only 300 rows"] = bigger
     for message, hf_dir in cases.items():
-        code, err = cli(capsys, "import", "--hf", str(hf_dir), "--workdir", str(tmp_path / "w"))
+        code, err = convert("import", "--hf", str(hf_dir), "--workdir", str(tmp_path / "w"))
         assert code == 2 and message in err and err.count("\n") == 1 and err.startswith(
             "error: "), (message, err)
         assert not (tmp_path / "w").exists() and not list(tmp_path.glob(".w.*"))
-    code, err = cli(capsys, "import", "--hf", str(FIXTURES / "gpt2"), "--workdir",
+    code, err = convert("import", "--hf", str(FIXTURES / "gpt2"), "--workdir",
                     str(tmp_path / "x"), "--set", "model.hidden=64")
     assert code == 2 and "model.hidden comes from" in err
     existing = imported["gpt2"][1]
     before = sorted(p.name for p in existing.rglob("*"))
-    code, err = cli(capsys, "import", "--hf", str(FIXTURES / "gpt2"), "--workdir", str(existing))
+    code, err = convert("import", "--hf", str(FIXTURES / "gpt2"), "--workdir", str(existing))
     assert code == 2 and "already exists and is not empty" in err
     assert sorted(p.name for p in existing.rglob("*")) == before
-    code, err = cli(capsys, "export", "--workdir", str(tmp_path / "nope"), "--out",
+    code, err = convert("export", "--workdir", str(tmp_path / "nope"), "--out",
                     str(tmp_path / "o"))
     assert code == 2 and "not a megajax workdir" in err and not (tmp_path / "o").exists()
 
 
 def test_command_line_round_trip(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "megajax.convert", *a],
-                                    capture_output=True,  # noqa: E731
-                                    text=True, cwd=ROOT, timeout=300)
+    def run(*a):
+        return cli("convert", *a)
+
     p = run("import", "--hf", str(FIXTURES / "megatron_bert"), "--workdir", str(tmp_path / "w"))
     assert p.returncode == 0, p.stderr
     assert (
@@ -311,12 +310,12 @@ def test_an_untied_output_layer_is_refused(tmp_path, capsys):
 
     save_file({**tensors, "lm_head.weight": tensors["transformer.wte.weight"] + 1},
               str(hf / "model.safetensors"))
-    code, err = cli(capsys, "import", "--hf", str(hf), "--workdir", str(tmp_path / "w"))
+    code, err = convert("import", "--hf", str(hf), "--workdir", str(tmp_path / "w"))
     assert code == 2 and "ties the output layer to the input embedding" in err
     save_file({**tensors, "lm_head.weight": tensors["transformer.wte.weight"]},
               str(hf / "model.safetensors"))
     # a tied copy is fine
-    code, _ = cli(capsys, "import", "--hf", str(hf), "--workdir", str(tmp_path / "w"))
+    code, _ = convert("import", "--hf", str(hf), "--workdir", str(tmp_path / "w"))
     assert code == 0
 
 
@@ -343,6 +342,7 @@ STOPPED = (
     "stopped by SIGTERM: nothing was written (the output appears in one rename, or not at all)\n")
 
 
+@pytest.mark.full
 def test_sigterm_while_jax_starts_stops_the_import_in_one_line(tmp_path):
     """megajax-convert imports JAX before it handles signals: a handler that raised there could
     be swallowed or crash the interpreter (as seen for eval.py); it prints one line and leaves."""
@@ -378,6 +378,7 @@ sys.exit(convert_main(sys.argv[1:]))
 """
 
 
+@pytest.mark.full
 def test_sigterm_while_writing_removes_the_staged_output(tmp_path):
     p = subprocess.run([sys.executable, "-c", HALF_WRITTEN, "import", "--hf", "unused", "--workdir",
                         str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import mesh_for, tiny_config
+from helpers import tiered
 from tolerances import F32, adam_tolerance, assert_close
 
 from megajax.runs.checkpoint import Checkpoints
@@ -45,7 +46,8 @@ def run(spec: str, microbatches: int, mode: str):
                 opt_specs=[x.sharding.spec for x in jax.tree.leaves(o)])
 
 
-@pytest.mark.parametrize("spec,microbatches", [("2x4", 2), ("4x2", 4), ("8x1", 2)])
+@pytest.mark.parametrize("spec,microbatches", tiered([("2x4", 2), ("4x2", 4), ("8x1", 2)],
+                                                      ("2x4", 2)))
 def test_sharded_data_parallel_matches_plain(spec, microbatches):
     """Both schemes, gradient accumulation and dropout on; float32 throughout, so losses and
     gradient norms within F32 of their scale (tests/tolerances.py), parameters within Adam's
@@ -69,7 +71,8 @@ def _data(r, **kw):
     return r.select(axis="data", **kw)
 
 
-@pytest.mark.parametrize("spec,microbatches", [("2x4", (1, 2)), ("8x1", (2,))])
+@pytest.mark.parametrize("spec,microbatches", tiered([("2x4", (1, 2)), ("8x1", (2,))],
+                                                      ("2x4", (1, 2))))
 def test_zero_reduces_gradients_once_per_step(spec, microbatches):
     """One reduce-scatter per gradient and one all-gather per parameter, whatever the number of
     microbatches: exactly the bytes of one all-reduce (ratio 1.000); no gradient all-reduce
@@ -93,7 +96,7 @@ def test_zero_reduces_gradients_once_per_step(spec, microbatches):
     assert "1.000 x the minimum" in results[microbatches[-1]].table()
 
 
-@pytest.mark.parametrize("spec,microbatches", [("2x4", 2), ("8x1", 1)])
+@pytest.mark.parametrize("spec,microbatches", tiered([("2x4", 2), ("8x1", 1)], ("2x4", 2)))
 def test_fsdp_gathers_each_layer_forward_and_backward(spec, microbatches):
     """Inside the scanned stack, per layer and microbatch: one all-gather of each split weight
     forward, one again in the backward pass for those it reads (kernels and LayerNorm scales),
@@ -140,6 +143,7 @@ def test_sharded_states_are_one_nth(spec):
         1 / n + 0.02) * opt
 
 
+@pytest.mark.full
 def test_checkpoints_move_between_modes_and_meshes(tmp_path):
     """A state saved by any mode on one mesh restores bitwise into any other mode and mesh."""
     saved = {}

@@ -70,6 +70,7 @@ def page_id(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("page", [p for p in runnable_pages() if "guides" not in p.parts],
                          ids=page_id)
 def test_page_commands_run(page, tmp_path):

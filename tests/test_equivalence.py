@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import mesh_for, tiny_config
+from helpers import tiered
 from tolerances import F32, adam_tolerance, assert_close, assert_tree_close
 
 from megajax.models.registry import init_model
@@ -47,12 +48,12 @@ def reference():
     return run(mesh_for("1x1"))
 
 
-@pytest.mark.parametrize("spec", MESHES)
+@pytest.mark.parametrize("spec", tiered(MESHES, "2x4"))
 def test_mesh_matches_single_device(reference, spec):
     assert_matches_reference(reference, run(mesh_for(spec)))
 
 
-@pytest.mark.parametrize("spec", ["2x4", "1x8"])
+@pytest.mark.parametrize("spec", tiered(["2x4", "1x8"], "2x4"))
 def test_sequence_parallel_matches_single_device(reference, spec):
     """Activations split along the sequence between blocks (all-gather / reduce-scatter around
     each block instead of all-reduces): the same numbers as one device without it, with data
@@ -98,6 +99,7 @@ def test_dropout_is_on_and_matters(reference):
     assert reference["losses"][2] < reference["losses"][0]
 
 
+@pytest.mark.full
 def test_post_layernorm_is_mesh_invariant_and_differs_from_pre():
     """The original BERT placement (LayerNorm after each residual add) through the same layers."""
     cfg = tiny_config(ln_placement="post").model
@@ -143,9 +145,9 @@ def test_gradient_accumulation_equals_one_big_batch():
     assert results[2][:2] == results[1][:2]
 
 
-@pytest.mark.parametrize("remat,scan,sp", [("selective", True, False), ("full", True, False),
-                                          ("selective", False, False), ("selective", True, True),
-                                          ("full", False, True)])
+@pytest.mark.parametrize("remat,scan,sp", tiered(
+    [("selective", True, False), ("full", True, False), ("selective", False, False),
+     ("selective", True, True), ("full", False, True)], ("selective", True, True)))
 def test_remat_recomputes_the_same_numbers(remat, scan, sp):
     """Selective (the attention core) and full (each layer) recomputation give the loss and
     every gradient of no recomputation, dropout on, on 2x4: only the backward pass's schedule

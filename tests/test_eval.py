@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, handles_signal, mesh_for, tiny_config
+from helpers import cli
 from tolerances import F32
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -93,7 +94,7 @@ def workdir(tmp_path_factory):
     cfg = load_config("tiny",
                       [f"data.source=text:{SHAKESPEARE}", "train.steps=200", "train.log_every=200",
                                "train.eval_every=200", "train.save_every=200", "model.seq_len=64"])
-    train(cfg, mesh_for("2x4"), wd, sample_tokens=0, out=lambda s: None)
+    train(cfg, mesh_for("1x1"), wd, sample_tokens=0, out=lambda s: None)
     return wd
 
 
@@ -319,6 +320,7 @@ def test_a_context_of_one_token_generates_from_the_last_token():
         eval_tasks.data_source("a.txt")) == "text:a.txt"
 
 
+@pytest.mark.full
 def test_generate_takes_what_it_can_use_and_names_what_it_cannot():
     """Zero new tokens is an empty (b, 0) (it was one token), a top_k past the vocabulary is the
     whole vocabulary (as eval.py's --top-k); a prompt jax would fail on or silently embed as
@@ -368,10 +370,7 @@ def test_kv_cache_greedy_equals_recomputation(workdir, spec):
 
 def test_eval_cli_sample_and_errors(workdir, tmp_path):
     def run(*args):
-        return subprocess.run(
-            [sys.executable, str(ROOT / "eval.py"), "--workdir", str(workdir), *args,
-                               "--host-devices", "8"], capture_output=True, text=True, cwd=ROOT,
-                               timeout=240)
+        return cli("eval", "--workdir", workdir, *args, "--host-devices", "8")
     p = run("--task", "sample", "--prompt", "ROMEO:", "--max-new-tokens", "20", "--mesh", "2x4",
             "--out", str(tmp_path / "s.json"))
     assert p.returncode == 0, p.stderr
@@ -389,6 +388,7 @@ def test_eval_cli_sample_and_errors(workdir, tmp_path):
 
 
 # while JAX starts, and while the model loads or compiles
+@pytest.mark.full
 @pytest.mark.parametrize("after", [0.0, 1.0])
 def test_sigterm_stops_an_evaluation_in_one_line_and_writes_nothing(workdir, tmp_path, after):
     """Before: killed by the signal (status 143, not a word). Then, raising from the handler:
@@ -411,6 +411,7 @@ def test_sigterm_stops_an_evaluation_in_one_line_and_writes_nothing(workdir, tmp
     assert not out.exists()
 
 
+@pytest.mark.full
 def test_a_sample_of_any_length_streams_its_text_and_ctrl_c_stops_it(workdir, tmp_path):
     """--max-new-tokens 1000000000 ran with no output until the end (hours). The text now
     appears as it is generated, and Ctrl-C stops it in one line, writing no result."""

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import mesh_for, tiny_config
-from helpers import exact_model_axis_elements
+from helpers import exact_model_axis_elements, tiered
 from tolerances import BF16_ELEMENT, BF16_NORM, BF16_U, F16_U, F32, assert_close, assert_tree_close
 
 from megajax.core.attention import kv_copies
@@ -21,11 +21,11 @@ LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", num_kv
              tie_embeddings=False, rope_scaling="llama3", rope_factor=8.0, rope_original_context=8)
 
 
-@pytest.mark.parametrize("spec,extra,train", [
+@pytest.mark.parametrize("spec,extra,train", tiered([
     ("1x8", {}, {}),                                           # key/value heads in 4 copies
     ("2x4", dict(sequence_parallel=True), dict(shard_params=True)),        # 2 copies, FSDP, SP
     ("2x4", dict(num_kv_heads=4, scan_layers=False), dict(shard_optimizer=True)),  # split, ZeRO-1
-])
+], ("2x4", dict(num_kv_heads=4, scan_layers=False), dict(shard_optimizer=True))))
 def test_three_adamw_steps_match_one_device(spec, extra, train):
     """A Llama-shaped model (dropout on) computes on every mesh and data-parallel scheme what it
     computes on one device: weights, logits, loss, gradients and three optimizer steps."""
@@ -45,7 +45,8 @@ def test_three_adamw_steps_match_one_device(spec, extra, train):
 _REFERENCES = {}   # one device's run of each model, shared by the meshes compared with it
 
 
-@pytest.mark.parametrize("spec,sp", [("2x4", False), ("1x8", False), ("2x4", True)])
+@pytest.mark.parametrize("spec,sp", tiered([("2x4", False), ("1x8", False), ("2x4", True)],
+                                           ("2x4", False)))
 def test_audit_finds_megatrons_collectives_and_the_copied_kv_gradients(spec, sp):
     """Two all-reduces forward and two backward per layer (with sequence parallelism their
     all-gathers and reduce-scatters), nothing else in the blocks; the key/value weight's copies
@@ -73,6 +74,7 @@ def test_audit_finds_megatrons_collectives_and_the_copied_kv_gradients(spec, sp)
     assert r.data_axis_ratio == pytest.approx(1.0) if mesh.shape["data"] > 1 else True
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("remat,scan,sp",
                          [("selective", True, False), ("full", False, True)])
 def test_remat_recomputes_the_same_numbers(remat, scan, sp):
@@ -92,6 +94,7 @@ def test_remat_recomputes_the_same_numbers(remat, scan, sp):
     assert_tree_close(want, got, what=f"gradient with {remat} remat")
 
 
+@pytest.mark.full
 def test_layer_programs_give_the_single_program_step():
     from test_layer_programs import _programs, _two_steps
     cfg = tiny_config(**LLAMA, num_layers=3)
@@ -116,7 +119,8 @@ def test_mixed_precision_stays_within_bfloat16_of_one_device():
                       norm_tol=BF16_NORM)
 
 
-@pytest.mark.parametrize("dtype,u", [("float16", F16_U), ("bfloat16", BF16_U)])
+@pytest.mark.parametrize("dtype,u", tiered([("float16", F16_U), ("bfloat16", BF16_U)],
+                                           ("bfloat16", BF16_U)))
 def test_16_bit_activations_give_float32s_gradients_within_their_roundoff(dtype, u):
     """float16 (with its loss scale, 2^16) and bfloat16 activations: each weight's gradient
     norm against float32's, within the bounds tests/test_loss_scale.py states for the GPT, in

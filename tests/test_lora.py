@@ -3,8 +3,6 @@ the adapters train (the base bitwise unchanged, no optimizer state for it), the 
 on every mesh and scheme, and the model axis carries what it carries without them."""
 import dataclasses
 import json
-import subprocess
-import sys
 from collections import Counter
 
 import jax
@@ -12,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, mesh_for, tiny_config
-from helpers import env, exact_model_axis_elements, run
+from helpers import cli, exact_model_axis_elements, run, tiered
 from tolerances import F32, adam_tolerance, assert_close
 
 from megajax.models.registry import init_model
@@ -28,6 +26,7 @@ def lora_config(extra=None, train=None, **lora):
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **(train or {})))
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mesh,extra", [("1x1", {}), ("2x4", dict(LLAMA, sequence_parallel=True)),
                                         ("1x8", LLAMA)])
 def test_the_adapted_model_starts_as_the_base_model_bitwise(devices, mesh, extra):
@@ -69,10 +68,10 @@ def reference():
     return _train("1x1", cfg, 3)
 
 
-@pytest.mark.parametrize("mesh,extra,train", [
+@pytest.mark.parametrize("mesh,extra,train", tiered([
     ("2x4", {"sequence_parallel": True}, {"shard_optimizer": True}),
     ("1x8", {"remat": "full"}, {"shard_params": True}),
-])
+], ("1x8", {"remat": "full"}, {"shard_params": True})))
 def test_adapters_after_three_steps_equal_one_device(devices, reference, mesh, extra, train):
     """2x4 with sequence parallelism and ZeRO-1; 1x8 with full remat and FSDP (the adapters and
     their optimizer state split over "data"): 1x1's adapters within Adam's bound, and the base
@@ -113,10 +112,9 @@ def _activation_collectives(r):
                                                          "logits", "loss"))
 
 
-@pytest.mark.parametrize("mesh,extra,train", [("2x4", {}, {}),
-                                              ("2x4", dict(LLAMA, sequence_parallel=True),
-                                               {"shard_optimizer": True}),
-                                              ("1x8", LLAMA, {"shard_params": True})])
+@pytest.mark.parametrize("mesh,extra,train", tiered(
+    [("2x4", {}, {}), ("2x4", dict(LLAMA, sequence_parallel=True), {"shard_optimizer": True}),
+     ("1x8", LLAMA, {"shard_params": True})], ("2x4", {}, {})))
 def test_the_audit_shows_the_model_axis_of_the_base_model(devices, mesh, extra, train):
     """The forward pass's collectives are the base model's; backward, the frozen base drops the
     gradient-only ones (sequence parallelism's replicated-weight sums, the embedding's gather),
@@ -196,13 +194,10 @@ def test_merge_folds_the_adapters_into_a_whole_model(lora_runs, tmp_path):
     from megajax.core.mesh import make_mesh
     from megajax.runs.workdir import load_workdir
 
-    p = subprocess.run([sys.executable, "-m", "megajax.convert", "merge", "--workdir",
-                        str(lora_runs["llama"]), "--out", str(tmp_path / "merged")],
-                       capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
+    p = cli("convert", "merge", "--workdir", lora_runs["llama"], "--out", tmp_path / "merged")
     assert p.returncode == 0, p.stderr
-    refused = subprocess.run([sys.executable, "-m", "megajax.convert", "export", "--workdir",
-                              str(lora_runs["llama"]), "--out", str(tmp_path / "whole")],
-                             capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
+    refused = cli("convert", "export", "--workdir", lora_runs["llama"], "--out",
+                  tmp_path / "whole")
     assert refused.returncode == 2 and "--adapter" in refused.stderr
     assert not (tmp_path / "whole").exists()
     import_hf(tmp_path / "merged", tmp_path / "back", [])

@@ -199,6 +199,7 @@ def _records(workdir):
             if "loss" in r]
 
 
+@pytest.mark.full
 def test_a_float16_run_skips_overflowing_steps_recovers_and_resumes_bitwise(tmp_path):
     """Started at 2^19, the tiny model's float16 gradients overflow: those steps are skipped
     (grad_norm null, weights unchanged) and the scale halves (from the second overflow on:

@@ -35,6 +35,7 @@ def compiled_temp_bytes(layers: int, batch: int, **model) -> int:
                         mesh_for("1x8")).lower_step().compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("recompute", [False, True], ids=["megatron_set", "recompute_norm_gelu"])
 def test_compiled_activation_memory_follows_the_model(recompute):
     """For tensor parallelism alone and for tensor + sequence parallelism + selective
@@ -88,6 +89,7 @@ def test_cudnn_flash_attention_keeps_one_statistic_a_query_and_head():
     assert fused - without_core == 4 * 16 * 16 * 1024 // 2
 
 
+@pytest.mark.full
 def test_recomputing_layernorm_and_gelu_outputs_changes_no_number():
     """Loss and gradients with LayerNorm's and GeLU's outputs recomputed equal those with them
     kept (the same operations, evaluated again: within float32 roundoff), on 2x4 with sequence

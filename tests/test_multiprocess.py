@@ -46,6 +46,7 @@ def one_process_reference(tmp_path_factory):
     return losses(wd)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("sharding", [[], ["--set", "train.shard_params=true"],
                                       ["--mesh", "data=2,pipe=2,model=2"]])
 def test_two_processes_log_the_losses_of_one(one_process_reference, tmp_path, sharding):
@@ -83,6 +84,7 @@ def test_one_process_checkpoint_resumes_in_two(one_process_reference, tmp_path):
         assert got[s] == pytest.approx(one_process_reference[s], rel=F32)
 
 
+@pytest.mark.full
 def test_killing_one_process_ends_the_other(tmp_path):
     port = free_port()
     wd = tmp_path / "kill"
@@ -121,6 +123,7 @@ def _start_two(args, port):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("who", ["one", "both"])
 def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, who):
     """one: Ctrl-C reaches only process 1 (docs/guides/multi-host.md's `... &` then foreground
@@ -153,6 +156,7 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, who):
     assert f"resuming from step {step}" in p.stdout
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("other,field", [(["--save-every", "5"], "config.train.save_every"),
                                          # before: Gloo failed 51 s later
                                          (["--mesh", "4x2"], "mesh.axes.data")])
@@ -171,6 +175,7 @@ def test_processes_with_different_settings_are_refused_naming_the_field(tmp_path
         assert "Traceback" not in err
 
 
+@pytest.mark.full
 def test_a_frozen_process_ends_the_other_in_one_line(tmp_path):
     """A peer that stops answering (SIGSTOP: a hung host, swapped out) leaves the other waiting in
     a collective: it says so in one line and exits 1, before the runtime's heartbeat check would
@@ -210,6 +215,7 @@ sys.exit(bound_shutdown(3))
 """
 
 
+@pytest.mark.full
 def test_a_peer_that_skips_the_shutdown_leaves_one_line_not_an_abort():
     """Before: the survivor waited at the runtime's shutdown barrier until its heartbeat check
     aborted it from C++ three heartbeat timeouts later (exit 134 and a stack dump; 180 s at the

@@ -2,10 +2,12 @@
 import os
 
 import nbformat
+import pytest
 from conftest import ROOT
 from nbclient import NotebookClient
 
 
+@pytest.mark.full
 def test_quickstart_notebook_executes():
     path = ROOT / "notebooks" / "quickstart.ipynb"
     nb = nbformat.read(path, as_version=4)

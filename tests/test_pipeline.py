@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
+from helpers import tiered
 from tolerances import F32, adam_tolerance, assert_close, assert_tree_close
 
 from megajax import schedules
@@ -151,7 +152,8 @@ CASES = ([(spec, schedule, 1) for schedule in ("1f1b", "gpipe") for spec in MESH
             ("pipe=8", "interleaved", 2), ("data=2,pipe=2,model=2", "interleaved", 2)])
 
 
-@pytest.mark.parametrize("spec,schedule,chunks", CASES)
+@pytest.mark.parametrize("spec,schedule,chunks",
+                         tiered(CASES, ("data=2,pipe=2,model=2", "1f1b", 1)))
 def test_pipelined_step_matches_single_device(spec, schedule, chunks):
     shape = dict(layers=16, micro=8) if spec == "pipe=8" and schedule == "interleaved" else {}
     reference = single_device(**shape)
@@ -172,6 +174,7 @@ LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", num_kv
              ffn_hidden=128, tie_embeddings=False)
 
 
+@pytest.mark.full
 def test_pipelined_llama_gradients_match_single_device():
     """The Llama family's layers (RMSNorm, rotary positions, SwiGLU, grouped-query attention
     with its key/value heads copied over model=4) and its untied output layer on the last
@@ -189,6 +192,7 @@ def test_pipelined_llama_gradients_match_single_device():
     assert_tree_close(want, got, what="gradient")
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("scheme", ["shard_optimizer", "shard_params"])
 def test_sharded_data_parallelism_on_stages_matches_single_device(reference, scheme):
     """ZeRO-1 and FSDP on data=2,pipe=2,model=2: each device holds half its stage's Adam
@@ -230,6 +234,7 @@ def test_stacked_weights_live_on_their_stage():
     assert stages == {0, 1, 2, 3}
 
 
+@pytest.mark.full
 def test_bubble_and_activation_memory_read_from_the_compiled_step():
     """On 4 stages and 8 microbatches: each layer's two all-reduces over "model" forward and two
     backward, wherever its stage runs it; the compiled program's tick loop runs 2 (m + p - 1)
@@ -273,6 +278,7 @@ def test_bubble_and_activation_memory_read_from_the_compiled_step():
     assert (8 - 4) * boundary_bytes <= temp["gpipe"] - temp["1f1b"] <= (8 - 4 + 1) * boundary_bytes
 
 
+@pytest.mark.full
 def test_interleaved_run_checkpoints_in_the_layers_order(tmp_path):
     """An interleaved run keeps its layers stage-major, but saves, validates and samples them
     in their own order: two steps on pipe=2,model=4 (2 chunks a stage) resumed for two more on

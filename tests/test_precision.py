@@ -73,6 +73,7 @@ def _cpu_keeps_bf16_matmuls() -> bool:
     return _bf16_dots(f.lower(a, a).compile().as_text()) == 1
 
 
+@pytest.mark.full
 def test_every_linear_matmul_runs_in_bfloat16_forward_and_backward():
     """QKV, output projection, fc1 and fc2 of every layer, each 3 times (y = xW, dx = g W^T,
     dW = x^T g), as bf16 x bf16 matmuls: in the program megajax hands XLA, and, on a CPU whose

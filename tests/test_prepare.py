@@ -215,6 +215,7 @@ def test_killed_mid_run_and_started_again(corpus, tmp_path):
     np.testing.assert_array_equal(outputs(tmp_path / "o")[0], outputs(tmp_path / "clean")[0])
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_with_one_line(corpus, tmp_path, sig):
     """Ctrl-C reaches every process of the group, SIGTERM (a scheduler) the main one: either way
@@ -444,6 +445,7 @@ def tile_pairs(src: Path, dest: Path, times: int):
     (dest / "meta.json").write_text(json.dumps(meta))
 
 
+@pytest.mark.full
 def test_startup_memory_does_not_grow_with_a_prepared_corpus(corpus, tmp_path):
     """The built-in corpus (12 MB of the standard library) read into memory, against a prepared
     pairs corpus ten times its size (the test corpus prepared, its pairs written over and over

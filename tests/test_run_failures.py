@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import ROOT
-from helpers import BASE, env, run
+from helpers import BASE, cli, env, run
 
 from megajax.convert import import_hf
 from megajax.data.tokenizer import make_tokenizer
@@ -39,6 +39,7 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
+@pytest.mark.full
 def test_a_save_that_cannot_finish_ends_the_process_with_its_line(tmp_path):
     # (the patch lives in this process)
     e = {**env(), "MEGAJAX_EXIT_GRACE_S": "3", "MEGAJAX_MALLOC_TUNING": "0"}
@@ -55,6 +56,7 @@ def test_a_save_that_cannot_finish_ends_the_process_with_its_line(tmp_path):
         "writer that cannot finish); leaving with status 2")
 
 
+@pytest.mark.full
 def test_what_a_killed_start_leaves_is_megajaxs_own(tmp_path):
     """Killed after the checkpoint manager opened and before config.json was written, a run left
     an empty checkpoints/ (or a first save's temporary directory), and the workdir was refused
@@ -97,11 +99,7 @@ def test_diverged_weights_are_set_aside_and_the_last_good_checkpoint_named(tmp_p
     text = tmp_path / "play.txt"
     text.write_text((ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:3000],
                     encoding="utf-8")
-    e = subprocess.run(
-        [sys.executable, str(ROOT / "eval.py"), "--workdir", str(wd), "--task", "ppl", "--data",
-                        str(text), "--step", str(bad - 2)], capture_output=True, text=True,
-                        env=env(), cwd=ROOT,
-        timeout=200)
+    e = cli("eval", "--workdir", wd, "--task", "ppl", "--data", text, "--step", bad - 2)
     assert e.returncode == 2 and not (wd / "eval_ppl.json").exists(), e.stderr[-2000:]
     assert e.stderr.startswith(
         f"error: checkpoint step {bad - 2} of {wd} gives ppl inf on this data")

@@ -83,6 +83,7 @@ def test_profile_command_leaves_events_equal_to_metrics_and_a_trace(tmp_path):
         assert f"MFU {100 * r['mfu']:.1f}%" in x and f"{r['tflops_per_device']:.3g} TFLOP/s" in x
 
 
+@pytest.mark.full
 def test_resume_after_death_past_a_checkpoint_purges_and_resumes_the_wandb_run(tmp_path):
     """A run that logged steps past its last checkpoint and died (its checkpoint 8 gone): the
     rerun resumes at 4, and TensorBoard shows each step once, equal to metrics.jsonl; W&B

@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, mesh_for
 from flax import nnx
 from helpers import (BASE, RUN_ARGS, SHAKESPEARE, assert_tensorboard_is_metrics, env,
-                     killed_after_checkpoint, losses, run)
+                     killed_after_checkpoint, losses, run, tiered)
 from tolerances import F32
 
 from megajax.cli.common import failed, start_jax
@@ -24,12 +24,9 @@ from megajax.runs.workdir import load_workdir
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted 16-step run on 2x4 that the other runs must reproduce."""
-    wd = tmp_path_factory.mktemp("ref")
-    p = run(*BASE, "--mesh", "2x4", "--workdir", str(wd), "--steps", "16", "--save-every", "8",
-            "--eval-every", "8")
-    return wd, losses(wd), p
+def reference(trained_gpt):
+    """An uninterrupted 16-step run on 2x4 that the other runs must reproduce (conftest.py)."""
+    return trained_gpt
 
 
 def test_end_to_end_run_writes_everything(reference):
@@ -50,7 +47,7 @@ def test_end_to_end_run_writes_everything(reference):
     assert (wd / "loss.png").stat().st_size > 1000
     assert sorted(int(d.name) for d in (wd / "checkpoints").iterdir() if d.name.isdigit()) == [8,
                                                                                                16]
-    assert "mesh data=2 model=4 on 8 cpu" in p.stdout
+    assert "mesh data=2 model=4 on 8 cpu" in p
 
 
 def test_resume_after_sigkill_is_bitwise_exact(reference, tmp_path):
@@ -68,10 +65,10 @@ def test_resume_after_sigkill_is_bitwise_exact(reference, tmp_path):
     assert [s for s, _ in assert_tensorboard_is_metrics(wd)["train/loss"]] == list(range(1, 17))
 
 
-@pytest.mark.parametrize("saved_on,mesh,first,second", [
+@pytest.mark.parametrize("saved_on,mesh,first,second", tiered([
     ("2x4", "1x8", [], []),
     ("2x4", "4x2", ["train.shard_params=true"], ["train.shard_optimizer=true"]),
-    ("data=2,pipe=2,model=2", "2x4", [], [])])
+    ("data=2,pipe=2,model=2", "2x4", [], [])], ("2x4", "1x8", [], [])))
 def test_resume_on_another_mesh(reference, tmp_path, saved_on, mesh, first, second):
     """Saved on one mesh, resumed on another: the second case saves an FSDP run (parameters
     split over "data", evaluated so) and resumes it with ZeRO-1, the third saves a pipelined run
@@ -93,6 +90,7 @@ def test_resume_on_another_mesh(reference, tmp_path, saved_on, mesh, first, seco
         assert got[s] == pytest.approx(ref[s], rel=2 * F32), s
 
 
+@pytest.mark.full
 def test_sigterm_saves_and_exits_cleanly_and_a_second_run_is_refused(tmp_path):
     """A second run on the same workdir is refused; SIGTERM, SIGHUP (the terminal or SSH
     session closed) and SIGUSR1 (SLURM's warning before a time limit) together save once and
@@ -145,6 +143,7 @@ def test_nohup_keeps_the_hang_up_ignored():
                                             "['SIGINT', " + warnings)
 
 
+@pytest.mark.full
 def test_a_reader_that_goes_away_stops_the_run_as_sigterm_does(tmp_path):
     """`train.py | head -3`: the pipe under stdout closes and the next line fails to be written
     (BrokenPipeError). Before: a traceback, exit 1, the steps since the last save lost. Now the
@@ -182,6 +181,7 @@ def test_every_program_outlives_a_closed_pipe_under_its_output():
             assert closed == [True] and os.path.samestat(os.fstat(writer), os.stat(os.devnull))
 
 
+@pytest.mark.full
 def test_a_signal_during_the_final_sample_stops_it(tmp_path):
     """Once the run is saved, SIGTERM stops the sample written after training (it was noted and
     ignored: a long --sample-tokens could only be killed): exit 0, the checkpoint kept."""
@@ -233,6 +233,7 @@ def test_a_start_up_signal_whose_exception_was_swallowed_still_stops_the_run():
         assert not stop.training
 
 
+@pytest.mark.full
 def test_sigterm_during_start_up_is_one_line(tmp_path):
     """bert_tiny trains its WordPiece vocabulary at start-up: a SIGTERM then stops at once."""
     proc = subprocess.Popen(
@@ -274,7 +275,8 @@ def test_a_signal_after_train_returns_is_not_a_start_up_stop():
                                                   "SIGTERM: the run is already ending\n")
 
 
-@pytest.mark.parametrize("lr,save_every", [("1e38", "2"), ("1e6", "1"), ("1e38", "1000")])
+@pytest.mark.parametrize("lr,save_every", tiered([("1e38", "2"), ("1e6", "1"), ("1e38", "1000")],
+                                                 ("1e6", "1")))
 def test_non_finite_step_is_never_saved_and_the_named_checkpoint_exists(tmp_path, lr, save_every):
     """lr 1e38: the loss itself overflows. lr 1e6: the loss of the fatal step is still finite
     (it is computed before the update) but its gradient norm is not, so the weights after it
@@ -317,6 +319,7 @@ def test_dry_run_of_paper_model_allocates_nothing():
     assert "activations per sequence" not in p.stdout   # only with --costs
 
 
+@pytest.mark.full
 def test_dry_run_costs_follow_the_memory_model():
     """--costs: activation bytes per sequence compiled (whole step and layers) and modelled;
     FLOPs with recomputation's share. Float32 SP + selective on 2x4: the layers' compiled
@@ -388,6 +391,7 @@ def test_a_compiled_step_too_big_for_the_devices_is_refused(monkeypatch):
     memory.check_step_fits(compiled)
 
 
+@pytest.mark.full
 def test_a_backend_jax_cannot_start_is_one_line(reference, tmp_path, monkeypatch):
     """JAX_PLATFORMS naming a backend this jax lacks (a GPU node's setting with a CPU-only jax:
     jax raises a bare AssertionError for `cuda`, a RuntimeError for others) is one line and exit
@@ -452,6 +456,7 @@ def test_a_backend_jax_cannot_start_is_one_line(reference, tmp_path, monkeypatch
         jax.config.update("jax_enable_x64", False)
 
 
+@pytest.mark.full
 def test_a_program_started_without_stdout_or_stderr_runs_and_its_files_stay_its_own(reference,
                                                                                     tmp_path):
     """`>&-` / `2>&-` (some launchers start daemons so): Python's sys.stdout was None and
@@ -578,6 +583,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(reference, tmp_p
     assert loaded.step == 8 and (wd / "checkpoints" / "16").exists()   # eval only reads
 
 
+@pytest.mark.full
 def test_training_resumes_past_a_damaged_checkpoint(reference, tmp_path):
     """train.py warns in one line, sets the damaged step aside (kept), resumes from the one
     before and reproduces the uninterrupted run bitwise, saving that step again."""
@@ -649,6 +655,7 @@ def test_a_failed_save_is_reported_in_one_line(tmp_path, monkeypatch, capsys, fa
     assert steps == {4: [2, 6, 8], 8: [4], 2: []}[fails]
 
 
+@pytest.mark.full
 def test_a_sequence_parallel_run_samples_and_evaluates(tmp_path):
     """Trained with sequence parallelism (2x4), the workdir serves inference like any other:
     the sample at the end and evaluation run the same weights with the switch off (decoding
@@ -672,6 +679,7 @@ def test_a_sequence_parallel_run_samples_and_evaluates(tmp_path):
     assert abs(a["loss"] - b["loss"]) <= F32 * a["loss"]
 
 
+@pytest.mark.full
 def test_more_simulated_devices_than_xla_cpu_compiles_for_is_one_line(tmp_path):
     """XLA:CPU takes simulated devices past 2048 for other processes and refuses to compile
     over them: one line naming the way out, exit 2, nothing written."""

@@ -104,6 +104,7 @@ def test_a_checkpoints_directory_removed_or_replaced_mid_run(tmp_path):
     assert ckpts.directory.read_text() == "x"
 
 
+@pytest.mark.full
 def test_a_save_the_file_system_refuses_is_one_line_and_leaves_nothing_half_written(tmp_path):
     """A real failure of orbax's background writers: no file may grow past 64 KiB (what a full
     disk or a quota does to a checkpoint, without needing one). Before: orbax's threads logged

@@ -32,6 +32,16 @@ def set_host_devices(n: int | None):
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
 
 
+def program_devices(host_devices: int | None) -> list | None:
+    """The devices a program's mesh spans: None (all of them), or with --host-devices N in one
+    process whose jax had already started with more (a notebook or a test calling `train_main`,
+    where XLA_FLAGS comes too late), the first N, as a process of its own would have them."""
+    jax = sys.modules.get("jax")
+    if not host_devices or jax is None or process_count() > 1:
+        return None
+    return jax.devices()[:host_devices]
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with a mistake as the one `error:` line every megajax program ends with (not
     argparse's usage block before it); --help still shows the usage."""

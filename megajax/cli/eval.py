@@ -11,7 +11,8 @@ from pathlib import Path
 
 from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, exit_on_signal, fail,
                                 failed, given,
-                                guard_stdout, set_host_devices, spec_paths, start_jax)
+                                guard_stdout, program_devices, set_host_devices, spec_paths,
+                                start_jax)
 from megajax.errors import UserError
 from megajax.files import write_atomic
 from megajax.host.signals import STOP_SIGNALS
@@ -149,6 +150,7 @@ def _evaluate(args) -> int:
     try:
         check_eval_args(args)
         start_jax(args)
+        args.devices = program_devices(args.host_devices)
         # jax is imported only now, with --host-devices in XLA_FLAGS (megajax/cli/common.py).
         from megajax.evaluation.tasks import run_task
 

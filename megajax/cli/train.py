@@ -6,7 +6,8 @@ import signal
 from pathlib import Path
 
 from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, fail, failed, given,
-                                guard_stdout, set_host_devices, start_jax, stop_during_startup)
+                                guard_stdout, program_devices, set_host_devices, start_jax,
+                                stop_during_startup)
 from megajax.config import FLAG_KEYS, load_config
 from megajax.errors import UserError
 from megajax.host.signals import STOP_SIGNALS, StopRequested, stdout_closed
@@ -118,7 +119,9 @@ def _train_main(args) -> int:
         refuse_overridden_shape(cfg, overrides, workdir)
         start_jax(args)
         try:
-            mesh = make_mesh(_mesh_spec(args.mesh, lambda: with_pretrained_shape(cfg, workdir)[0]))
+            devices = program_devices(args.host_devices)
+            mesh = make_mesh(_mesh_spec(args.mesh, lambda: with_pretrained_shape(cfg, workdir)[0],
+                                        devices), devices)
         except ValueError as e:
             raise UserError(str(e)) from None
         if not args.dry_run:
@@ -149,9 +152,9 @@ def _train_main(args) -> int:
     return 0
 
 
-def _mesh_spec(spec: str, run_config) -> str:
-    """--mesh as given; "auto" as megajax/plan/auto.py chooses it for these devices and the
-    config `run_config()` gives (the run's, with a pretrained workdir's shape)."""
+def _mesh_spec(spec: str, run_config, devices=None) -> str:
+    """--mesh as given; "auto" as megajax/plan/auto.py chooses it for `devices` (default: all)
+    and the config `run_config()` gives (the run's, with a pretrained workdir's shape)."""
     if (spec or "auto").strip().lower() != "auto":
         return spec
     cfg = run_config()
@@ -164,7 +167,7 @@ def _mesh_spec(spec: str, run_config) -> str:
         cfg = cfg.validate()
     except UserError:
         return spec          # the run's own checks report it, in their order
-    spec, why = auto_mesh(cfg, jax.device_count(), device_memory_bytes(),
+    spec, why = auto_mesh(cfg, len(devices or jax.devices()), device_memory_bytes(),
                           jax.default_backend(), jax.devices()[0].device_kind)
     if why:
         print(f"megajax: {why}", flush=True)

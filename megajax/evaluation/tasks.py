@@ -178,7 +178,7 @@ def run_task(args) -> tuple[dict, bool]:
     """What `eval.py` does for args.task: prints a short table; returns the full result and
     whether this process writes it."""
     try:
-        mesh = make_mesh(args.mesh)
+        mesh = make_mesh(args.mesh, getattr(args, "devices", None))
     except ValueError as e:
         raise UserError(str(e)) from None
     if args.out:
