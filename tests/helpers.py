@@ -35,6 +35,16 @@ def env():
     return e
 
 
+def long_run_env():
+    """env() for a process that trains for hundreds of steps: LLVM -O1 code, which runs such a
+    run in a third of -O0's time (conftest.py). Only for runs compared with each other (its
+    last bits are not -O0's)."""
+    e = env()
+    e["XLA_FLAGS"] = e["XLA_FLAGS"].replace("--xla_backend_optimization_level=0",
+                                            "--xla_backend_optimization_level=1")
+    return e
+
+
 def run(*args, check=True, timeout=240, env=None, process=False):
     """train.py ARGS: in this process (`cli`) unless `process`, an `env` of its own, or arguments
     only a process of its own can honour (`in_process_ok`)."""
@@ -71,14 +81,15 @@ def in_process_ok(args) -> bool:
     return True
 
 
-def cli(tool: str, *args) -> subprocess.CompletedProcess:
+def cli(tool: str, *args, cwd: Path = ROOT, environ: dict | None = None
+        ) -> subprocess.CompletedProcess:
     """megajax's program TOOL (train, eval, plan, convert, prepare, plot) called in this process
     as its entry point calls it (`TOOL_main(argv) -> status`), with what it prints captured: for
     the tests whose subject is what a program says and writes, not its process (signals, a
     closed pipe, a second process run `run(..., process=True)` or by subprocess). Whatever the
     program sets for its process (signal handlers, standard streams, the environment, train.py's
-    command-line flag) is put back afterwards. A bug's exception propagates, as a traceback
-    would end the program."""
+    command-line flag) is put back afterwards; `environ` adds variables for the call. A bug's
+    exception propagates, as a traceback would end the program."""
     import contextlib
     import importlib
     import io
@@ -93,12 +104,13 @@ def cli(tool: str, *args) -> subprocess.CompletedProcess:
     module, name = TOOLS[tool].split(":")
     main = getattr(importlib.import_module(module), name)
     handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    environ, streams = dict(os.environ), (sys.stdout, sys.stderr)
+    saved_environ, streams = dict(os.environ), (sys.stdout, sys.stderr)
     command_line = StopRequested.command_line
     out, err = io.StringIO(), io.StringIO()
     sys.stdout, sys.stderr = out, err
     try:
-        with contextlib.chdir(ROOT):
+        os.environ.update(environ or {})
+        with contextlib.chdir(cwd):
             try:
                 status = main([str(a) for a in args])
             except SystemExit as e:     # argparse's --help and usage errors, sys.exit(...)
@@ -108,19 +120,20 @@ def cli(tool: str, *args) -> subprocess.CompletedProcess:
     finally:
         sys.stdout, sys.stderr = streams
         os.environ.clear()
-        os.environ.update(environ)
+        os.environ.update(saved_environ)
         StopRequested.command_line = command_line
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return subprocess.CompletedProcess([tool, *args], status, out.getvalue(), err.getvalue())
 
 
-def killed_after_checkpoint(args, workdir: Path, step: int, timeout=180):
-    """train.py ARGS started, and SIGKILLed as soon as its checkpoint `step` exists (asserted):
-    a run cut off with no chance to save or clean up."""
+def killed_after_checkpoint(args, workdir: Path, step: int, timeout=180, environ=None):
+    """train.py ARGS started (in `environ`, default env()), and SIGKILLed as soon as its
+    checkpoint `step` exists (asserted): a run cut off with no chance to save or clean up."""
     import signal
     import time
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args],
+                            env=environ or env(), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout
     while time.time() < deadline and not (workdir / "checkpoints" / str(step)).is_dir():

@@ -5,13 +5,14 @@ a directory of its own beside a checkout's files. A block that cannot run here s
 `<!-- not run: REASON -->` line just above it (it needs a GPU, a cluster or a download)."""
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from helpers import env
+from helpers import cli, env, in_process_ok
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -78,18 +79,53 @@ def test_page_commands_run(page, tmp_path):
     run_page(page, tmp_path)
 
 
+# A line that is only a megajax program and its arguments (no pipe, redirection, variable,
+# environment or background job): `python train.py ...`, `python eval.py ...`, `python -m
+# megajax TOOL ...`.
+PROGRAMS = {("train.py",): "train", ("eval.py",): "eval",
+            **{("-m", "megajax", tool): tool
+               for tool in ("train", "eval", "plan", "convert", "prepare", "plot")}}
+
+
+def programs(code: str) -> list[tuple[str, list[str]]] | None:
+    """The block's lines as (tool, arguments), if every line is a megajax program alone."""
+    calls = []
+    for line in code.replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split, lexer.commenters = True, "#"
+        words = list(lexer)
+        if not words:
+            continue
+        operators = any(set(w) <= set("|&;<>()") for w in words)
+        start = next((n for n in (2, 4) if tuple(words[1:n]) in PROGRAMS), None)
+        if words[0] not in ("python", "python3") or start is None or operators or "$" in line:
+            return None
+        calls.append((PROGRAMS[tuple(words[1:start])], words[start:]))
+    return calls
+
+
 def run_page(page: Path, tmp_path: Path):
+    """Each block in order: one whose lines are megajax programs alone runs them in this process
+    (helpers.cli: what the user's process runs, without an interpreter start each), any other
+    in bash or Python of its own."""
     bin_dir = sandbox(tmp_path)
     e = dict(env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", WANDB_MODE="offline",
              MPLBACKEND="Agg")
     for lang, code, why, line in blocks(page):
         if lang not in RUNNABLE or why:
             continue
-        if lang == "sh":
-            cmd = ["bash", "-e", "-o", "pipefail", "-c", code]
+        calls = programs(code) if lang == "sh" else None
+        if calls and all(in_process_ok(args) for _, args in calls):
+            for tool, args in calls:
+                p = cli(tool, *args, cwd=tmp_path,
+                        environ={"WANDB_MODE": "offline", "MPLBACKEND": "Agg"})
+                if p.returncode != 0:
+                    break
         else:
-            cmd = [sys.executable, "-c", code]
-        p = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=600)
+            cmd = (["bash", "-e", "-o", "pipefail", "-c", code] if lang == "sh"
+                   else [sys.executable, "-c", code])
+            p = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True,
+                               timeout=600)
         assert p.returncode == 0, (f"{page.relative_to(ROOT)}:{line} failed ({p.returncode}):\n"
                                    f"{code}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n"
                                    f"{p.stderr[-3000:]}")
