@@ -55,6 +55,12 @@ def write_atomic(path: Path, data: str | bytes) -> None:
             raise
 
 
+def is_temporary(path: Path) -> bool:
+    """A file write_atomic was writing when its process was killed: never a result."""
+    name = Path(path).name
+    return name.startswith(".") and name.endswith(".tmp")
+
+
 @contextlib.contextmanager
 def naming(path: Path):
     """An OSError raised by writing to an open file (a full disk, `ulimit -f`'s "File too large")
@@ -67,6 +73,16 @@ def naming(path: Path):
         raise
 
 
+def text_lines(text: str) -> list[str]:
+    """A text file's lines as the file has them: ended by "\n" (or "\r\n"), never by the other
+    characters str.splitlines also takes for line ends (U+2028, U+2029, U+0085, \\v, \\f,
+    \\x1c-\\x1e), which a JSON string may hold raw: a JSON line split there is no longer JSON."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return parse_jsonl(Path(path).read_text(encoding="utf-8", errors="replace"))
 
@@ -75,7 +91,7 @@ def parse_jsonl(text: str) -> list[dict]:
     """The records of a JSON-lines text. A line that does not parse is one a kill cut short
     while it was being appended: it is skipped, not fatal."""
     records = []
-    for line in text.splitlines():
+    for line in text_lines(text):
         if not line.strip():
             continue
         try:

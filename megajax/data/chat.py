@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from megajax.data.chat_template import ChatTemplate, read_template
-from megajax.data.sources import text_files
+from megajax.data.sources import read_utf8, text_files
 from megajax.data.tokenizer import Tokenizer
 from megajax.errors import UserError, first_line
+from megajax.files import text_lines
 
 ROLES = ("system", "user", "assistant", "tool")
 LOSS_ON = ("assistant", "all")
@@ -66,10 +67,7 @@ def read_conversations(spec: str) -> list[Conversation]:
     """Every conversation of the files a chat: spec names, in order."""
     conversations = []
     for path in text_files(spec):
-        try:
-            lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
-        except UnicodeDecodeError as e:
-            raise UserError(f"{path} is not UTF-8 text (byte {e.start})") from None
+        lines = text_lines(read_utf8(path))
         conversations += [parse_line(line, f"{path}:{n}") for n, line in enumerate(lines, 1)
                           if line.strip()]
     if not conversations:

@@ -16,7 +16,7 @@ from megajax.data.chat_template import TOKENIZER_EXTRAS, special_tokens
 from megajax.data.sources import read_utf8
 from megajax.data.wordpiece import train_vocab
 from megajax.errors import UserError, first_line
-from megajax.files import write_atomic
+from megajax.files import text_lines, write_atomic
 from megajax.specs import TokenizerSpec
 
 FILE = "tokenizer.json"
@@ -185,7 +185,7 @@ class WordPieceTokenizer(HFTokenizer):
         path = Path(path)
         if not path.is_file():
             raise UserError(f"vocabulary file not found: {path}")
-        vocab = read_utf8(path).splitlines()
+        vocab = text_lines(read_utf8(path))
         if not vocab:
             raise UserError(f"vocabulary file is empty: {path}")
         return cls(vocab, lowercase)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from megajax.data.chat import encode_with_offsets, parse_line, prompt_ids, template_for
-from megajax.data.sources import text_files
+from megajax.data.sources import read_utf8, text_files
 from megajax.errors import UserError
 from megajax.models.generate import generate
+from megajax.files import text_lines
 
 
 def end_of_turn_id(tokenizer, template) -> int | None:
@@ -55,7 +56,7 @@ def conversations_to_answer(spec: str) -> list[list[dict]]:
     alone), each cut after its last user turn: what the model answers."""
     out = []
     for path in text_files(spec):
-        for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+        for n, line in enumerate(text_lines(read_utf8(path)), 1):
             if line.strip():
                 messages = list(parse_line(line, f"{path}:{n}", to_learn=False).messages)
                 users = [i for i, m in enumerate(messages) if m["role"] == "user"]

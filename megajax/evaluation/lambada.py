@@ -11,6 +11,7 @@ from megajax.data.sources import read_utf8
 from megajax.data.tokenizer import Tokenizer
 from megajax.errors import UserError
 from megajax.evaluation.scoring import score_windows
+from megajax.files import text_lines
 
 
 def lambada_examples(path: Path, tokenizer: Tokenizer, seq_len: int):
@@ -20,7 +21,7 @@ def lambada_examples(path: Path, tokenizer: Tokenizer, seq_len: int):
     if not path.is_file():
         raise UserError(f"LAMBADA file not found: {path}")
     examples = []
-    for n, line in enumerate(read_utf8(path).splitlines(), 1):
+    for n, line in enumerate(text_lines(read_utf8(path)), 1):
         if not line.strip():
             continue
         try:

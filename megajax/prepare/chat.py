@@ -28,9 +28,10 @@ from megajax.data import prepared as P
 from megajax.data.chat import encode_conversation, parse_line, template_for
 from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import UserError
-from megajax.files import WorkdirLock, write_atomic
-from megajax.prepare.corpus import (_fixed_tokenizer, _npy_bytes, _pool, _readable,
+from megajax.files import WorkdirLock, text_lines, write_atomic
+from megajax.prepare.corpus import (_fixed_tokenizer, _npy_bytes, _readable,
                                     _start_or_resume, publish)
+from megajax.prepare.pool import WorkerPool
 from megajax.prepare.units import describe_source, expand_inputs, plan_units
 
 FIELDS = ("ids", "mask", "lengths")
@@ -55,7 +56,7 @@ def _run_unit(job: tuple) -> tuple[int, int]:
         raise UserError(f"{unit['source']} is not UTF-8 text (byte {unit['start'] + e.start})"
                         ) from None
     ids, masks = [], []
-    for n, line in enumerate(text.splitlines(), first_line):
+    for n, line in enumerate(text_lines(text), first_line):
         if line.strip():
             conversation = parse_line(line, f"{unit['source']}:{n}")
             a, m = encode_conversation(conversation, _WORKER["template"], _WORKER["tok"],
@@ -139,7 +140,7 @@ def _tokenize(partial: Path, units, loss_on: str, dtype: str, workers: int, say)
             _run_unit(job)
             bar.update()
     else:
-        with _pool(min(workers, len(todo)), init) as pool:
+        with WorkerPool(min(workers, len(todo)), _init_worker, init) as pool:
             for _ in pool.imap_unordered(_run_unit, todo):
                 bar.update()
     bar.close()

@@ -11,10 +11,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import time
 import zipfile
@@ -27,28 +25,12 @@ from megajax.data import prepared as P
 from megajax.data.sentences import Specials
 from megajax.data.tokenizer import Tokenizer, fixed_tokenizer, load_tokenizer
 from megajax.errors import UserError
-from megajax.files import WorkdirLock, naming, write_atomic
-from megajax.host.signals import STOP_SIGNALS
+from megajax.files import WorkdirLock, is_temporary, naming, write_atomic
 from megajax.prepare import pairs
+from megajax.prepare.pool import WorkerPool
 from megajax.prepare.units import Unit, describe_source, expand_inputs, plan_units, tokenize_unit
 
 PARTIAL = ".partial"
-
-
-def _pool(workers: int, init: tuple):
-    """fork is the cheapest start (megajax-prepare itself never imports jax); after JAX has
-    started its threads (a notebook, a test) a fork could inherit a held lock: forkserver then."""
-    context = multiprocessing.get_context("forkserver" if "jax" in sys.modules else "fork")
-    return context.Pool(workers, _init_pool_worker, init)
-
-
-def _init_pool_worker(*init):
-    """Ctrl-C reaches the whole process group: the main process alone answers it (and ends the
-    pool, with SIGTERM); a worker just stops, without the main process's handlers (a fork
-    inherits them) or a traceback that would only repeat the main process's one line."""
-    for sig in STOP_SIGNALS:        # a closed terminal's SIGHUP, too, reaches the whole group
-        signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.SIG_IGN)
-    _init_worker(*init)
 
 
 @dataclasses.dataclass
@@ -161,7 +143,7 @@ def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings
         say(f"resuming: {len(done)} units already tokenized")
     init = (str(partial), [], settings.text_field, dtype)
     bar = tqdm(unit=" sentences", unit_scale=True, disable=not sys.stderr.isatty())
-    pool = _pool(workers, init) if workers > 1 else None
+    pool = WorkerPool(workers, _init_worker, init) if workers > 1 else None
     if pool is None:
         _init_worker(*init)
     batch, total = [], 0
@@ -179,7 +161,7 @@ def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings
                 sum(pool.map(_run_pairs_unit, batch) if pool else map(_run_pairs_unit, batch)))
     finally:
         if pool is not None:
-            pool.terminate()
+            pool.close()
         bar.close()
     return [units_dir / f"{k}.npz" for k in range(total)]
 
@@ -202,7 +184,7 @@ def _tokenize_all(partial: Path, units: list[Unit], separator, settings: Setting
             _run_unit(job)
             bar.update(sizes[job[0]])
     else:
-        with _pool(min(workers, len(todo)), init) as pool:
+        with WorkerPool(min(workers, len(todo)), _init_worker, init) as pool:
             for i, _, _ in pool.imap_unordered(_run_unit, todo):
                 bar.update(sizes[i])
     bar.close()
@@ -331,9 +313,10 @@ def _prepare_locked(out: Path, sources: list[dict], tok: Tokenizer, settings: Se
 
 def publish(partial: Path, out: Path, meta: dict) -> dict:
     """The finished files (the splits, the tokenizer) moved up from DIR/.partial, then
-    meta.json, which makes DIR a prepared corpus."""
+    meta.json, which makes DIR a prepared corpus. (Not a temporary file a killed run was
+    writing: removed with the rest.)"""
     for f in partial.iterdir():
-        if f.is_file() and f.name != "plan.json":
+        if f.is_file() and f.name != "plan.json" and not is_temporary(f):
             os.replace(f, out / f.name)
     write_atomic(out / P.META, json.dumps(meta, indent=1) + "\n")
     shutil.rmtree(partial, ignore_errors=True)

@@ -19,6 +19,7 @@ import numpy as np
 from megajax.data.sources import distinct, text_files, tfds_size, tfds_texts
 from megajax.errors import UserError
 from megajax.specs import DataSpec
+from megajax.files import text_lines
 
 UNIT_BYTES = 4 << 20
 TFDS_UNIT_RECORDS = 20_000
@@ -111,7 +112,7 @@ def _unit_texts(unit: Unit, text_field: str) -> list[str]:
     if unit.kind == "text":
         return [text]
     docs = []
-    for n, line in enumerate(text.splitlines()):
+    for n, line in enumerate(text_lines(text)):
         if not line.strip():
             continue
         try:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from megajax.errors import UserError
-from megajax.files import parse_jsonl, read_jsonl, write_atomic
+from megajax.files import parse_jsonl, read_jsonl, text_lines, write_atomic
 
 
 class MetricsLog:
@@ -29,7 +29,7 @@ class MetricsLog:
             return
         text = self.path.read_text(encoding="utf-8", errors="replace")
         keep = [r for r in parse_jsonl(text) if r.get("step", 0) <= step]
-        lines = [line for line in text.splitlines() if line.strip()]
+        lines = [line for line in text_lines(text) if line.strip()]
         if len(keep) != len(lines) or (text and not text.endswith("\n")):
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
