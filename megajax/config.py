@@ -81,6 +81,9 @@ class TrainConfig:
     beta2: float = 0.95               # Adam's
     eps: float = 1e-8                 # Adam's
     grad_clip: float = 1.0            # global-norm clipping
+    # a loss over this many times the median of the 20 steps before it, and over a uniform
+    # guess's, is a divergence: the run stops (docs/guides/training.md); 0: only a non-finite one
+    spike_factor: float = 10.0
     # float16 activations: the first dynamic loss scale (training/loss_scale.py),
     loss_scale: float = 65536.0
     # doubled after this many steps without overflow, halved from the
@@ -90,6 +93,9 @@ class TrainConfig:
     seed: int = 0                     # weights, batches and dropout follow from it
     # a workdir whose weights start this run (BERT fine-tuning: its encoder)
     init_from: str = ""
+    # LoRA without init_from: adapters on the frozen random weights train.seed gives (an
+    # experiment); otherwise refused, as adapters learn nothing useful on a random base
+    random_base: bool = False
     log_every: int = 10               # steps between log lines
     eval_every: int = 200             # steps between validations
     eval_batches: int = 8             # validation batches, at most
@@ -107,7 +113,11 @@ class TrainConfig:
         if self.loss_scale > MAX_LOSS_SCALE:
             raise ConfigError(f"train.loss_scale must be at most 2^32 (where the dynamic scale "
                               f"stops growing), got {self.loss_scale:g}")
-        for name in ("warmup_steps", "decay_steps", "seed", "min_lr", "weight_decay"):
+        if 0 < self.spike_factor <= 1:
+            raise ConfigError(f"train.spike_factor must be 0 (off) or above 1, got "
+                              f"{self.spike_factor:g}")
+        for name in ("warmup_steps", "decay_steps", "seed", "min_lr", "weight_decay",
+                     "spike_factor"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be 0 or more, got {getattr(self, name)}")
         if self.batch_size % self.microbatches:

@@ -55,7 +55,7 @@ class ModelConfig:
     num_heads: int = 4                # attention (query) heads; split over the model axis
     ffn_hidden: int = 0               # 0 -> 4 * hidden
     seq_len: int = 256                # training sequence length (and learned positions' rows)
-    vocab_size: int = 256             # the tokenizer's size; padded below, never by the mesh
+    vocab_size: int = 256             # the tokenizer's size; padded below
     # padded vocab = vocab_size rounded up to this (50257 -> 51200)
     vocab_multiple: int = 1024
     hidden_dropout: float = 0.1       # after attention and MLP, and on embeddings
@@ -139,7 +139,14 @@ class ModelConfig:
 
     @property
     def padded_vocab(self) -> int:
+        """The vocabulary's rows in a checkpoint, on every mesh: vocab_size rounded up to
+        vocab_multiple."""
         return int(math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple)
+
+    def vocab_rows(self, tp: int) -> int:
+        """The rows a model axis of `tp` holds: padded_vocab, padded further when tp does not
+        divide it (models/vocab_rows.py)."""
+        return -(-self.padded_vocab // tp) * tp
 
     def validate(self):
         self.remat = REMAT_ALIASES.get(self.remat, self.remat)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
-SOURCE_KINDS = ("builtin", "text", "bin", "megatron", "tfds", "pairs", "chat")
+# every kind of data source, as a user writes it
+SOURCE_FORMS = {"builtin": "builtin", "text": "text:PATH", "bin": "bin:PATH", "chat": "chat:PATH",
+                "megatron": "megatron:PREFIX", "tfds": "tfds:NAME", "pairs": "pairs:DIR"}
+SOURCE_KINDS = tuple(SOURCE_FORMS)
 TOKENIZER_KINDS = ("bytes", "chars", "hf", "tiktoken", "wordpiece")
 
 

@@ -13,7 +13,8 @@ import pytest
 from bert_fixtures import write_corpus, write_mnli, write_qqp, write_race
 from conftest import ROOT, mesh_for, tiny_config
 from tolerances import F32, assert_close, assert_tree_close
-from helpers import SHAKESPEARE, cli, env, exact_model_axis_elements, run, tiered
+from helpers import (SHAKESPEARE, cli, env, exact_model_axis_elements, long_run_env, run,
+                     tiered)
 
 from megajax.config import ConfigError, load_config
 from megajax.core.mesh import make_mesh
@@ -479,7 +480,7 @@ def pretrained(files):
         "--set", "model.seq_len=32", "--set", "train.batch_size=32", "--set", "train.lr=2e-3",
         "--set", "train.warmup_steps=20", "--set", "train.eval_batches=4", "--steps", "150",
         "--log-every", "10", "--eval-every", "50", "--host-devices", "4", "--mesh", "2x2",
-        "--workdir", str(workdir))
+        "--workdir", str(workdir), env=long_run_env())     # 150 steps: -O1 code
     return workdir
 
 

@@ -1,6 +1,7 @@
 """Fine-tuning on conversations (chat: sources): the template rendering and assistant masks
 against transformers, the loss on the assistant's tokens only, packed conversations each
 attending to itself alone, and a tiny model that learns a chat file end to end."""
+import dataclasses
 import json
 
 import jax
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, mesh_for, tiny_config
-from helpers import cli, killed_after_checkpoint, losses, run, tiered
+from helpers import cli, killed_after_checkpoint, long_run_env, losses, run, tiered
 from tolerances import F32, assert_close
 
 from megajax.core.blocked_attention import blocked_attention
@@ -277,8 +278,9 @@ def learned(tmp_path_factory):
     wd = root / "run"
     # A process of its own, as the killed run that resumes to its losses below: XLA:CPU's last
     # bits depend on how many devices its process simulates (2 of this process's 8 are not 2).
+    # 300 steps: -O1 code (helpers.long_run_env), for both.
     p = run(*LEARN_ARGS, "--data", f"chat:{data}", "--workdir", str(wd), "--save-every", "50",
-            timeout=400, process=True)
+            timeout=400, env=long_run_env())
     return data, wd, losses(wd), p
 
 
@@ -315,8 +317,8 @@ def test_resume_after_sigkill_logs_the_same_losses(learned, tmp_path):
     wd = tmp_path / "killed"
     args = [*LEARN_ARGS, "--data", f"chat:{data}", "--workdir", str(wd), "--save-every", "20",
             "--steps", "60"]
-    killed_after_checkpoint(args, wd, 20, timeout=300)
-    p = run(*args, timeout=400, process=True)
+    killed_after_checkpoint(args, wd, 20, timeout=300, environ=long_run_env())
+    p = run(*args, timeout=400, env=long_run_env())
     assert "resuming from step" in p.stdout
     assert losses(wd) == {s: ref[s] for s in range(1, 61)}      # every step, bitwise
 
@@ -371,3 +373,97 @@ def test_a_bad_line_stops_the_preparation_naming_it(tmp_path):
                                f"learn from"
     assert not (tmp_path / "d" / "meta.json").exists()
     assert not (tmp_path / "d" / ".partial").exists()
+
+
+def test_held_out_conversations_without_a_target_are_refused_not_scored(tmp_path):
+    """A short conversation and one whose answer model.seq_len cuts away, one of them held out:
+    held out, the cut one would give a validation loss over no target, 0.0 (perplexity 1.0); it
+    is refused instead. (Kept for training, it leaves the other check: nothing to learn from.)"""
+    from megajax.tasks import task_for
+    short = {"prompt": "a", "completion": "b"}
+    long = {"prompt": "x" * 80, "completion": "y"}
+    refusals = []
+    for n, order in enumerate(([short, long], [long, short])):
+        data = tmp_path / f"c{n}.jsonl"
+        data.write_text("".join(json.dumps(c) + "\n" for c in order))
+        cfg = tiny_config(seq_len=32)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+            cfg.data, source=f"chat:{data}", tokenizer="chars", val_fraction=0.5,
+            chat_overflow="truncate"))
+        with pytest.raises(UserError) as e:
+            task_for(cfg).load_data(cfg)
+        refusals.append(str(e.value))
+        if "held-out" not in str(e.value):
+            assert "leaves no target token to learn from" in str(e.value)
+            continue
+        assert str(e.value) == (
+            f"chat:{data}'s 1 held-out conversation(s) keep no target token at model.seq_len 32 "
+            f"(their assistant turns were truncated away): raise model.seq_len, or hold none "
+            f"out (data.val_fraction = 0)")
+        p = run("--config", "tiny", "--data", f"chat:{data}", "--tokenizer", "chars", "--set",
+                "model.seq_len=32", "--set", "data.val_fraction=0.5", "--set",
+                "data.chat_overflow=truncate", "--workdir", tmp_path / "w", check=False)
+        assert p.returncode == 2 and p.stderr == f"error: {e.value}\n", p.stderr
+        assert not (tmp_path / "w").exists()
+    assert sum("held-out" in r for r in refusals) == 1
+
+
+def test_a_validation_of_no_target_is_no_number():
+    """The rule under every task whose loss has a mask (training/loop.evaluate): a batch whose
+    loss has no target is left out of the means; none with a target is an error."""
+    from megajax.training.loop import evaluate
+    batches = {0: {"loss": 2.0, "targets": 3}, 1: {"loss": 0.0, "targets": 0},
+               2: {"loss": 4.0, "targets": 1}}
+    assert evaluate(lambda p, b: dict(batches[b]), None, lambda i: i, 3) == {"loss": 3.0}
+    with pytest.raises(UserError, match="hold no target token, so no validation loss"):
+        evaluate(lambda p, b: {"loss": 0.0, "targets": 0}, None, lambda i: i, 3)
+    # a task without a mask: every batch counts
+    assert evaluate(lambda p, b: {"loss": float(b)}, None, lambda i: i, 3) == {"loss": 1.0}
+
+
+@pytest.mark.parametrize("expression, says", [("{{ 1 / 0 }}", "ZeroDivisionError: "),
+                                              ("{{ 10.0 ** 400 }}", "OverflowError: "),
+                                              ("{{ none_such.attr }}", "'none_such' is undefined")])
+def test_a_template_that_raises_anything_is_one_line(tmp_path, expression, says):
+    template = ChatTemplate(expression + "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                            origin="t.jinja")
+    with pytest.raises(ValueError, match=f"t.jinja fails to render it: .*{says}"):
+        template.render([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}])
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\u0085"])
+def test_json_lines_are_split_at_newlines_alone(tmp_path, separator):
+    """A JSON string may hold U+2028, U+2029 or U+0085 raw (str.splitlines would end a line
+    there): every reader of JSON lines reads the line whole."""
+    from megajax.evaluation.chat import conversations_to_answer
+    from megajax.evaluation.lambada import lambada_examples
+    from megajax.files import parse_jsonl
+    from megajax.prepare.units import Unit, tokenize_unit
+    said = f"first{separator}second"
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"prompt": said, "completion": "ok"}, ensure_ascii=False) + "\n"
+                    + json.dumps({"prompt": "b", "completion": "c"}) + "\r\n", encoding="utf-8")
+    assert separator in data.read_text(encoding="utf-8")
+    conversations = read_conversations(str(data))
+    assert [c.messages[0]["content"] for c in conversations] == [said, "b"]
+    assert [m[0]["content"] for m in conversations_to_answer(str(data))] == [said, "b"]
+    assert [r["prompt"] for r in parse_jsonl(data.read_text(encoding="utf-8"))] == [said, "b"]
+    tok = ByteTokenizer()
+    ids, docs = tokenize_unit(Unit(str(data), "jsonl", 0, data.stat().st_size, False), tok, [],
+                              "prompt", np.dtype(np.int32))
+    assert docs == 2 and tok.decode(ids.tolist()) == said + "b"
+    lambada = tmp_path / "l.jsonl"
+    lambada.write_text(json.dumps({"text": f"one{separator}two three"}, ensure_ascii=False) + "\n",
+                       encoding="utf-8")
+    assert len(lambada_examples(lambada, tok, 64)) == 1
+    p = cli("prepare", data, "--chat", "--out", tmp_path / "d", "--workers", "1",
+            "--val-fraction", "0")
+    assert p.returncode == 0, p.stderr
+
+
+def test_answering_a_file_that_is_not_utf8_is_one_line(tmp_path):
+    from megajax.evaluation.chat import conversations_to_answer
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(UserError, match=r"latin1.jsonl is not UTF-8 text \(byte 15: b'\\xe9'\)"):
+        conversations_to_answer(str(data))

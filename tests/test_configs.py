@@ -191,7 +191,6 @@ def test_a_tilde_the_shell_left_alone_is_the_home_directory(monkeypatch, tmp_pat
     ({"num_heads": 6, "hidden": 96}, 4, "num_heads=6 is not divisible by the model axis (4)"),
     ({"hidden": 66, "num_heads": 2}, 4, "hidden=66"),
     ({"ffn_hidden": 250}, 4, "ffn_hidden=250"),
-    ({"vocab_multiple": 90, "vocab_size": 90}, 4, "padded vocab=90"),
     ({"seq_len": 18, "sequence_parallel": "true"}, 4,
      "model.seq_len=18 is not divisible by the model axis (4)"),
 ])

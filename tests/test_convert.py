@@ -384,3 +384,20 @@ def test_sigterm_while_writing_removes_the_staged_output(tmp_path):
                         str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 128 + signal.SIGTERM and p.stderr == STOPPED, p.stderr
     assert list(tmp_path.iterdir()) == []     # neither the workdir nor its staged .w.*.partial
+
+
+@pytest.mark.parametrize("name, tensor", [("llama", "model.layers.1.mlp.up_proj.weight"),
+                                          ("gpt2", "transformer.h.1.attn.c_proj.weight")])
+def test_one_layers_tensor_of_another_shape_is_named_with_both_shapes(tmp_path, name, tensor):
+    from safetensors.numpy import save_file
+
+    hf = copy_fixture(name, tmp_path / "hf")
+    tensors = load_file(hf / "model.safetensors")
+    good = tensors[tensor].shape
+    save_file({**tensors, tensor: tensors[tensor][:-8]}, str(hf / "model.safetensors"))
+    code, err = convert("import", "--hf", str(hf), "--workdir", str(tmp_path / "w"))
+    other = tensor.replace(".1.", ".0.")
+    assert code == 2 and err == (f"error: '{tensor}' has shape {(good[0] - 8, *good[1:])}, where "
+                                 f"'{other}' has {good}: the layers of a checkpoint have the "
+                                 f"same shapes\n"), err
+    assert not (tmp_path / "w").exists()

@@ -203,7 +203,8 @@ def test_missing_and_empty_sources(tmp_path):
         load_tokens(f"bin:{tmp_path / 'e.bin'}", "bytes")
     with pytest.raises(UserError, match="unknown data source"):
         load_tokens("ftp:x", "bytes")
-    with pytest.raises(UserError, match="pairs: holds BERT sentence pairs, for model.kind = bert"):
+    with pytest.raises(UserError,
+                       match="'pairs:x' holds BERT sentence pairs, for model.kind = bert"):
         load_tokens("pairs:x", "bytes")     # GPT given a BERT corpus, and BERT given token files:
     with pytest.raises(UserError,
                        match="token files keep no sentence boundaries: BERT reads pairs:DIR"):

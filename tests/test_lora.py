@@ -257,3 +257,19 @@ def test_lora_settings_a_user_gets_wrong_are_one_line(sets, says):
         load_config("tiny", sets)
     with pytest.raises(ConfigError, match="LoRA adapters .* are for GPT decoders"):
         load_config("bert_tiny", ["model.lora_rank=4"])
+
+
+def test_adapters_without_a_pretrained_base_are_refused_unless_asked_for(tmp_path):
+    """LoRA freezes the base: without --init-from it would be train.seed's random weights, and
+    the adapters would learn to patch noise. Refused in one line, before anything is written;
+    train.random_base=true asks for it, and trains only the adapters."""
+    args = ["--config", "tiny", "--data", f"chat:{CHAT}", "--tokenizer", "chars", "--steps",
+            "1", "--sample-tokens", "0", "--set", "model.lora_rank=4", "--set",
+            "data.chat_overflow=truncate", "--set", "data.chat_loss=all"]
+    p = run(*args, "--workdir", tmp_path / "w", check=False)
+    assert p.returncode == 2 and p.stderr == (
+        "error: LoRA trains adapters on a frozen base: give the pretrained base with --init-from "
+        "DIR (--set train.random_base=true adapts random weights)\n"), p.stderr
+    assert not (tmp_path / "w").exists()
+    p = run(*args, "--set", "train.random_base=true", "--workdir", tmp_path / "r")
+    assert "done: 1 steps" in p.stdout

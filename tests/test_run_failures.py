@@ -3,7 +3,9 @@ wrote its config, weights that diverge, a result that is not a number, a workdir
 write to, inputs that open with a byte-order mark, weights that are NaN on import. Each test
 failed on megajax before its fix (the adversarial sweep's cases)."""
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -13,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import ROOT
-from helpers import BASE, cli, env, run
+from helpers import BASE, cli, env, losses, run
 
 from megajax.convert import import_hf
 from megajax.data.tokenizer import make_tokenizer
@@ -76,15 +78,48 @@ def test_what_a_killed_start_leaves_is_megajaxs_own(tmp_path):
     assert "done: 2 steps" in p.stdout and (half / "checkpoints" / "2").is_dir()
 
 
+def test_a_loss_spike_past_chance_is_a_divergence_and_good_means_before_it(tmp_path):
+    """lr 1e6: the loss leaves ln V for ~1e15 within a step or two, steps before any NaN. That
+    step is the divergence (train.spike_factor): the checkpoint its loss came from moves to
+    diverged/, the line names the newest one saved before it, and the same command, resumed
+    there, diverges again instead of training on (before: the "last good" checkpoint had a loss
+    of 3.5e15, and a rerun trained from it to "done" at 4e15, exit 0)."""
+    wd = tmp_path / "w"
+    args = (*BASE, "--mesh", "2x4", "--steps", "10", "--save-every", "1", "--set",
+            "train.lr=1e6", "--workdir", str(wd))
+    p = run(*args, check=False)
+    line = p.stderr.strip()
+    assert p.returncode == 2 and "\n" not in line, p.stderr[-2000:]
+    bad = int(line.split(" at step ")[1].split(";")[0])
+    found = re.match(r"error: loss (\S+), over train.spike_factor 10 x the median (\S+) of the "
+                     r"(\d+) step\(s\) before and over a uniform guess's (\S+): diverged at step",
+                     line)
+    assert found, line
+    before = [losses(wd)[s] for s in range(1, bad)]
+    assert int(found[3]) == len(before) == bad - 1
+    assert float(found[2]) == pytest.approx(float(np.median(before)), rel=1e-3)
+    assert float(found[4]) == pytest.approx(math.log(65), rel=1e-3)    # the 65 characters
+    assert float(found[1]) > 10 * float(found[2]) and float(found[1]) > math.log(65)
+    assert max(before) < 10 * float(np.median(before))
+    kept = sorted(int(d.name) for d in (wd / "checkpoints").iterdir() if d.name.isdigit())
+    assert kept == list(range(1, bad - 1)) and (wd / "diverged" / str(bad - 1)).is_dir()
+    assert line.endswith(f"last good checkpoint: step {bad - 2} in {wd / 'checkpoints'}" if kept
+                         else "no checkpoint from before the divergence is left")
+    again = run(*args, check=False)
+    assert again.returncode == 2 and "diverged at step" in again.stderr, again.stderr[-2000:]
+    assert "done:" not in again.stdout
+
+
 def test_diverged_weights_are_set_aside_and_the_last_good_checkpoint_named(tmp_path):
-    """lr 1e6: step 3 and 4 log finite losses, step 5's is NaN. The loss at step 5 was computed
-    from the weights saved as step 4, so checkpoint 4 is not good: it moves to diverged/, and the
-    line names step 3 (before: "last good checkpoint: step 4", and a resume failed again at once).
-    eval.py on what is left reports no perplexity of inf with exit 0 (before: it did, or crashed
-    with an OverflowError)."""
+    """lr 1e6 with train.spike_factor 0 (only a non-finite loss stops the run): steps 3 and 4
+    log finite losses, step 5's is NaN. The loss at step 5 was computed from the weights saved
+    as step 4, so checkpoint 4 is not good: it moves to diverged/, and the line names step 3
+    (before: "last good checkpoint: step 4", and a resume failed again at once). eval.py on what
+    is left reports no perplexity of inf with exit 0 (before: it did, or crashed with an
+    OverflowError)."""
     wd = tmp_path / "w"
     p = run(*BASE, "--mesh", "2x4", "--steps", "10", "--save-every", "1", "--set", "train.lr=1e6",
-            "--workdir", str(wd), check=False)
+            "--set", "train.spike_factor=0", "--workdir", str(wd), check=False)
     logged = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines()]
     bad = next(s for s in range(1, 11) if all(r["step"] != s for r in logged if "loss" in r))
     assert p.returncode == 2 and bad >= 3, p.stderr[-2000:]

@@ -205,8 +205,11 @@ def _strip_prefix(tensors: dict, arch: str) -> dict:
 
 def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
     """An HF state dict (name -> array) as a megajax params dict for `cfg` (scanned or not)."""
+    prefix = PREFIX.get(arch, "") if any(k.startswith(PREFIX.get(arch) or "\0")
+                                         for k in tensors) else ""
     tensors = _strip_prefix(tensors, arch)
     flat, per_layer, used = {}, [{} for _ in range(cfg.num_layers)], set()
+    sources = [{} for _ in range(cfg.num_layers)]   # per layer: name -> [(HF tensor, shape)]
     todo = [(rule, e) for rule in rules_for(arch, cfg) for e in _expand(rule, cfg.num_layers)]
     shown = Progress(unit="tensor")      # a bar on a terminal: a 70B model converts for minutes
     for done, (rule, (names, ours, i)) in enumerate(todo):
@@ -227,8 +230,12 @@ def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
                 f"'{names[0]}' has shape {arrays[0].shape}, which config.json's sizes "
                 f"do not give") from None
         (flat if i is None else per_layer[i])[ours.removeprefix(LAYER)] = value
+        if i is not None:
+            sources[i][ours.removeprefix(LAYER)] = [(prefix + n, a.shape)
+                                                    for n, a in zip(names, arrays)]
         used.update(names)
     shown.close()
+    _refuse_odd_layers(per_layer, sources)
     for alias, target in ALIASES[arch].items():
         if alias in tensors and alias not in used:
             if not np.array_equal(np.asarray(tensors[alias], np.float32),
@@ -242,6 +249,21 @@ def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
         raise UserError(f"the checkpoint has tensors a {arch} pretraining model does not: "
                         f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}")
     return nest(flat, per_layer, cfg.scan_layers)
+
+
+def _refuse_odd_layers(per_layer: list[dict], sources: list[dict]):
+    """Every layer's tensors have the shapes of the others' (the layers are stacked): one that
+    does not is named, with its shape and the shape most layers give it."""
+    for name in per_layer[0] if per_layer else ():
+        shapes = [layer[name].shape for layer in per_layer]
+        usual = max(set(shapes), key=lambda s: (shapes.count(s), s == shapes[0]))
+        odd = next((i for i, shape in enumerate(shapes) if shape != usual), None)
+        if odd is not None:
+            pairs = list(zip(sources[odd][name], sources[shapes.index(usual)][name]))
+            (tensor, shape), (other, expected) = next(
+                ((a, b) for a, b in pairs if a[1] != b[1]), pairs[0])
+            raise UserError(f"'{tensor}' has shape {shape}, where '{other}' has {expected}: "
+                            f"the layers of a checkpoint have the same shapes")
 
 
 def to_hf_tensors(arch: str, params: dict, cfg: ModelConfig) -> dict:

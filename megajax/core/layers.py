@@ -291,14 +291,27 @@ class ReplicatedLinear(_Linear):
         return self.layout.constrain(y, S.P(S.DATA, *([None] * (y.ndim - 1))))
 
 
+def _first_rows(init, drawn: int):
+    """`init` for the first `drawn` rows, zeros after them."""
+    def padded(key, shape, dtype=jnp.float32):
+        x = init(key, (drawn, *shape[1:]), dtype)
+        return jnp.pad(x, ((0, shape[0] - drawn),) + ((0, 0),) * (len(shape) - 1))
+    return padded
+
+
 class VocabParallelEmbedding(nnx.Module):
     """Token embedding split along the vocabulary; also the output layer (tied to the input
     embedding, or an untied one of the same shape and split)."""
 
-    def __init__(self, vocab: int, dim: int, *, layout: S.Layout, precision: Precision, std: float,
-                 rngs: nnx.Rngs):
+    def __init__(self, rows: int, dim: int, *, layout: S.Layout, precision: Precision, std: float,
+                 rngs: nnx.Rngs, drawn: int | None = None):
+        """`rows` of the table, the first `drawn` of them random (the rest, a model axis's extra
+        padding, zeros: the same weights on every mesh; models/vocab_rows.py)."""
         self.layout, self.dtype = layout, precision.compute
-        self.table = param(nnx.initializers.normal(std), S.VOCAB, rngs.params(), (vocab, dim))
+        init = nnx.initializers.normal(std)
+        if drawn is not None and drawn < rows:
+            init = _first_rows(init, drawn)
+        self.table = param(init, S.VOCAB, rngs.params(), (rows, dim))
 
     def __call__(self, ids):
         """Each device looks up the ids it owns (zeros elsewhere); one all-reduce sums them."""

@@ -28,12 +28,23 @@ def _describe_devices(devices) -> str:
     return f"{len(devices)} {'/'.join(kinds)} device{'s' if len(devices) != 1 else ''} available"
 
 
-def _simulate_hint(spec: str, devices) -> str:
-    """On the CPU, how to get the devices a mesh asks for: simulate them."""
-    if any(d.platform != "cpu" for d in devices):
-        return ""
+def _devices_needed(spec: str) -> int | None:
+    """How many devices a well-formed spec asks for (the product of its sizes; auto: 8 to
+    suggest); None when the spec itself is wrong (no device count would do)."""
     sizes = [int(n) for n in re.findall(r"\d+", spec or "")]
     n = math.prod(sizes) if sizes else 8
+    try:
+        parse_mesh_axes(spec, n)
+    except ValueError:
+        return None
+    return n
+
+
+def _simulate_hint(spec: str, devices) -> str:
+    """On the CPU, how to get the devices a mesh asks for: simulate them."""
+    n = _devices_needed(spec)
+    if any(d.platform != "cpu" for d in devices) or not n:
+        return ""
     return (f"; simulate {n} on the CPU with --host-devices {n} (train.py, eval.py), or in Python "
             f"set XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax")
 
@@ -162,8 +173,9 @@ def single_device_mesh() -> Mesh:
 
 def check_fits(cfg, mesh, *, batch: bool = True):
     """Every divisibility rule of a run on `mesh`, in one place; ConfigError names the first
-    broken one. Megatron's: hidden, heads, ffn and the padded vocabulary split over "model".
-    With `batch` (training), the global batch and each microbatch split over "data"."""
+    broken one. Megatron's: hidden, heads and ffn split over "model" (the vocabulary is padded
+    for it: ModelConfig.vocab_rows). With `batch` (training), the global batch and each
+    microbatch split over "data"."""
     check_model_fits(cfg.model, mesh)
     if not batch:
         return
@@ -184,11 +196,11 @@ def check_fits(cfg, mesh, *, batch: bool = True):
 
 
 def check_model_fits(m, mesh):
-    """Megatron's rules for a model (a ModelConfig) on `mesh`: hidden, heads, ffn and the
-    padded vocabulary split over "model" (and the sequence, with sequence parallelism)."""
+    """Megatron's rules for a model (a ModelConfig) on `mesh`: hidden, heads and ffn split over
+    "model" (and the sequence, with sequence parallelism). The vocabulary is padded for the
+    model axis (ModelConfig.vocab_rows)."""
     tp = mesh.shape[MODEL]
-    for what, size in (("hidden", m.hidden), ("num_heads", m.num_heads),
-                       ("ffn_hidden", m.ffn), ("padded vocab", m.padded_vocab)):
+    for what, size in (("hidden", m.hidden), ("num_heads", m.num_heads), ("ffn_hidden", m.ffn)):
         if size % tp:
             raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
     if m.kv_heads % tp and tp % m.kv_heads:   # grouped-query: split, or each device holding one

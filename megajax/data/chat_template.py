@@ -131,8 +131,11 @@ class ChatTemplate:
                                                 add_generation_prompt=add_generation_prompt,
                                                 **self.variables):
                 blocks.append(block)
-        except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError) as e:
-            raise ValueError(f"{self.origin} fails to render it: {first_line(e)}") from None
+        except Exception as e:  # noqa: BLE001  a template is the user's code: any error is its
+            what = first_line(e) if isinstance(e, (jinja2.exceptions.TemplateError, TypeError,
+                                                   ValueError, KeyError)) else (
+                f"{type(e).__name__}: {first_line(e)}")
+            raise ValueError(f"{self.origin} fails to render it: {what}") from None
         finally:
             if token is not None:
                 _tracking.reset(token)

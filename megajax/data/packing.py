@@ -128,12 +128,22 @@ def load_chat(spec: str, cfg, tokenizer: Tokenizer | None) -> ChatData:
             f"chat:{spec} leaves no target token to learn from (the assistant's turns "
             f"{'were truncated away' if long else 'are empty'} at model.seq_len "
             f"{cfg.model.seq_len}): raise model.seq_len, or set data.chat_loss = \"all\"")
+    held_out = pack(val, length) if val else None
+    hold_none = ("megajax-prepare --val-fraction 0" if is_prepared(Path(spec))
+                 else "data.val_fraction = 0")
+    if held_out is not None and not target_weights(held_out.segments, held_out.mask).any():
+        # a validation loss over no target would read 0 (perplexity 1): no number at all
+        raise UserError(
+            f"chat:{spec}'s {len(val)} held-out conversation(s) keep no target token at "
+            f"model.seq_len {cfg.model.seq_len} (their assistant turns "
+            f"{'were truncated away' if long else 'are empty'}): raise model.seq_len, or hold "
+            f"none out ({hold_none})")
     # what train.py's sample answers: the first held-out (else trained) conversation with a
     # target, up to its first one
     ids, mask = next(e for e in val + train if e[1][1:].any())
     sample = ids[:int(np.argmax(mask[1:] > 0)) + 1].tolist()
-    return ChatData(tokenizer, template_for(tokenizer), packed,
-                    pack(val, length) if val else None, len(train) + len(val), long, sample)
+    return ChatData(tokenizer, template_for(tokenizer), packed, held_out,
+                    len(train) + len(val), long, sample)
 
 
 def _fitted(examples, n_train: int, where: list[str], length: int, overflow: str):

@@ -22,7 +22,7 @@ from megajax.data.prepared import check_ids, is_prepared, load_prepared
 from megajax.data.sources import builtin_text, read_text, tfds_texts
 from megajax.data.tokenizer import Tokenizer, chosen
 from megajax.errors import UserError
-from megajax.specs import DataSpec, TokenizerSpec
+from megajax.specs import SOURCE_FORMS, DataSpec, TokenizerSpec
 
 
 @dataclasses.dataclass
@@ -61,9 +61,11 @@ def load_tokens(source: str | DataSpec, tokenizer_spec: str | TokenizerSpec | No
     the last `val_fraction` of it for validation (a source with its own splits keeps them)."""
     spec = DataSpec.of(source)
     if spec.kind not in SOURCES:
-        pairs = "; pairs: holds BERT sentence pairs, for model.kind = bert" * (spec.kind == "pairs")
-        raise UserError(f"unknown data source '{source}' (use builtin, text:PATH, bin:PATH, "
-                        f"megatron:PREFIX or tfds:NAME{pairs})")
+        if spec.kind == "pairs":
+            raise UserError(f"data source '{source}' holds BERT sentence pairs, for model.kind = "
+                            f"bert")
+        *most, last = SOURCE_FORMS.values()
+        raise UserError(f"unknown data source '{source}' (use {', '.join(most)} or {last})")
     return SOURCES[spec.kind](spec, tokenizer, tokenizer_spec, val_fraction, bin_dtype)
 
 

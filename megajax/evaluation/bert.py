@@ -12,6 +12,7 @@ from megajax.core.sharding import BATCH
 from megajax.data.bert_pretrain import PretrainBatches
 from megajax.data.finetune import encode, read_task
 from megajax.data.tokenizer import Tokenizer
+from megajax.errors import UserError
 
 
 def evaluate_pretraining(model, pairs, cfg, specials, tokenizer, batch_size: int = 16) -> dict:
@@ -35,6 +36,8 @@ def evaluate_pretraining(model, pairs, cfg, specials, tokenizer, batch_size: int
         sums["sop_loss"] += float((out["sop_losses"] * real).sum())
         sums["sop_hits"] += float((out["sop_hits"] * real).sum())
     n = len(pairs)
+    if not sums["masked"]:
+        raise UserError(f"the {n} pair(s) mask no token: no MLM loss to report")
     return {"pairs": n, "masked_tokens": int(sums["masked"]),
             "mlm_loss": sums["mlm_loss"] / sums["masked"],
             "mlm_accuracy": sums["mlm_hits"] / sums["masked"],

@@ -45,7 +45,8 @@ class BERT(nnx.Module):
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
         h, std = cfg.hidden, cfg.init_std
         dense = dict(layout=layout, precision=precision, std=std, rngs=rngs)
-        self.embed = VocabParallelEmbedding(cfg.padded_vocab, h, **dense)
+        self.embed = VocabParallelEmbedding(cfg.vocab_rows(layout.tp), h, drawn=cfg.padded_vocab,
+                                            **dense)
         normal = nnx.initializers.normal(std)
         self.pos = param(normal, S.REPLICATED_2D, rngs.params(), (cfg.seq_len, h))
         self.types = param(normal, S.REPLICATED_2D, rngs.params(), (TYPE_VOCAB, h))
@@ -59,7 +60,7 @@ class BERT(nnx.Module):
             self.mlm_dense = ReplicatedLinear(h, h, **dense)
             self.mlm_ln = LayerNorm(h, cfg.ln_eps)
             self.mlm_bias = param(nnx.initializers.zeros, S.VOCAB_BIAS, rngs.params(),
-                                  (cfg.padded_vocab,))
+                                  (cfg.vocab_rows(layout.tp),))
             self.sop = ReplicatedLinear(h, 2, **dense)
         else:
             self.classifier = ReplicatedLinear(h, NUM_CLASSES[cfg.task], **dense)

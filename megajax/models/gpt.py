@@ -27,14 +27,15 @@ class GPT(nnx.Module):
         layout = layout or S.Layout.for_model(single_device_mesh(), cfg)
         precision = Precision.of(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
-        self.embed = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, layout=layout,
+        rows = dict(rows=cfg.vocab_rows(layout.tp), drawn=cfg.padded_vocab)
+        self.embed = VocabParallelEmbedding(**rows, dim=cfg.hidden, layout=layout,
                                             precision=precision, std=cfg.init_std, rngs=rngs)
         self.pos = param(nnx.initializers.normal(cfg.init_std), S.REPLICATED_2D, rngs.params(),
                          (cfg.seq_len, cfg.hidden)) if cfg.positions == "learned" else None
         self.layers = LayerStack(cfg, layout, precision, rngs, causal=True)
         self.ln_f = norm(cfg, layout)
         self.head = None if cfg.tie_embeddings else VocabParallelEmbedding(
-            cfg.padded_vocab, cfg.hidden, layout=layout, precision=precision, std=cfg.init_std,
+            **rows, dim=cfg.hidden, layout=layout, precision=precision, std=cfg.init_std,
             rngs=rngs)
 
     @property

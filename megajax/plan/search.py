@@ -1,5 +1,5 @@
 """Every way to run a config on N devices, predicted and ranked: meshes (data x model, the
-model axis dividing heads, hidden, ffn and the padded vocabulary), microbatch sizes for the
+model axis dividing heads, hidden and ffn), microbatch sizes for the
 config's global batch, recomputation, sequence parallelism and the data axis's scheme (plain,
 ZeRO-1, FSDP). The fastest plan that fits comes first."""
 from __future__ import annotations
@@ -70,7 +70,7 @@ def model_sizes(cfg: Config, devices: int) -> list[int]:
     m = cfg.model
     # t divides the heads: O(heads)
     return [t for t in range(1, min(devices, m.num_heads) + 1) if devices % t == 0
-            and all(x % t == 0 for x in (m.num_heads, m.hidden, m.ffn, m.padded_vocab))]
+            and all(x % t == 0 for x in (m.num_heads, m.hidden, m.ffn))]
 
 
 def stage_counts(cfg: Config, devices: int, tp: int, pipelines: bool = True) -> list[int]:
@@ -147,9 +147,8 @@ def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = Non
     if not found:
         raise UserError(
             f"no mesh of {devices} devices fits {cfg.name}: the model axis must divide heads "
-            f"({cfg.model.num_heads}), hidden, ffn and the padded vocabulary, and the data axis "
-            f"the "
-            f"global batch ({cfg.train.batch_size})")
+            f"({cfg.model.num_heads}), hidden and ffn, and the data axis the global batch "
+            f"({cfg.train.batch_size})")
     reference = best_single_device(baseline or cfg, hw)
     for p in found:
         # model FLOP/s per device, recomputation aside

@@ -31,6 +31,7 @@ from megajax.data.tokenizer import FILE as TOKENIZER_FILE
 from megajax.data.tokenizer import Tokenizer, load_tokenizer
 from megajax.errors import UserError
 from megajax.model_config import ARCHITECTURE
+from megajax.models import vocab_rows
 from megajax.models.registry import ModelDef, abstract_model
 from megajax.runs.checkpoint import Checkpoints
 
@@ -229,7 +230,8 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
     if step is not None and step not in steps:
         raise UserError(f"no checkpoint for step {step} in {workdir}; have {sorted(steps)}")
     modeldef = ModelDef(abstract_model(cfg.model, Layout.for_model(mesh, cfg.model, "inference")))
-    target = modeldef.abstract_sharded_params(param_shardings(mesh, modeldef.specs()))
+    on_mesh = modeldef.abstract_sharded_params(param_shardings(mesh, modeldef.specs()))
+    target = vocab_rows.checkpoint_target(on_mesh, cfg.model.padded_vocab)
     if step is not None:
         params, _ = ckpts.restore_params(step, target)
     else:   # the newest one that reads back, as train.py resumes
@@ -241,7 +243,7 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
             raise UserError(f"no checkpoint in {workdir / CHECKPOINTS}")
         step, (params, _) = found
     ckpts.close()
-    return Loaded(cfg, modeldef.bind(params), tokenizer, step)
+    return Loaded(cfg, modeldef.bind(vocab_rows.for_mesh(params, on_mesh)), tokenizer, step)
 
 
 def run_vocab_size(cfg: Config, pretrained: Path | None, tokenizer_vocab: int) -> int:

@@ -8,6 +8,7 @@ data reader.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -76,6 +77,16 @@ class Task:
         return float(cfg.model.num_layers * cfg.model.layer_params)
 
     # -- evaluation during training ------------------------------------------------------------
+    def chance_loss(self, cfg) -> float:
+        """The loss of a uniform guess (what a model's loss starts near): a loss above it after
+        a spike is a divergence (training/divergence.py)."""
+        return math.log(cfg.model.vocab_size)
+
+    def loss_targets(self, batch):
+        """How many targets the loss of `batch` averages, for a task whose loss has a mask (a
+        batch with none has no loss to report); None when every example counts."""
+        return None
+
     def val_extras(self, val: dict) -> dict:
         """Figures derived from the validation means, logged next to them."""
         return {}

@@ -2,6 +2,7 @@
 pairs (MNLI, QQP) or multiple choice (RACE)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from megajax.data.bert_pretrain import (PretrainData, Specials, load_pretraining,
@@ -50,6 +51,9 @@ class BertPretraining(Task):
         text = source_text(spec)
         return load_pretraining(text, chosen(tokenizer, cfg.data.tokenizer, text), cfg)
 
+    def chance_loss(self, cfg) -> float:
+        return math.log(cfg.model.vocab_size) + math.log(2)      # MLM + sentence order
+
     def head_rows(self, cfg) -> int:
         return mlm_predictions(cfg.model.seq_len, cfg.data.mask_prob)
 
@@ -86,6 +90,9 @@ class FineTuning(Task):
                 f"fine-tuning ({self.name}) needs a tokenizer: start from a pretrained workdir "
                 f"with --init-from DIR")
         return load_task_data(self.name, cfg.data.source, tokenizer, cfg)
+
+    def chance_loss(self, cfg) -> float:
+        return math.log(self.choices or NUM_CLASSES[self.name])
 
     def head_params(self, cfg) -> int:
         h, c = cfg.model.hidden, NUM_CLASSES[self.name]

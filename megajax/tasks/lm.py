@@ -47,6 +47,9 @@ class LanguageModelling(Task):
         m = cfg.model
         return float(m.num_layers * m.layer_params + m.padded_vocab * m.hidden + 2 * m.hidden)
 
+    def loss_targets(self, batch):
+        return batch["loss_mask"].sum() if isinstance(batch, dict) else None
+
     def val_extras(self, val: dict) -> dict:
         return {"val_ppl": math.exp(min(val["loss"], 50))}
 

@@ -1,11 +1,14 @@
 """What a run logs and keeps track of, step by step: each step's metrics read on the host a log
-interval at a time and checked (a loss or gradient norm that is not finite stops the run, and
-the checkpoint whose weights gave it is set aside), written to metrics.jsonl with throughput
+interval at a time and checked (a loss or gradient norm that is not finite, or a loss spike
+past a uniform guess's, stops the run as diverged, and the checkpoint whose weights gave it is
+set aside), written to metrics.jsonl with throughput
 and MFU, shown as progress, and the checkpoints the run saved."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 import jax
@@ -37,6 +40,21 @@ def fatal_non_finite(m: dict) -> list[tuple[str, float]]:
     return bad
 
 
+SPIKE_WINDOW = 20
+
+
+def loss_spike(loss: float, before, factor: float, chance: float) -> float | None:
+    """The median a finite loss spiked over, if it is a divergence: above `factor` times the
+    median of the losses `before` it (up to SPIKE_WINDOW steps of this run) and above the loss of
+    a uniform guess, `chance` (ln V for a language model). Both, because a run that learns goes
+    far below chance, where a jump is noise to ride out; a loss back above chance after a spike
+    is a model unlearning (an lr of 1e6 gives 1e15), and training on from it gives nothing."""
+    if not factor or not before:
+        return None
+    median = statistics.median(before)
+    return median if loss > factor * median and loss > chance else None
+
+
 class StepLogger:
     """Each step's metrics, read on the host a log interval at a time: checked (a step whose
     loss or gradient norm is not finite stops the run before it can be saved), written to
@@ -50,6 +68,8 @@ class StepLogger:
         self.saves = [] if start is None else [start]
         self.pending = []                        # (step, metrics on device) not yet read
         self.losses: dict[int, float] = {}
+        self.recent = deque(maxlen=SPIKE_WINDOW)       # this run's last losses
+        self.chance = run.task.chance_loss(cfg)
         self.val_loss = None
         self.tokens_per_step = cfg.train.batch_size * run.task.tokens_per_example(cfg)
         self.flops = flops_per_token(cfg) * self.tokens_per_step / mesh.devices.size
@@ -128,12 +148,20 @@ class StepLogger:
 
     def _check_finite(self, step: int, m: dict):
         bad = fatal_non_finite(m)
-        if not bad:
+        loss = float(m["loss"])
+        spiked = None if bad else loss_spike(loss, self.recent, self.run.cfg.train.spike_factor,
+                                             self.chance)
+        if not bad and spiked is None:
+            self.recent.append(loss)
             return
         scale = float(m.get("loss_scale", 0.0))
         self.progress.close()
         self._forget(self.ckpts.failed_save(block=True))
         what = " and ".join(f"{'gradient norm' if k == 'grad_norm' else k} {v}" for k, v in bad)
+        if spiked is not None:
+            what = (f"loss {loss:.4g}, over train.spike_factor {self.run.cfg.train.spike_factor:g} "
+                    f"x the median {spiked:.4g} of the {len(self.recent)} step(s) before and over "
+                    f"a uniform guess's {self.chance:.4g}: diverged")
         if scale:
             what += f" (float16, loss scale {scale:g})"
         raise UserError(f"{what} at step {step}; stopped, nothing of step {step} or later saved; "
@@ -143,7 +171,7 @@ class StepLogger:
         """Step `step`'s loss was computed from the weights saved as step - 1: those weights are
         the ones that diverged, however finite they are, and a resume from them fails again. That
         checkpoint (if saved) moves to WORKDIR/diverged/, so that the same command resumes from the
-        newest one whose weights gave a finite loss, which the line names."""
+        newest one whose weights gave a good loss, which the line names."""
         where = self.run.workdir / "checkpoints"
         self.ckpts.manager.reload()
         moved = ""
@@ -153,7 +181,7 @@ class StepLogger:
         self.saves = [s for s in self.saves if s != step - 1]
         good = [s for s in self.ckpts.all_steps() if s < step - 1]
         return moved + (f"last good checkpoint: step {max(good)} in {where}" if good else
-                        "no checkpoint with weights that gave a finite loss is left")
+                        "no checkpoint from before the divergence is left")
 
     def log_eval(self, step: int, val: dict):
         self.watchdog.beat()

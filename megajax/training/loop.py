@@ -32,9 +32,9 @@ from megajax.models.registry import ModelDef, abstract_model
 from megajax.runs.checkpoint import Checkpoints
 from megajax.runs.metrics import plot_workdir
 from megajax.runs.tracking import check_tracker
-from megajax.runs.workdir import (check_layout, check_same_tokenizer, init_from_pretrained, is_main,
-                                  run_tokenizer,
-                                      run_vocab_size, with_pretrained_shape, write_run_files)
+from megajax.runs.workdir import (check_layout, check_same_tokenizer, has_checkpoints,
+                                  init_from_pretrained, is_main, run_tokenizer, run_vocab_size,
+                                  with_pretrained_shape, write_run_files)
 from megajax.tasks import Task, task_for
 from megajax.training.logger import StepLogger
 from megajax.training.memory import check_step_fits
@@ -126,6 +126,10 @@ def validate(cfg: Config, mesh, workdir: Path, sample_tokens: int = 0) -> Run:
     # validate: what Python changed since loading
     cfg, pretrained = with_pretrained_shape(cfg.validate(), workdir)
     task = task_for(cfg)
+    if (cfg.model.lora_rank and pretrained is None and not cfg.train.random_base
+            and not has_checkpoints(workdir)):
+        raise UserError("LoRA trains adapters on a frozen base: give the pretrained base with "
+                        "--init-from DIR (--set train.random_base=true adapts random weights)")
     check_tracker(cfg.train.tracker)
     # Everything the processes' collectives depend on, before the first one: a mesh of another
     # shape or device order, or a sample of another length, would leave them waiting on each other.
@@ -146,17 +150,22 @@ def validate(cfg: Config, mesh, workdir: Path, sample_tokens: int = 0) -> Run:
 def restore_or_init(run: Run, ckpts: Checkpoints, out) -> tuple[int | None, dict, object]:
     """(step, params, optimizer state) of the newest checkpoint that reads back, or (None,
     fresh state): new weights, with --init-from's encoder when fine-tuning."""
-    abstract_p, abstract_o = run.trainer.abstract_state()
-    legacy = run.trainer.legacy_opt_state()
-    found = ckpts.restore_newest_intact(lambda s: ckpts.restore(s, abstract_p, abstract_o, legacy),
+    target_p, target_o = run.trainer.checkpoint_target()
+    # an older megajax's optimizer state, upgraded to this mesh's shapes: where they are the
+    # checkpoint's (a model axis that divides the padded vocabulary)
+    m = run.trainer.cfg.model
+    legacy = (run.trainer.legacy_opt_state()
+              if m.vocab_rows(run.trainer.mesh.shape["model"]) == m.padded_vocab else None)
+    found = ckpts.restore_newest_intact(lambda s: ckpts.restore(s, target_p, target_o, legacy),
                                         warn=out if is_main() else lambda _: None)
     if found is not None:
         step, (params, opt_state, _) = found
-        return (step, *run.trainer.stored(params, opt_state))
+        return (step, *run.trainer.from_checkpoint(params, opt_state))
     params, opt_state = run.trainer.init_state()
     if run.pretrained is not None:
-        params = run.trainer.stored(init_from_pretrained(
-            run.trainer, run.trainer.natural(params)[0], run.pretrained, out))[0]
+        layers_order = run.trainer.stored(params, inverse=True)[0]
+        params = run.trainer.stored(init_from_pretrained(run.trainer, layers_order,
+                                                         run.pretrained, out))[0]
     return None, params, opt_state
 
 
@@ -197,9 +206,16 @@ def _steps(run: Run, logger: StepLogger, ckpts: Checkpoints, stop: StopRequested
 
 
 def evaluate(eval_fn, params, val_batches, max_batches: int) -> dict:
-    """Mean of every metric over the validation batches (at most train.eval_batches)."""
+    """Mean of every metric over the validation batches (at most train.eval_batches). A batch
+    whose masked loss has no target has no loss (its 0 is no measurement) and is left out; a
+    validation set with no target at all is an error, never a perfect score."""
     n = getattr(val_batches, "num_batches", max_batches)
     results = jax.device_get([eval_fn(params, val_batches(i)) for i in range(n)])
+    results = [r for r in results if r.pop("targets", 1) > 0]
+    if not results:
+        raise UserError("the validation batches hold no target token, so no validation loss: "
+                        "give held-out data with targets, or set data.val_fraction = 0 for no "
+                        "validation")
     return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
 
 
@@ -241,7 +257,8 @@ def finish(run: Run, logger: StepLogger, step: int, params, stopped_by: str | No
 def sample_text(trainer: Trainer, params, data, n_tokens: int, temperature: float = 0.8,
                 top_k: int = 40, stopped=None) -> str:
     layout = Layout.for_model(trainer.mesh, trainer.cfg.model, "inference")
-    model = ModelDef(abstract_model(trainer.cfg.model, layout)).bind(trainer.natural(params)[0])
+    model = ModelDef(abstract_model(trainer.cfg.model, layout)).bind(
+        trainer.stored(params, inverse=True)[0])
     key = jax.random.key(trainer.cfg.train.seed)
     if getattr(data, "sample_prompt", None):    # conversations: the assistant's answer
         r = answer_ids(model, data.tokenizer, data.sample_prompt, n_tokens, temperature, top_k,

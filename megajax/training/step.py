@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from megajax.config import Config
 from megajax.core import sharding as S
 from megajax.core.mesh import as_mesh, check_fits
+from megajax.models import vocab_rows
 from megajax.models.registry import ModelDef, abstract_model, init_model, path_keys
 from megajax.tasks import Task, task_for
 from megajax.training.data_parallel import DataParallel
@@ -86,7 +87,23 @@ class Trainer:
             (params, opt_state))
 
     def natural(self, params, opt_state=None):
-        return self.stored(params, opt_state, inverse=True)
+        """(params, optimizer state) as checkpoints keep them: the layers in their own order,
+        the vocabulary in model.padded_vocab rows (models/vocab_rows.py)."""
+        params, opt_state = self.stored(params, opt_state, inverse=True)
+        return vocab_rows.for_checkpoint((params, opt_state), self.cfg.model.padded_vocab)
+
+    def from_checkpoint(self, params, opt_state=None):
+        """The inverse of `natural`: what a checkpoint held, as the step keeps it."""
+        abstract = self.abstract_state()
+        if opt_state is None:
+            params = vocab_rows.for_mesh(params, abstract[0])
+        else:
+            params, opt_state = vocab_rows.for_mesh((params, opt_state), abstract)
+        return self.stored(params, opt_state)
+
+    def checkpoint_target(self):
+        """abstract_state() as a checkpoint holds it (models/vocab_rows.py)."""
+        return vocab_rows.checkpoint_target(self.abstract_state(), self.cfg.model.padded_vocab)
 
     def trained(self, tree: dict) -> dict:
         """The trained part of a params-shaped dict: all of it, or the LoRA adapters alone."""
@@ -217,11 +234,16 @@ class Trainer:
             donate_argnums=(0, 1) if donate else ())
 
     def jit_eval(self):
-        """Metrics of one batch without dropout (a dict; "loss" always among them)."""
+        """Metrics of one batch without dropout (a dict; "loss" always among them, and
+        "targets", the count of what the loss averages, for a task whose loss has a mask)."""
         def eval_metrics(params, batch):
             if self.pipeline is not None:
                 params = self.pipeline.reorder(params, inverse=True)
-            return self.objective(params, batch, None)[1]
+            metrics = dict(self.objective(params, batch, None)[1])
+            targets = self.task.loss_targets(batch)
+            if targets is not None:
+                metrics["targets"] = targets
+            return metrics
         return jax.jit(eval_metrics, in_shardings=(self.param_shardings, self.batch_sharding),
                        out_shardings=self.replicated())
 
