@@ -28,7 +28,7 @@ LORA_TARGETS = ("qkv", "out", "fc1", "fc2")
 ARCHITECTURE = ("norm", "positions", "rope_theta", "rope_scaling", "rope_factor",
                 "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_context", "max_positions", "mlp",
-                "num_kv_heads", "kv_channels", "bias", "tie_embeddings")
+                "num_kv_heads", "kv_channels", "bias", "tie_embeddings", "sliding_window")
 
 
 def one_of(section_config, section: str, **choices):
@@ -94,6 +94,9 @@ class ModelConfig:
     rope_original_context: int = 8192  # the context the rope_factor rule is relative to
     max_positions: int = 0            # rope: the longest sequence the model is made for (HF's
                                       # max_position_embeddings; sampling stops there); 0 -> seq_len
+    # a query attends to itself and the sliding_window - 1 positions before it (Mistral's,
+    # Qwen2's use_sliding_window); 0: to every position before it
+    sliding_window: int = 0
     # gelu | swiglu (silu(x Wg) * (x Wu), then Wd; ffn_hidden 0 -> swiglu_ffn)
     mlp: str = "gelu"
     # key/value heads: 0 -> num_heads; fewer: grouped-query (1: multi-query)
@@ -204,7 +207,7 @@ class ModelConfig:
 
     def validate_architecture(self):
         """The fields of today's decoders, each against the others."""
-        for name in ("num_kv_heads", "kv_channels", "max_positions"):
+        for name in ("num_kv_heads", "kv_channels", "max_positions", "sliding_window"):
             if getattr(self, name) < 0:
                 raise ConfigError(
                     f"model.{name} must be 0 (the default) or positive, got {getattr(self, name)}")

@@ -154,7 +154,8 @@ def trained_gpt(tmp_path_factory):
 # Settings of the Hugging Face fixtures' imports: float32 throughout, and the vocabulary padded to
 # a multiple of 128 (300 -> 384, 320 -> 384), which every test mesh divides.
 HF_IMPORT_SETTINGS = ["model.compute_dtype=float32", "model.vocab_multiple=128"]
-HF_NAMES = ("gpt2", "bert", "megatron_bert", "llama", "llama_tied", "mistral", "qwen2")
+HF_NAMES = ("gpt2", "bert", "megatron_bert", "llama", "llama_tied", "mistral", "qwen2",
+            "mistral_window", "qwen2_window")
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,10 @@ Run by hand, in an environment with PyTorch and transformers (never by the test 
 
     python -m venv /tmp/hfenv
     /tmp/hfenv/bin/pip install torch==2.13.0 transformers==5.25.0 safetensors numpy
-    /tmp/hfenv/bin/python tests/make_llama_fixtures.py
+    /tmp/hfenv/bin/python tests/make_llama_fixtures.py [NAME ...]
 
-It rewrites tests/fixtures/hf/{llama,llama_tied,mistral,qwen2}/. Every weight is random (norm
+It rewrites (the fixtures named, or all) tests/fixtures/hf/{llama,llama_tied,mistral,qwen2}/ and the sliding-window models
+{mistral,qwen2}_window/ (windows of 8 positions, 24-token rows). Every weight is random (norm
 scales 1 + N(0, 0.1)), so a transposed, mis-ordered or mis-rotated tensor cannot pass. The
 Mistral is saved in shards with their index, the Qwen2 in bfloat16 (its references are computed
 from the rounded weights).
@@ -58,7 +59,7 @@ def tokenizer(out: Path):
 
 
 def build(name: str, config_cls, model_cls, seed: int, dtype=torch.float32,
-          shard: str | None = None, **fields):
+          shard: str | None = None, seq: int = 16, **fields):
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*"):
@@ -80,7 +81,7 @@ def build(name: str, config_cls, model_cls, seed: int, dtype=torch.float32,
     # casts its rotary frequencies, which from_pretrained computes in float32).
     model = model_cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     g = np.random.default_rng(seed)
-    ids = g.integers(0, cfg.vocab_size, (2, 16))
+    ids = g.integers(0, cfg.vocab_size, (2, seq))
     out_ = model(torch.tensor(ids), labels=torch.tensor(ids))
     out_.loss.backward()
     grads = {f"grad/{n}": p.grad.numpy() for n, p in model.named_parameters()}
@@ -116,19 +117,37 @@ if __name__ == "__main__":
         sys.exit(0)
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 16}
-    build("llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, 11,
-          num_key_value_heads=2,
-          tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=llama3)
-    build("llama_tied", transformers.LlamaConfig, transformers.LlamaForCausalLM, 12,
-          num_key_value_heads=8, tie_word_embeddings=True, rope_theta=10000.0)
-    build("mistral", transformers.MistralConfig, transformers.MistralForCausalLM, 15, shard="60KB",
-          num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1000000.0,
-          sliding_window=None)
-    build("qwen2", transformers.Qwen2Config, transformers.Qwen2ForCausalLM, 14,
-          dtype=torch.bfloat16,
-          num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1000000.0,
-          use_sliding_window=False)
+    builds = {
+        "llama": lambda: build("llama", transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                               11, num_key_value_heads=2, tie_word_embeddings=False,
+                               rope_theta=500000.0, rope_scaling=llama3),
+        "llama_tied": lambda: build("llama_tied", transformers.LlamaConfig,
+                                    transformers.LlamaForCausalLM, 12, num_key_value_heads=8,
+                                    tie_word_embeddings=True, rope_theta=10000.0),
+        "mistral": lambda: build("mistral", transformers.MistralConfig,
+                                 transformers.MistralForCausalLM, 15, shard="60KB",
+                                 num_key_value_heads=4, tie_word_embeddings=False,
+                                 rope_theta=1000000.0, sliding_window=None),
+        "qwen2": lambda: build("qwen2", transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                               14, dtype=torch.bfloat16, num_key_value_heads=2,
+                               tie_word_embeddings=False, rope_theta=1000000.0,
+                               use_sliding_window=False),
+        # Sliding windows of 8 positions over every layer: 24-token rows and 32 greedy tokens
+        # after a 6-token prompt reach well past them.
+        "mistral_window": lambda: build("mistral_window", transformers.MistralConfig,
+                                        transformers.MistralForCausalLM, 16, seq=24,
+                                        num_key_value_heads=4, tie_word_embeddings=False,
+                                        rope_theta=10000.0, sliding_window=8),
+        "qwen2_window": lambda: build("qwen2_window", transformers.Qwen2Config,
+                                      transformers.Qwen2ForCausalLM, 17, seq=24,
+                                      num_key_value_heads=2, tie_word_embeddings=False,
+                                      rope_theta=10000.0, use_sliding_window=True,
+                                      sliding_window=8, max_window_layers=0),
+    }
+    names = sys.argv[1:] or list(builds)      # the fixtures named, or all
+    for name in names:
+        builds[name]()
     print(f"transformers {transformers.__version__}, torch {torch.__version__}:",
           ", ".join(f"{p.relative_to(OUT)} {p.stat().st_size // 1024} KiB"
-                    for name in ("llama", "llama_tied", "mistral", "qwen2")
+                    for name in names
                     for p in sorted((OUT / name).glob("*")) if p.is_file()))

@@ -47,6 +47,16 @@ def test_fused_attention_matches_megajax_core(kind, spec):
     assert_tree_close(want, got, what="gradient")
 
 
+def test_fused_attention_slides_the_window_as_megajax_core():
+    """model.sliding_window through jax's local_window_size, against megajax's own mask."""
+    want_loss, want = loss_and_grads(config("megajax", sliding_window=5), "2x4")
+    got_loss, got = loss_and_grads(config("fused", sliding_window=5), "2x4")
+    full_loss, _ = loss_and_grads(config("megajax"), "2x4")
+    assert_close(got_loss, want_loss, what="loss")
+    assert_tree_close(want, got, what="gradient")
+    assert abs(float(full_loss) - float(want_loss)) > 1e-4    # the window changes the numbers
+
+
 def test_fused_attention_adds_no_collective():
     def collectives(attention):
         r = audit(config(attention), mesh_for("2x4"))

@@ -26,10 +26,12 @@ from megajax.training.step import make_trainer
 RNG = np.random.default_rng(0)
 
 
-def plain_attention(q, k, v, key_mask, causal, scale):
+def plain_attention(q, k, v, key_mask, causal, scale, window=0):
     keep = jnp.ones((1, 1, 1, 1), bool)
     if causal:
         keep = keep & (jnp.arange(q.shape[2])[:, None] >= jnp.arange(q.shape[2])[None, :])
+    if window:
+        keep = keep & (jnp.arange(q.shape[2])[:, None] - jnp.arange(q.shape[2])[None, :] < window)
     if key_mask is not None:
         keep = keep & key_mask[:, None, None, :]
     s = jnp.where(keep, jnp.einsum("bhqd,bhkd->bhqk", q, k) * scale, jnp.finfo(jnp.float32).min)
@@ -66,6 +68,19 @@ def test_blocked_attention_matches_autodiff_of_the_plain_formula(shape, ways, bl
     ours = lambda q, k, v: blocked_attention(q, k, v, key_mask, causal=causal, scale=0.25,
                                              ways=ways)  # noqa: E731
     plain = lambda q, k, v: plain_attention(q, k, v, key_mask, causal, 0.25)   # noqa: E731
+    assert_close(ours(q, k, v), plain(q, k, v), what="forward")
+    assert_tree_close(grads(plain, q, k, v), grads(ours, q, k, v), what="gradients")
+
+
+@pytest.mark.parametrize("query_tile", [256, 10])
+def test_a_sliding_window_in_blocks_and_tiles(query_tile, monkeypatch):
+    """A window of 5 positions over 24 (Mistral's, in small), in one tile of queries or three:
+    the plain formula's numbers and gradients."""
+    monkeypatch.setattr(blocked_module, "QUERY_TILE", query_tile)
+    q, k, v = (jnp.asarray(RNG.normal(size=(2, 4, 24, 8)), jnp.float32) for _ in range(3))
+    ours = lambda q, k, v: blocked_attention(q, k, v, None, causal=True, scale=0.25,
+                                             window=5)  # noqa: E731
+    plain = lambda q, k, v: plain_attention(q, k, v, None, True, 0.25, window=5)  # noqa: E731
     assert_close(ours(q, k, v), plain(q, k, v), what="forward")
     assert_tree_close(grads(plain, q, k, v), grads(ours, q, k, v), what="gradients")
 

@@ -1,6 +1,7 @@
 """The Llama family (Llama, Mistral, Qwen2) against `transformers` itself.
 
-The fixtures in tests/fixtures/hf/{llama,llama_tied,mistral,qwen2} were made by
+The fixtures in tests/fixtures/hf/{llama,llama_tied,mistral,qwen2} and the sliding-window
+{mistral,qwen2}_window (windows of 8 positions, rows of 24) were made by
 tests/make_llama_fixtures.py (run by hand with PyTorch and transformers): tiny random models
 with what transformers computed for fixed inputs: logits, the gradient of the mean next-token
 loss for every weight, and 32 greedy tokens. Here, without PyTorch, each is imported, run on
@@ -8,6 +9,7 @@ meshes that split its key/value heads (tp divides them) and that replicate them 
 of them), exported, and imported again.
 """
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +30,13 @@ from megajax.runs.workdir import load_workdir
 from megajax.tasks import param_count
 
 FIXTURES = HF_FIXTURES
-NAMES = ("llama", "llama_tied", "mistral", "qwen2")
+NAMES = ("llama", "llama_tied", "mistral", "qwen2", "mistral_window", "qwen2_window")
 SETTINGS = HF_IMPORT_SETTINGS      # float32; vocab 320 -> 384
 # (fixture, mesh): every fixture on one device; 1x8 and 2x4 replicate the key/value heads
 # of llama (2 of them) and qwen2 (2), 1x8 mistral's (4); llama_tied has 8 (split on 2x4).
 CASES = [(n, "1x1") for n in NAMES] + [("llama", "2x4"), ("llama", "1x8"), ("llama_tied", "2x4"),
-                                       ("mistral", "1x8"), ("qwen2", "2x4")]
+                                       ("mistral", "1x8"), ("qwen2", "2x4"),
+                                       ("mistral_window", "2x4"), ("qwen2_window", "1x8")]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ reference = hf_reference
 
 
 def test_configs_come_from_the_hf_config(imported):
-    llama, tied, mistral, qwen = (imported[n][0].model for n in NAMES)
+    llama, tied, mistral, qwen, window, qwen_window = (imported[n][0].model for n in NAMES)
     assert (llama.norm, llama.positions, llama.mlp, llama.bias, llama.tie_embeddings) == \
         ("rmsnorm", "rope", "swiglu", "none", False)
     assert (llama.num_heads, llama.kv_heads, llama.head_dim, llama.ffn, llama.seq_len,
@@ -56,14 +59,19 @@ def test_configs_come_from_the_hf_config(imported):
         ("llama3", 500000.0, 8.0, 16)
     assert (tied.tie_embeddings, tied.kv_heads, tied.rope_scaling) == (True, 8, "none")
     assert (mistral.kv_heads, mistral.rope_theta, qwen.bias, qwen.kv_heads) == (4, 1e6, "qkv", 2)
+    assert (mistral.sliding_window, qwen.sliding_window) == (0, 0)
+    # the window slides over sequences as long as the context: nothing cut to it
+    assert (window.sliding_window, window.max_positions, window.seq_len) == (8, 64, 64)
+    assert (qwen_window.sliding_window, qwen_window.bias) == (8, "qkv")
 
 
 @pytest.mark.parametrize("name,spec", tiered(CASES, ("llama", "1x1"), ("llama", "2x4"),
                                              ("mistral", "1x8"), ("qwen2", "2x4"),
-                                             ("llama_tied", "1x1")))
+                                             ("llama_tied", "1x1"), ("mistral_window", "2x4")))
 def test_logits_and_every_gradient_match_transformers(imported, name, spec):
     """Forward and backward through the whole model on each mesh, against transformers' float32:
-    a wrongly rotated, grouped, replicated or untied weight moves its gradient by O(1)."""
+    a wrongly rotated, grouped, replicated or untied weight moves its gradient by O(1), and so
+    does a sliding window not slid (24-token rows, windows of 8)."""
     cfg, workdir = imported[name]
     ref = reference(name)
     loaded = load_workdir(workdir, mesh_for(spec))
@@ -83,7 +91,7 @@ def test_logits_and_every_gradient_match_transformers(imported, name, spec):
     assert_close(np.asarray(logits)[..., :cfg.model.vocab_size], ref["logits"],
                  what=f"{name} {spec} logits")
     assert_close(loss, ref["loss"], what="loss")
-    hf_grads = to_hf_tensors(name.removesuffix("_tied"), jax.tree.map(np.asarray, grads), cfg.model)
+    hf_grads = to_hf_tensors(name.split("_")[0], jax.tree.map(np.asarray, grads), cfg.model)
     assert set(hf_grads) == {k.removeprefix("grad/") for k in ref.files
                              if k.startswith("grad/")} - \
         ({"lm_head.weight"} if cfg.model.tie_embeddings else set())
@@ -92,10 +100,12 @@ def test_logits_and_every_gradient_match_transformers(imported, name, spec):
 
 
 @pytest.mark.parametrize("name,spec", tiered(
-    [("llama", "1x8"), ("qwen2", "1x1"), ("mistral", "2x4")], ("llama", "1x8")))
+    [("llama", "1x8"), ("qwen2", "1x1"), ("mistral", "2x4"), ("mistral_window", "1x8"),
+     ("qwen2_window", "2x4")], ("llama", "1x8"), ("mistral_window", "1x8")))
 def test_greedy_kv_cache_decoding_matches_transformers_generate(imported, name, spec):
     """32 greedy tokens through the KV cache (which holds the key/value heads only, or each
-    device's copy) equal transformers' generate, and the full recomputation of each prefix."""
+    device's copy) equal transformers' generate, and the full recomputation of each prefix;
+    with a window of 8 the 6-token prompt's continuation is past it from its third token."""
     cfg, workdir = imported[name]
     ref = reference(name)
     model = load_workdir(workdir, mesh_for(spec)).model
@@ -116,8 +126,10 @@ def test_export_then_import_is_bitwise(imported, name, tmp_path):
     notes = export_hf(workdir, tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     # Mistral without a window is a Llama
-    expected = "Qwen2ForCausalLM" if name == "qwen2" else "LlamaForCausalLM"
+    expected = ("Qwen2ForCausalLM" if name.startswith("qwen2") else "MistralForCausalLM"
+                if name == "mistral_window" else "LlamaForCausalLM")
     assert written["architectures"] == [expected] and expected in notes[0]
+    assert written.get("sliding_window") == (cfg.model.sliding_window or None)
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     again = import_hf(tmp_path / "hf", tmp_path / "again", SETTINGS)
     assert again.model == cfg.model
@@ -135,10 +147,12 @@ def test_the_chat_template_and_tokenizer_config_are_kept(imported):
 @pytest.mark.parametrize("name,change,says", [
     ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
      "rope scaling 'yarn'"),
-    ("mistral", dict(sliding_window=16, settings=["model.seq_len=32"]),
-     "model.seq_len = 32 is longer than"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16, settings=["model.seq_len=64"]),
-     "sliding_window = 16"),
+    # transformers' layer_types: the window over the second layer only
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16,
+                   layer_types=["full_attention", "sliding_attention"]),
+     "over 1 of its 2 layers (max_window_layers / layer_types)"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, layer_types=None,
+                   max_window_layers=1), "over 1 of its 2 layers"),
     ("llama", dict(attention_bias=True), "attention_bias = true"),
     ("llama", dict(mlp_bias=True), "mlp_bias = true"),
     ("mistral", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
@@ -153,26 +167,26 @@ def test_unsupported_options_are_one_line_and_nothing_is_written(tmp_path, name,
     config = json.loads((src / "config.json").read_text())
     settings = change.pop("settings", [])
     (src / "config.json").write_text(json.dumps({**config, **change}))
-    with pytest.raises(UserError, match=says.replace("(", r"\(")) as e:
+    with pytest.raises(UserError, match=re.escape(says)) as e:
         import_hf(src, tmp_path / "out", [*SETTINGS, *settings])
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
 
 
-def test_a_sliding_window_as_long_as_the_sequence_is_full_attention(tmp_path, imported):
-    """Mistral 7B v0.1's window (4,096 of 32,768 positions), in small: imported with its context
-    cut to the window, where the model's attention is megajax's; its logits are the fixture's."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in (FIXTURES / "mistral").iterdir():
-        (src / f.name).write_bytes(f.read_bytes())
-    config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
-    cfg = import_hf(src, tmp_path / "w", SETTINGS).model
-    assert (cfg.seq_len, cfg.max_positions, cfg.context) == (16, 16, 16)
-    ref = reference("mistral")     # 16 tokens a row: within the window, full attention
-    model = load_workdir(tmp_path / "w", mesh_for("1x1")).model
-    logits = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ref["ids"])))
-    assert_close(logits[..., :cfg.vocab_size], ref["logits"], what="logits within the window")
+def test_a_window_over_every_layer_or_none(tmp_path):
+    """Qwen2's use_sliding_window from layer max_window_layers on (transformers' rule when
+    config.json lists no layer_types): from layer 0, every layer slides; from past the last,
+    none does."""
+    for first, window in ((0, 16), (2, 0)):
+        src = tmp_path / f"src{first}"
+        src.mkdir()
+        for f in (FIXTURES / "qwen2").iterdir():
+            (src / f.name).write_bytes(f.read_bytes())
+        config = json.loads((src / "config.json").read_text())
+        config.pop("layer_types")
+        (src / "config.json").write_text(json.dumps(
+            {**config, "use_sliding_window": True, "sliding_window": 16,
+             "max_window_layers": first}))
+        assert import_hf(src, tmp_path / f"w{first}", SETTINGS).model.sliding_window == window
 
 
 @pytest.mark.parametrize("name,published", [

@@ -4,7 +4,8 @@ Megatron-BERT, and the decoders of today (Llama, Mistral, Qwen2: hf_decoders.py)
 Everything that shapes the computation comes from the HF config: sizes, position count,
 norm epsilon, the activation, dropout rates, rotary positions and their scaling. Options megajax
 does not implement (GPT-2's attention scaled by layer index, BERT's relative positions,
-cross-attention, sliding windows, other rope scalings) are refused rather than silently ignored.
+cross-attention, a window over some layers only, other rope scalings) are refused rather than
+silently ignored.
 """
 from __future__ import annotations
 

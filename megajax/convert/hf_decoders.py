@@ -6,9 +6,9 @@ rope theta and scaling, and whether the output layer is tied.
 Both spellings of the rotary settings are read: `rope_theta` with `rope_scaling` (the files the
 models were released with) and transformers 5's `rope_parameters`. What megajax does not
 implement is one line naming the option: another rope scaling (yarn, dynamic, longrope), a
-training length longer than a sliding window (up to the window it is full attention: the model
-is imported with its context cut to the window), biases Llama's files can switch on
-(attention_bias, mlp_bias), another activation.
+Qwen2 whose sliding window covers some layers only (max_window_layers), biases Llama's files can
+switch on (attention_bias, mlp_bias), another activation. A sliding window over every layer
+(Mistral's `sliding_window`, Qwen2's `use_sliding_window`) is model.sliding_window.
 """
 from __future__ import annotations
 
@@ -46,19 +46,24 @@ def _rope(hf: dict) -> dict:
                     f"(it has default, linear and llama3)")
 
 
-def _window(model_type: str, hf: dict, seq_len: int | None) -> int | None:
-    """A sliding window the model attends within (Mistral's `sliding_window`, Qwen2's with
-    `use_sliding_window`), or None. Over sequences no longer than the window it is full
-    attention, which megajax computes: a longer training length is refused."""
+def _window(model_type: str, hf: dict) -> int:
+    """The sliding window every layer attends within (Mistral's `sliding_window`, Qwen2's with
+    `use_sliding_window` from layer max_window_layers on, transformers' rule), or 0 (none).
+    A window over some layers only is refused."""
     window = hf.get("sliding_window")
     if not (model_type == "mistral" or hf.get("use_sliding_window", False)) or window is None:
-        return None
-    if seq_len is not None and seq_len > window:
+        return 0
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or (
+        ["sliding_attention" if i >= hf.get("max_window_layers", 0) else "full_attention"
+         for i in range(layers)] if model_type == "qwen2" else ["sliding_attention"] * layers)
+    if len(set(types)) > 1:
+        sliding = types.count("sliding_attention")
         raise UserError(
-            f"model.seq_len = {seq_len} is longer than config.json's sliding_window = {window}: "
-            f"sliding-window attention, which megajax does not implement (up to the window it is "
-            f"full attention)")
-    return int(window)
+            f"config.json slides its window (sliding_window = {window}) over {sliding} of its "
+            f"{layers} layers (max_window_layers / layer_types): megajax slides it over every "
+            f"layer or none")
+    return int(window) if types and types[0] == "sliding_attention" else 0
 
 
 def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
@@ -74,8 +79,6 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
                 f"which megajax's bias patterns (all, none, qkv) do not include")
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     context = hf["max_position_embeddings"]
-    if (window := _window(model_type, hf, seq_len)) is not None:
-        context = min(context, window)     # sampling and training stay within the window
     head_dim = hf.get("head_dim") or hidden // heads
     return dict(num_layers=hf["num_hidden_layers"], hidden=hidden, num_heads=heads,
                 num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -84,6 +87,7 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
                 seq_len=seq_len or min(context, DEFAULT_SEQ_LEN),
                 ln_eps=hf.get("rms_norm_eps", 1e-6),
                 norm="rmsnorm", positions="rope", mlp="swiglu",
+                sliding_window=_window(model_type, hf),
                 bias="qkv" if model_type == "qwen2" else "none",
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)), hidden_dropout=0.0,
                 attention_dropout=hf.get("attention_dropout", 0.0), **_rope(hf))
@@ -102,7 +106,10 @@ def export_architecture(cfg) -> str | None:
             f"no Hugging Face architecture has this model's mixture (norm {cfg.norm}, positions "
             f"{cfg.positions}, mlp {cfg.mlp}, bias {cfg.bias}, {cfg.ln_placement}-norm): GPT-2 is "
             f"layernorm + learned + gelu with all biases, Llama/Qwen2 rmsnorm + rope + swiglu")
-    return "Qwen2ForCausalLM" if cfg.bias == "qkv" else "LlamaForCausalLM"
+    if cfg.bias == "qkv":
+        return "Qwen2ForCausalLM"
+    # Llama has no sliding window; Mistral is Llama with one
+    return "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM"
 
 
 def hf_config(arch: str, model_type: str, cfg) -> dict:
@@ -124,6 +131,7 @@ def hf_config(arch: str, model_type: str, cfg) -> dict:
                 initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
                 attention_dropout=cfg.attention_dropout, rope_theta=cfg.rope_theta,
                 rope_scaling=scaling, rope_parameters=rope, torch_dtype="float32",
-                **({"use_sliding_window": False, "sliding_window": None} if model_type == "qwen2"
-                   else
-                   {"attention_bias": False, "mlp_bias": False}))
+                **({"use_sliding_window": bool(cfg.sliding_window), "max_window_layers": 0,
+                    "sliding_window": cfg.sliding_window or None} if model_type == "qwen2"
+                   else {"sliding_window": cfg.sliding_window or None} if model_type == "mistral"
+                   else {"attention_bias": False, "mlp_bias": False}))

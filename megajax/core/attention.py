@@ -172,7 +172,8 @@ class ParallelSelfAttention(nnx.Module):
         keeping no probabilities (blocked_attention.py); the heads stay split over "model"."""
         del q_pos, key    # positions 0..s-1: no cache
         return blocked_attention(q, k, v.astype(q.dtype), mask, causal=self.causal,
-                                 scale=1 / math.sqrt(self.head_dim), ways=self.ways())
+                                 scale=1 / math.sqrt(self.head_dim), ways=self.ways(),
+                                 window=self.cfg.sliding_window)
 
     def ways(self) -> tuple[int, int]:
         """How many devices split the batch and the heads (the batch is already this device's
@@ -185,14 +186,18 @@ class ParallelSelfAttention(nnx.Module):
         del q_pos, key    # positions 0..s-1: no cache
         return fused_attention_core(q, k, v.astype(q.dtype), mask, causal=self.causal,
                                     scale=1 / math.sqrt(self.head_dim),
-                                    platform=platform(self.layout))
+                                    platform=platform(self.layout),
+                                    window=self.cfg.sliding_window)
 
     def keep(self, q_pos, num_keys: int, mask):
-        """Which (query, key) pairs attend: causal, padding and segment masks, broadcast, never
-        (b, heads, q, k)."""
+        """Which (query, key) pairs attend: causal, sliding-window, padding and segment masks,
+        broadcast, never (b, heads, q, k). The positions are absolute (the cache's too), so a
+        query past the window sees only its last sliding_window keys, as in training."""
         keep = jnp.ones((1, 1, 1, 1), bool)
         if self.causal:
             keep = keep & (q_pos[:, None] >= jnp.arange(num_keys)[None, :])
+        if self.cfg.sliding_window:
+            keep = keep & (q_pos[:, None] - jnp.arange(num_keys)[None, :] < self.cfg.sliding_window)
         if is_segments(mask):
             keep = keep & same_segment(mask, mask)
         elif mask is not None:  # (b, k) True where a key may be attended to

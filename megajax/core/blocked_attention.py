@@ -42,16 +42,16 @@ def blocked_attention_pays(q, ways: tuple[int, int] = (1, 1)) -> bool:
 
 
 def blocked_attention(q, k, v, key_mask, *, causal: bool, scale: float,
-                      ways: tuple[int, int] = (1, 1)):
+                      ways: tuple[int, int] = (1, 1), window: int = 0):
     """softmax(q k^T * scale, masked) v for q, k, v (b, heads, s, d), the same s for queries and
     keys. Masked: causal (a query sees the keys up to its own position) and, if `key_mask` (b, s)
     is given, only the keys where it is True, or with (b, s) integer segment ids those of the
-    query's segment. A query with nothing to attend to attends to all
-    keys uniformly, as jax.nn.softmax does. `ways`: how many devices split the batch and the
-    heads."""
+    query's segment; `window` > 0: only the key of the query's own position and the window - 1
+    before it. A query with nothing to attend to attends to all keys uniformly, as
+    jax.nn.softmax does. `ways`: how many devices split the batch and the heads."""
     ways = tuple(w if n % w == 0 else 1 for w, n in zip(ways, q.shape[:2]))   # not split that way
     blocks = _blocks(q.shape, ways)
-    return _attention(q, k, v, key_mask, causal, scale, ways, blocks)
+    return _attention(q, k, v, key_mask, (causal, window), scale, ways, blocks)
 
 
 def _blocks(shape, ways) -> tuple[int, int]:
@@ -116,21 +116,24 @@ def _mask_blocks(key_mask, ways, blocks):
 QUERY_TILE = 256
 
 
-def _tiles(s, causal, key_mask):
+def _tiles(s, masking, key_mask):
     """(first query, end query, end key) of each tile of queries. Only causal attention without a
     key mask is tiled: with one, a query may see no key at all and then attends to all s keys
     uniformly (as jax.nn.softmax gives), which a tile that skips keys would not. (A query always
     sees its own segment's start: segment ids keep the tiles.)"""
-    if not causal or (key_mask is not None and not is_segments(key_mask)):
+    if not masking[0] or (key_mask is not None and not is_segments(key_mask)):
         return [(0, s, s)]
     return [(lo, min(lo + QUERY_TILE, s), min(lo + QUERY_TILE, s))
             for lo in range(0, s, QUERY_TILE)]
 
 
-def _keep(lo, hi, kend, causal, key_mask):
+def _keep(lo, hi, kend, masking, key_mask):
+    causal, window = masking
     keep = jnp.ones((1, 1, 1, 1), bool)
     if causal:
         keep = keep & (jnp.arange(lo, hi)[:, None] >= jnp.arange(kend)[None, :])
+    if window:
+        keep = keep & (jnp.arange(lo, hi)[:, None] - jnp.arange(kend)[None, :] < window)
     if is_segments(key_mask):   # (bb, 1, 1, s): the queries' ids against the keys'
         return keep & (jnp.swapaxes(key_mask, -1, -2)[..., lo:hi, :] == key_mask[..., :kend])
     return keep if key_mask is None else keep & key_mask[..., :kend]
@@ -141,19 +144,19 @@ def _scores(q, k, keep, scale):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention(q, k, v, key_mask, causal, scale, ways, blocks):
-    return _attention_fwd(q, k, v, key_mask, causal, scale, ways, blocks)[0]
+def _attention(q, k, v, key_mask, masking, scale, ways, blocks):
+    return _attention_fwd(q, k, v, key_mask, masking, scale, ways, blocks)[0]
 
 
-def _attention_fwd(q, k, v, key_mask, causal, scale, ways, blocks):
+def _attention_fwd(q, k, v, key_mask, masking, scale, ways, blocks):
     shape = q.shape
 
     def block(xs):
         mask = xs[3]
         q, k, v = (_block_shaped(t, shape, blocks) for t in xs[:3])
         parts = []
-        for lo, hi, kend in _tiles(q.shape[-2], causal, mask):
-            s = _scores(q[..., lo:hi, :], k[..., :kend, :], _keep(lo, hi, kend, causal, mask),
+        for lo, hi, kend in _tiles(q.shape[-2], masking, mask):
+            s = _scores(q[..., lo:hi, :], k[..., :kend, :], _keep(lo, hi, kend, masking, mask),
                         scale)
             row_max = s.max(-1, keepdims=True)
             e = jnp.exp(s - row_max)
@@ -171,7 +174,7 @@ def _attention_fwd(q, k, v, key_mask, causal, scale, ways, blocks):
     return out, (q, k, v, out, key_mask, row_max, inv_sum)
 
 
-def _attention_bwd(causal, scale, ways, blocks, residuals, g):
+def _attention_bwd(masking, scale, ways, blocks, residuals, g):
     q, k, v, out, key_mask, row_max, inv_sum = residuals
     shape = q.shape
 
@@ -180,8 +183,8 @@ def _attention_bwd(causal, scale, ways, blocks, residuals, g):
         q, k, v, out, g = (_block_shaped(t, shape, blocks) for t in xs[:5])
         row_max, inv_sum = (_block_shaped(t, shape, blocks)[..., None] for t in xs[6:])
         dq, dk, dv = [], jnp.zeros_like(k), jnp.zeros_like(v)
-        for lo, hi, kend in _tiles(q.shape[-2], causal, mask):
-            keep = _keep(lo, hi, kend, causal, mask)
+        for lo, hi, kend in _tiles(q.shape[-2], masking, mask):
+            keep = _keep(lo, hi, kend, masking, mask)
             qt, gt, kt, vt = q[..., lo:hi, :], g[..., lo:hi, :], k[..., :kend, :], v[..., :kend, :]
             p = jnp.exp(_scores(qt, kt, keep, scale) - row_max[..., lo:hi, :]) * inv_sum[..., lo:hi,
                                                                                          :]

@@ -27,10 +27,13 @@ def implementation(dtype, platform: str) -> str:
     return "cudnn" if platform == "gpu" and jnp.dtype(dtype) in CUDNN_DTYPES else "xla"
 
 
-def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platform: str):
+def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platform: str,
+                         window: int = 0):
     """softmax(q k^T scale + masks) v for q, k, v (b, heads, s, d), queries and keys at positions
     0..s-1; key_mask (b, k) True where a key may be attended to, or (b, s) segment ids (a query
-    attends within its segment), or None. Returns (b, heads, q, d)."""
+    attends within its segment), or None; `window` > 0: a query attends to itself and the
+    window - 1 keys before it (jax's local_window_size). Returns (b, heads, q, d)."""
+    local = (window - 1, 0) if window else None
     # (b, s, heads, d), as jax takes them
     heads_second = lambda t: jnp.moveaxis(t, 1, 2)   # noqa: E731
     q, k, v = heads_second(q), heads_second(k), heads_second(v)
@@ -45,7 +48,7 @@ def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platf
         try:
             return heads_second(
                 jax.nn.dot_product_attention(q, k, v, mask=full, is_causal=causal, scale=scale,
-                                                             implementation="cudnn"))
+                                             local_window_size=local, implementation="cudnn"))
         # shapes, dtypes or cuDNN version
         except (NotImplementedError, ValueError, RuntimeError) as e:
             warnings.warn(
@@ -57,5 +60,5 @@ def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platf
         # kernel for: on the CPU it runs in float32, and its output is rounded back.
         q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
-                                       implementation="xla")
+                                       local_window_size=local, implementation="xla")
     return heads_second(out.astype(dtype))
