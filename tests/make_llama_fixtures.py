@@ -13,9 +13,9 @@ Run by hand, in an environment with PyTorch and transformers (never by the test 
 
 It rewrites the fixtures named, or all: tests/fixtures/hf/{llama,llama_tied,mistral,qwen2}/ and
 the sliding-window models {mistral,qwen2}_window/ (windows of 8 positions, 24-token rows).
-Every weight is random (norm scales 1 + N(0, 0.1)), so a transposed, mis-ordered or mis-rotated tensor cannot pass. The
-Mistral is saved in shards with their index, the Qwen2 in bfloat16 (its references are computed
-from the rounded weights).
+Every weight is random (norm scales 1 + N(0, 0.1)), so a transposed, mis-ordered or
+mis-rotated tensor cannot pass. The Mistral is saved in shards with their index, the Qwen2 in
+bfloat16 (its references are computed from the rounded weights).
 
     /tmp/hfenv/bin/python tests/make_llama_fixtures.py --check EXPORTED_DIR NAME
 
