@@ -508,6 +508,29 @@ def test_running_out_of_memory_is_one_line(capsys, kind):
         failed(ValueError("a bug"), "lower the batch")
 
 
+NO_THREAD = """
+import resource, sys, threading
+from megajax.cli.common import failed
+# the address space this process has, and a little: no room for a thread's 8 MiB stack
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 20), resource.RLIM_INFINITY))
+try:
+    threading.Thread(target=print).start()
+except Exception as e:
+    sys.exit(failed(e, "lower the batch"))
+"""
+
+
+def test_a_thread_the_system_refuses_is_one_line():
+    """`ulimit -v` leaves no address space for a thread's stack: Python's "can't start new
+    thread" (from orbax's writers, say) is one line and exit status 2, not a traceback."""
+    p = subprocess.run([sys.executable, "-c", NO_THREAD], capture_output=True, text=True,
+                       env=env(), cwd=ROOT, timeout=60)
+    assert p.returncode == 2 and p.stderr == (
+        "error: out of host memory (the system refused a thread: its address space or threads "
+        "are limited, `ulimit -v` / `ulimit -u`): raise the limit, or lower the batch\n"), p.stderr
+
+
 def test_workdir_mistakes_are_one_line(reference, tmp_path):
     """A workdir that is a file, a coordinator without a port, a resume asking for another
     tokenizer, a damaged tokenizer file: one line, exit 2, nothing changed."""

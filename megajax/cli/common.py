@@ -101,6 +101,10 @@ FILE_SYSTEM_ERRNOS = frozenset(
                                 errno.ENAMETOOLONG, errno.ESTALE})
 
 
+# what Python says when the operating system refuses a thread (its stack needs address space:
+# `ulimit -v`; or the threads limit, `ulimit -u`)
+NO_THREAD = "can't start new thread"
+
 # what XLA:CPU says of a program over more simulated devices than one process runs (it takes the
 # devices past 2048 for other processes')
 SIMULATED_TOO_MANY = "Multiprocess computations aren't implemented on the CPU backend"
@@ -115,6 +119,10 @@ def failed(e: Exception, memory_hint: str) -> int:
     if device or isinstance(e, MemoryError):
         status = fail(
             f"out of {'device' if device else 'host'} memory ({first_line(e, 200)}): {memory_hint}")
+    elif isinstance(e, RuntimeError) and NO_THREAD in str(e):
+        status = fail(f"out of host memory (the system refused a thread: its address space or "
+                      f"threads are limited, `ulimit -v` / `ulimit -u`): raise the limit, or "
+                      f"{memory_hint}")
     elif SIMULATED_TOO_MANY in str(e) and process_count() == 1:
         status = fail("XLA's CPU backend compiles no program over this many simulated devices in "
                       "one process (more than 2048 here): simulate fewer with --host-devices, "
