@@ -81,28 +81,19 @@ class TrainConfig:
     beta2: float = 0.95               # Adam's
     eps: float = 1e-8                 # Adam's
     grad_clip: float = 1.0            # global-norm clipping
-    # a loss over this many times the median of the 20 steps before it, and over a uniform
-    # guess's, is a divergence: the run stops (docs/guides/training.md); 0: only a non-finite one
-    spike_factor: float = 10.0
-    # float16 activations: the first dynamic loss scale (training/loss_scale.py),
-    loss_scale: float = 65536.0
-    # doubled after this many steps without overflow, halved from the
-    loss_scale_window: int = 1000
-    # hysteresis-th overflow on (Megatron-LM's rule and defaults but 2^32)
-    loss_scale_hysteresis: int = 2
+    spike_factor: float = 10.0        # diverged: loss > this x its 20 steps' median and > chance
+    loss_scale: float = 65536.0       # float16: the dynamic loss scale's start (loss_scale.py),
+    loss_scale_window: int = 1000     # doubled after this many steps without overflow, halved
+    loss_scale_hysteresis: int = 2    # on the this-th overflow (Megatron-LM's rule)
     seed: int = 0                     # weights, batches and dropout follow from it
-    # a workdir whose weights start this run (BERT fine-tuning: its encoder)
-    init_from: str = ""
-    # LoRA without init_from: adapters on the frozen random weights train.seed gives (an
-    # experiment); otherwise refused, as adapters learn nothing useful on a random base
-    random_base: bool = False
+    init_from: str = ""               # a workdir whose weights start this run (BERT: its encoder)
+    random_base: bool = False         # LoRA without init_from: adapt random weights (else refused)
     log_every: int = 10               # steps between log lines
     eval_every: int = 200             # steps between validations
     eval_batches: int = 8             # validation batches, at most
     save_every: int = 500             # steps between checkpoints
     keep_checkpoints: int = 3         # the newest this many are kept
-    # besides metrics.jsonl: tensorboard (WORKDIR/tensorboard) | wandb ('megajax[wandb]')
-    tracker: str = "tensorboard"
+    tracker: str = "tensorboard"      # and metrics.jsonl: tensorboard | wandb ('megajax[wandb]')
 
     def validate(self):
         for name in ("batch_size", "microbatches", "steps", "log_every", "eval_every",
@@ -114,8 +105,7 @@ class TrainConfig:
             raise ConfigError(f"train.loss_scale must be at most 2^32 (where the dynamic scale "
                               f"stops growing), got {self.loss_scale:g}")
         if 0 < self.spike_factor <= 1:
-            raise ConfigError(f"train.spike_factor must be 0 (off) or above 1, got "
-                              f"{self.spike_factor:g}")
+            raise ConfigError(f"train.spike_factor must be 0 or above 1, got {self.spike_factor}")
         for name in ("warmup_steps", "decay_steps", "seed", "min_lr", "weight_decay",
                      "spike_factor"):
             if getattr(self, name) < 0:

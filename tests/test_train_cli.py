@@ -358,6 +358,7 @@ def test_dry_run_costs_follow_the_memory_model():
     (["--config", "nope"], "no config named 'nope'"),
     (["--set", "train.keep_checkpoints=0"], "train.keep_checkpoints must be positive, got 0"),
     (["--save-every", "0"], "train.save_every must be positive, got 0"),
+    (["--set", "train.spike_factor=0.5"], "train.spike_factor must be 0 or above 1, got 0.5"),
     (["--set", "model.num_layers=2.5e0"], "model.num_layers expects int, got '2.5e0'"),
     (["--set", "train.lr=nan"],
      "train.lr must be a finite number in float32's range (0, or 1.2e-38 to 3.4e+38 in magnitude), "

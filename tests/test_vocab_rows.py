@@ -79,7 +79,8 @@ def test_a_workdir_trained_on_two_runs_on_three_and_six(tmp_path):
 def test_bert_on_a_model_axis_of_three_trains_as_on_one_device(tmp_path):
     """BERT's MLM bias has the vocabulary's rows too: three steps on 1x3 log the losses of 1x1."""
     common = ["--config", "bert_tiny", "--data", f"text:{SHAKESPEARE}", "--tokenizer",
-              "wordpiece:200", "--sample-tokens", "0", "--log-every", "1", "--steps", "3", *SIX_HEADS]
+              "wordpiece:200", "--sample-tokens", "0", "--log-every", "1", "--steps", "3",
+              *SIX_HEADS]
     a = run(*common, "--mesh", "1x1", "--host-devices", 1, "--workdir", tmp_path / "one")
     b = run(*common, "--mesh", "1x3", "--host-devices", 3, "--workdir", tmp_path / "three")
     assert "model=3" in b.stdout and a.returncode == 0

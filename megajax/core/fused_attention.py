@@ -33,7 +33,8 @@ def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platf
     0..s-1; key_mask (b, k) True where a key may be attended to, or (b, s) segment ids (a query
     attends within its segment), or None; `window` > 0: a query attends to itself and the
     window - 1 keys before it (jax's local_window_size). Returns (b, heads, q, d)."""
-    local = (window - 1, 0) if window else None
+    # asked for only with a window: the call is otherwise as it was
+    local = {"local_window_size": (window - 1, 0)} if window else {}
     # (b, s, heads, d), as jax takes them
     heads_second = lambda t: jnp.moveaxis(t, 1, 2)   # noqa: E731
     q, k, v = heads_second(q), heads_second(k), heads_second(v)
@@ -48,7 +49,7 @@ def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platf
         try:
             return heads_second(
                 jax.nn.dot_product_attention(q, k, v, mask=full, is_causal=causal, scale=scale,
-                                             local_window_size=local, implementation="cudnn"))
+                                             implementation="cudnn", **local))
         # shapes, dtypes or cuDNN version
         except (NotImplementedError, ValueError, RuntimeError) as e:
             warnings.warn(
@@ -60,5 +61,5 @@ def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platf
         # kernel for: on the CPU it runs in float32, and its output is rounded back.
         q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
-                                       local_window_size=local, implementation="xla")
+                                       implementation="xla", **local)
     return heads_second(out.astype(dtype))
