@@ -196,18 +196,18 @@ def _expand(rule: Rule, layers: int):
     return [(tuple(n.format(i=i) for n in rule.hf), rule.ours, i) for i in range(layers)]
 
 
-def _strip_prefix(tensors: dict, arch: str) -> dict:
+def _strip_prefix(tensors: dict, arch: str) -> tuple[dict, str]:
+    """The tensors without the architecture's name prefix, and the prefix they had ("" if
+    none)."""
     prefix = PREFIX.get(arch)
     if prefix and any(k.startswith(prefix) for k in tensors):
-        return {k.removeprefix(prefix): v for k, v in tensors.items()}
-    return dict(tensors)
+        return {k.removeprefix(prefix): v for k, v in tensors.items()}, prefix
+    return dict(tensors), ""
 
 
 def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
     """An HF state dict (name -> array) as a megajax params dict for `cfg` (scanned or not)."""
-    prefix = PREFIX.get(arch, "") if any(k.startswith(PREFIX.get(arch) or "\0")
-                                         for k in tensors) else ""
-    tensors = _strip_prefix(tensors, arch)
+    tensors, prefix = _strip_prefix(tensors, arch)   # messages name tensors as the file does
     flat, per_layer, used = {}, [{} for _ in range(cfg.num_layers)], set()
     sources = [{} for _ in range(cfg.num_layers)]   # per layer: name -> [(HF tensor, shape)]
     todo = [(rule, e) for rule in rules_for(arch, cfg) for e in _expand(rule, cfg.num_layers)]

@@ -23,7 +23,7 @@ from megajax.core.lora import adapter, adapter_keys
 from megajax.core.layers import (ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear,
                                  dropout)
 from megajax.core.ops import (attention_context, attention_scores, is_segments, masked_softmax,
-                              same_segment, segment_positions)
+                              position_keep, same_segment, segment_positions)
 from megajax.core.precision import Precision
 from megajax.core.rope import apply_rotary, rotary_angles
 from megajax.model_config import ModelConfig
@@ -193,11 +193,7 @@ class ParallelSelfAttention(nnx.Module):
         """Which (query, key) pairs attend: causal, sliding-window, padding and segment masks,
         broadcast, never (b, heads, q, k). The positions are absolute (the cache's too), so a
         query past the window sees only its last sliding_window keys, as in training."""
-        keep = jnp.ones((1, 1, 1, 1), bool)
-        if self.causal:
-            keep = keep & (q_pos[:, None] >= jnp.arange(num_keys)[None, :])
-        if self.cfg.sliding_window:
-            keep = keep & (q_pos[:, None] - jnp.arange(num_keys)[None, :] < self.cfg.sliding_window)
+        keep = position_keep(q_pos, jnp.arange(num_keys), self.causal, self.cfg.sliding_window)
         if is_segments(mask):
             keep = keep & same_segment(mask, mask)
         elif mask is not None:  # (b, k) True where a key may be attended to

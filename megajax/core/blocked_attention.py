@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from megajax.core.ops import is_segments, rows_contracted, zero_cotangent
+from megajax.core.ops import is_segments, position_keep, rows_contracted, zero_cotangent
 
 # Scores per block on each device: 8 MiB of float32 (2 MiB blocks were ~4% slower at s 512 on a
 # 2-core Xeon, where one (batch, head) pair of 1-2 MiB alone also ran slower than two).
@@ -128,12 +128,7 @@ def _tiles(s, masking, key_mask):
 
 
 def _keep(lo, hi, kend, masking, key_mask):
-    causal, window = masking
-    keep = jnp.ones((1, 1, 1, 1), bool)
-    if causal:
-        keep = keep & (jnp.arange(lo, hi)[:, None] >= jnp.arange(kend)[None, :])
-    if window:
-        keep = keep & (jnp.arange(lo, hi)[:, None] - jnp.arange(kend)[None, :] < window)
+    keep = position_keep(jnp.arange(lo, hi), jnp.arange(kend), *masking)
     if is_segments(key_mask):   # (bb, 1, 1, s): the queries' ids against the keys'
         return keep & (jnp.swapaxes(key_mask, -1, -2)[..., lo:hi, :] == key_mask[..., :kend])
     return keep if key_mask is None else keep & key_mask[..., :kend]

@@ -94,6 +94,17 @@ def is_segments(mask) -> bool:
     return mask is not None and jnp.issubdtype(mask.dtype, jnp.integer)
 
 
+def position_keep(q_pos, k_pos, causal: bool, window: int = 0):
+    """(q, k) True where a query at q_pos may attend to a key at k_pos: causal, the key not after
+    it; with a sliding `window`, also not window or more positions before it."""
+    keep = jnp.ones((1, 1), bool)
+    if causal:
+        keep = keep & (q_pos[:, None] >= k_pos[None, :])
+    if window:
+        keep = keep & (q_pos[:, None] - k_pos[None, :] < window)
+    return keep
+
+
 def same_segment(q_segments, k_segments):
     """(b, 1, q, k) True where query and key are in the same segment."""
     return q_segments[:, None, :, None] == k_segments[:, None, None, :]

@@ -123,11 +123,12 @@ def load_chat(spec: str, cfg, tokenizer: Tokenizer | None) -> ChatData:
         where = [conversations[i].where for i in order]
     train, val, long = _fitted(train + val, len(train), where, length, d.chat_overflow)
     packed = pack(train, length)
+    lost = "were truncated away" if long else "are empty"      # why the turns have no target
     if not target_weights(packed.segments, packed.mask).any():
         raise UserError(
-            f"chat:{spec} leaves no target token to learn from (the assistant's turns "
-            f"{'were truncated away' if long else 'are empty'} at model.seq_len "
-            f"{cfg.model.seq_len}): raise model.seq_len, or set data.chat_loss = \"all\"")
+            f"chat:{spec} leaves no target token to learn from (the assistant's turns {lost} at "
+            f"model.seq_len {cfg.model.seq_len}): raise model.seq_len, or set data.chat_loss = "
+            f"\"all\"")
     held_out = pack(val, length) if val else None
     hold_none = ("megajax-prepare --val-fraction 0" if is_prepared(Path(spec))
                  else "data.val_fraction = 0")
@@ -135,9 +136,8 @@ def load_chat(spec: str, cfg, tokenizer: Tokenizer | None) -> ChatData:
         # a validation loss over no target would read 0 (perplexity 1): no number at all
         raise UserError(
             f"chat:{spec}'s {len(val)} held-out conversation(s) keep no target token at "
-            f"model.seq_len {cfg.model.seq_len} (their assistant turns "
-            f"{'were truncated away' if long else 'are empty'}): raise model.seq_len, or hold "
-            f"none out ({hold_none})")
+            f"model.seq_len {cfg.model.seq_len} (their assistant turns {lost}): raise "
+            f"model.seq_len, or hold none out ({hold_none})")
     # what train.py's sample answers: the first held-out (else trained) conversation with a
     # target, up to its first one
     ids, mask = next(e for e in val + train if e[1][1:].any())
