@@ -34,6 +34,7 @@ DEFERRED = {
     "cli.convert": {"megajax.convert"},
     "cli.prepare": {"megajax.prepare"},
     "data.sources": {"tensorflow_datasets"},
+    "host.xla_cache": {"jax._src"},   # jax's own compiler, on the one jaxlib it patches
     "runs.tracking": {"tensorboardX", "wandb"},
     "__main__": {"megajax.cli", "megajax.cli.plot"},   # the tool asked for, only
     "runs.metrics": {"matplotlib", "matplotlib.pyplot", "matplotlib.backends.backend_agg"},
