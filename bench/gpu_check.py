@@ -248,11 +248,12 @@ def predicted(cfg, hardware: str | None) -> dict:
     """What `megajax-plan` predicts for the row's config on one such GPU: step time and memory."""
     if hardware is None:
         return {}
+    from megajax.mesh_shape import MeshShape
     from megajax.plan import BUILTIN
     from megajax.plan.memory import memory_bytes
     from megajax.plan.timing import step_time
-    return {"predicted_ms": 1000 * step_time(cfg, 1, 1, BUILTIN[hardware]).seconds,
-            "predicted_bytes": memory_bytes(cfg, 1, 1)["total"]}
+    return {"predicted_ms": 1000 * step_time(cfg, MeshShape(), BUILTIN[hardware]).seconds,
+            "predicted_bytes": memory_bytes(cfg, MeshShape())["total"]}
 
 
 def markdown(result: dict) -> str:

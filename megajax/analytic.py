@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from megajax.mesh_shape import MeshShape
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 REMAT_MODES = ("none", "selective", "full")
 DATA_SCHEMES = ("plain", "zero", "fsdp")
@@ -50,16 +52,21 @@ class StepShape:
     frozen_base: bool = False       # LoRA: only the adapters have gradients
 
     @classmethod
-    def of(cls, cfg, task, dp: int = 1, tp: int = 1) -> "StepShape":
-        """A config's step on a dp x tp mesh; `task` is megajax.tasks.task_for(cfg)."""
+    def of(cls, cfg, task, mesh: MeshShape = MeshShape()) -> "StepShape":
+        """A config's step on one device of `mesh` (its stages aside: a stage runs the same
+        layer); `task` is megajax.tasks.task_for(cfg)."""
         m, t = cfg.model, cfg.train
-        return cls(m.num_layers, t.batch_size // t.microbatches // dp * task.sequences_per_example,
-                   m.seq_len,
-                   m.hidden, m.num_heads, m.ffn, m.head_dim, m.padded_vocab, tp, t.microbatches,
-                   task.head_rows(cfg), task.heads_read_rows, task.extra_embedding_rows,
-                   m.sequence_parallel,
-                   m.remat, m.kv_heads, m.mlp == "swiglu", 2 if m.norm == "layernorm" else 1,
-                   m.bias == "all", m.positions == "learned", m.lora_rank > 0)
+        rows = mesh.rows_per_microbatch(t.batch_size, t.microbatches)
+        return cls(
+            layers=m.num_layers, rows=rows * task.sequences_per_example, seq=m.seq_len,
+            hidden=m.hidden, heads=m.num_heads, ffn=m.ffn, head_dim=m.head_dim,
+            vocab=m.padded_vocab, tp=mesh.model, microbatches=t.microbatches,
+            head_rows=task.head_rows(cfg), heads_read_rows=task.heads_read_rows,
+            extra_embedding_rows=task.extra_embedding_rows,
+            sequence_parallel=m.sequence_parallel, remat=m.remat, kv_heads=m.kv_heads,
+            gated=m.mlp == "swiglu", replicated_norm_params=2 if m.norm == "layernorm" else 1,
+            row_biases=m.bias == "all", learned_positions=m.positions == "learned",
+            frozen_base=m.lora_rank > 0)
 
     @property
     def bsh(self) -> int:
@@ -337,14 +344,3 @@ def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 
     core = 4 * b * heads * s // tp if fused_attention else core
     return between + inside + core
 
-
-def paper_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 1,
-                          sequence_parallel: bool = False, remat: str = "none") -> float:
-    """The paper's closed forms (16-bit activations, dropout, ffn = 4h), for comparison."""
-    sbh, a, t = s * b * h, heads, tp
-    if remat == "full":
-        return 2 * sbh / (t if sequence_parallel else 1)
-    core = 0 if remat == "selective" else 5 * a * s / h
-    if sequence_parallel:
-        return sbh / t * (34 + core)
-    return sbh * (10 + 24 / t + core / t)

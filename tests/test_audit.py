@@ -5,6 +5,7 @@ import pytest
 from conftest import mesh_for, tiny_config
 from helpers import exact_model_axis_elements, tiered
 
+from megajax.mesh_shape import MeshShape
 from megajax.tools.audit import audit
 from megajax.tools.hlo import groups_axis, parse_replica_groups
 
@@ -63,7 +64,7 @@ def test_megatron_collectives(layers, spec, scan):
 
 
 def test_parse_explicit_iota_and_mesh_groups():
-    mesh_shape = (2, 4)
+    mesh_shape = MeshShape(data=2, model=4)
     explicit = "replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true"
     iota = "replica_groups=[2,4]<=[8], use_global_device_ids=true"
     iota_t = "replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true"

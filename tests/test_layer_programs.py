@@ -11,6 +11,7 @@ from tolerances import F16_U, F32, adam_tolerance, assert_tree_close
 
 from megajax.config import ConfigError
 from megajax.tools.hlo import parse_collectives
+from megajax.mesh_shape import MeshShape
 from megajax.training.layer_programs import LayerProgramStep
 from megajax.training.step import make_trainer
 
@@ -110,8 +111,8 @@ def test_each_layer_program_holds_two_of_the_four_all_reduces():
     layer_weight_shapes = {w.shape[1:] for w in jax.tree.leaves(params["layers"]["stacked"])}
     assert jax.tree.leaves(pullback) and not {
         a.shape for a in jax.tree.leaves(pullback)} & layer_weight_shapes
-    assert _model_axis(fwd_hlo, (1, 4)) == [("all-reduce", 1)] * 2
-    assert _model_axis(bwd_hlo, (1, 4)) == [("all-reduce", 1)] * 2
+    assert _model_axis(fwd_hlo, MeshShape(model=4)) == [("all-reduce", 1)] * 2
+    assert _model_axis(bwd_hlo, MeshShape(model=4)) == [("all-reduce", 1)] * 2
 
 
 def test_layer_programs_refuse_what_they_do_not_run():

@@ -7,8 +7,9 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 
 from megajax.config import ConfigError, load_config
-from megajax.core.mesh import as_mesh, make_mesh, parse_mesh_spec
+from megajax.core.mesh import as_mesh, make_mesh
 from megajax.core.sharding import AXES, Layout
+from megajax.mesh_shape import MeshShape
 from megajax.models.registry import abstract_model, init_model
 from megajax.training.step import make_trainer
 
@@ -19,7 +20,23 @@ from megajax.training.step import make_trainer
     ("1x8", (1, 8)),
 ])
 def test_parse(spec, expected):
-    assert parse_mesh_spec(spec, 8) == expected
+    shape = MeshShape.parse(spec, 8)
+    assert shape.dims == expected and shape.axis_names == AXES
+    assert MeshShape.parse(str(shape), 8) == shape       # printed back as it parses
+
+
+def test_a_shape_prints_back_and_derives_its_figures():
+    shape = MeshShape.parse("pipe=2,model=2", 8)
+    assert shape == MeshShape(data=2, pipe=2, model=2) and str(shape) == "data=2,pipe=2,model=2"
+    assert shape.axis_names == ("pipe", "data", "model") and shape.dims == (2, 2, 2)
+    assert shape.pipelined and shape.devices == 8
+    assert shape.sizes() == {"pipe": 2, "data": 2, "model": 2}
+    assert shape.rows_per_microbatch(batch_size=32, microbatches=4) == 4
+    assert MeshShape.of(make_mesh(shape)) == shape
+    assert str(MeshShape(data=4, model=2)) == "data=4,model=2"
+    assert MeshShape.devices_asked("data=3,model=4") == 12 and MeshShape.devices_asked("x") is None
+    with pytest.raises(ValueError, match="positive integer"):
+        MeshShape(model=0)
 
 
 def test_make_mesh_axes(devices):

@@ -15,6 +15,7 @@ from tolerances import F32, adam_tolerance, assert_close, assert_tree_close
 from megajax import schedules
 from megajax.config import ConfigError
 from megajax.core.mesh import make_mesh, single_device_mesh
+from megajax.mesh_shape import MeshShape
 from megajax.models.registry import path_keys
 from megajax.plan.memory import _slots
 from megajax.tools.audit import audit_hlo
@@ -216,7 +217,8 @@ def test_sharded_data_parallelism_on_stages_matches_single_device(reference, sch
     for i, x in enumerate(held):  # 4 layers a stage, 64 rows over "data", 256 columns / "model"
         split = i > 0 or scheme == "shard_params"
         assert {s.data.shape for s in x.addressable_shards} == {(4, 32 if split else 64, 128)}
-    audit = audit_hlo(trainer.lower_step().compile().as_text(), cfg, (2, 2, 2), trainer=trainer)
+    audit = audit_hlo(trainer.lower_step().compile().as_text(), cfg,
+                      MeshShape(data=2, pipe=2, model=2), trainer=trainer)
     assert audit.data_scheme == {"shard_optimizer": "zero", "shard_params": "fsdp"}[scheme]
     assert audit.data_axis_ratio == pytest.approx(1.0, abs=1e-9)
     if scheme == "shard_optimizer":
@@ -250,7 +252,7 @@ def test_bubble_and_activation_memory_read_from_the_compiled_step():
         cfg.train.pipeline_schedule = schedule
         trainer = make_trainer(cfg.validate(), make_mesh("pipe=4,model=2"))
         compiled = trainer.lower_step().compile()
-        audit = audit_hlo(compiled.as_text(), cfg, (4, 1, 2), trainer=trainer)
+        audit = audit_hlo(compiled.as_text(), cfg, MeshShape(pipe=4, model=2), trainer=trainer)
         # Megatron's per layer: 2 all-reduces forward, 2 backward, counted over the stages
         # through the schedule's switch (the backward tick recomputes the forward's first)
         per_layer = audit.model_axis_layer_counts()

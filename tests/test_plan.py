@@ -17,6 +17,7 @@ from megajax.config import ConfigError, load_config, with_values
 from megajax.core.mesh import make_mesh
 from megajax.core.sharding import MODEL
 from megajax.errors import UserError
+from megajax.mesh_shape import MeshShape
 from megajax.plan import BUILTIN, measured, paper, paper2021, pick_hardware, plan, timing
 from megajax.plan.memory import kept_activation_bytes, memory_bytes, state_split
 from megajax.plan.report import why
@@ -77,7 +78,8 @@ def compiled_peak(name, dp, tp, sets) -> int:
 
 @pytest.mark.parametrize("name,dp,tp,sets", tiered(LOCAL_POINTS, LOCAL_POINTS[1]))
 def test_memory_within_ten_percent_of_the_compiled_step(name, dp, tp, sets):
-    predicted = memory_bytes(load_config(name, sets), dp, tp, backend="cpu")["total"]
+    predicted = memory_bytes(load_config(name, sets), MeshShape(data=dp, model=tp), backend="cpu")[
+        "total"]
     assert predicted == pytest.approx(compiled_peak(name, dp, tp, sets), rel=MEMORY_TOLERANCE)
 
 
@@ -91,7 +93,7 @@ def test_pipelined_memory_within_ten_percent_of_the_compiled_step(sets):
     inputs and the backward tick's recomputed stage."""
     cfg = load_config("gpt2_355m", [F32, "train.microbatches=8", "train.batch_size=32", *sets])
     compiled = make_trainer(cfg, make_mesh("data=2,pipe=2,model=2")).lower_step().compile()
-    predicted = memory_bytes(cfg, 2, 2, backend="cpu", pp=2)["total"]
+    predicted = memory_bytes(cfg, MeshShape(data=2, pipe=2, model=2), backend="cpu")["total"]
     assert predicted == pytest.approx(step_memory(compiled)["step_peak_bytes"],
                                       rel=MEMORY_TOLERANCE)
 
@@ -117,8 +119,8 @@ def test_the_1t_gpt_fits_on_the_plan_megajax_plan_picks_within_ten_percent():
             f"model.remat={best.remat}", f"model.sequence_parallel={best.sequence_parallel}",
             *[f"{k}={v}" for k, v in SCHEMES[best.scheme].items()]]
     [peak] = compiled_peaks([("gpt_1t", 1, best.model, sets, best.pipe)], 512)
-    predicted = memory_bytes(load_config("gpt_1t", sets), 1, best.model, backend="cpu",
-                             pp=best.pipe)["total"]
+    predicted = memory_bytes(load_config("gpt_1t", sets),
+                             MeshShape(pipe=best.pipe, model=best.model), backend="cpu")["total"]
     assert predicted == pytest.approx(peak, rel=MEMORY_TOLERANCE)
     assert peak < BUILTIN["a100-80g"].memory_bytes, peak
 
@@ -127,7 +129,8 @@ def test_the_1t_gpt_fits_on_the_plan_megajax_plan_picks_within_ten_percent():
 def test_memory_within_ten_percent_on_64_devices():
     peaks = compiled_peaks(WIDE_POINTS, 64)
     for (name, dp, tp, sets, pp), peak in zip(WIDE_POINTS, peaks, strict=True):
-        predicted = memory_bytes(load_config(name, sets), dp, tp, backend="cpu", pp=pp)["total"]
+        predicted = memory_bytes(load_config(name, sets), MeshShape(data=dp, pipe=pp, model=tp),
+                                 backend="cpu")["total"]
         assert predicted == pytest.approx(peak, rel=MEMORY_TOLERANCE), (name, sets)
         if pp > 1:
             assert peak < BUILTIN["h100-80g"].memory_bytes, peak
@@ -143,7 +146,8 @@ PLANNED = [r for r in measured.H200 if r.plan_gib is not None]
 
 @pytest.mark.parametrize("run", PLANNED, ids=lambda r: f"{r.config}-{r.overrides[-1]}")
 def test_memory_within_ten_percent_of_the_h200s_compiled_plans(run):
-    gpu, cpu = (memory_bytes(run.cfg(), 1, 1, backend=b)["total"] / 2**30 for b in ("gpu", "cpu"))
+    gpu, cpu = (memory_bytes(run.cfg(), MeshShape(), backend=b)["total"] / 2**30
+                for b in ("gpu", "cpu"))
     assert gpu == pytest.approx(run.plan_gib, rel=MEMORY_TOLERANCE)
     assert abs(gpu - run.plan_gib) < abs(cpu - run.plan_gib)    # XLA:CPU's rules miss by 9-49%
 
@@ -162,21 +166,21 @@ def test_h200_step_times_predicted():
     # the paper's stack on the same machine would be 2-3x slow: what the planner said before
     paper_stack = dataclasses.replace(BUILTIN["h200"], stack="megatron-2019")
     run = measured.CALIBRATED_ON
-    assert timing.step_time(run.cfg(), 1, 1, paper_stack).seconds * 1000 > 2 * run.step_ms
+    assert timing.step_time(run.cfg(), MeshShape(), paper_stack).seconds * 1000 > 2 * run.step_ms
 
 
 def test_gradient_copies_and_logit_bytes_by_backend():
     """The two rules that differ between XLA:GPU's and XLA:CPU's plans, by hand."""
     cfg = load_config("gpt2_355m",
                       ["model.compute_dtype=bfloat16", "train.microbatches=1", "model.remat=none"])
-    gpu, cpu = memory_bytes(cfg, 1, 1), memory_bytes(cfg, 1, 1, backend="cpu")
+    gpu, cpu = memory_bytes(cfg, MeshShape()), memory_bytes(cfg, MeshShape(), backend="cpu")
     assert gpu["gradients"] == gpu["params"] and cpu["gradients"] == 2 * cpu["params"]
     rows = cfg.train.batch_size * cfg.model.seq_len * cfg.model.padded_vocab
     assert (gpu["working"], cpu["working"]) == ((4 + 2) * rows, 3 * 4 * rows)
     accumulating = with_values(cfg, {"train.microbatches": 2})
-    assert memory_bytes(accumulating, 1, 1)["gradients"] == 2 * gpu["params"]
+    assert memory_bytes(accumulating, MeshShape())["gradients"] == 2 * gpu["params"]
     with pytest.raises(ValueError, match="backend"):
-        memory_bytes(cfg, 1, 1, backend="tpu")
+        memory_bytes(cfg, MeshShape(), backend="tpu")
 
 
 def test_parameters_and_optimizer_state_are_the_dry_runs_exactly():
@@ -184,7 +188,7 @@ def test_parameters_and_optimizer_state_are_the_dry_runs_exactly():
     cfg.train.batch_size, cfg.train.shard_params = 8, True
     trainer = make_trainer(cfg, mesh_for("2x4"))
     params, opt = trainer.abstract_state()
-    predicted = memory_bytes(cfg, 2, 4)
+    predicted = memory_bytes(cfg, MeshShape(data=2, model=4))
     assert predicted["params"] == per_device_bytes(params)
     assert predicted["optimizer"] == per_device_bytes(opt)
 
@@ -210,18 +214,17 @@ def test_communication_volumes_are_the_audits(kind, mesh, options):
     cfg = cfg.validate()
     m = mesh_for(mesh)
     trainer = make_trainer(cfg, m)
-    audit = audit_hlo(trainer.lower_step().compile().as_text(), cfg,
-                      (m.shape["data"], m.shape["model"]), trainer=trainer)
-    dp, tp = m.shape["data"], m.shape["model"]
+    shape = MeshShape.of(m)
+    audit = audit_hlo(trainer.lower_step().compile().as_text(), cfg, shape, trainer=trainer)
     # the audit's analytic forms, and what it found compiled but the optimizer's and the
     # metrics' scalar reductions (the gradient norm's partial sums), exactly
-    planned = sum(model_axis_elements(cfg, dp, tp).values())
+    planned = sum(model_axis_elements(cfg, shape).values())
     assert (planned == audit.analytic_min_elements + audit.remat_extra_elements
             + audit.regathered_elements)
     scalars = sum(c.elements * c.count for c in audit.collectives
                   if MODEL in c.axis and c.origin in ("optimizer", "metrics"))
     assert planned == audit.model_axis_elements - scalars
-    sent, least = data_axis_sent(cfg, dp, tp), audit.data_axis_minimum
+    sent, least = data_axis_sent(cfg, shape), audit.data_axis_minimum
     if audit.data_scheme == "plain":
         # once per microbatch, as compiled (the tied embedding's two contributions apart: a little
         # more)
@@ -274,8 +277,8 @@ def test_two_data_parallel_figures_cannot_both_be_met():
     assert small["high"] < big["low"] * small["node_bytes_lower"] / small["node_bytes"]
     assert big["low"] * big["node_bytes_lower"] / big["node_bytes"] > hw.inter_node_bandwidth
     for name, tp in zip(paper.CONFIGS, paper.MODEL_PARALLEL):
-        cfg = paper.study_config(name, paper.DATA_PARALLEL)
-        seconds = timing.communication_seconds(cfg, paper.DATA_PARALLEL, tp, hw,
+        mesh = MeshShape(data=paper.DATA_PARALLEL, model=tp)
+        seconds = timing.communication_seconds(paper.study_config(name, mesh), mesh, hw,
                                                paper.PAPER_GRADIENT_BYTES)
         # The ring's 126 steps of InfiniBand latency are the only other term (1.3 ms).
         assert seconds["data_axis"] == pytest.approx(
@@ -303,14 +306,14 @@ def test_2021_weak_scaling_table_reproduced_within_5_points():
         assert paper2021.table() in (ROOT / page).read_text(encoding="utf-8"), page
     big = paper2021.TABLE_1[-1]
     cfg = paper2021.row_config(big)
-    parts = timing.step_time(cfg, big.dp, big.tp, paper2021.selene(), 2, big.pp).parts
+    parts = timing.step_time(cfg, big.mesh, paper2021.selene(), 2).parts
     assert parts["pipeline"] > 0
-    assert timing.pipeline_ticks(cfg, big.pp) == big.batch // big.dp + big.pp - 1
+    assert timing.pipeline_ticks(cfg, big.mesh) == big.batch // big.dp + big.pp - 1
     # twice the microbatches of the same size: the ticks, not the time, double, as the 63 of
     # fill and drain stay
     m = big.batch // big.dp
     twice = with_values(cfg, {"train.batch_size": 2 * big.batch, "train.microbatches": 2 * m})
-    longer = timing.compute_seconds(twice, big.dp, big.tp, paper2021.selene(), big.pp)
+    longer = timing.compute_seconds(twice, big.mesh, paper2021.selene())
     assert longer["matmuls"] / parts["matmuls"] == pytest.approx(
         (2 * m + big.pp - 1) / (m + big.pp - 1), rel=1e-9)
 
@@ -396,8 +399,8 @@ def test_microbatches_cost_their_weight_traffic():
     one = load_config("gpt2_355m",
                       ["train.batch_size=16", "train.microbatches=1", "model.remat=none"])
     two = with_values(one, {"train.microbatches": 2})
-    t1, t2 = (timing.compute_seconds(c, 1, 1, hw) for c in (one, two))
-    shard = state_split(one, 1, 1).model_shard
+    t1, t2 = (timing.compute_seconds(c, MeshShape(), hw) for c in (one, two))
+    shard = state_split(one, MeshShape()).model_shard
     extra = (2 * (timing.WEIGHT_BYTES_PER_PARAM + timing.ACCUMULATE_BYTES_PER_PARAM)
              - timing.WEIGHT_BYTES_PER_PARAM) * shard / hw.hbm_bandwidth
     assert t2["elementwise"] - t1["elementwise"] == pytest.approx(extra, rel=1e-9)
@@ -413,8 +416,9 @@ def test_layer_programs_save_the_scans_copies_and_take_plain_data_parallelism():
     scan = load_config("gpt2_355m",
                        ["train.batch_size=16", "train.microbatches=1", "model.remat=none"])
     programs = with_values(scan, {"train.layer_programs": True})
-    t_scan, t_programs = (timing.compute_seconds(c, 1, 1, hw) for c in (scan, programs))
-    copies = timing.SCAN_COPY_PASSES * kept_activation_bytes(scan, 1, 1) / hw.hbm_bandwidth
+    t_scan, t_programs = (timing.compute_seconds(c, MeshShape(), hw) for c in (scan, programs))
+    copies = (timing.SCAN_COPY_PASSES * kept_activation_bytes(scan, MeshShape())
+              / hw.hbm_bandwidth)
     assert t_scan["elementwise"] - t_programs["elementwise"] == pytest.approx(copies, rel=1e-9)
     assert t_programs["matmuls"] == t_scan["matmuls"]
     found = plan("gpt2_355m", 8, "h200", ["train.layer_programs=true"])
@@ -489,27 +493,26 @@ def test_plan_options_are_validated_copies():
         with_values(base, {"model.attention": "fused"})
 
 
-def test_mesh_auto_keeps_every_device_on_data_unless_the_model_does_not_fit(monkeypatch, capsys):
+def test_mesh_auto_keeps_every_device_on_data_unless_the_model_does_not_fit(monkeypatch):
     """`--mesh auto` is every device on "data" when the run fits a device, as it always was;
     when it does not, the fastest mesh the planner predicts to fit, with the run's options."""
-    from megajax.cli.train import _mesh_spec
-    from megajax.plan.auto import auto_mesh
+    from megajax.plan.auto import auto_mesh, resolve_mesh
     from megajax.training import memory
 
-    three = 3 * 2**30
-    assert auto_mesh(load_config("tiny"), 8, three, "gpu") == ("auto", None)
+    three, flat = 3 * 2**30, MeshShape(data=8)
+    assert auto_mesh(load_config("tiny"), 8, three, "gpu") == (flat, None)
     cfg = load_config("gpt2_355m")
-    assert memory_bytes(cfg, 8, 1)["total"] > three
-    spec, why = auto_mesh(cfg, 8, three, "gpu")
-    sizes = {k: int(v) for k, v in (part.split("=") for part in spec.split(","))}
-    dp, tp, pp = sizes["data"], sizes["model"], sizes.get("pipe", 1)
-    assert dp * tp * pp == 8 and dp < 8
-    assert memory_bytes(cfg, dp, tp, pp=pp)["total"] <= three
+    assert memory_bytes(cfg, flat)["total"] > three
+    mesh, why = auto_mesh(cfg, 8, three, "gpu")
+    assert mesh.devices == 8 and mesh.data < 8
+    assert memory_bytes(cfg, mesh)["total"] <= three
+    assert MeshShape.parse(str(mesh), 8) == mesh     # the line names the mesh as --mesh takes it
     assert why.startswith("--mesh auto: every device on the data axis would need about")
-    # the same through train.py's --mesh, on this machine's 8 simulated devices
+    assert f"running {mesh}," in why
+    # the same through train.py's and eval.py's --mesh, on this machine's 8 simulated devices
     monkeypatch.setattr(memory, "device_memory_bytes", lambda: three)
-    assert _mesh_spec("auto", lambda: cfg) == auto_mesh(cfg, 8, three, "cpu")[0] != "auto"
-    assert "--mesh auto:" in capsys.readouterr().out
-    assert _mesh_spec("data=2,model=4", lambda: cfg) == "data=2,model=4"
+    assert resolve_mesh("auto", lambda: cfg) == auto_mesh(cfg, 8, three, "cpu")
+    assert resolve_mesh("auto", lambda: cfg)[0] != flat
+    assert resolve_mesh("data=2,model=4", lambda: cfg) == (MeshShape(data=2, model=4), None)
     monkeypatch.setattr(memory, "device_memory_bytes", lambda: 80 * 2**30)
-    assert _mesh_spec("auto", lambda: cfg) == "auto"
+    assert resolve_mesh("auto", lambda: cfg) == (flat, None)

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import sys
 from pathlib import Path
 
 from megajax.cli.common import (Parser, add_distributed_args, bound_shutdown, exit_on_signal, fail,
@@ -154,6 +155,7 @@ def _evaluate(args) -> int:
         # jax is imported only now, with --host-devices in XLA_FLAGS (megajax/cli/common.py).
         from megajax.evaluation.tasks import run_task
 
+        args.mesh = _mesh(args)
         result, is_main = run_task(args)
         if is_main:
             out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
@@ -166,3 +168,20 @@ def _evaluate(args) -> int:
     except Exception as e:  # noqa: BLE001
         return failed(e, "lower --batch-size, or use a larger model axis (--mesh)")
     return 0
+
+
+def _mesh(args):
+    """--mesh resolved as train.py resolves it: "auto" is the mesh train.py --mesh auto runs the
+    workdir's config on (every device on "data" when it fits there)."""
+    from megajax.config import load_config
+    from megajax.plan.auto import resolve_mesh
+    from megajax.runs.workdir import CONFIG_FILE
+
+    try:
+        shape, why = resolve_mesh(args.mesh, lambda: load_config(
+            str(Path(args.workdir) / CONFIG_FILE)), args.devices)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if why:
+        print(f"megajax: {why}", file=sys.stderr, flush=True)
+    return shape

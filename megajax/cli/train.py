@@ -107,6 +107,7 @@ def _train_main(args) -> int:
         cfg = load_config(args.config, overrides)
         # jax is imported only now, with --host-devices in XLA_FLAGS (megajax/cli/common.py).
         from megajax.core.mesh import make_mesh
+        from megajax.plan.auto import resolve_mesh
         from megajax.tools.dry_run import dry_run_report
         from megajax.training.loop import train
         from megajax.training.profiling import parse_window
@@ -120,12 +121,15 @@ def _train_main(args) -> int:
         start_jax(args)
         try:
             devices = program_devices(args.host_devices)
-            mesh = make_mesh(_mesh_spec(args.mesh, lambda: with_pretrained_shape(cfg, workdir)[0],
-                                        devices), devices)
+            shape, why = resolve_mesh(args.mesh, lambda: with_pretrained_shape(cfg, workdir)[0],
+                                      devices)
+            mesh = make_mesh(shape, devices)
         except ValueError as e:
             raise UserError(str(e)) from None
+        if why:
+            print(f"megajax: {why}", flush=True)
         if not args.dry_run:
-            refuse_far_too_big(with_pretrained_shape(cfg, workdir)[0], mesh)
+            refuse_far_too_big(with_pretrained_shape(cfg, workdir)[0], shape)
         if args.dry_run:
             dry_run_report(with_pretrained_shape(cfg, workdir)[0], mesh, costs=args.costs)
         elif args.costs:
@@ -152,45 +156,20 @@ def _train_main(args) -> int:
     return 0
 
 
-def _mesh_spec(spec: str, run_config, devices=None) -> str:
-    """--mesh as given; "auto" as megajax/plan/auto.py chooses it for `devices` (default: all)
-    and the config `run_config()` gives (the run's, with a pretrained workdir's shape)."""
-    if (spec or "auto").strip().lower() != "auto":
-        return spec
-    cfg = run_config()
-    import jax
-
-    from megajax.plan.auto import auto_mesh
-    from megajax.training.memory import device_memory_bytes
-
-    try:
-        cfg = cfg.validate()
-    except UserError:
-        return spec          # the run's own checks report it, in their order
-    spec, why = auto_mesh(cfg, len(devices or jax.devices()), device_memory_bytes(),
-                          jax.default_backend(), jax.devices()[0].device_kind)
-    if why:
-        print(f"megajax: {why}", flush=True)
-    return spec
-
-
-def refuse_far_too_big(cfg, mesh):
+def refuse_far_too_big(cfg, shape):
     """Sizes far beyond the devices are refused at once, not after minutes of compiling."""
     import jax
 
-    from megajax.core.sharding import DATA, MODEL, PIPE
+    from megajax.core.mesh import check_fits
     from megajax.plan.memory import far_too_big
     from megajax.training.memory import device_memory_bytes
 
-    from megajax.core.mesh import check_fits
-
     try:
         cfg = cfg.validate()
-        check_fits(cfg, mesh)
+        check_fits(cfg, shape)
     except UserError:
         return          # train() says what is wrong with it, in its order
-    why = far_too_big(cfg, mesh.shape[DATA], mesh.shape[MODEL], jax.default_backend(),
-                      device_memory_bytes(), mesh.shape.get(PIPE, 1))
+    why = far_too_big(cfg, shape, jax.default_backend(), device_memory_bytes())
     if why:
         raise UserError(why)
 

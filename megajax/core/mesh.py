@@ -1,26 +1,16 @@
-"""The ("data", "model") device mesh: built from a short user-facing spec string, the rules a
-run must meet to fit on it, and batches padded to split over its data axis.
-
-Accepted specs:
-  "data=2,model=4"  explicit sizes (either may be omitted; it then takes the remaining devices)
-  "data=2,pipe=2,model=2"  with pipeline stages (megajax/training/pipeline.py)
-  "2x4"             shorthand for data x model
-  "model=8"         model axis of 8, data takes whatever is left
-  "auto"            every device on the data axis (pure data parallelism)
-"""
+"""The jax device mesh megajax runs on: laid out from a `MeshShape` (megajax/mesh_shape.py,
+which parses `--mesh`), a user's own mesh taken as megajax's, the rules a run must meet to fit
+on one, and batches padded to split over its data axis."""
 from __future__ import annotations
-
-import math
-import re
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from megajax.config import ConfigError
-from megajax.core.sharding import (AXES, DATA, MODEL, PIPE, PIPE_AXES, check_context_mesh,
+from megajax.core.sharding import (AXES, PIPE, PIPE_AXES, check_context_mesh,
                                    is_megajax_mesh)
-
+from megajax.mesh_shape import MeshShape
 
 
 def _describe_devices(devices) -> str:
@@ -28,116 +18,49 @@ def _describe_devices(devices) -> str:
     return f"{len(devices)} {'/'.join(kinds)} device{'s' if len(devices) != 1 else ''} available"
 
 
-def _devices_needed(spec: str) -> int | None:
-    """How many devices a well-formed spec asks for (the product of its sizes; auto: 8 to
-    suggest); None when the spec itself is wrong (no device count would do)."""
-    sizes = [int(n) for n in re.findall(r"\d+", spec or "")]
-    n = math.prod(sizes) if sizes else 8
-    try:
-        parse_mesh_axes(spec, n)
-    except ValueError:
-        return None
-    return n
-
-
 def _simulate_hint(spec: str, devices) -> str:
     """On the CPU, how to get the devices a mesh asks for: simulate them."""
-    n = _devices_needed(spec)
+    n = MeshShape.devices_asked(spec)
     if any(d.platform != "cpu" for d in devices) or not n:
         return ""
     return (f"; simulate {n} on the CPU with --host-devices {n} (train.py, eval.py), or in Python "
             f"set XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax")
 
 
-def parse_mesh_axes(spec: str, num_devices: int) -> dict[str, int]:
-    """{"pipe": P, "data": D, "model": M} for `spec` on `num_devices` devices, or ValueError (the
-    caller names the devices). "pipe" is 1 unless given; of "data" and "model", one left out
-    takes the remaining devices (both: "data" does)."""
-    s = (spec or "auto").strip().lower().replace(" ", "")
-    if s == "auto":
-        return {PIPE: 1, DATA: num_devices, MODEL: 1}
-    sizes: dict[str, int] = {}
-    if "x" in s and "=" not in s:
-        parts = s.split("x")
-        if len(parts) != 2:
-            raise ValueError(f"mesh '{spec}': the shorthand is DATAxMODEL, e.g. 2x4")
-        pairs = list(zip(AXES, parts))
-    else:
-        pairs = []
-        for item in filter(None, s.split(",")):
-            if "=" not in item:
-                raise ValueError(f"mesh '{spec}': expected AXIS=SIZE items such as data=2,model=4")
-            pairs.append(tuple(item.split("=", 1)))
-    for name, value in pairs:
-        if name not in PIPE_AXES:
-            raise ValueError(f"mesh '{spec}': unknown axis '{name}' (axes are 'data', 'pipe' "
-                             f"and 'model')")
-        if name in sizes:
-            raise ValueError(f"mesh '{spec}': axis '{name}' given twice")
-        try:
-            size = int(value)
-        except ValueError:
-            raise ValueError(
-                f"mesh '{spec}': size of '{name}' must be an integer, got '{value}'") from None
-        if size <= 0:
-            raise ValueError(f"mesh '{spec}': size of '{name}' must be positive, got {size}")
-        sizes[name] = size
-    if not sizes:
-        raise ValueError(f"mesh '{spec}' names no axis")
-    sizes.setdefault(PIPE, 1)
-    if DATA not in sizes and MODEL not in sizes:
-        sizes[MODEL] = 1
-    for name, other in ((DATA, MODEL), (MODEL, DATA)):
-        if name not in sizes:
-            given = sizes[other] * sizes[PIPE]
-            if num_devices % given:
-                raise ValueError(f"mesh '{spec}': {_named(sizes)} does not divide the number "
-                                 f"of devices")
-            sizes[name] = num_devices // given
-    need = math.prod(sizes.values())
-    if need != num_devices:
-        raise ValueError(f"mesh '{spec}' needs {need} devices ({_named(sizes)})")
-    return {a: sizes[a] for a in PIPE_AXES}
+def mesh_shape(spec: str | MeshShape, devices=None) -> MeshShape:
+    """`spec` (a string such as "2x4", or a shape) on `devices` (default: all devices of all
+    processes), or ValueError naming the devices there are."""
+    devices = list(jax.devices() if devices is None else devices)
+    try:
+        shape = spec if isinstance(spec, MeshShape) else MeshShape.parse(spec, len(devices))
+        if shape.devices != len(devices):
+            raise ValueError(f"mesh '{shape}' needs {shape.devices} devices")
+    except ValueError as e:
+        raise ValueError(f"{e}; {_describe_devices(devices)}{_simulate_hint(str(spec), devices)}") \
+            from None
+    return shape
 
 
-def _named(sizes: dict) -> str:
-    return " x ".join(f"{a}={sizes[a]}" for a in PIPE_AXES if a in sizes
-                      and (a != PIPE or sizes[a] > 1))
-
-
-def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, ...]:
-    """(data, model) sizes for `spec` on `num_devices` devices, (pipe, data, model) when it has
-    pipeline stages; or ValueError."""
-    sizes = parse_mesh_axes(spec, num_devices)
-    axes = PIPE_AXES if sizes[PIPE] > 1 else AXES
-    return tuple(sizes[a] for a in axes)
-
-
-def make_mesh(spec: str = "auto", devices=None) -> Mesh:
-    """A `Mesh` with axes ("data", "model"), or ("pipe", "data", "model") when the spec names
+def make_mesh(spec: str | MeshShape = "auto", devices=None) -> Mesh:
+    """A `Mesh` with axes ("data", "model"), or ("pipe", "data", "model") when the shape has
     more than one pipeline stage, over `devices` (default: all devices of all processes).
 
     The axes are Auto (GSPMD-style): weights carry PartitionSpecs and XLA inserts the
     collectives; megajax pins them to Megatron's places with sharding constraints.
     """
     devices = list(jax.devices() if devices is None else devices)
-    try:
-        shape = parse_mesh_spec(spec, len(devices))
-    except ValueError as e:
-        raise ValueError(f"{e}; {_describe_devices(devices)}{_simulate_hint(spec, devices)}") \
-            from None
-    names = PIPE_AXES if len(shape) == 3 else AXES
-    types = (jax.sharding.AxisType.Auto,) * len(names)
+    shape = mesh_shape(spec, devices)
+    types = (jax.sharding.AxisType.Auto,) * len(shape.axis_names)
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
         # jax.make_mesh orders devices so that the model axis gets the fastest links.
-        return jax.make_mesh(shape, names, axis_types=types)
-    return Mesh(np.asarray(devices).reshape(shape), names, axis_types=types)
+        return jax.make_mesh(shape.dims, shape.axis_names, axis_types=types)
+    return Mesh(np.asarray(devices).reshape(shape.dims), shape.axis_names, axis_types=types)
 
 
 def mesh_sizes(mesh) -> dict[str, int]:
     """{"data": D, "model": M}, with "pipe" first when the mesh has pipeline stages: what the
     log, the dry run and eval's results name a mesh by."""
-    return {a: mesh.shape[a] for a in PIPE_AXES if a in mesh.shape}
+    return MeshShape.of(mesh).sizes()
 
 
 def as_mesh(mesh) -> Mesh:
@@ -171,16 +94,20 @@ def single_device_mesh() -> Mesh:
     return make_mesh("1x1", devices=jax.devices()[:1])
 
 
+def _shape(mesh) -> MeshShape:
+    return mesh if isinstance(mesh, MeshShape) else MeshShape.of(mesh)
+
+
 def check_fits(cfg, mesh, *, batch: bool = True):
-    """Every divisibility rule of a run on `mesh`, in one place; ConfigError names the first
-    broken one. Megatron's: hidden, heads and ffn split over "model" (the vocabulary is padded
-    for it: ModelConfig.vocab_rows). With `batch` (training), the global batch and each
-    microbatch split over "data"."""
+    """Every divisibility rule of a run on `mesh` (a jax Mesh or a MeshShape), in one place;
+    ConfigError names the first broken one. Megatron's: hidden, heads and ffn split over "model"
+    (the vocabulary is padded for it: ModelConfig.vocab_rows). With `batch` (training), the
+    global batch and each microbatch split over "data"."""
     check_model_fits(cfg.model, mesh)
     if not batch:
         return
     check_pipeline_fits(cfg, mesh)
-    m, t, dp = cfg.model, cfg.train, mesh.shape[DATA]
+    m, t, dp = cfg.model, cfg.train, _shape(mesh).data
     # never near: GPT-3 trained on 3.2M tokens a batch
     if t.batch_size * (m.seq_len + 1) >= 2**31:
         raise ConfigError(
@@ -199,7 +126,7 @@ def check_model_fits(m, mesh):
     """Megatron's rules for a model (a ModelConfig) on `mesh`: hidden, heads and ffn split over
     "model" (and the sequence, with sequence parallelism). The vocabulary is padded for the
     model axis (ModelConfig.vocab_rows)."""
-    tp = mesh.shape[MODEL]
+    tp = _shape(mesh).model
     for what, size in (("hidden", m.hidden), ("num_heads", m.num_heads), ("ffn_hidden", m.ffn)):
         if size % tp:
             raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
@@ -216,7 +143,7 @@ def check_model_fits(m, mesh):
 
 def check_pipeline_fits(cfg, mesh):
     """A pipeline's rules: stages (times chunks) divide the layers, and what it runs with."""
-    pp, t = mesh.shape.get(PIPE, 1), cfg.train
+    pp, t = _shape(mesh).pipe, cfg.train
     if pp == 1:
         return
     chunks = pp * t.pipeline_chunks

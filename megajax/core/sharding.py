@@ -37,13 +37,14 @@ from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA, MODEL = "data", "model"             # the mesh axes: every other module imports these names
+# The mesh axes' names (megajax/mesh_shape.py): every other module imports them from here
+from megajax.mesh_shape import DATA, LAYOUT, MODEL, PIPE
+
 AXES = (DATA, MODEL)
 # Pipeline parallelism's stages (Narayanan et al. 2021): the outermost axis, as Megatron-LM
 # puts its stages across nodes. A mesh has it only when it has more than one stage, so a run
 # without a pipeline is the two-axis program it always was.
-PIPE = "pipe"
-PIPE_AXES = (PIPE, DATA, MODEL)
+PIPE_AXES = LAYOUT
 
 # Parameter specs as tuples, the form Flax NNX stores in a Variable's sharding metadata.
 COLUMN = (None, MODEL)

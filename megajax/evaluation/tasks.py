@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from megajax.core.mesh import make_mesh, mesh_sizes
+from megajax.core.mesh import make_mesh
 from megajax.data.bert_pretrain import load_pretraining, pretraining_from_documents
 from megajax.data.megatron import sentence_documents
 from megajax.data.prepared import load_pairs
@@ -16,6 +16,7 @@ from megajax.data.sentences import Specials
 from megajax.data.sources import source_text
 from megajax.data.tokens import load_tokens
 from megajax.errors import UserError
+from megajax.mesh_shape import MeshShape
 from megajax.evaluation.bert import evaluate_pretraining, evaluate_task
 from megajax.evaluation.chat import answer, conversations_to_answer
 from megajax.evaluation.lambada import evaluate_lambada
@@ -193,7 +194,7 @@ def run_task(args) -> tuple[dict, bool]:
     result, rows = run(args, loaded, Progress(unit="row", enabled=main).advance)
     refuse_non_finite(result, loaded, args)
     head = {"task": args.task, "workdir": str(args.workdir), "step": loaded.step,
-            "mesh": mesh_sizes(mesh)}
+            "mesh": MeshShape.of(mesh).sizes()}
     if main and rows is not None:   # a sample has printed itself as it went
         print(table([("step", loaded.step), *rows]))
     return {**head, **result}, main

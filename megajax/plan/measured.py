@@ -15,6 +15,7 @@ import dataclasses
 from megajax.config import Config, load_config
 from megajax.plan import timing
 from megajax.hardware import BUILTIN
+from megajax.mesh_shape import MeshShape
 
 FUSED = ("model.attention_dropout=0", "model.attention=fused")   # cuDNN's flash attention
 
@@ -42,13 +43,13 @@ CALIBRATED_ON = H200[1]
 
 
 def predicted_ms(run: Run) -> float:
-    return timing.step_time(run.cfg(), 1, 1, BUILTIN["h200"]).seconds * 1000
+    return timing.step_time(run.cfg(), MeshShape(), BUILTIN["h200"]).seconds * 1000
 
 
 def calibrate() -> float:
     """The XLA_MATMUL_EFFICIENCY that reproduces CALIBRATED_ON's step. Matmul time is inversely
     proportional to it and nothing else depends on it, so the step is a / efficiency + rest."""
-    parts = timing.step_time(CALIBRATED_ON.cfg(), 1, 1, BUILTIN["h200"]).parts
+    parts = timing.step_time(CALIBRATED_ON.cfg(), MeshShape(), BUILTIN["h200"]).parts
     rest_ms = 1000 * (sum(parts.values()) - parts["matmuls"])
     return timing.XLA_MATMUL_EFFICIENCY * 1000 * parts["matmuls"] / (CALIBRATED_ON.step_ms
                                                                      - rest_ms)

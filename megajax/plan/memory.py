@@ -42,6 +42,7 @@ from megajax.config import Config, ModelConfig
 from megajax.core.attention import fused_attention, stored_kv_heads
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL, data_sharded_spec
+from megajax.mesh_shape import MeshShape
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.tasks import task_for
 
@@ -83,11 +84,11 @@ def _read_weights(model_cfg: ModelConfig) -> tuple[Weight, ...]:
     return tuple(out)
 
 
-def shard_elements(shape, spec, dp: int, tp: int) -> int:
+def shard_elements(shape, spec, mesh: MeshShape) -> int:
     n = math.prod(shape)
     for entry in spec:
         for axis in entry if isinstance(entry, tuple) else (entry,):
-            n //= {MODEL: tp, DATA: dp}.get(axis, 1)
+            n //= {MODEL: mesh.model, DATA: mesh.data}.get(axis, 1)
     return n
 
 
@@ -104,18 +105,20 @@ class StateSplit:
     nonlayer_shard: int = 0   # model-shard elements outside the stacked layers
 
 
-def state_split(cfg: Config, dp: int, tp: int, pp: int = 1) -> StateSplit:
-    """One device's shares of the state; with `pp` pipeline stages, of its stage's layers (the
+def state_split(cfg: Config, mesh: MeshShape) -> StateSplit:
+    """One device's shares of the state; with pipeline stages, of its stage's layers (the
     weights outside the stack on every stage)."""
-    t = cfg.train
-    zero, fsdp = (t.shard_optimizer or t.shard_params) and dp > 1, t.shard_params and dp > 1
+    t, pp = cfg.train, mesh.pipe
+    zero = (t.shard_optimizer or t.shard_params) and mesh.data > 1
+    fsdp = t.shard_params and mesh.data > 1
+    model_only = MeshShape(model=mesh.model)
     out = StateSplit()
     for w in weights(cfg.model):
-        local = shard_elements(w.shape, w.spec, 1, tp) // (pp if w.stacked else 1)
+        local = shard_elements(w.shape, w.spec, model_only) // (pp if w.stacked else 1)
         # (FSDP gathers a layer at a time, and stages split the layers: never their axis)
-        split = data_sharded_spec(w.shape, w.spec, dp, tp,
+        split = data_sharded_spec(w.shape, w.spec, mesh.data, mesh.model,
                                   skip_leading=w.stacked and (fsdp or pp > 1)) if zero else None
-        sliced = local if split is None else shard_elements(w.shape, split, dp, tp) // (
+        sliced = local if split is None else shard_elements(w.shape, split, mesh) // (
             pp if w.stacked else 1)
         out.model_shard += local
         out.params_local += sliced if fsdp else local
@@ -148,16 +151,17 @@ def logit_bytes(cfg: Config, backend: str = "gpu") -> int:
     return 4 + 2 if backend != "cpu" and sixteen_bit else 3 * 4
 
 
-def rows_per_microbatch(cfg: Config, dp: int) -> int:
+def rows_per_microbatch(cfg: Config, mesh: MeshShape) -> int:
     """Sequences one data shard runs per microbatch (each RACE option is one)."""
     t = cfg.train
-    return t.batch_size // t.microbatches // dp * task_for(cfg).sequences_per_example
+    return (mesh.rows_per_microbatch(t.batch_size, t.microbatches)
+            * task_for(cfg).sequences_per_example)
 
 
-def _layer_shape(cfg: Config, dp: int, tp: int, backend: str) -> dict:
+def _layer_shape(cfg: Config, mesh: MeshShape, backend: str) -> dict:
     """activation_bytes_per_layer's arguments for one device and microbatch."""
-    m = cfg.model
-    return dict(b=rows_per_microbatch(cfg, dp), s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=tp,
+    m, tp = cfg.model, mesh.model
+    return dict(b=rows_per_microbatch(cfg, mesh), s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=tp,
                 ffn=m.ffn, sequence_parallel=m.sequence_parallel, dtype=activation_dtype(cfg),
                 hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
                 recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
@@ -169,21 +173,22 @@ def _layer_shape(cfg: Config, dp: int, tp: int, backend: str) -> dict:
                 fused_attention=backend != "cpu" and fused_attention(m, on="gpu"))
 
 
-def kept_activation_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu") -> int:
+def kept_activation_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> int:
     """What the backward pass keeps, for every layer, for one microbatch."""
     return cfg.model.num_layers * activation_bytes_per_layer(remat=cfg.model.remat,
-                                                             **_layer_shape(cfg, dp, tp, backend))
+                                                             **_layer_shape(cfg, mesh, backend))
 
 
-def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu", pp: int = 1) -> dict:
+def memory_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> dict:
     """Per-device bytes of the train step by kind, and their total: the compiled step's peak.
-    With pp pipeline stages (training/pipeline.py): the stage's layers' state, and as kept
+    With pipeline stages (training/pipeline.py): the stage's layers' state, and as kept
     activations the stage inputs its schedule holds (1F1B: at most p microbatches, GPipe: m),
     with one microbatch's activations of its layers while a backward tick recomputes them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     m, t = cfg.model, cfg.train
-    st, task, kw = state_split(cfg, dp, tp, pp), task_for(cfg), _layer_shape(cfg, dp, tp, backend)
+    dp, tp, pp = mesh.data, mesh.model, mesh.pipe
+    st, task, kw = state_split(cfg, mesh), task_for(cfg), _layer_shape(cfg, mesh, backend)
     b, s, h, L = kw["b"], m.seq_len, m.hidden, m.num_layers
     working = 0
     # A layer's backward pass with its recomputed activations (and the random bits its dropout
@@ -199,9 +204,9 @@ def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu", pp: int = 
         gathered = 4 * (st.layers // (L // pp) + st.nonlayer_shard)
         if pp > 1:     # a pipeline sums those weights' gradients whole over its ticks
             gathered += 4 * st.nonlayer_shard
-    kept = kept_activation_bytes(cfg, dp, tp, backend)
+    kept = kept_activation_bytes(cfg, mesh, backend)
     if pp > 1:
-        slots = pipeline_slots(cfg, pp)
+        slots = pipeline_slots(cfg, mesh)
         boundary = b * s * h // (tp if m.sequence_parallel else 1) * DTYPE_BYTES[kw["dtype"]]
         working += kept // pp        # the backward tick's stage, one microbatch
         kept = slots * boundary
@@ -214,10 +219,10 @@ def memory_bytes(cfg: Config, dp: int, tp: int, backend: str = "gpu", pp: int = 
     return out
 
 
-def pipeline_slots(cfg: Config, pp: int) -> int:
+def pipeline_slots(cfg: Config, mesh: MeshShape) -> int:
     """Stage inputs and incoming gradients a stage of the run's schedule holds at most."""
     t = cfg.train
-    return _slots(t.pipeline_schedule, pp, t.microbatches, t.pipeline_chunks)
+    return _slots(t.pipeline_schedule, mesh.pipe, t.microbatches, t.pipeline_chunks)
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,13 +239,13 @@ def _slots(schedule: str, pp: int, micro: int, chunks: int) -> int:
 FAR_TOO_BIG = 4.0
 
 
-def far_too_big(cfg: Config, dp: int, tp: int, backend: str,
-                device_bytes: int | None, pp: int = 1) -> str | None:
+def far_too_big(cfg: Config, mesh: MeshShape, backend: str,
+                device_bytes: int | None) -> str | None:
     """A line refusing a step the planner predicts to need FAR_TOO_BIG times what a device has,
     or None (then the compiled step's own figure decides)."""
     if not device_bytes:
         return None
-    need = memory_bytes(cfg, dp, tp, "cpu" if backend == "cpu" else "gpu", pp)
+    need = memory_bytes(cfg, mesh, "cpu" if backend == "cpu" else "gpu")
     if need["total"] <= FAR_TOO_BIG * device_bytes:
         return None
     parts = ", ".join(f"{k} {v / 2**30:,.1f}" for k, v in need.items() if k != "total" and v)

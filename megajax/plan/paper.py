@@ -13,6 +13,7 @@ from megajax.hardware import BUILTIN
 from megajax.plan.memory import state_split
 from megajax.plan.timing import step_time
 from megajax.plan.volumes import step_flops
+from megajax.mesh_shape import MeshShape
 
 CONFIGS = ("gpt2_1.2b", "gpt2_2.5b", "gpt2_4.2b", "gpt2_8.3b")
 MODEL_PARALLEL = (1, 2, 4, 8)
@@ -25,26 +26,28 @@ CALIBRATED_ON = ("baseline_tflops", "model_parallel[8.3B]")
 PAPER_GRADIENT_BYTES = 2
 
 
-def study_config(name: str, dp: int) -> Config:
+def study_config(name: str, mesh: MeshShape) -> Config:
+    """The study's runs: 8 sequences per data replica."""
     return load_config(name, ["model.remat=full", "model.compute_dtype=bfloat16",
-                              f"train.batch_size={8 * dp}", "train.microbatches=1"])
+                              f"train.batch_size={8 * mesh.data}", "train.microbatches=1"])
 
 
-def tflops_per_gpu(name: str, dp: int, tp: int) -> float:
-    cfg = study_config(name, dp)
-    seconds = step_time(cfg, dp, tp, BUILTIN["v100-dgx2h"], PAPER_GRADIENT_BYTES).seconds
-    return step_flops(cfg) / (dp * tp) / seconds / 1e12
+def tflops_per_gpu(name: str, mesh: MeshShape) -> float:
+    cfg = study_config(name, mesh)
+    seconds = step_time(cfg, mesh, BUILTIN["v100-dgx2h"], PAPER_GRADIENT_BYTES).seconds
+    return step_flops(cfg) / mesh.devices / seconds / 1e12
 
 
 def scaling_study() -> dict:
     """The planner's version of every figure in PAPER."""
-    base = tflops_per_gpu(CONFIGS[0], 1, 1)
-    mp = tuple(100 * tflops_per_gpu(c, 1, t) / base for c, t in zip(CONFIGS, MODEL_PARALLEL))
-    mdp = tuple(100 * tflops_per_gpu(c, DATA_PARALLEL, t) / base
+    base = tflops_per_gpu(CONFIGS[0], MeshShape())
+    mp = tuple(100 * tflops_per_gpu(c, MeshShape(model=t)) / base
+               for c, t in zip(CONFIGS, MODEL_PARALLEL))
+    mdp = tuple(100 * tflops_per_gpu(c, MeshShape(data=DATA_PARALLEL, model=t)) / base
                 for c, t in zip(CONFIGS, MODEL_PARALLEL))
-    cfg = study_config(CONFIGS[0], 1)
-    one = step_time(cfg, 1, 1, BUILTIN["v100-dgx2h"]).seconds
-    strong = tuple(one / step_time(cfg, 1, t, BUILTIN["v100-dgx2h"]).seconds
+    cfg = study_config(CONFIGS[0], MeshShape())
+    one = step_time(cfg, MeshShape(), BUILTIN["v100-dgx2h"]).seconds
+    strong = tuple(one / step_time(cfg, MeshShape(model=t), BUILTIN["v100-dgx2h"]).seconds
                    for t in MODEL_PARALLEL)
     return {"model_parallel": mp, "model_and_data_parallel": mdp, "strong_scaling": strong,
             "baseline_tflops": base}
@@ -87,9 +90,10 @@ def node_bandwidth_windows(tolerance: float = 5.0) -> dict[str, dict[str, float]
     hw, tflops = BUILTIN["v100-dgx2h"], PAPER["baseline_tflops"] * 1e12
     out = {}
     for i, (name, tp) in enumerate(zip(CONFIGS, MODEL_PARALLEL)):
-        cfg = study_config(name, DATA_PARALLEL)
-        flops = step_flops(cfg) / (DATA_PARALLEL * tp)
-        gradients = state_split(cfg, DATA_PARALLEL, tp).model_shard * PAPER_GRADIENT_BYTES
+        mesh = MeshShape(data=DATA_PARALLEL, model=tp)
+        cfg = study_config(name, mesh)
+        flops = step_flops(cfg) / mesh.devices
+        gradients = state_split(cfg, mesh).model_shard * PAPER_GRADIENT_BYTES
         nodes = DATA_PARALLEL * tp // hw.gpus_per_node
         ring = tp * 2 * (DATA_PARALLEL - 1) / DATA_PARALLEL * gradients
         lower = tp * 2 * (nodes - 1) / nodes * gradients
@@ -139,13 +143,13 @@ def calibrate() -> tuple[float, float]:
     8.3B model's 77% on 8 GPUs."""
     def baseline_gap(eff):
         timing.MATMUL_EFFICIENCY = eff
-        return tflops_per_gpu(CONFIGS[0], 1, 1) - PAPER["baseline_tflops"]
+        return tflops_per_gpu(CONFIGS[0], MeshShape()) - PAPER["baseline_tflops"]
 
     def weak_scaling_gap(overhead):    # falls as the overhead grows: negated for the bisection
         timing.LAYER_OVERHEAD_SECONDS = overhead
         timing.MATMUL_EFFICIENCY = bisect(baseline_gap, 0.05, 1.0, steps=25)
         return (PAPER["model_parallel"][3]
-                - 100 * tflops_per_gpu(CONFIGS[3], 1, 8) / PAPER["baseline_tflops"])
+                - 100 * tflops_per_gpu(CONFIGS[3], MeshShape(model=8)) / PAPER["baseline_tflops"])
 
     saved = timing.MATMUL_EFFICIENCY, timing.LAYER_OVERHEAD_SECONDS
     try:

@@ -24,6 +24,7 @@ from megajax.plan import timing
 from megajax.plan.paper import bisect
 from megajax.plan.timing import step_time
 from megajax.plan.volumes import step_shape
+from megajax.mesh_shape import MeshShape
 
 # Megatron-LM's all-reduce of fp16 gradients over the data axis
 PAPER_GRADIENT_BYTES = 2
@@ -45,6 +46,10 @@ class Row:
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp)
+
+    @property
+    def mesh(self) -> MeshShape:
+        return MeshShape(data=self.dp, pipe=self.pp, model=self.tp)
 
 
 TABLE_1 = (
@@ -79,7 +84,7 @@ def row_config(row: Row) -> Config:
 def predicted_tflops(row: Row) -> float:
     """Per-GPU TFLOP/s of the row's step as the planner times it, counted as the paper counts."""
     cfg = row_config(row)
-    seconds = step_time(cfg, row.dp, row.tp, selene(), PAPER_GRADIENT_BYTES, row.pp).seconds
+    seconds = step_time(cfg, row.mesh, selene(), PAPER_GRADIENT_BYTES).seconds
     return paper_flops(row.batch, step_shape(cfg)) / row.gpus / seconds / 1e12
 
 

@@ -11,6 +11,7 @@ import numbers
 from megajax.config import Config, load_config, with_values
 from megajax.errors import UserError
 from megajax.hardware import Hardware, pick_hardware
+from megajax.mesh_shape import MeshShape
 from megajax.plan.memory import memory_bytes
 from megajax.plan.timing import axis_links, step_time
 from megajax.plan.volumes import step_flops
@@ -21,8 +22,7 @@ SCHEMES = {"plain": {}, "zero": {"train.shard_optimizer": True},
 
 @dataclasses.dataclass
 class Plan:
-    data: int
-    model: int
+    mesh: MeshShape
     microbatches: int
     remat: str
     sequence_parallel: bool
@@ -36,13 +36,19 @@ class Plan:
     scaling_efficiency: float = 0.0
     links: dict = dataclasses.field(default_factory=dict)
     layer_programs: bool = False  # train.layer_programs (as the config asks: not searched)
-    pipe: int = 1                 # pipeline stages (the 1F1B schedule)
 
     @property
-    def mesh(self) -> str:
-        if self.pipe > 1:
-            return f"data={self.data},pipe={self.pipe},model={self.model}"
-        return f"data={self.data},model={self.model}"
+    def data(self) -> int:
+        return self.mesh.data
+
+    @property
+    def model(self) -> int:
+        return self.mesh.model
+
+    @property
+    def pipe(self) -> int:
+        """Pipeline stages (the 1F1B schedule)."""
+        return self.mesh.pipe
 
     @property
     def fits(self) -> bool:
@@ -59,7 +65,7 @@ class Plan:
                 "layer_programs": self.layer_programs}
 
     def to_json(self) -> dict:
-        return {"mesh": self.mesh, "options": self.options, "fits": self.fits,
+        return {"mesh": str(self.mesh), "options": self.options, "fits": self.fits,
                 "memory_bytes": self.memory, "device_bytes": self.device_bytes,
                 "step_seconds": {**self.seconds, "total": self.step_seconds}, "links": self.links,
                 "tokens_per_s": self.tokens_per_s, "tflops_per_device": self.tflops_per_device,
@@ -73,53 +79,51 @@ def model_sizes(cfg: Config, devices: int) -> list[int]:
             and all(x % t == 0 for x in (m.num_heads, m.hidden, m.ffn))]
 
 
-def stage_counts(cfg: Config, devices: int, tp: int, pipelines: bool = True) -> list[int]:
-    """Pipeline stages a plan may have: dividing the layers and the devices left by tp. (A
-    pipeline runs with a scanned stack: core/mesh.py's rules.)"""
-    if not pipelines or not cfg.model.scan_layers or cfg.train.layer_programs:
-        return [1]
-    return [p for p in range(1, cfg.model.num_layers + 1)
+def meshes(cfg: Config, devices: int, pipelines: bool = True) -> list[MeshShape]:
+    """The meshes of `devices` a plan may have: a model axis dividing heads, hidden and ffn, and
+    pipeline stages dividing the layers and the devices left (`pipelines`: whether stages are
+    considered; a pipeline runs with a scanned stack: core/mesh.py's rules)."""
+    staged = pipelines and cfg.model.scan_layers and not cfg.train.layer_programs
+    return [MeshShape(data=devices // tp // p, pipe=p, model=tp)
+            for tp in model_sizes(cfg, devices)
+            for p in range(1, (cfg.model.num_layers if staged else 1) + 1)
             if cfg.model.num_layers % p == 0 and (devices // tp) % p == 0]
 
 
 def candidates(cfg: Config, devices: int, schemes=tuple(SCHEMES), pipelines: bool = True):
-    """(data, model, pipe, microbatches, remat, sequence parallel, scheme) for every valid
-    plan (train.layer_programs runs with plain data parallelism only, a pipeline too;
-    `pipelines`: whether stages are considered, which the 2019 Megatron-LM had not)."""
+    """(mesh, microbatches, remat, sequence parallel, scheme) for every valid plan
+    (train.layer_programs runs with plain data parallelism only, a pipeline too; `pipelines`:
+    whether stages are considered, which the 2019 Megatron-LM had not)."""
     batch = cfg.train.batch_size
     if cfg.train.layer_programs:
         schemes = [s for s in schemes if s == "plain"]
-    for tp in model_sizes(cfg, devices):
-        for pp in stage_counts(cfg, devices, tp, pipelines):
-            dp = devices // tp // pp
-            if batch % dp:
-                continue
-            per_shard = batch // dp
-            for rows in (r for r in range(1, per_shard + 1) if per_shard % r == 0):
-                for remat, sp, scheme in itertools.product(("none", "selective", "full"),
-                                                           (False, True), schemes):
-                    if ((sp and (tp == 1 or cfg.model.seq_len % tp))
-                            or (scheme != "plain" and dp == 1)):
-                        continue
-                    yield dp, tp, pp, per_shard // rows, remat, sp, scheme
+    for mesh in meshes(cfg, devices, pipelines):
+        if batch % mesh.data:
+            continue
+        per_shard = batch // mesh.data
+        for rows in (r for r in range(1, per_shard + 1) if per_shard % r == 0):
+            for remat, sp, scheme in itertools.product(("none", "selective", "full"),
+                                                       (False, True), schemes):
+                if ((sp and (mesh.model == 1 or cfg.model.seq_len % mesh.model))
+                        or (scheme != "plain" and mesh.data == 1)):
+                    continue
+                yield mesh, per_shard // rows, remat, sp, scheme
 
 
-def evaluate(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 4,
-             pp: int = 1) -> Plan:
-    """One plan: `cfg` (with the plan's options set) on a data x model mesh of `hw`, with pp
-    pipeline stages."""
+def evaluate(cfg: Config, mesh: MeshShape, hw: Hardware, gradient_bytes: int = 4) -> Plan:
+    """One plan: `cfg` (with the plan's options set) on `mesh` of `hw`'s devices."""
     m, t = cfg.model, cfg.train
     scheme = "fsdp" if t.shard_params else "zero" if t.shard_optimizer else "plain"
-    seconds = step_time(cfg, dp, tp, hw, gradient_bytes, pp).parts
+    seconds = step_time(cfg, mesh, hw, gradient_bytes).parts
     total = sum(seconds.values())
-    n = dp * tp * pp
-    return Plan(dp, tp, t.microbatches, m.remat, m.sequence_parallel, scheme,
-                memory_bytes(cfg, dp, tp, pp=pp),
+    n = mesh.devices
+    return Plan(mesh, t.microbatches, m.remat, m.sequence_parallel, scheme,
+                memory_bytes(cfg, mesh),
                 hw.memory_bytes, seconds, t.batch_size * m.seq_len / total,
                 step_flops(cfg) / n / total / 1e12,
                 step_flops(cfg, remat="none") / n / total / hw.peak_flops,
-                links={axis: link for axis, (_, _, link) in axis_links(dp, tp, hw, pp).items()},
-                layer_programs=t.layer_programs, pipe=pp)
+                links={axis: link for axis, (_, _, link) in axis_links(mesh, hw).items()},
+                layer_programs=t.layer_programs)
 
 
 def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = None,
@@ -138,12 +142,12 @@ def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = Non
             "train.layer_programs works with plain data parallelism only: plan it with --schemes "
             "plain")
     found = []
-    for dp, tp, pp, mb, remat, sp, scheme in candidates(cfg, devices, schemes,
-                                                        hw.stack != "megatron-2019"):
+    for mesh, mb, remat, sp, scheme in candidates(cfg, devices, schemes,
+                                                  hw.stack != "megatron-2019"):
         c = with_values(
             cfg, {"train.microbatches": mb, "model.remat": remat, "model.sequence_parallel": sp,
                   **SCHEMES[scheme]})
-        found.append(evaluate(c, dp, tp, hw, pp=pp))
+        found.append(evaluate(c, mesh, hw))
     if not found:
         raise UserError(
             f"no mesh of {devices} devices fits {cfg.name}: the model axis must divide heads "
@@ -160,8 +164,9 @@ def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = Non
 def best_single_device(cfg: Config, hw: Hardware) -> Plan:
     """The reference for scaling efficiency: the config on one device, its fastest plan that
     fits, or when none does its fastest plan as if the device's memory were unlimited."""
-    one = [evaluate(with_values(cfg, {"train.microbatches": mb, "model.remat": remat}), 1, 1, hw)
-           for _, _, _, mb, remat, _, _ in candidates(
+    one = [evaluate(with_values(cfg, {"train.microbatches": mb, "model.remat": remat}),
+                    MeshShape(), hw)
+           for _, mb, remat, _, _ in candidates(
                with_values(cfg, {"model.sequence_parallel": False}), 1)]
     return sorted(one, key=lambda p: (not p.fits, -p.tokens_per_s))[0]
 

@@ -35,6 +35,7 @@ from megajax.analytic import DTYPE_BYTES, Matmul, recompute_passes
 from megajax.config import Config
 from megajax.core.attention import fused_attention
 from megajax.hardware import Hardware
+from megajax.mesh_shape import MeshShape
 from megajax.plan.memory import (activation_dtype, kept_activation_bytes, rows_per_microbatch,
                                  state_split)
 from megajax.plan.volumes import data_axis_sent, head_matmul, layer_matmuls, model_axis_elements
@@ -100,30 +101,30 @@ def matmul_seconds(mm: Matmul, hw: Hardware) -> float:
     return mm.flops / (hw.peak_flops * eff)
 
 
-def pipeline_ticks(cfg: Config, pp: int) -> int:
-    """Forward-and-backward ticks of a step: the microbatches, and with pp stages the p - 1
+def pipeline_ticks(cfg: Config, mesh: MeshShape) -> int:
+    """Forward-and-backward ticks of a step: the microbatches, and with p stages the p - 1
     of the pipeline's fill and drain (GPipe and 1F1B alike: Narayanan et al. 2021, eq. 1)."""
-    return cfg.train.microbatches + pp - 1
+    return cfg.train.microbatches + mesh.pipe - 1
 
 
-def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware,
-                    pp: int = 1) -> dict[str, float]:
+def compute_seconds(cfg: Config, mesh: MeshShape, hw: Hardware) -> dict[str, float]:
     """Per device and step: matmuls, element-wise memory traffic and the optimizer update. With
     pp stages each device runs L / pp layers a microbatch, and the step takes as many ticks as
     `pipeline_ticks`, each as long as the last stage's (its layers and the output layer)."""
     m, mb = cfg.model, cfg.train.microbatches
-    ticks, layers = pipeline_ticks(cfg, pp), m.num_layers // pp
+    tp, pp = mesh.model, mesh.pipe
+    ticks, layers = pipeline_ticks(cfg, mesh), m.num_layers // pp
     stack = stack_constants(hw)
     # forward, backward (2), the recomputed forward; megajax's pipeline recomputes each stage's
     # forward in its backward tick on top of the model's own remat
     passes = 3 + recompute_passes(m.remat) + (pp > 1 and stack.stage_recompute)
-    mms = layer_matmuls(cfg, dp, tp)
+    mms = layer_matmuls(cfg, mesh)
     layer = passes * sum(matmul_seconds(mm, hw) for mm in mms)
     if m.remat == "selective":
         layer += sum(matmul_seconds(mm, hw) for mm in mms[4:])
-    matmuls = ticks * (layers * layer + 3 * matmul_seconds(head_matmul(cfg, dp, tp), hw))
+    matmuls = ticks * (layers * layer + 3 * matmul_seconds(head_matmul(cfg, mesh), hw))
     act = DTYPE_BYTES[activation_dtype(cfg)]
-    b, s, h = rows_per_microbatch(cfg, dp), m.seq_len, m.hidden
+    b, s, h = rows_per_microbatch(cfg, mesh), m.seq_len, m.hidden
     stream = b * s * h // (tp if m.sequence_parallel else 1)
     on_chip = stack.flash_attention and fused_attention(m, on="gpu")     # scores never reach memory
     scores = 0 if on_chip else b * m.num_heads // tp * s * s
@@ -135,8 +136,8 @@ def compute_seconds(cfg: Config, dp: int, tp: int, hw: Hardware,
     # the layer programs keep them in buffers of their own
     if m.scan_layers and not cfg.train.layer_programs:
         elementwise += ticks * stack.scan_copy_passes * kept_activation_bytes(
-            cfg, dp, tp) // pp / hw.hbm_bandwidth
-    local = state_split(cfg, dp, tp, pp)
+            cfg, mesh) // pp / hw.hbm_bandwidth
+    local = state_split(cfg, mesh)
     per_param = stack.weight_bytes + (stack.accumulate_bytes if mb > 1 else 0)
     elementwise += ticks * per_param * local.model_shard / hw.hbm_bandwidth
     optimizer = OPTIMIZER_BYTES_PER_PARAM * local.optimizer_local / hw.hbm_bandwidth
@@ -157,14 +158,13 @@ def ring_seconds(kind: str, elements: float, nbytes: int, n: int, bandwidth: flo
     return factor * elements * nbytes / (bandwidth * LINK_EFFICIENCY) + calls * steps * latency
 
 
-def axis_links(dp: int, tp: int, hw: Hardware, pp: int = 1) -> dict[str, tuple[float, float,
-                                                                            str]]:
+def axis_links(mesh: MeshShape, hw: Hardware) -> dict[str, tuple[float, float, str]]:
     """(bandwidth per device, latency, which link) for each axis. The model axis is placed
     within a node when it fits; the data axis spans nodes when the mesh does, its ring crossing
     each node once, so the groups that share a node share its network adapters; pipeline
     stages (the outermost axis) are nodes apart once a stage fills a node, every device of a
     stage sending its share of the boundary through its node's adapters."""
-    g = hw.gpus_per_node
+    g, dp, tp, pp = hw.gpus_per_node, mesh.data, mesh.model, mesh.pipe
     intra = (hw.intra_node_bandwidth, hw.intra_node_latency, "intra-node")
     inter_share = hw.inter_node_bandwidth / g
     model = intra if tp <= g else (inter_share, hw.inter_node_latency, "inter-node")
@@ -180,31 +180,32 @@ def axis_links(dp: int, tp: int, hw: Hardware, pp: int = 1) -> dict[str, tuple[f
     return links
 
 
-def communication_seconds(cfg: Config, dp: int, tp: int, hw: Hardware,
-                          gradient_bytes: int = 4, pp: int = 1) -> dict[str, float]:
+def communication_seconds(cfg: Config, mesh: MeshShape, hw: Hardware,
+                          gradient_bytes: int = 4) -> dict[str, float]:
     """Per device and step: the model axis's activation collectives (in the compute dtype), the
     data axis's gradient and parameter traffic (float32 in megajax: `gradient_bytes`) and the
     pipeline's sends (each tick one forward and one back, a microbatch's stage boundary split
     over the model axis's devices, as Megatron-LM's scatter/gather sends it)."""
     m, mb = cfg.model, cfg.train.microbatches
-    links = axis_links(dp, tp, hw, pp)
+    dp, tp, pp = mesh.data, mesh.model, mesh.pipe
+    links = axis_links(mesh, hw)
     bw, lat, _ = links["model"]
     act = DTYPE_BYTES[activation_dtype(cfg)]
     # a stage's share of the step's model-axis traffic, for each of its ticks
-    share = pipeline_ticks(cfg, pp) / mb / pp
+    share = pipeline_ticks(cfg, mesh) / mb / pp
     calls = share * (mb * (4 + recompute_passes(m.remat)) * m.num_layers + 2 * mb)
     model = sum(ring_seconds(kind, share * e, act, tp, bw, lat, calls)
-                for kind, e in model_axis_elements(cfg, dp, tp).items())
+                for kind, e in model_axis_elements(cfg, mesh).items())
     bw, lat, _ = links["data"]
-    sent = data_axis_sent(cfg, dp, tp, pp, once_per_step=hw.stack != "megajax")
+    sent = data_axis_sent(cfg, mesh, once_per_step=hw.stack != "megajax")
     data = ring_seconds("sent", sent["gradients"] + sent["regather"], gradient_bytes, dp, bw, lat,
                         1)
     data += ring_seconds("sent", sent["params"], 4, dp, bw, lat, 1)
     out = {"model_axis": model, "data_axis": data}
     if pp > 1:
         bw, lat, _ = links["pipe"]
-        boundary = rows_per_microbatch(cfg, dp) * m.seq_len * m.hidden / tp * act
-        out["pipeline"] = 2 * pipeline_ticks(cfg, pp) * (boundary / bw + lat)
+        boundary = rows_per_microbatch(cfg, mesh) * m.seq_len * m.hidden / tp * act
+        out["pipeline"] = 2 * pipeline_ticks(cfg, mesh) * (boundary / bw + lat)
     return out
 
 
@@ -217,7 +218,6 @@ class StepTime:
         return sum(self.parts.values())
 
 
-def step_time(cfg: Config, dp: int, tp: int, hw: Hardware, gradient_bytes: int = 4,
-              pp: int = 1) -> StepTime:
-    return StepTime({**compute_seconds(cfg, dp, tp, hw, pp),
-                     **communication_seconds(cfg, dp, tp, hw, gradient_bytes, pp)})
+def step_time(cfg: Config, mesh: MeshShape, hw: Hardware, gradient_bytes: int = 4) -> StepTime:
+    return StepTime({**compute_seconds(cfg, mesh, hw),
+                     **communication_seconds(cfg, mesh, hw, gradient_bytes)})

@@ -6,12 +6,11 @@ from the program XLA compiled (tools/hlo.py reads it) against the analytic minim
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter, defaultdict
 
 from megajax.analytic import StepShape, model_axis_minimum, remat_extra_elements
-from megajax.core.mesh import mesh_sizes
 from megajax.core.sharding import DATA, MODEL, param_shardings
+from megajax.mesh_shape import MeshShape
 from megajax.tasks import task_for
 from megajax.tools.data_axis import data_axis_minimum
 from megajax.tools.hlo import Collective, parse_collectives, program_order, runs_of_scope
@@ -23,7 +22,7 @@ from megajax.training.step import make_trainer
 @dataclasses.dataclass
 class AuditResult:
     collectives: list[Collective]
-    mesh_shape: tuple[int, int]
+    mesh: MeshShape
     # the step's numbers, for the closed forms (megajax/analytic.py)
     shape: StepShape
     scanned: bool
@@ -57,7 +56,7 @@ class AuditResult:
         collectives of `kind` that carry a block's activations (at least b s h / tp elements;
         the h-sized gradient reductions of sequence parallelism's LayerNorms are not counted)."""
         per, scanned = defaultdict(Counter), Counter()
-        least = self.batch_local * self.seq_len * self.hidden // self.mesh_shape[1]
+        least = self.batch_local * self.seq_len * self.hidden // self.mesh.model
         for c in self.select(kind=kind, axis=MODEL):
             if c.origin in ("attention", "mlp") and c.elements >= least:
                 if c.layer == "all":  # a scanned body (or a pipeline's), run for every layer
@@ -99,7 +98,7 @@ class AuditResult:
         as ring algorithms move them: an all-reduce of E sends 2 (n-1)/n E, an all-gather
         (n-1)/n of its result, a reduce-scatter (n-1) times its result. A reduce-scatter plus
         an all-gather thus send what one all-reduce does."""
-        n = self.mesh_shape[0]
+        n = self.mesh.data
         factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1}
         # over both axes (LoRA's replicated factors) at the data axis's share
         origins = (origin, "adapter_gradients") if origin == "gradients" else (origin,)
@@ -120,7 +119,7 @@ class AuditResult:
     def data_axis_regathered(self) -> int:
         """FSDP's gathers of a layer's weights again for the backward pass, counted as found
         (in an unrolled stack XLA may merge them with the forward's, keeping the weights)."""
-        n = self.mesh_shape[0]
+        n = self.mesh.data
         return round(sum((n - 1) / n * c.elements * c.count / self._stages_counted(c)
                          for c in self.collectives
                          if c.axis == DATA and c.origin == "params" and c.direction == "recompute"))
@@ -173,7 +172,7 @@ class AuditResult:
     def ratio(self) -> float:
         """Model-axis elements over the analytic minimum of the scheme (tensor or sequence
         parallel)."""
-        tp = self.mesh_shape[1]
+        tp = self.mesh.model
         return self.model_axis_elements / self.analytic_min_elements if tp > 1 else 0.0
 
     def summary(self) -> dict:
@@ -181,7 +180,7 @@ class AuditResult:
         for c in self.collectives:
             by[(c.kind, c.axis, c.origin, c.direction)] += c.count
         return {
-            "mesh": {DATA: self.mesh_shape[0], MODEL: self.mesh_shape[1]},
+            "mesh": {DATA: self.mesh.data, MODEL: self.mesh.model},
             "per_layer_model_all_reduces": self._per_layer_dict("all-reduce"),
             "counts": {"/".join(k): n for k, n in sorted(by.items())},
             "model_axis_elements": self.model_axis_elements,
@@ -225,7 +224,7 @@ class AuditResult:
         lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
         lines.append("")
         if self.pipeline is not None:   # per layer: the stages' executions summed
-            data = [self.data_axis_line()] if self.mesh_shape[0] > 1 and self.data_axis_minimum \
+            data = [self.data_axis_line()] if self.mesh.data > 1 and self.data_axis_minimum \
                 else []
             return "\n".join(lines + [self._per_layer_line(k) for k in self._kinds()]
                              + self.pipeline.lines() + data)
@@ -235,7 +234,7 @@ class AuditResult:
         lines.append(f"model-axis elements per step and device: {self.model_axis_elements:,} "
                      f"= {self.ratio:.3f} x Megatron's {scheme}analytic minimum "
                      f"{self.analytic_min_elements:,}")
-        if self.mesh_shape[0] > 1 and self.data_axis_minimum:
+        if self.mesh.data > 1 and self.data_axis_minimum:
             lines.append(self.data_axis_line())
         parts = []
         if self.regathered_elements:
@@ -282,24 +281,20 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
     """Compile `cfg`'s train step on `mesh` (abstractly: no weights allocated) and audit it."""
     trainer = make_trainer(cfg, mesh)
     hlo = trainer.lower_step().compile().as_text()
-    shape = tuple(mesh_sizes(trainer.mesh).values())
-    return audit_hlo(hlo, cfg, shape, verbose=verbose, trainer=trainer)
+    return audit_hlo(hlo, cfg, MeshShape.of(trainer.mesh), verbose=verbose, trainer=trainer)
 
 
-def audit_hlo(hlo: str, cfg, mesh_shape, verbose: bool = False, trainer=None) -> AuditResult:
-    """The audit of a compiled step on a (data, model) mesh, or (pipe, data, model)."""
+def audit_hlo(hlo: str, cfg, mesh: MeshShape, verbose: bool = False,
+              trainer=None) -> AuditResult:
+    """The audit of a compiled step on a mesh of that shape."""
     # (each RACE option is a sequence of its own: StepShape.of counts sequences)
     piped = trainer is not None and trainer.pipeline is not None
-    collectives = parse_collectives(hlo, tuple(mesh_shape),
-                                    trainer.pipeline.switch_runs() if piped else None)
-    pipe, mesh_shape = (mesh_shape[0], tuple(mesh_shape[1:])) if len(mesh_shape) == 3 \
-        else (1, tuple(mesh_shape))
-    shape = StepShape.of(cfg, task_for(cfg), dp=mesh_shape[0], tp=mesh_shape[1])
-    result = AuditResult(collectives, mesh_shape, shape, cfg.model.scan_layers)
-    if pipe > 1:
+    collectives = parse_collectives(hlo, mesh, trainer.pipeline.switch_runs() if piped else None)
+    shape = StepShape.of(cfg, task_for(cfg), mesh)
+    result = AuditResult(collectives, mesh, shape, cfg.model.scan_layers)
+    if mesh.pipelined:
         result.pipeline = pipeline_sends(collectives, trainer.pipeline, shape,
-                                         runs_of_scope(hlo, "pipeline_stage"),
-                                         pipe * math.prod(mesh_shape))
+                                         runs_of_scope(hlo, "pipeline_stage"), mesh.devices)
     if trainer is not None:
         result.gradient_shard_elements = per_device_elements(trainer.trained(
             trainer.modeldef.abstract_sharded_params(

@@ -8,8 +8,8 @@ import jax
 
 from megajax.config import Config
 from megajax.core.precision import Precision
-from megajax.core.mesh import mesh_sizes
 from megajax.core.sharding import DATA
+from megajax.mesh_shape import MeshShape
 from megajax.tasks import param_count
 from megajax.tools.audit import audit_hlo
 from megajax.tools.step_figures import step_figures
@@ -22,13 +22,14 @@ def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
     and return it as a dict. `costs`: also activation bytes and FLOPs
     (megajax/tools/step_figures.py)."""
     trainer = make_trainer(cfg, mesh)
+    shape = MeshShape.of(trainer.mesh)
     params, opt = trainer.abstract_state()
     t0 = time.perf_counter()
     compiled = trainer.lower_step().compile()
     compile_s = time.perf_counter() - t0
     report = {
         "config": cfg.name, "params": param_count(cfg), "num_layers": cfg.model.num_layers,
-        "mesh": mesh_sizes(mesh),
+        "mesh": shape.sizes(),
         "param_bytes_per_device": per_device_bytes(params),
         # float32: the accumulator, split like the parameters (ZeRO-1 reduce-scatters it once per
         # step); with LoRA the adapters' alone
@@ -40,8 +41,7 @@ def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
         **step_memory(compiled),
         "device_bytes": device_memory_bytes(),
     }
-    audit = audit_hlo(compiled.as_text(), cfg, tuple(mesh_sizes(mesh).values()),
-                      trainer=trainer)
+    audit = audit_hlo(compiled.as_text(), cfg, shape, trainer=trainer)
     report["audit"] = audit.summary()
     if costs:
         report.update(step_figures(cfg, mesh, report.get("step_temp_bytes")))

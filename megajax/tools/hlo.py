@@ -14,7 +14,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from megajax.core.sharding import AXES, DATA, MODEL, PIPE_AXES
+from megajax.core.sharding import DATA, MODEL
+from megajax.mesh_shape import MeshShape
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
@@ -107,16 +108,16 @@ def _mesh_groups(axes_text: str, device_ids: str | None, reduced_text: str) -> l
                                                  if reduced else 1).tolist()
 
 
-def groups_axis(groups, mesh_shape: tuple[int, ...], axis_names=AXES) -> str:
+def groups_axis(groups, mesh: MeshShape) -> str:
     """Which mesh axes the groups span: 'model', 'data', 'data+model', 'pipe', ... or 'none'."""
-    coords = lambda d: np.unravel_index(d, mesh_shape)  # noqa: E731
+    coords = lambda d: np.unravel_index(d, mesh.dims)  # noqa: E731
     varying = set()
     for g in groups:
         c = np.array([coords(d) for d in g])
-        for ax in range(len(mesh_shape)):
+        for ax, name in enumerate(mesh.axis_names):
             if len(set(c[:, ax])) > 1:
-                varying.add(axis_names[ax])
-    return "+".join(a for a in axis_names if a in varying) or "none"
+                varying.add(name)
+    return "+".join(a for a in mesh.axis_names if a in varying) or "none"
 
 
 # --- HLO walking ------------------------------------------------------------------------
@@ -234,13 +235,12 @@ def _classify(op_name: str, axis: str):
     return direction, origin, layer
 
 
-def parse_collectives(hlo: str, mesh_shape: tuple[int, ...],
-                      switch: dict | None = None) -> list[Collective]:
+def parse_collectives(hlo: str, mesh: MeshShape, switch: dict | None = None) -> list[Collective]:
     """Every collective of a compiled program, on a (data, model) or (pipe, data, model) mesh
     (a pipelined step's `switch`: see _multiplicities)."""
     comps = _split_computations(hlo)
     mult = _multiplicities(comps, switch)
-    num_devices = math.prod(mesh_shape)
+    num_devices = mesh.devices
     gte_names = {}
     for lines in comps.values():
         if isinstance(lines, str):
@@ -268,8 +268,7 @@ def parse_collectives(hlo: str, mesh_shape: tuple[int, ...],
             elif opcode == "collective-permute-start":
                 arrays = arrays[:1]
             groups = parse_replica_groups(line, num_devices)
-            axis = groups_axis(groups, mesh_shape,
-                               PIPE_AXES if len(mesh_shape) == 3 else AXES)
+            axis = groups_axis(groups, mesh)
             op = _OPNAME.search(line)
             combined = op.group(1) if op else ""
             for i, (dtype, shape) in enumerate(arrays):
