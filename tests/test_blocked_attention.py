@@ -39,9 +39,10 @@ def plain_attention(q, k, v, key_mask, causal, scale, window=0):
 
 
 def grads(f, q, k, v):
-    """Gradients of a random projection of f's output (every output element weighs in)."""
+    """Gradients of a random projection of f's output (every output element weighs in), compiled
+    as a train step compiles them (one program, not one per operation)."""
     w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
-    return jax.grad(lambda *a: (f(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(jax.grad(lambda *a: (f(*a) * w).sum(), argnums=(0, 1, 2)))(q, k, v)
 
 
 @pytest.mark.parametrize("shape,ways,block_bytes,blocks", [
@@ -68,7 +69,7 @@ def test_blocked_attention_matches_autodiff_of_the_plain_formula(shape, ways, bl
     ours = lambda q, k, v: blocked_attention(q, k, v, key_mask, causal=causal, scale=0.25,
                                              ways=ways)  # noqa: E731
     plain = lambda q, k, v: plain_attention(q, k, v, key_mask, causal, 0.25)   # noqa: E731
-    assert_close(ours(q, k, v), plain(q, k, v), what="forward")
+    assert_close(jax.jit(ours)(q, k, v), jax.jit(plain)(q, k, v), what="forward")
     assert_tree_close(grads(plain, q, k, v), grads(ours, q, k, v), what="gradients")
 
 
@@ -81,7 +82,7 @@ def test_a_sliding_window_in_blocks_and_tiles(query_tile, monkeypatch):
     ours = lambda q, k, v: blocked_attention(q, k, v, None, causal=True, scale=0.25,
                                              window=5)  # noqa: E731
     plain = lambda q, k, v: plain_attention(q, k, v, None, True, 0.25, window=5)  # noqa: E731
-    assert_close(ours(q, k, v), plain(q, k, v), what="forward")
+    assert_close(jax.jit(ours)(q, k, v), jax.jit(plain)(q, k, v), what="forward")
     assert_tree_close(grads(plain, q, k, v), grads(ours, q, k, v), what="gradients")
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, mesh_for, tiny_config
+from flax import nnx
 from helpers import cli, killed_after_checkpoint, long_run_env, losses, run, tiered
 from tolerances import F32, assert_close
 
@@ -127,12 +128,16 @@ def _packed_batch(rows=8, length=33, seed=0):
     return packed, examples[:int(packed.segments.max(1).sum())]
 
 
+# (compiled: one program, not one per operation)
+_token_losses = nnx.jit(lambda model, x, y, segments: model.token_losses(x, y, segments=segments))
+
+
 def _per_conversation_losses(model, tokens, segments, mask):
     """Each segment's summed target losses, in row order."""
     w = target_weights(segments, mask)
-    losses = np.asarray(model.token_losses(jnp.asarray(tokens[:, :-1]),
-                                           jnp.asarray(tokens[:, 1:]),
-                                           segments=jnp.asarray(segments[:, :-1]))) * w
+    losses = np.asarray(_token_losses(model, jnp.asarray(tokens[:, :-1]),
+                                      jnp.asarray(tokens[:, 1:]),
+                                      jnp.asarray(segments[:, :-1]))) * w
     return [float(losses[r][segments[r, :-1] == s].sum()) for r in range(len(tokens))
             for s in range(1, segments[r].max() + 1)]
 
@@ -169,7 +174,7 @@ def test_targets_outside_the_mask_get_exactly_zero_gradient(devices):
     packed, _ = _packed_batch()
     tokens, segments = jnp.asarray(packed.tokens), jnp.asarray(packed.segments[:, :-1])
     weights = jnp.asarray(target_weights(packed.segments, packed.mask))
-    h = model.hidden_states(tokens[:, :-1], segments=segments)
+    h = nnx.jit(lambda m: m.hidden_states(tokens[:, :-1], segments=segments))(model)
 
     def loss(h):
         from megajax.core.loss import vocab_parallel_cross_entropy
@@ -177,7 +182,7 @@ def test_targets_outside_the_mask_get_exactly_zero_gradient(devices):
         losses = vocab_parallel_cross_entropy(logits, tokens[:, 1:], model.layout, cfg.vocab_size)
         return jnp.where(weights > 0, losses * weights, 0.0).sum() / weights.sum()
 
-    g = np.abs(np.asarray(jax.grad(loss)(h))).max(-1)
+    g = np.abs(np.asarray(jax.jit(jax.grad(loss))(h))).max(-1)
     w = np.asarray(weights)
     assert (w == 0).sum() > 50 and (w == 1).sum() > 50
     assert np.all(g[w == 0] == 0.0)

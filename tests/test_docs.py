@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from helpers import cli, env, in_process_ok
+from helpers import cli, env, in_process_ok, long_run_env
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -104,21 +104,37 @@ def programs(code: str) -> list[tuple[str, list[str]]] | None:
     return calls
 
 
+# A training command of this many steps runs in a process of LLVM -O1 code (helpers.long_run_env:
+# a third of -O0's time for such runs), not in the test process.
+LONG_RUN_STEPS = 50
+
+
+def _long_run(tool: str, args: list[str]) -> bool:
+    steps = [int(b) for a, b in zip(args, args[1:]) if a == "--steps" and b.isdigit()]
+    return tool == "train" and bool(steps) and steps[-1] >= LONG_RUN_STEPS
+
+
 def run_page(page: Path, tmp_path: Path):
     """Each block in order: one whose lines are megajax programs alone runs them in this process
-    (helpers.cli: what the user's process runs, without an interpreter start each), any other
-    in bash or Python of its own."""
+    (helpers.cli: what the user's process runs, without an interpreter start each; a long
+    training run in a process of its own), any other in bash or Python of its own."""
     bin_dir = sandbox(tmp_path)
-    e = dict(env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", WANDB_MODE="offline",
-             MPLBACKEND="Agg")
+    outside = dict(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", WANDB_MODE="offline",
+                   MPLBACKEND="Agg")
+    e = dict(env(), **outside)
     for lang, code, why, line in blocks(page):
         if lang not in RUNNABLE or why:
             continue
         calls = programs(code) if lang == "sh" else None
         if calls and all(in_process_ok(args) for _, args in calls):
             for tool, args in calls:
-                p = cli(tool, *args, cwd=tmp_path,
-                        environ={"WANDB_MODE": "offline", "MPLBACKEND": "Agg"})
+                if _long_run(tool, args):
+                    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args],
+                                       cwd=tmp_path, env=dict(long_run_env(), **outside),
+                                       capture_output=True, text=True, timeout=600)
+                else:
+                    p = cli(tool, *args, cwd=tmp_path,
+                            environ={"WANDB_MODE": "offline", "MPLBACKEND": "Agg"})
                 if p.returncode != 0:
                     break
         else:

@@ -24,10 +24,12 @@ def plain_masked_softmax(scores, keep):
 
 
 def grads(f, *args):
-    """Gradients of a random projection of f's output (every output element weighs in)."""
+    """Gradients of a random projection of f's output (every output element weighs in), compiled
+    as a train step compiles them (one program, not one per operation)."""
     w = jnp.asarray(np.random.default_rng(1).normal(size=jax.eval_shape(f, *args).shape),
                     jnp.float32)
-    return jax.grad(lambda *a: (f(*a) * w).sum(), argnums=tuple(range(len(args))))(*args)
+    return jax.jit(jax.grad(lambda *a: (f(*a) * w).sum(),
+                            argnums=tuple(range(len(args)))))(*args)
 
 
 def test_layer_norm_matches_autodiff():
