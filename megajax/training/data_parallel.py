@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -39,6 +38,7 @@ from megajax.core.attention import copied_weights
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.training.loss_scale import scaled
 from megajax.training.trainable import trained, with_trained
+from megajax.training import microbatches
 
 NONE = -1   # a weight no dimension of which "data" divides
 
@@ -137,27 +137,13 @@ class DataParallel:
             lambda part, b, k: self._objective(with_trained(params, part), b, k, loss_scale),
             has_aux=True)
         part = trained(self.cfg, params)
-        m = t.microbatches
-        # Microbatch j takes this shard's rows j, j+m, ...: the rows j, j+m, ... of the global
-        # batch that this shard holds, as the GSPMD step splits them.
-        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1),
-                             batch)
-
-        def accumulate(carry, xs):
-            mb, j = xs
-            (_, metrics), grads = grad_fn(part, mb, key if m == 1 else jax.random.fold_in(key, j))
-            return jax.tree.map(jnp.add, carry, (metrics, grads)), None
-
+        # this shard's rows j, j+m, ...: the rows of the global batch's microbatch j it holds
+        micro = microbatches.split(batch, t.microbatches)
         first = jax.tree.map(lambda x: x[0], micro)
         metric_shapes = jax.eval_shape(lambda mb: self._objective(params, mb, key)[1], first)
-        total = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), metric_shapes),
-                 jax.tree.map(jnp.zeros_like, part))
-        if m == 1 or t.unroll_microbatches:
-            for j in range(m):
-                total, _ = accumulate(total, (jax.tree.map(lambda x: x[j], micro), j))
-        else:
-            total, _ = jax.lax.scan(accumulate, total, (micro, jnp.arange(m)))
-        metrics, grads = jax.tree.map(lambda x: x / m, total)
+        metrics, grads = microbatches.mean_gradients(
+            lambda mb, k: grad_fn(part, mb, k), micro, key, t.microbatches, metric_shapes, part,
+            t.unroll_microbatches)
         with jax.named_scope("metrics_all_reduce"):
             metrics = jax.lax.psum(metrics, S.DATA)   # each shard's share of the global means
         return metrics, self.reduce(grads)

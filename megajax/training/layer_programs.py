@@ -31,6 +31,7 @@ from flax import nnx
 from megajax.core.stack import LayerStack, split_at_stack
 from megajax.models.registry import params_dict
 from megajax.training.memory import per_device_bytes
+from megajax.training import microbatches
 
 
 def get_path(tree: dict, path: tuple):
@@ -129,8 +130,8 @@ class LayerProgramStep:
         key = self.tr.step_key(step)
         if self.microbatches == 1:
             return batch, key
-        take = lambda x: jax.lax.dynamic_index_in_dim(x, j, keepdims=False)  # noqa: E731
-        return jax.tree.map(take, self.tr.split_microbatches(batch)), jax.random.fold_in(key, j)
+        return (microbatches.take(self.tr.split_microbatches(batch), j),
+                microbatches.key(key, self.microbatches, j))
 
     def _pre_fn(self, params, batch, step, j):
         """The model up to its stack: (stack input, (layer keys, mask), pullback to the weights)."""

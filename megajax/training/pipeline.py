@@ -43,6 +43,7 @@ from megajax.training.data_parallel import DataParallel
 from megajax.training.layer_programs import get_path, replace_path, stack_of
 from megajax.training.loss_scale import scaled
 from megajax.training.trainable import trained
+from megajax.training import microbatches
 
 FIRST, MIDDLE, LAST = 0, 1, 2
 
@@ -250,14 +251,12 @@ class Pipeline:
         rest, rest_gradients = self._gathered_rest(rest, stacked)
         # Microbatch j: the rows j, j+m, ... of the batch (of this data shard's, when "data" is
         # manual: the same rows as the GSPMD split gives it)
-        micro = jax.tree.map(
-            lambda x: x.reshape(x.shape[0] // self.m, self.m, *x.shape[1:]).swapaxes(0, 1), batch)
-        if self.data_parallel is None:
-            micro = jax.lax.with_sharding_constraint(micro, P(None, S.DATA))
+        on_shards = (None if self.data_parallel is not None else
+                     lambda x: jax.lax.with_sharding_constraint(x, P(None, S.DATA)))
+        micro = microbatches.split(batch, self.m, on_shards)
 
         def microbatch(i):
-            mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
-            return mb, key if self.m == 1 else jax.random.fold_in(key, i)
+            return microbatches.take(micro, i), microbatches.key(key, self.m, i)
         mb0, key0 = microbatch(0)
         x_shape = jax.eval_shape(lambda: self._pre(rest, stacked, mb0, key0)[0])
         metric_shapes = jax.eval_shape(

@@ -35,6 +35,7 @@ from megajax.training.loss_scale import around, scaled, uses_loss_scaling
 from megajax.training.optimizer import lr_schedule, make_optimizer
 from megajax.training.pipeline import Pipeline, stack_path, stage_specs
 from megajax.training.trainable import trained, with_trained
+from megajax.training import microbatches
 
 
 @dataclasses.dataclass
@@ -152,15 +153,11 @@ class Trainer:
         return jax.random.fold_in(jax.random.key(self.cfg.train.seed), step)
 
     def split_microbatches(self, batch):
-        """Every batch array as (microbatches, rows, ...): microbatch j takes rows j, j+m, j+2m,
-        ..., so every data shard keeps its own rows. Microbatch j's dropout key is fold_in(key,
-        j)."""
-        m = self.cfg.train.microbatches
-
-        def split(x):
-            x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, S.DATA)))
-        return jax.tree.map(split, batch)
+        """Every batch array as (microbatches, rows, ...), by the one rule
+        (training/microbatches.py), each microbatch's rows kept on their data shard."""
+        on_shards = NamedSharding(self.mesh, P(None, S.DATA))
+        return microbatches.split(batch, self.cfg.train.microbatches,
+                                  lambda x: jax.lax.with_sharding_constraint(x, on_shards))
 
     def apply_gradients(self, params, opt_state, grads, metrics, step):
         """The optimizer's update from one step's gradients (loss-scaled ones with float16:
@@ -201,29 +198,13 @@ class Trainer:
         part = self.trained(params)
         if t.microbatches == 1:
             (_, metrics), grads = grad_fn(part, batch, key)
-        else:
-            m = t.microbatches
-
-            def accumulate(carry, xs):
-                mb, j = xs
-                (_, metrics), grads = grad_fn(part, mb, jax.random.fold_in(key, j))
-                return jax.tree.map(jnp.add, carry, (metrics, grads)), None
-
-            micro = self.split_microbatches(batch)
-            metric_shapes = jax.eval_shape(lambda mb: self.objective(params, mb, key)[1],
-                                           jax.tree.map(lambda x: x[0], micro))
-            zeros = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), metric_shapes),
-                     jax.tree.map(jnp.zeros_like, part))
-            if t.unroll_microbatches:
-                # Independent subgraphs, summed in the scan's order: XLA may run them at once.
-                total = zeros
-                for j in range(m):
-                    total, _ = accumulate(total, (jax.tree.map(lambda x: x[j], micro), j))
-                metrics, grads = total
-            else:
-                (metrics, grads), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(m)))
-            metrics, grads = jax.tree.map(lambda x: x / m, (metrics, grads))
-        return metrics, grads
+            return metrics, grads
+        micro = self.split_microbatches(batch)
+        metric_shapes = jax.eval_shape(lambda mb: self.objective(params, mb, key)[1],
+                                       jax.tree.map(lambda x: x[0], micro))
+        return microbatches.mean_gradients(lambda mb, k: grad_fn(part, mb, k), micro, key,
+                                           t.microbatches, metric_shapes, part,
+                                           t.unroll_microbatches)
 
     def jit_step(self, donate: bool = True):
         return jax.jit(
