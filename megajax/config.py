@@ -82,9 +82,9 @@ class TrainConfig:
     eps: float = 1e-8                 # Adam's
     grad_clip: float = 1.0            # global-norm clipping
     spike_factor: float = 10.0        # diverged: loss > this x its 20 steps' median and > chance
-    loss_scale: float = 65536.0       # float16: the dynamic loss scale's start (loss_scale.py),
-    loss_scale_window: int = 1000     # doubled after this many steps without overflow, halved
-    loss_scale_hysteresis: int = 2    # on the this-th overflow (Megatron-LM's rule)
+    loss_scale: float = 65536.0       # float16: the dynamic loss scale's start (loss_scale.py)
+    loss_scale_window: int = 1000     # float16: the scale doubles after this many clean steps
+    loss_scale_hysteresis: int = 2    # float16: overflows tolerated before one halves the scale
     seed: int = 0                     # weights, batches and dropout follow from it
     init_from: str = ""               # a workdir whose weights start this run (BERT: its encoder)
     random_base: bool = False         # LoRA without init_from: adapt random weights (else refused)
@@ -129,7 +129,7 @@ class TrainConfig:
 @dataclasses.dataclass(slots=True)
 class DataConfig:
     # builtin | text:PATH[,GLOB] | bin:PATH | tfds:NAME[/CONFIG] | bin:DIR, pairs:DIR
-    # (megajax-prepare's) | megatron:PREFIX; fine-tuning: the task's dir
+    # (megajax-prepare's) | megatron:PREFIX | chat:FILE.jsonl; fine-tuning: the task's dir
     source: str = "builtin"
     # bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME | wordpiece:PATH/vocab.txt |
     # wordpiece[:SIZE] (trained on the corpus)

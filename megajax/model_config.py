@@ -63,37 +63,38 @@ class ModelConfig:
     ln_placement: str = "pre"         # pre (GPT-2, the paper's BERT) | post (original BERT)
     ln_eps: float = 1e-5              # LayerNorm's / RMSNorm's epsilon
     init_std: float = 0.02            # normal init; output layers scaled by 1/sqrt(2L)
-    # auto (16-bit on GPU/TPU, float32 on CPU) | float32 | bfloat16 | float16 | mixed
+    # auto (16-bit on GPU/TPU, float32 on CPU) | float32 | bfloat16 | float16 | mixed (bfloat16
+    # matmul operands, float32 accumulation and activations)
     compute_dtype: str = "auto"
-                                      # (mixed: bfloat16 matmul operands, float32 accumulation and
-                                      # activations)
     # tanh (Megatron-LM's fused bias-GeLU and openai_gelu, GPT-2) | exact (erf; HF's BERT)
     gelu: str = "tanh"
-    # none | selective (recompute the attention core: scores, softmax, dropout,
+    # none | selective (recompute the attention core: scores, softmax, dropout, probabilities x
+    # values) | full (recompute each layer); true/false: full/none
     remat: str = "none"
-                                      # probabilities x values) | full (recompute each layer);
-                                      # true/false: full/none
     scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
-    # a scanned stack without full remat recomputes LayerNorm's and GeLU's outputs
+    # a scanned stack without full remat recomputes LayerNorm's and GeLU's outputs in the
+    # backward pass instead of keeping them: a third fewer bytes (not "mixed")
     recompute_norm_gelu: bool = False
-                                      # in the backward pass instead of keeping them: a third fewer
-                                      # bytes (not "mixed")
-    # between blocks, activations split over "model" along the sequence
+    # between blocks, activations split over "model" along the sequence (Korthikanti et al.
+    # 2022); model.seq_len must divide by the model axis
     sequence_parallel: bool = False
-                                      # (Korthikanti et al. 2022); model.seq_len must divide by the
-                                      # model axis
     norm: str = "layernorm"           # layernorm | rmsnorm (Llama, Mistral, Qwen2); epsilon: ln_eps
     # learned (a table of seq_len rows) | rope (rotary, on each device's heads)
     positions: str = "learned"
     rope_theta: float = 10000.0       # rope: the base of the rotary frequencies
-    # none | linear (positions / rope_factor) | llama3 (Llama 3.1's
+    # none | linear (positions / rope_factor) | llama3 (Llama 3.1's long-context rule: low
+    # frequencies / rope_factor, high ones kept, a smooth blend between over wavelengths
+    # relative to rope_original_context)
     rope_scaling: str = "none"
-    rope_factor: float = 1.0          # long-context rule: low frequencies / factor, high ones kept,
-    rope_low_freq_factor: float = 1.0     # a smooth blend between, over wavelengths relative to
-    rope_high_freq_factor: float = 4.0    # rope_original_context)
+    rope_factor: float = 1.0          # the rope_scaling rule's factor (linear and llama3)
+    # llama3: wavelengths above rope_original_context / rope_low_freq_factor are divided
+    rope_low_freq_factor: float = 1.0
+    # llama3: wavelengths below rope_original_context / rope_high_freq_factor are kept
+    rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192  # the context the rope_factor rule is relative to
-    max_positions: int = 0            # rope: the longest sequence the model is made for (HF's
-                                      # max_position_embeddings; sampling stops there); 0 -> seq_len
+    # rope: the longest sequence the model is made for (HF's max_position_embeddings; sampling
+    # stops there); 0 -> seq_len
+    max_positions: int = 0
     # a query attends to itself and the sliding_window - 1 positions before it (Mistral's,
     # Qwen2's use_sliding_window); 0: to every position before it
     sliding_window: int = 0
@@ -103,17 +104,15 @@ class ModelConfig:
     num_kv_heads: int = 0
     # the head dimension: 0 -> hidden / num_heads (Megatron-LM's name)
     kv_channels: int = 0
-    # the layers' linear biases: all (GPT-2, BERT) | none (Llama, Mistral) |
+    # the layers' linear biases: all (GPT-2, BERT) | none (Llama, Mistral) | qkv (Qwen2: the
+    # query, key and value projections only)
     bias: str = "all"
-                                      # qkv (Qwen2: the query, key and value projections only)
     # the output layer is the input embedding (GPT-2) or its own weight
     tie_embeddings: bool = True
     # the attention core: megajax (its own; core/blocked_attention.py on the CPU without
+    # attention dropout) | fused (jax.nn.dot_product_attention: cuDNN's flash attention on
+    # NVIDIA GPUs, XLA elsewhere; no attention dropout) | auto (fused on GPUs where it can)
     attention: str = "auto"
-                                      # attention dropout) | fused (jax.nn.dot_product_attention:
-                                      # cuDNN's flash attention on
-                                      # NVIDIA GPUs, XLA elsewhere; no attention dropout) | auto
-                                      # (fused on GPUs where it can)
     # LoRA adapters (core/lora.py): rank 0 is none; with them only the adapters are trained
     lora_rank: int = 0
     lora_alpha: float = 16.0          # the adapters' scale is lora_alpha / lora_rank (PEFT's)

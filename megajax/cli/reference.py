@@ -109,13 +109,16 @@ def field_comments(cls) -> dict[str, str]:
     return {k: " ".join(v) for k, v in comments.items()}
 
 
+SECTIONS = (("model", ModelConfig), ("train", TrainConfig), ("data", DataConfig))
+
+
 def config_page() -> str:
     out = [HEADER.format(what="the dataclasses of megajax/config.py and megajax/model_config.py"),
            "# Config reference", "",
            "A config is a TOML file (`configs/NAME.toml`) of these three tables; `--set "
            "SECTION.FIELD=VALUE` overrides any field, type-checked, and the resolved config is "
            "written to `WORKDIR/config.json`.", ""]
-    for section, cls in (("model", ModelConfig), ("train", TrainConfig), ("data", DataConfig)):
+    for section, cls in SECTIONS:
         comments = field_comments(cls)
         out += [f"## [{section}]", "", "| field | type | default | meaning |",
                 "| --- | --- | --- | --- |"]
