@@ -3,6 +3,7 @@ page missing from the navigation fails), the generated reference pages are curre
 command block (```sh) and Python block of README.md and docs/ runs, in order, page by page, in
 a directory of its own beside a checkout's files. A block that cannot run here says why in a
 `<!-- not run: REASON -->` line just above it (it needs a GPU, a cluster or a download)."""
+import dataclasses
 import os
 import re
 import shlex
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from helpers import cli, env, in_process_ok, long_run_env
+from helpers import cli, env, in_process_ok
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -104,37 +105,21 @@ def programs(code: str) -> list[tuple[str, list[str]]] | None:
     return calls
 
 
-# A training command of this many steps runs in a process of LLVM -O1 code (helpers.long_run_env:
-# a third of -O0's time for such runs), not in the test process.
-LONG_RUN_STEPS = 50
-
-
-def _long_run(tool: str, args: list[str]) -> bool:
-    steps = [int(b) for a, b in zip(args, args[1:]) if a == "--steps" and b.isdigit()]
-    return tool == "train" and bool(steps) and steps[-1] >= LONG_RUN_STEPS
-
-
 def run_page(page: Path, tmp_path: Path):
     """Each block in order: one whose lines are megajax programs alone runs them in this process
-    (helpers.cli: what the user's process runs, without an interpreter start each; a long
-    training run in a process of its own), any other in bash or Python of its own."""
+    (helpers.cli: what the user's process runs, without an interpreter start each), any other
+    in bash or Python of its own."""
     bin_dir = sandbox(tmp_path)
-    outside = dict(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", WANDB_MODE="offline",
-                   MPLBACKEND="Agg")
-    e = dict(env(), **outside)
+    e = dict(env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", WANDB_MODE="offline",
+             MPLBACKEND="Agg")
     for lang, code, why, line in blocks(page):
         if lang not in RUNNABLE or why:
             continue
         calls = programs(code) if lang == "sh" else None
         if calls and all(in_process_ok(args) for _, args in calls):
             for tool, args in calls:
-                if _long_run(tool, args):
-                    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args],
-                                       cwd=tmp_path, env=dict(long_run_env(), **outside),
-                                       capture_output=True, text=True, timeout=600)
-                else:
-                    p = cli(tool, *args, cwd=tmp_path,
-                            environ={"WANDB_MODE": "offline", "MPLBACKEND": "Agg"})
+                p = cli(tool, *args, cwd=tmp_path,
+                        environ={"WANDB_MODE": "offline", "MPLBACKEND": "Agg"})
                 if p.returncode != 0:
                     break
         else:
@@ -162,3 +147,20 @@ def test_site_builds_strict(tmp_path):
 
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
+
+
+def test_every_config_field_has_one_whole_description():
+    """What the config reference says of each field comes from its comment in the dataclass:
+    there for every field, and whole (no sentence cut off into the next field's: balanced
+    brackets, no dangling separator)."""
+    from megajax.cli.reference import SECTIONS, field_comments
+
+    for _, cls in SECTIONS:
+        comments = field_comments(cls)
+        for f in dataclasses.fields(cls):
+            text = comments.get(f.name, "")
+            where = f"{cls.__name__}.{f.name}: {text!r}"
+            assert text, where
+            assert text.count("(") == text.count(")") and text.count("[") == text.count("]"), \
+                where
+            assert not text.rstrip().endswith((",", "|", "(", ";", ":")), where

@@ -19,7 +19,7 @@ import jax, jax.numpy as jnp, numpy as np
 from conftest import tiny_config
 from megajax.core.mesh import make_mesh
 from megajax.training.step import make_trainer
-cfg = tiny_config(num_layers=8)
+cfg = tiny_config(num_layers=4)
 cfg.train.microbatches, cfg.train.pipeline_schedule = 4, "1f1b"
 trainer = make_trainer(cfg.validate(), make_mesh("data=2,pipe=2,model=2"))
 params, _ = trainer.init_state(seed=0)
@@ -55,6 +55,6 @@ def test_a_pipelined_step_from_a_warm_cache_computes_what_a_fresh_compile_does(t
     fresh = step()
     cached = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert any(name.startswith("jit_init") for name in cached), cached
-    # unguarded, jaxlib 0.10.2 computed a wrong step on 1 to 5 reads in 6: four reads
-    for _ in range(4):
+    # unguarded, jaxlib 0.10.2 computed a wrong step on 1 to 5 reads in 6: three reads
+    for _ in range(3):
         assert step() == fresh      # bitwise: the same program

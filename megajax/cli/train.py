@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 from pathlib import Path
 
@@ -118,20 +119,21 @@ def _train_main(args) -> int:
         if window and args.dry_run:
             raise UserError("--profile traces a run's steps; a --dry-run runs none")
         refuse_overridden_shape(cfg, overrides, workdir)
+        # the config with a pretrained workdir's shape: read once, when first asked for
+        pretrained = functools.cache(lambda: with_pretrained_shape(cfg, workdir)[0])
         start_jax(args)
         try:
             devices = program_devices(args.host_devices)
-            shape, why = resolve_mesh(args.mesh, lambda: with_pretrained_shape(cfg, workdir)[0],
-                                      devices)
+            shape, why = resolve_mesh(args.mesh, pretrained, devices)
             mesh = make_mesh(shape, devices)
         except ValueError as e:
             raise UserError(str(e)) from None
         if why:
             print(f"megajax: {why}", flush=True)
         if not args.dry_run:
-            refuse_far_too_big(with_pretrained_shape(cfg, workdir)[0], shape)
+            refuse_far_too_big(pretrained(), shape)
         if args.dry_run:
-            dry_run_report(with_pretrained_shape(cfg, workdir)[0], mesh, costs=args.costs)
+            dry_run_report(pretrained(), mesh, costs=args.costs)
         elif args.costs:
             raise UserError("--costs goes with --dry-run")
 

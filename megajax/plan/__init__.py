@@ -3,10 +3,12 @@ microbatches, recomputation, sequence parallelism, ZeRO-1 / FSDP) with predicted
 device, step time by part, tokens/s, TFLOP/s, MFU and scaling efficiency, the fastest plan that
 fits first. Nothing is compiled or allocated; `megajax-plan` / `python -m megajax.plan` print it.
 
-    hardware.py  the accelerators (and a user's TOML)      memory.py  bytes per device
-    volumes.py   FLOPs and collective volumes               timing.py  step time
-    search.py    the plans and their order                  report.py  the table
-    paper.py     the paper's scaling study, predicted
+    memory.py     bytes per device                     volumes.py   FLOPs and collective volumes
+    timing.py     step time                            search.py    the plans and their order
+    report.py     the table                            auto.py      what --mesh auto runs
+    paper.py      the 2019 paper's scaling study       paper2021.py the 2021 paper's Table 1
+    measured.py   the GPU runs the stack is fitted on
+(the accelerators, and a user's TOML of one: megajax/hardware.py)
 """
 from megajax.hardware import BUILTIN, Hardware, load_hardware, pick_hardware
 from megajax.plan.search import Plan, plan

@@ -1,7 +1,7 @@
-"""Every way to run a config on N devices, predicted and ranked: meshes (data x model, the
-model axis dividing heads, hidden and ffn), microbatch sizes for the
-config's global batch, recomputation, sequence parallelism and the data axis's scheme (plain,
-ZeRO-1, FSDP). The fastest plan that fits comes first."""
+"""Every way to run a config on N devices, predicted and ranked: meshes (data, pipeline stages
+and model, the model axis dividing heads, hidden and ffn, the stages the layers), microbatch
+sizes for the config's global batch, recomputation, sequence parallelism and the data axis's
+scheme (plain, ZeRO-1, FSDP). The fastest plan that fits comes first."""
 from __future__ import annotations
 
 import dataclasses
