@@ -49,7 +49,8 @@ def eval_parser() -> argparse.ArgumentParser:
                    help="race: dev | test (default test); mnli: dev_matched | dev_mismatched; qqp: "
                         "dev")
     p.add_argument("--mesh", default="auto",
-                   help="any mesh, whatever the run was trained on: data=2,model=4 | 2x4 | auto")
+                   help="any mesh, whatever the run was trained on: data=2,model=4 | 2x4 | auto "
+                        "(as train.py --mesh auto runs the workdir's config)")
     p.add_argument("--host-devices", type=int,
                    help="simulate N devices on the CPU (before jax starts)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
