@@ -13,6 +13,7 @@ not fit in memory are reported as such. Writes a Markdown table; `--set` overrid
 `--json` appends each result as a line, `--profile` traces two steps (kernel times on the GPU's
 streams, with the compiled program whose op names they carry).
 """
+
 import argparse
 import json
 import sys
@@ -28,13 +29,15 @@ def synthetic_batch(trainer, step: int):
     import jax
     import numpy as np
 
-    arrays = trainer.task.synthetic_batch(trainer.cfg, trainer.cfg.train.batch_size,
-                                          np.random.default_rng(step))
+    arrays = trainer.task.synthetic_batch(
+        trainer.cfg, trainer.cfg.train.batch_size, np.random.default_rng(step)
+    )
     return jax.device_put(arrays, trainer.batch_sharding)
 
 
-def measure(cfg, mesh, steps: int, peak_tflops: float | None, compiled=None,
-            profile_to=None) -> dict:
+def measure(
+    cfg, mesh, steps: int, peak_tflops: float | None, compiled=None, profile_to=None
+) -> dict:
     """One config's train step on `mesh`: compile (or take `compiled`, the trainer's
     `compiled_step()`), one warm-up step, then `steps` timed steps. Peak memory per
     device: the runtime's count where it keeps one (GPUs: the process's peak so far, so
@@ -64,11 +67,16 @@ def measure(cfg, mesh, steps: int, peak_tflops: float | None, compiled=None,
     stats = mesh.devices.flat[0].memory_stats() or {}
     tokens = cfg.train.batch_size * tr.task.tokens_per_example(cfg)
     tflops = flops_per_token(cfg) * tokens / dt / 1e12 / mesh.size
-    return {"step_ms": dt * 1000, "tokens_per_s": tokens / dt, "tflops_per_device": tflops,
-            "mfu": tflops / peak_tflops if peak_tflops else None, "loss": float(m["loss"]),
-            "planned_bytes": planned,
-            "peak_bytes": int(stats.get("peak_bytes_in_use") or planned or 0),
-            "peak_source": "runtime" if stats.get("peak_bytes_in_use") else "compiled plan"}
+    return {
+        "step_ms": dt * 1000,
+        "tokens_per_s": tokens / dt,
+        "tflops_per_device": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "loss": float(m["loss"]),
+        "planned_bytes": planned,
+        "peak_bytes": int(stats.get("peak_bytes_in_use") or planned or 0),
+        "peak_source": "runtime" if stats.get("peak_bytes_in_use") else "compiled plan",
+    }
 
 
 def profile(step, params, opt, batch, path: Path):
@@ -87,25 +95,33 @@ def profile(step, params, opt, batch, path: Path):
             for i in range(2):
                 params, opt, m = step(params, opt, batch, np.int32(100 + i))
             jax.block_until_ready(m)
-        shutil.copy(max(glob.glob(d + "/**/*.trace.json.gz", recursive=True)),
-                    f"{path}.trace.json.gz")
-    if hasattr(step, "as_text"):     # one program (the layer programs are many)
+        shutil.copy(
+            max(glob.glob(d + "/**/*.trace.json.gz", recursive=True)), f"{path}.trace.json.gz"
+        )
+    if hasattr(step, "as_text"):  # one program (the layer programs are many)
         Path(f"{path}.hlo.txt").write_text(step.as_text())
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="gpt2_355m,gpt2_1.2b,gpt2_2.5b,gpt2_4.2b,gpt2_8.3b")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override, for every config")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, for every config",
+    )
     p.add_argument("--label", default="", help="names this run in --json's lines")
     p.add_argument("--json", help="append one JSON line per config to this file")
-    p.add_argument("--profile",
-                   help="trace two steps of each config to PROFILE-<config>.trace.json.gz (+ "
-                        ".hlo.txt)")
+    p.add_argument(
+        "--profile",
+        help="trace two steps of each config to PROFILE-<config>.trace.json.gz (+ .hlo.txt)",
+    )
     p.add_argument("--mesh", default=None, help="default: all GPUs on the model axis")
-    p.add_argument("--batch", type=int, default=8,
-                   help="global batch (sequences of the config's length)")
+    p.add_argument(
+        "--batch", type=int, default=8, help="global batch (sequences of the config's length)"
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--peak-tflops", type=float)
     p.add_argument("--out", default="bench_gpu.md")
@@ -124,7 +140,8 @@ def main():
     kind = jax.devices()[0].device_kind
     rows = [
         "| config | params | mesh | batch x seq | step (ms) | tokens/s | TFLOP/s/device | MFU |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name in a.configs.split(","):
         cfg = load_config(name, [f"train.batch_size={a.batch}", "train.microbatches=1", *a.set])
         try:
@@ -133,7 +150,8 @@ def main():
             msg = str(e).splitlines()[0][:80]
             rows.append(
                 f"| {name} | {param_count(cfg) / 1e9:.2f}B | {dict(mesh.shape)} | - | - | - | - | "
-                f"{msg} |")
+                f"{msg} |"
+            )
             print(rows[-1], flush=True)
             continue
         if a.json:
@@ -142,12 +160,15 @@ def main():
         mfu = f"{r['mfu']:.2f}" if r["mfu"] is not None else "n/a"
         rows.append(
             f"| {name} | {param_count(cfg) / 1e9:.2f}B | {dict(mesh.shape)} | "
-            f"{a.batch}x{cfg.model.seq_len} "
-            f"| {r['step_ms']:.0f} | {r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.1f} | "
-            f"{mfu} |")
+            f"{a.batch}x{cfg.model.seq_len} | {r['step_ms']:.0f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tflops_per_device']:.1f} | {mfu} |"
+        )
         print(rows[-1], flush=True)
-    text = (f"GPU benchmark on {n} x {kind} (bf16 peak {peak} TFLOP/s per device)\n\n"
-            + "\n".join(rows) + "\n")
+    text = (
+        f"GPU benchmark on {n} x {kind} (bf16 peak {peak} TFLOP/s per device)\n\n"
+        + "\n".join(rows)
+        + "\n"
+    )
     Path(a.out).write_text(text)
     print(text)
 

@@ -14,6 +14,7 @@ For each seed it prints tokens/s and the validation loss two ways: nanoGPT's est
 mean over 200 random batches) and megajax's (every window of the split once; see
 megajax/data.py EvalWindows), so the two implementations can be compared on one protocol.
 """
+
 import argparse
 import math
 import sys
@@ -28,8 +29,9 @@ try:
     import torch.nn as nn
     from torch.nn import functional as F
 except ImportError:
-    print("error: bench/nanogpt_reference.py needs PyTorch (pip install torch numpy)",
-          file=sys.stderr)
+    print(
+        "error: bench/nanogpt_reference.py needs PyTorch (pip install torch numpy)", file=sys.stderr
+    )
     sys.exit(2)
 
 N_LAYER, N_HEAD, N_EMBD, BLOCK, BATCH = 4, 4, 128, 64, 12
@@ -57,8 +59,10 @@ class Block(nn.Module):
 
     def attn(self, x):
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, N_HEAD, c // N_HEAD).transpose(1, 2)
-                   for z in self.c_attn(x).split(c, dim=2))
+        q, k, v = (
+            z.view(b, t, N_HEAD, c // N_HEAD).transpose(1, 2)
+            for z in self.c_attn(x).split(c, dim=2)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.attn_proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
@@ -73,7 +77,7 @@ class GPT(nn.Module):
         self.wte, self.wpe = nn.Embedding(vocab, N_EMBD), nn.Embedding(BLOCK, N_EMBD)
         self.blocks = nn.ModuleList([Block(bias) for _ in range(N_LAYER)])
         self.ln_f = LayerNorm(N_EMBD, bias)
-        for name, p in self.named_parameters():   # nanoGPT's _init_weights
+        for name, p in self.named_parameters():  # nanoGPT's _init_weights
             if p.dim() == 2:
                 proj = name.endswith(("attn_proj.weight", "mlp_proj.weight"))
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * N_LAYER) if proj else 0.02)
@@ -84,11 +88,11 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
         for block in self.blocks:
             x = block(x)
-        logits = self.ln_f(x) @ self.wte.weight.T      # tied output embedding
+        logits = self.ln_f(x) @ self.wte.weight.T  # tied output embedding
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def lr_at(it, steps):                                  # nanoGPT's get_lr
+def lr_at(it, steps):  # nanoGPT's get_lr
     if it < WARMUP:
         return LR * (it + 1) / (WARMUP + 1)
     coeff = 0.5 * (1.0 + math.cos(math.pi * (it - WARMUP) / (steps - WARMUP)))
@@ -99,7 +103,9 @@ def run(seed, train, val, vocab, steps, bias, eval_batches):
     torch.manual_seed(1337 + seed)
 
     def batch(data, starts):
-        x = torch.stack([torch.from_numpy(data[i:i + BLOCK + 1].astype(np.int64)) for i in starts])
+        x = torch.stack(
+            [torch.from_numpy(data[i : i + BLOCK + 1].astype(np.int64)) for i in starts]
+        )
         return x[:, :-1], x[:, 1:]
 
     def random_batch(data):
@@ -108,9 +114,13 @@ def run(seed, train, val, vocab, steps, bias, eval_batches):
     model = GPT(vocab, bias)
     params = list(model.parameters())
     opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=LR, betas=BETAS)
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=BETAS,
+    )
     x, y = random_batch(train)
     t0 = time.perf_counter()
     for it in range(steps):
@@ -129,7 +139,8 @@ def run(seed, train, val, vocab, steps, bias, eval_batches):
         count = max(1, min(eval_batches, n_windows // BATCH)) * BATCH
         starts = np.arange(count) * n_windows // count * BLOCK
         sweep = np.mean(
-            [model(*batch(val, starts[i:i + BATCH])).item() for i in range(0, count, BATCH)])
+            [model(*batch(val, starts[i : i + BATCH])).item() for i in range(0, count, BATCH)]
+        )
     return tokens_per_s, estimate, sweep
 
 
@@ -137,8 +148,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0")
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--bias", action="store_true",
-                   help="biases in the linear layers and LayerNorms, as GPT-2")
+    p.add_argument(
+        "--bias", action="store_true", help="biases in the linear layers and LayerNorms, as GPT-2"
+    )
     p.add_argument("--eval-batches", type=int, default=200)
     p.add_argument("--data", default=str(ROOT / "data" / "tinyshakespeare.txt"))
     a = p.parse_args()
@@ -150,21 +162,22 @@ def main():
     data = np.array([stoi[c] for c in text], dtype=np.uint16)
     # megajax's split; nanoGPT's differs by < 1 token
     n_val = int(len(data) * 0.1)
-    train, val = data[:len(data) - n_val], data[len(data) - n_val:]
+    train, val = data[: len(data) - n_val], data[len(data) - n_val :]
     results = []
     for seed in map(int, a.seeds.split(",")):
         tps, estimate, sweep = run(seed, train, val, len(stoi), a.steps, a.bias, a.eval_batches)
         results.append((estimate, sweep))
         print(
             f"seed {seed}: {tps:,.0f} tokens/s; val loss {estimate:.4f} ({a.eval_batches} random "
-            f"batches), "
-            f"{sweep:.4f} (disjoint windows spread over the split)", flush=True)
+            f"batches), {sweep:.4f} (disjoint windows spread over the split)",
+            flush=True,
+        )
     if len(results) > 1:
         est, swp = np.array(results).T
         print(
             f"mean over {len(results)} seeds: {est.mean():.4f} ± {est.std(ddof=1):.4f} (random "
-            f"batches), "
-            f"{swp.mean():.4f} ± {swp.std(ddof=1):.4f} (disjoint windows)")
+            f"batches), {swp.mean():.4f} ± {swp.std(ddof=1):.4f} (disjoint windows)"
+        )
 
 
 if __name__ == "__main__":

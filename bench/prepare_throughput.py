@@ -9,6 +9,7 @@ directory; the figure is tokens per second of the whole command (planning, check
 tokenizing, assembling), the best of `--repeats`. On a 2-core AMD EPYC the pool of 2 was 1.95x one
 process (docs/guides/preparing-corpora.md).
 """
+
 import argparse
 import sys
 import tempfile
@@ -21,15 +22,20 @@ sys.path.insert(0, str(ROOT))
 from megajax.prepare import Settings, prepare  # noqa: E402
 
 DATA = ROOT / "data"
-SOURCES = [DATA / "wikitext-2" / "valid.txt", DATA / "wikitext-2" / "test.txt",
-           DATA / "tinyshakespeare.txt"]
+SOURCES = [
+    DATA / "wikitext-2" / "valid.txt",
+    DATA / "wikitext-2" / "test.txt",
+    DATA / "tinyshakespeare.txt",
+]
 
 
 def run(inputs, out: Path, tokenizer: str, workers: int) -> tuple[float, int]:
     t0 = time.perf_counter()
     meta = prepare(inputs, out, Settings(tokenizer, 0.01), workers=workers, say=lambda *a: None)
-    return (time.perf_counter() - t0,
-            meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"])
+    return (
+        time.perf_counter() - t0,
+        meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"],
+    )
 
 
 def main():
@@ -37,8 +43,9 @@ def main():
     p.add_argument("--copies", type=int, default=12)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--tokenizer",
-                   default=f"hf:{ROOT / 'tests/fixtures/hf/megatron_bert/tokenizer.json'}")
+    p.add_argument(
+        "--tokenizer", default=f"hf:{ROOT / 'tests/fixtures/hf/megatron_bert/tokenizer.json'}"
+    )
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -55,12 +62,13 @@ def main():
                 best[workers] = min(best.get(workers, seconds), seconds)
         print(
             f"corpus: {size / 1e6:.1f} MB in {a.copies * len(SOURCES)} files, {tokens:,} tokens "
-            f"({a.tokenizer.split('/')[-1]})")
+            f"({a.tokenizer.split('/')[-1]})"
+        )
         for workers, seconds in best.items():
             print(
                 f"  {workers} process{'es' if workers > 1 else ''}: {seconds:6.2f} s  "
-                f"{tokens / seconds:12,.0f} tokens/s  "
-                f"{size / seconds / 1e6:6.2f} MB/s")
+                f"{tokens / seconds:12,.0f} tokens/s  {size / seconds / 1e6:6.2f} MB/s"
+            )
         print(f"speed-up with {a.workers} processes: {best[1] / best[a.workers]:.2f}x")
 
 

@@ -24,6 +24,7 @@ does not. Like train.py it restarts
 itself once with megajax/host/env.py's glibc malloc settings; MEGAJAX_MALLOC_TUNING=0 measures
 without them.
 """
+
 import argparse
 import os
 import sys
@@ -33,9 +34,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-STACKS = {"scanned": "scanned stack", "unrolled": "unrolled stack",
-          "programs": "layer programs (train.layer_programs: the scanned weights, one program per "
-                      "layer)"}
+STACKS = {
+    "scanned": "scanned stack",
+    "unrolled": "unrolled stack",
+    "programs": "layer programs (train.layer_programs: the scanned weights, one program per layer)",
+}
 
 
 def timed(fn, *args, reps=3):
@@ -66,8 +69,9 @@ def alternating_ratio(scanned, unrolled, rounds: int) -> str:
     med = {fn: statistics.median(ts) for fn, ts in times.items()}
     return (
         f"{med[scanned] / med[unrolled]:.3f} (medians of {rounds} rounds, "
-        f"{med[scanned] * 1000:.0f} / "
-        f"{med[unrolled] * 1000:.0f} ms; best {min(times[scanned]) / min(times[unrolled]):.3f})")
+        f"{med[scanned] * 1000:.0f} / {med[unrolled] * 1000:.0f} ms; best "
+        f"{min(times[scanned]) / min(times[unrolled]):.3f})"
+    )
 
 
 def matmul_peak(dtype: str) -> float:
@@ -83,7 +87,7 @@ def matmul_peak(dtype: str) -> float:
     for n in (1024, 2048):
         a = jnp.ones((n, n), jnp.bfloat16)
         f = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
-        best = max(best, 2 * n ** 3 / timed(f, a, reps=5) / 1e12)
+        best = max(best, 2 * n**3 / timed(f, a, reps=5) / 1e12)
     return best
 
 
@@ -107,17 +111,29 @@ def profile(fn, args, trace_dir: str) -> str:
 LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", tie_embeddings=False)
 
 
-def model_config(a, layers: int, scan: bool, dtype: str, layer_programs: bool = False,
-                 llama: bool = False):
+def model_config(
+    a, layers: int, scan: bool, dtype: str, layer_programs: bool = False, llama: bool = False
+):
     from megajax.config import Config, ModelConfig, TrainConfig
 
     arch = dict(LLAMA, num_kv_heads=max(a.heads // 4, 1)) if llama else {}
     return Config(
-        model=ModelConfig(num_layers=layers, hidden=a.hidden, num_heads=a.heads, seq_len=a.seq,
-                                    vocab_size=256, vocab_multiple=256, hidden_dropout=a.dropout,
-                                    attention_dropout=a.dropout, scan_layers=scan,
-                                    compute_dtype=dtype, remat=a.remat, **arch),
-        train=TrainConfig(batch_size=a.batch, steps=100, layer_programs=layer_programs)).validate()
+        model=ModelConfig(
+            num_layers=layers,
+            hidden=a.hidden,
+            num_heads=a.heads,
+            seq_len=a.seq,
+            vocab_size=256,
+            vocab_multiple=256,
+            hidden_dropout=a.dropout,
+            attention_dropout=a.dropout,
+            scan_layers=scan,
+            compute_dtype=dtype,
+            remat=a.remat,
+            **arch,
+        ),
+        train=TrainConfig(batch_size=a.batch, steps=100, layer_programs=layer_programs),
+    ).validate()
 
 
 def architecture_rows(a, mesh, dtype: str, peak: float):
@@ -135,22 +151,25 @@ def architecture_rows(a, mesh, dtype: str, peak: float):
         cfg = model_config(a, a.layers, True, dtype, llama=name == "Llama")
         tr = make_trainer(cfg, mesh)
         params, opt = tr.init_state()
-        tokens = jax.device_put(jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, 256),
-                                tr.batch_sharding)
+        tokens = jax.device_put(
+            jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, 256), tr.batch_sharding
+        )
         flops = flops_per_token(cfg) * a.batch * a.seq / mesh.devices.size
         step = stepper(tr, params, opt, tokens)
         runs[name] = (step, flops, timed(step, reps=a.reps))
         m = cfg.model
         print(
             f"  {name:5s} {m.num_heads} heads / {m.kv_heads} kv, ffn {m.ffn} ({m.mlp}), {m.norm}, "
-            f"{m.positions}: "
-            f"step {runs[name][2] * 1000:.0f} ms, {flops_per_token(cfg) / 1e6:.0f} MFLOP/token, "
-            f"MFU {flops / runs[name][2] / 1e12 / peak:.3f}")
+            f"{m.positions}: step {runs[name][2] * 1000:.0f} ms, {flops_per_token(cfg) / 1e6:.0f} "
+            f"MFLOP/token, MFU {flops / runs[name][2] / 1e12 / peak:.3f}"
+        )
     (gpt, gpt_flops, gpt_t), (llama, llama_flops, llama_t) = runs["GPT"], runs["Llama"]
     print(
-        f"  Llama / GPT MFU, each timed alone: {(llama_flops / llama_t) / (gpt_flops / gpt_t):.3f}")
+        f"  Llama / GPT MFU, each timed alone: {(llama_flops / llama_t) / (gpt_flops / gpt_t):.3f}"
+    )
     if a.rounds:
         import statistics
+
         times = {gpt: [], llama: []}
         for _ in range(a.rounds):
             for fn in times:
@@ -158,7 +177,8 @@ def architecture_rows(a, mesh, dtype: str, peak: float):
                 jax.block_until_ready(fn())
                 times[fn].append(time.perf_counter() - t)
         ratio = (llama_flops / statistics.median(times[llama])) / (
-            gpt_flops / statistics.median(times[gpt]))
+            gpt_flops / statistics.median(times[gpt])
+        )
         print(f"  Llama / GPT MFU, run in turn (medians of {a.rounds} rounds): {ratio:.3f}")
 
 
@@ -175,6 +195,7 @@ def stepper(tr, params, opt, tokens):
     def run():
         state[0], state[1], metrics = step(state[0], state[1], tokens, jnp.int32(1))
         return metrics
+
     return run
 
 
@@ -194,21 +215,29 @@ def main():
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--dropout", type=float, default=0.0,
-                   help="hidden and attention dropout (the paper's: 0.1)")
+    p.add_argument(
+        "--dropout", type=float, default=0.0, help="hidden and attention dropout (the paper's: 0.1)"
+    )
     p.add_argument("--remat", default="none", choices=("none", "selective", "full"))
     p.add_argument("--mesh", default="1x1")
     p.add_argument("--host-devices", type=int)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=6,
-                   help="rounds of the scanned and unrolled steps run in turn, "
-                                                         "for their ratio (0: skip)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=6,
+        help="rounds of the scanned and unrolled steps run in turn, for their ratio (0: skip)",
+    )
     p.add_argument("--dtypes", default="float32,mixed", help="model.compute_dtype values to run")
-    p.add_argument("--compile-layers", default="4,48",
-                   help="depths whose train-step compile time is reported")
-    p.add_argument("--profile", metavar="DIR",
-                   help="trace one forward+backward call per stack into DIR and "
-                                                    "print the time by kind of compiled op")
+    p.add_argument(
+        "--compile-layers", default="4,48", help="depths whose train-step compile time is reported"
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="trace one forward+backward call per stack into DIR and print the time by kind of "
+        "compiled op",
+    )
     a = p.parse_args()
     if a.rounds < 0:
         p.error(f"--rounds must be 0 (skip) or more, got {a.rounds}")
@@ -216,12 +245,13 @@ def main():
     # heap instead of page-faulting them in afresh (megajax/host/env.py; MEGAJAX_MALLOC_TUNING=0:
     # off)
     from megajax.host.env import restart_with_malloc_tuning
+
     restart_with_malloc_tuning()
     flags = [os.environ.get("XLA_FLAGS", "")]
     if a.host_devices:
         flags.append(f"--xla_force_host_platform_device_count={a.host_devices}")
     if a.profile:
-        flags.append("--xla_cpu_enable_xprof_traceme=true")     # XLA:CPU's per-op trace events
+        flags.append("--xla_cpu_enable_xprof_traceme=true")  # XLA:CPU's per-op trace events
     os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
     import jax
 
@@ -235,29 +265,37 @@ def main():
     peaks = {d: matmul_peak(d) for d in dtypes}
     print(
         f"device: {jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {dict(mesh.shape)}; "
-        f"measured matmul "
-        f"peak per device: " + ", ".join(f"{d} {p * 1000:.0f} GFLOP/s" for d, p in peaks.items())
-        + f"; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(none)')}")
+        "measured matmul peak per device: "
+        + ", ".join(f"{d} {p * 1000:.0f} GFLOP/s" for d, p in peaks.items())
+        + f"; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(none)')}"
+    )
     steps, alone = {}, {}
     for dtype, stack in ((d, s) for d in dtypes for s in STACKS):
         peak = peaks[dtype]
-        cfg = model_config(a, a.layers, stack != "unrolled", dtype,
-                           layer_programs=stack == "programs")
+        cfg = model_config(
+            a, a.layers, stack != "unrolled", dtype, layer_programs=stack == "programs"
+        )
         tr = make_trainer(cfg, mesh)
         params, opt = tr.init_state()
-        tokens = jax.device_put(jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, 256),
-                                tr.batch_sharding)
-        key = jax.random.key(0) if a.dropout else None    # no key: no dropout
+        tokens = jax.device_put(
+            jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, 256), tr.batch_sharding
+        )
+        key = jax.random.key(0) if a.dropout else None  # no key: no dropout
         tokens_per_step = a.batch * a.seq
         flops = flops_per_token(cfg) * tokens_per_step / mesh.devices.size
-        print(f"\n{dtype}, {STACKS[stack]}: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
-              f"batch {a.batch}, {param_count(cfg) / 1e6:.1f}M params, "
-              f"{flops_per_token(cfg) / 1e6:.0f} MFLOP/token")
+        print(
+            "\n"
+            f"{dtype}, {STACKS[stack]}: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, batch "
+            f"{a.batch}, {param_count(cfg) / 1e6:.1f}M params, {flops_per_token(cfg) / 1e6:.0f} "
+            "MFLOP/token"
+        )
         steps[dtype, stack] = stepper(tr, params, opt, tokens)
         t_step = alone[dtype, stack] = timed(steps[dtype, stack], reps=a.reps)
-        print(f"  step {t_step * 1000:.0f} ms | {tokens_per_step / t_step:,.0f} tokens/s | "
-              f"{flops / t_step / 1e12 * 1000:.0f} GFLOP/s per device | MFU "
-              f"{flops / t_step / 1e12 / peak:.2f}")
+        print(
+            f"  step {t_step * 1000:.0f} ms | {tokens_per_step / t_step:,.0f} tokens/s | "
+            f"{flops / t_step / 1e12 * 1000:.0f} GFLOP/s per device | MFU "
+            f"{flops / t_step / 1e12 / peak:.2f}"
+        )
         # its forward and backward are the same layer programs, called in turn
         if stack == "programs":
             continue
@@ -265,12 +303,16 @@ def main():
         grad = jax.jit(jax.grad(lambda p, t: tr.loss_fn(p, t, key)))
         g = grad(params, tokens)
         upd = jax.jit(lambda g, o, p: tr.tx.update(g, o, p))
-        t_fwd, t_grad = timed(loss, params, tokens, reps=a.reps), timed(grad, params, tokens,
-                                                                        reps=a.reps)
+        t_fwd, t_grad = (
+            timed(loss, params, tokens, reps=a.reps),
+            timed(grad, params, tokens, reps=a.reps),
+        )
         t_opt = timed(upd, g, opt, params, reps=a.reps)
-        print(f"  forward {t_fwd * 1000:.0f} ms, forward+backward {t_grad * 1000:.0f} ms "
-              f"(backward/forward {(t_grad - t_fwd) / t_fwd:.2f}; ideal 2.0), optimizer "
-              f"{t_opt * 1000:.0f} ms")
+        print(
+            f"  forward {t_fwd * 1000:.0f} ms, forward+backward {t_grad * 1000:.0f} ms "
+            f"(backward/forward {(t_grad - t_fwd) / t_fwd:.2f}; ideal 2.0), optimizer "
+            f"{t_opt * 1000:.0f} ms"
+        )
         if a.profile:
             where = os.path.join(a.profile, f"{dtype}_{stack}")
             print(f"  forward+backward by op kind: {profile(grad, (params, tokens), where)}")
@@ -278,18 +320,24 @@ def main():
     architecture_rows(a, mesh, dtypes[0], peaks[dtypes[0]])
     for dtype in dtypes:
         for other in ("scanned", "programs"):
-            print(f"\n{dtype}, {other} / unrolled train step, each timed alone: "
-                  f"{alone[dtype, other] / alone[dtype, 'unrolled']:.3f}")
+            print(
+                "\n"
+                f"{dtype}, {other} / unrolled train step, each timed alone: "
+                f"{alone[dtype, other] / alone[dtype, 'unrolled']:.3f}"
+            )
             if a.rounds:
                 print(
-                    f"  run in turn: "
-                    f"{alternating_ratio(steps[dtype, other], steps[dtype, 'unrolled'], a.rounds)}")
+                    "  run in turn: "
+                    f"{alternating_ratio(steps[dtype, other], steps[dtype, 'unrolled'], a.rounds)}"
+                )
     depths = [int(x) for x in a.compile_layers.split(",") if x]
     for scan in (True, False) if depths else ():
         times = [compile_seconds(a, mesh, n, scan, dtypes[0]) for n in depths]
-        print(f"\ncompile, {'scanned' if scan else 'unrolled'} train step ({dtypes[0]}): "
-              + ", ".join(f"{n} layers {t:.2f} s" for n, t in zip(depths, times))
-              + (f" (ratio {times[-1] / times[0]:.2f})" if len(times) > 1 else ""))
+        print(
+            f"\ncompile, {'scanned' if scan else 'unrolled'} train step ({dtypes[0]}): "
+            + ", ".join(f"{n} layers {t:.2f} s" for n, t in zip(depths, times))
+            + (f" (ratio {times[-1] / times[0]:.2f})" if len(times) > 1 else "")
+        )
 
 
 if __name__ == "__main__":

@@ -22,21 +22,29 @@ above it in this list (tests/test_architecture.py checks it):
 The names below are loaded on first use, so `import megajax.cli` stays free of jax until a
 program has read its --host-devices flag.
 """
+
 import importlib
 
 _API = {
-    "Config": "megajax.config", "ConfigError": "megajax.config", "ModelConfig": "megajax.config",
-    "TrainConfig": "megajax.config", "load_config": "megajax.config",
+    "Config": "megajax.config",
+    "ConfigError": "megajax.config",
+    "ModelConfig": "megajax.config",
+    "TrainConfig": "megajax.config",
+    "load_config": "megajax.config",
     "make_mesh": "megajax.core.mesh",
-    "GPT": "megajax.models.gpt", "BERT": "megajax.models.bert",
-    "abstract_model": "megajax.models.registry", "init_model": "megajax.models.registry",
+    "GPT": "megajax.models.gpt",
+    "BERT": "megajax.models.bert",
+    "abstract_model": "megajax.models.registry",
+    "init_model": "megajax.models.registry",
     "param_specs": "megajax.models.registry",
     "generate": "megajax.models.generate",
-    "param_count": "megajax.tasks", "task_for": "megajax.tasks",
+    "param_count": "megajax.tasks",
+    "task_for": "megajax.tasks",
     "make_trainer": "megajax.training.step",
     "train": "megajax.training.loop",
     "audit": "megajax.tools.audit",
-    "import_hf": "megajax.convert", "export_hf": "megajax.convert",
+    "import_hf": "megajax.convert",
+    "export_hf": "megajax.convert",
     "import_megatron": "megajax.convert",
 }
 
@@ -53,7 +61,7 @@ def __getattr__(name):
     if name not in _API:
         raise AttributeError(f"module 'megajax' has no attribute '{name}'")
     value = getattr(importlib.import_module(_API[name]), name)
-    globals()[name] = value     # resolved once
+    globals()[name] = value  # resolved once
     return value
 
 

@@ -13,6 +13,7 @@ full recomputation, 72·B·s·l·h²·(1 + s/6h + V/12lh) without. Activation by
 et al. 2022, section 4, for megajax's layer (term by term below). Collective elements are
 counted by each collective's result, as the audit reads them from the compiled program.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +29,7 @@ DATA_SCHEMES = ("plain", "zero", "fsdp")
 class StepShape:
     """One device's view of a train step: per microbatch, `rows` sequences of `seq` tokens on
     its data shard, the layer's sizes, the model axis `tp`, and what the task's heads read."""
+
     layers: int
     rows: int
     seq: int
@@ -35,21 +37,21 @@ class StepShape:
     heads: int
     ffn: int
     head_dim: int
-    vocab: int                      # padded
+    vocab: int  # padded
     tp: int = 1
     microbatches: int = 1
-    head_rows: int = 0              # positions per sequence through the output layer (GPT: seq)
-    heads_read_rows: bool = False   # the heads take their rows (BERT), not the whole sequence (GPT)
+    head_rows: int = 0  # positions per sequence through the output layer (GPT: seq)
+    heads_read_rows: bool = False  # the heads take their rows (BERT), not the whole sequence (GPT)
     # replicated embedding rows besides the positions (BERT's token types)
     extra_embedding_rows: int = 0
     sequence_parallel: bool = False
     remat: str = "none"
-    kv_heads: int = 0               # grouped-query attention's key/value heads (0: heads)
-    gated: bool = False             # SwiGLU: gate and up, each ffn wide
+    kv_heads: int = 0  # grouped-query attention's key/value heads (0: heads)
+    gated: bool = False  # SwiGLU: gate and up, each ffn wide
     replicated_norm_params: int = 2  # per norm: LayerNorm's scale and bias, RMSNorm's scale
-    row_biases: bool = True         # the row-parallel layers' biases (replicated)
+    row_biases: bool = True  # the row-parallel layers' biases (replicated)
     learned_positions: bool = True
-    frozen_base: bool = False       # LoRA: only the adapters have gradients
+    frozen_base: bool = False  # LoRA: only the adapters have gradients
 
     @classmethod
     def of(cls, cfg, task, mesh: MeshShape = MeshShape()) -> "StepShape":
@@ -58,15 +60,28 @@ class StepShape:
         m, t = cfg.model, cfg.train
         rows = mesh.rows_per_microbatch(t.batch_size, t.microbatches)
         return cls(
-            layers=m.num_layers, rows=rows * task.sequences_per_example, seq=m.seq_len,
-            hidden=m.hidden, heads=m.num_heads, ffn=m.ffn, head_dim=m.head_dim,
-            vocab=m.padded_vocab, tp=mesh.model, microbatches=t.microbatches,
-            head_rows=task.head_rows(cfg), heads_read_rows=task.heads_read_rows,
+            layers=m.num_layers,
+            rows=rows * task.sequences_per_example,
+            seq=m.seq_len,
+            hidden=m.hidden,
+            heads=m.num_heads,
+            ffn=m.ffn,
+            head_dim=m.head_dim,
+            vocab=m.padded_vocab,
+            tp=mesh.model,
+            microbatches=t.microbatches,
+            head_rows=task.head_rows(cfg),
+            heads_read_rows=task.heads_read_rows,
             extra_embedding_rows=task.extra_embedding_rows,
-            sequence_parallel=m.sequence_parallel, remat=m.remat, kv_heads=m.kv_heads,
-            gated=m.mlp == "swiglu", replicated_norm_params=2 if m.norm == "layernorm" else 1,
-            row_biases=m.bias == "all", learned_positions=m.positions == "learned",
-            frozen_base=m.lora_rank > 0)
+            sequence_parallel=m.sequence_parallel,
+            remat=m.remat,
+            kv_heads=m.kv_heads,
+            gated=m.mlp == "swiglu",
+            replicated_norm_params=2 if m.norm == "layernorm" else 1,
+            row_biases=m.bias == "all",
+            learned_positions=m.positions == "learned",
+            frozen_base=m.lora_rank > 0,
+        )
 
     @property
     def bsh(self) -> int:
@@ -93,9 +108,17 @@ def kv_copies(heads: int, kv_heads: int, tp: int) -> int:
     return tp // kv_heads if kv_heads < heads and tp > kv_heads else 1
 
 
-def layer_params(hidden: int, ffn: int, *, heads: int = 1, kv_heads: int | None = None,
-                 head_dim: int | None = None, gated: bool = False, bias: str = "all",
-                 norm: str = "layernorm") -> int:
+def layer_params(
+    hidden: int,
+    ffn: int,
+    *,
+    heads: int = 1,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    gated: bool = False,
+    bias: str = "all",
+    norm: str = "layernorm",
+) -> int:
     """Parameters of one transformer layer: the query, key and value projections (kv_heads of
     them for keys and values), the output projection, the MLP (SwiGLU: gate, up and down) and
     two norms (LayerNorm: scale and bias; RMSNorm: scale). `bias`: all, none or qkv only."""
@@ -113,6 +136,7 @@ def layer_params(hidden: int, ffn: int, *, heads: int = 1, kv_heads: int | None 
 class Matmul:
     """One matmul a device runs per layer (or for the head) per microbatch: rows x inner x cols,
     `count` of them (the attention core: one per head and sequence)."""
+
     rows: int
     inner: int
     cols: int
@@ -131,8 +155,14 @@ def layer_matmuls(x: StepShape) -> list[Matmul]:
     n, h, f, s, d, t = x.rows * x.seq, x.hidden, x.ffn, x.seq, x.head_dim, x.tp
     heads = x.rows * x.heads // t
     fc1 = (2 if x.gated else 1) * f // t
-    return [Matmul(n, h, x.qkv_columns), Matmul(n, x.heads * d // t, h), Matmul(n, h, fc1),
-            Matmul(n, f // t, h), Matmul(s, d, s, heads), Matmul(s, s, d, heads)]
+    return [
+        Matmul(n, h, x.qkv_columns),
+        Matmul(n, x.heads * d // t, h),
+        Matmul(n, h, fc1),
+        Matmul(n, f // t, h),
+        Matmul(s, d, s, heads),
+        Matmul(s, s, d, heads),
+    ]
 
 
 def head_matmul(x: StepShape) -> Matmul:
@@ -151,17 +181,18 @@ def step_flops(x: StepShape, remat: str | None = None) -> float:
     remat = x.remat if remat is None else remat
     mms = layer_matmuls(x)
     layer, core = sum(mm.flops for mm in mms), sum(mm.flops for mm in mms[4:])
-    per_microbatch = x.layers * ((3 + recompute_passes(remat)) * layer
-                                 + (core if remat == "selective" else 0))
+    per_microbatch = x.layers * (
+        (3 + recompute_passes(remat)) * layer + (core if remat == "selective" else 0)
+    )
     return x.microbatches * (per_microbatch + 3 * head_matmul(x).flops)
 
 
 def paper_flops(batch: int, x: StepShape, full_recompute: bool = True) -> float:
     """The paper's closed form (GPT, ffn = 4h), for comparison with `step_flops`."""
-    B, s, l, h, V = batch, x.seq, x.layers, x.hidden, x.vocab
+    B, s, L, h, V = batch, x.seq, x.layers, x.hidden, x.vocab
     if full_recompute:
-        return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
-    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
 
 
 def flops_per_token(x: StepShape, matmul_params_per_token: float) -> float:
@@ -192,7 +223,7 @@ def kv_copies_grad_elements(x: StepShape) -> dict[str, int]:
     a copy of the key/value weight (hidden x 2 · kv heads · head_dim) and computes the gradient
     of its head's columns; per layer and microbatch the copies of each head's gradient are summed
     (an all-reduce of hidden x 2 · head_dim) and the heads gathered (hidden x 2 · kv · head_dim)."""
-    if x.kv_copies == 1 or x.frozen_base:     # frozen: no gradient to sum
+    if x.kv_copies == 1 or x.frozen_base:  # frozen: no gradient to sum
         return {"all-reduce": 0, "all-gather": 0}
     one_head = x.layers * x.hidden * 2 * x.head_dim
     return {"all-reduce": one_head, "all-gather": one_head * x.kv}
@@ -218,19 +249,21 @@ def _model_axis_forms(x: StepShape) -> dict[str, int]:
     b, L, h, r, t, bsh, mb = x.rows, x.layers, x.hidden, x.head_rows, x.tp, x.bsh, x.microbatches
     full, kv = x.remat == "full", kv_copies_grad_elements(x)
     if not x.sequence_parallel:
-        per = (4 * L * bsh + bsh + b * r * h + 3 * b * r + (L * bsh if full else 0)
-               + kv["all-reduce"])
+        per = (
+            4 * L * bsh + bsh + b * r * h + 3 * b * r + (L * bsh if full else 0) + kv["all-reduce"]
+        )
         return {"all-reduce": mb * per, "all-gather": mb * kv["all-gather"], "reduce-scatter": 0}
     if x.heads_read_rows:
         gather, scatter, reduce = b * (r + 1) * h, 0, b * r * h
     else:
         gather, scatter, reduce = (bsh, bsh // t, 0) if r else (0, 0, 0)
-    embedding_grad = 0 if x.frozen_base else bsh     # the gather for its table's gradient
-    return {"all-gather": mb * ((4 + 2) * L * bsh + embedding_grad + gather + kv["all-gather"]),
-            "reduce-scatter": mb
-            * (4 * L * bsh // t + bsh // t + scatter + (L * bsh // t if full else 0)),
-            "all-reduce": mb
-            * (3 * b * r + reduce + replicated_grad_elements(x) + kv["all-reduce"])}
+    embedding_grad = 0 if x.frozen_base else bsh  # the gather for its table's gradient
+    return {
+        "all-gather": mb * ((4 + 2) * L * bsh + embedding_grad + gather + kv["all-gather"]),
+        "reduce-scatter": mb
+        * (4 * L * bsh // t + bsh // t + scatter + (L * bsh // t if full else 0)),
+        "all-reduce": mb * (3 * b * r + reduce + replicated_grad_elements(x) + kv["all-reduce"]),
+    }
 
 
 def regathered_elements(x: StepShape) -> int:
@@ -257,9 +290,16 @@ def model_axis_minimum(x: StepShape) -> int:
 
 
 # --- communication over "data" ----------------------------------------------------------------
-def data_axis_minimum(scheme: str, n: int, microbatches: int, split: int, whole: int,
-                      layers: int = 0, layers_read: int = 0,
-                      outside_once: bool = False) -> dict[str, float]:
+def data_axis_minimum(
+    scheme: str,
+    n: int,
+    microbatches: int,
+    split: int,
+    whole: int,
+    layers: int = 0,
+    layers_read: int = 0,
+    outside_once: bool = False,
+) -> dict[str, float]:
     """Elements each device sends over "data" per step (ring algorithms) at the minimum of its
     data-parallel scheme, from the elements of its model shard of the parameters: `split` over
     "data" by ZeRO/FSDP (a dimension divides), `whole` (none does), and of the split ones those
@@ -273,30 +313,48 @@ def data_axis_minimum(scheme: str, n: int, microbatches: int, split: int, whole:
              layers over its ticks): those reduce-scattered once per step too."""
     if scheme not in DATA_SCHEMES:
         raise ValueError(
-            f"a data-parallel scheme is one of {', '.join(DATA_SCHEMES)}, got {scheme!r}")
+            f"a data-parallel scheme is one of {', '.join(DATA_SCHEMES)}, got {scheme!r}"
+        )
     if n == 1:
         return {"gradients": 0.0, "params": 0.0, "regather": 0.0}
     gather, reduce, mb = (n - 1) / n, 2 * (n - 1) / n, microbatches
     if scheme == "plain":
         return {"gradients": reduce * (split + whole), "params": 0.0, "regather": 0.0}
     if scheme == "zero":
-        return {"gradients": gather * split + reduce * whole, "params": gather * split,
-                "regather": 0.0}
+        return {
+            "gradients": gather * split + reduce * whole,
+            "params": gather * split,
+            "regather": 0.0,
+        }
     outside = gather * (split - layers) * (1 if outside_once else mb)
-    return {"gradients": mb * gather * layers + outside + reduce * whole,
-            "params": mb * gather * layers + gather * (split - layers),
-            "regather": mb * gather * layers_read}
+    return {
+        "gradients": mb * gather * layers + outside + reduce * whole,
+        "params": mb * gather * layers + gather * (split - layers),
+        "regather": mb * gather * layers_read,
+    }
 
 
 # --- activation memory -------------------------------------------------------------------------
-def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 1,
-                               ffn: int | None = None,
-                               sequence_parallel: bool = False, remat: str = "none",
-                               dtype: str = "bfloat16",
-                               hidden_dropout: bool = True, attention_dropout: bool = True,
-                               recompute_norm_gelu: bool = False, fused_attention: bool = False,
-                               head_dim: int | None = None, kv_heads: int | None = None,
-                               gated: bool = False, rms_norm: bool = False) -> int:
+def activation_bytes_per_layer(
+    *,
+    b: int,
+    s: int,
+    h: int,
+    heads: int,
+    tp: int = 1,
+    ffn: int | None = None,
+    sequence_parallel: bool = False,
+    remat: str = "none",
+    dtype: str = "bfloat16",
+    hidden_dropout: bool = True,
+    attention_dropout: bool = True,
+    recompute_norm_gelu: bool = False,
+    fused_attention: bool = False,
+    head_dim: int | None = None,
+    kv_heads: int | None = None,
+    gated: bool = False,
+    rms_norm: bool = False,
+) -> int:
     """Bytes one device keeps for one layer's backward pass, for b sequences of s tokens.
 
     For 16-bit activations with dropout it is the paper's, term for term (bytes per layer):
@@ -328,19 +386,25 @@ def activation_bytes_per_layer(*, b: int, s: int, h: int, heads: int, tp: int = 
     if remat not in REMAT_MODES:
         raise ValueError(f"remat must be one of {REMAT_MODES}, got {remat!r}")
     act, ffn = DTYPE_BYTES[dtype], 4 * h if ffn is None else ffn
-    sp = tp if sequence_parallel else 1          # what the between-blocks tensors are split by
+    sp = tp if sequence_parallel else 1  # what the between-blocks tensors are split by
     if remat == "full":
         return s * b * h * act // sp
-    kept_inputs, kept_ffn, stats = (2, 1, 0) if recompute_norm_gelu else (
-        4, 2, 2 * (1 if rms_norm else 2) * 4 * s * b // sp)
-    kept_ffn += 1 if gated else 0                # gate and up, where GeLU has one input
+    kept_inputs, kept_ffn, stats = (
+        (2, 1, 0) if recompute_norm_gelu else (4, 2, 2 * (1 if rms_norm else 2) * 4 * s * b // sp)
+    )
+    kept_ffn += 1 if gated else 0  # gate and up, where GeLU has one input
     between = (kept_inputs * act + (2 if hidden_dropout else 0)) * s * b * h // sp + stats
     width = heads * (head_dim or h // heads)
-    kv = (2 * width if not fused_attention or kv_heads is None
-          else 2 * kv_heads * (head_dim or h // heads))
+    kv = (
+        2 * width
+        if not fused_attention or kv_heads is None
+        else 2 * kv_heads * (head_dim or h // heads)
+    )
     inside = act * s * b * (2 * width + kv + kept_ffn * ffn) // tp
-    core = 0 if remat == "selective" else (
-        act + (act + 1 if attention_dropout else 0)) * b * heads * s * s // tp
+    core = (
+        0
+        if remat == "selective"
+        else (act + (act + 1 if attention_dropout else 0)) * b * heads * s * s // tp
+    )
     core = 4 * b * heads * s // tp if fused_attention else core
     return between + inside + core
-

@@ -3,6 +3,7 @@
 A config file has up to three tables, [model], [train] and [data], whose keys are the fields
 below; anything not given keeps its default. `base = "name"` at the top inherits another config.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,15 +32,21 @@ def _config_dir() -> Path:
 CONFIG_DIR = _config_dir()
 
 
-FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127   # float32 arrays hold these
-MAX_LOSS_SCALE = 2.0 ** 32
+FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127  # float32 arrays hold these
+MAX_LOSS_SCALE = 2.0**32
 
 
 # train.py's flags that are shorthands for config keys (--steps N is --set train.steps=N)
-FLAG_KEYS = (("steps", "train.steps"), ("log_every", "train.log_every"),
-             ("eval_every", "train.eval_every"), ("save_every", "train.save_every"),
-             ("data", "data.source"), ("tokenizer", "data.tokenizer"),
-             ("init_from", "train.init_from"), ("tracker", "train.tracker"))
+FLAG_KEYS = (
+    ("steps", "train.steps"),
+    ("log_every", "train.log_every"),
+    ("eval_every", "train.eval_every"),
+    ("save_every", "train.save_every"),
+    ("data", "data.source"),
+    ("tokenizer", "data.tokenizer"),
+    ("init_from", "train.init_from"),
+    ("tracker", "train.tracker"),
+)
 
 
 def in_python_terms(message: str) -> str:
@@ -57,8 +64,8 @@ def in_python_terms(message: str) -> str:
 
 @dataclasses.dataclass(slots=True)
 class TrainConfig:
-    batch_size: int = 16              # global, over all data-parallel replicas
-    microbatches: int = 1             # gradient accumulation steps per optimizer step
+    batch_size: int = 16  # global, over all data-parallel replicas
+    microbatches: int = 1  # gradient accumulation steps per optimizer step
     # True: microbatches as independent branches XLA can run at once (CPU cores)
     unroll_microbatches: bool = False
     # ZeRO-1: optimizer state split over "data", gradients reduce-scattered once per step
@@ -69,61 +76,93 @@ class TrainConfig:
     layer_programs: bool = False
     # with a "pipe" mesh axis: gpipe | 1f1b | interleaved (of train.microbatches)
     pipeline_schedule: str = "1f1b"
-    pipeline_chunks: int = 1          # layer chunks per stage (interleaved: 2 or more)
-    steps: int = 1000                 # optimizer steps in all
-    lr: float = 6e-4                  # peak learning rate, after warmup
-    min_lr: float = 6e-5              # where the decay ends
-    warmup_steps: int = 100           # linear warmup from 0
-    decay_steps: int = 0              # 0 -> steps
-    schedule: str = "cosine"          # cosine | linear: the decay after the linear warmup
-    weight_decay: float = 0.01        # AdamW's (not on biases and norms)
-    beta1: float = 0.9                # Adam's
-    beta2: float = 0.95               # Adam's
-    eps: float = 1e-8                 # Adam's
-    grad_clip: float = 1.0            # global-norm clipping
-    spike_factor: float = 10.0        # diverged: loss > this x its 20 steps' median and > chance
-    loss_scale: float = 65536.0       # float16: the dynamic loss scale's start (loss_scale.py)
-    loss_scale_window: int = 1000     # float16: the scale doubles after this many clean steps
-    loss_scale_hysteresis: int = 2    # float16: overflows tolerated before one halves the scale
-    seed: int = 0                     # weights, batches and dropout follow from it
-    init_from: str = ""               # a workdir whose weights start this run (BERT: its encoder)
-    random_base: bool = False         # LoRA without init_from: adapt random weights (else refused)
-    log_every: int = 10               # steps between log lines
-    eval_every: int = 200             # steps between validations
-    eval_batches: int = 8             # validation batches, at most
-    save_every: int = 500             # steps between checkpoints
-    keep_checkpoints: int = 3         # the newest this many are kept
-    tracker: str = "tensorboard"      # and metrics.jsonl: tensorboard | wandb ('megajax[wandb]')
+    pipeline_chunks: int = 1  # layer chunks per stage (interleaved: 2 or more)
+    steps: int = 1000  # optimizer steps in all
+    lr: float = 6e-4  # peak learning rate, after warmup
+    min_lr: float = 6e-5  # where the decay ends
+    warmup_steps: int = 100  # linear warmup from 0
+    decay_steps: int = 0  # 0 -> steps
+    schedule: str = "cosine"  # cosine | linear: the decay after the linear warmup
+    weight_decay: float = 0.01  # AdamW's (not on biases and norms)
+    beta1: float = 0.9  # Adam's
+    beta2: float = 0.95  # Adam's
+    eps: float = 1e-8  # Adam's
+    grad_clip: float = 1.0  # global-norm clipping
+    spike_factor: float = 10.0  # diverged: loss > this x its 20 steps' median and > chance
+    loss_scale: float = 65536.0  # float16: the dynamic loss scale's start (loss_scale.py)
+    loss_scale_window: int = 1000  # float16: the scale doubles after this many clean steps
+    loss_scale_hysteresis: int = 2  # float16: overflows tolerated before one halves the scale
+    seed: int = 0  # weights, batches and dropout follow from it
+    init_from: str = ""  # a workdir whose weights start this run (BERT: its encoder)
+    random_base: bool = False  # LoRA without init_from: adapt random weights (else refused)
+    log_every: int = 10  # steps between log lines
+    eval_every: int = 200  # steps between validations
+    eval_batches: int = 8  # validation batches, at most
+    save_every: int = 500  # steps between checkpoints
+    keep_checkpoints: int = 3  # the newest this many are kept
+    tracker: str = "tensorboard"  # and metrics.jsonl: tensorboard | wandb ('megajax[wandb]')
 
     def validate(self):
-        for name in ("batch_size", "microbatches", "steps", "log_every", "eval_every",
-                     "eval_batches", "save_every", "keep_checkpoints", "lr", "eps", "grad_clip",
-                     "loss_scale", "loss_scale_window", "loss_scale_hysteresis", "pipeline_chunks"):
+        for name in (
+            "batch_size",
+            "microbatches",
+            "steps",
+            "log_every",
+            "eval_every",
+            "eval_batches",
+            "save_every",
+            "keep_checkpoints",
+            "lr",
+            "eps",
+            "grad_clip",
+            "loss_scale",
+            "loss_scale_window",
+            "loss_scale_hysteresis",
+            "pipeline_chunks",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
         if self.loss_scale > MAX_LOSS_SCALE:
-            raise ConfigError(f"train.loss_scale must be at most 2^32 (where the dynamic scale "
-                              f"stops growing), got {self.loss_scale:g}")
+            raise ConfigError(
+                "train.loss_scale must be at most 2^32 (where the dynamic scale stops growing), "
+                f"got {self.loss_scale:g}"
+            )
         if 0 < self.spike_factor <= 1:
             raise ConfigError(f"train.spike_factor must be 0 or above 1, got {self.spike_factor}")
-        for name in ("warmup_steps", "decay_steps", "seed", "min_lr", "weight_decay",
-                     "spike_factor"):
+        for name in (
+            "warmup_steps",
+            "decay_steps",
+            "seed",
+            "min_lr",
+            "weight_decay",
+            "spike_factor",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be 0 or more, got {getattr(self, name)}")
         if self.batch_size % self.microbatches:
-            raise ConfigError(f"train.batch_size={self.batch_size} is not divisible by "
-                              f"train.microbatches={self.microbatches}")
+            raise ConfigError(
+                f"train.batch_size={self.batch_size} is not divisible by "
+                f"train.microbatches={self.microbatches}"
+            )
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.min_lr > self.lr:   # Megatron-LM refuses it too: the "decay" would raise the rate
-            raise ConfigError(f"train.min_lr ({self.min_lr:g}) must not exceed train.lr "
-                              f"({self.lr:g})")
-        one_of(self, "train", schedule=("cosine", "linear"), tracker=("tensorboard", "wandb"),
-               pipeline_schedule=SCHEDULES)
+        if self.min_lr > self.lr:  # Megatron-LM refuses it too: the "decay" would raise the rate
+            raise ConfigError(
+                f"train.min_lr ({self.min_lr:g}) must not exceed train.lr ({self.lr:g})"
+            )
+        one_of(
+            self,
+            "train",
+            schedule=("cosine", "linear"),
+            tracker=("tensorboard", "wandb"),
+            pipeline_schedule=SCHEDULES,
+        )
         if (self.pipeline_chunks > 1) != (self.pipeline_schedule == "interleaved"):
-            raise ConfigError(f"train.pipeline_chunks={self.pipeline_chunks}: the interleaved "
-                              f"schedule runs 2 or more chunks per stage, the others 1")
+            raise ConfigError(
+                f"train.pipeline_chunks={self.pipeline_chunks}: the interleaved schedule runs 2 or "
+                "more chunks per stage, the others 1"
+            )
 
 
 @dataclasses.dataclass(slots=True)
@@ -134,8 +173,8 @@ class DataConfig:
     # bytes | chars | hf:PATH/tokenizer.json | tiktoken:NAME | wordpiece:PATH/vocab.txt |
     # wordpiece[:SIZE] (trained on the corpus)
     tokenizer: str = "bytes"
-    val_fraction: float = 0.1         # the last this fraction of text is held out
-    bin_dtype: str = "uint16"         # for bin: sources
+    val_fraction: float = 0.1  # the last this fraction of text is held out
+    bin_dtype: str = "uint16"  # for bin: sources
     # BERT pretraining: fraction of tokens to predict (80% [MASK], 10% random, 10% kept)
     mask_prob: float = 0.15
     # whole_word (Megatron-LM: whole words in n-gram spans) | token (independent tokens)
@@ -151,8 +190,14 @@ class DataConfig:
         for name in ("val_fraction", "mask_prob"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ConfigError(f"data.{name} must be in (0, 1), got {getattr(self, name)}")
-        one_of(self, "data", bin_dtype=("uint16", "uint32"), masking=("whole_word", "token"),
-               chat_loss=("assistant", "all"), chat_overflow=("refuse", "truncate"))
+        one_of(
+            self,
+            "data",
+            bin_dtype=("uint16", "uint32"),
+            masking=("whole_word", "token"),
+            chat_loss=("assistant", "all"),
+            chat_overflow=("refuse", "truncate"),
+        )
         if self.max_ngram < 1:
             raise ConfigError(f"data.max_ngram must be at least 1, got {self.max_ngram}")
 
@@ -169,25 +214,32 @@ class Config:
         Values set from Python (cfg.train.lr = "3e-4") are typed as a file's or --set's would be."""
         for section in (self.model, self.train, self.data):
             for f in dataclasses.fields(section):
-                set_value(self, f"{SECTION_NAMES[type(section)]}.{f.name}",
-                          getattr(section, f.name))
+                set_value(
+                    self, f"{SECTION_NAMES[type(section)]}.{f.name}", getattr(section, f.name)
+                )
         self.model.validate()
         self.train.validate()
         self.data.validate()
         if self.train.layer_programs and not self.model.scan_layers:
             raise ConfigError(
-                "train.layer_programs runs the stacked layers of model.scan_layers = true one at a "
-                "time; set model.scan_layers = true (or train.layer_programs = false)")
+                "train.layer_programs runs the stacked layers of model.scan_layers = true one at "
+                "a time; set model.scan_layers = true (or train.layer_programs = false)"
+            )
         if self.model.lora_rank and self.model.kind != "gpt":
-            raise ConfigError("LoRA adapters (model.lora_rank) are for GPT decoders: BERT's "
-                              "heads train from scratch, so its fine-tuning trains every weight")
+            raise ConfigError(
+                "LoRA adapters (model.lora_rank) are for GPT decoders: BERT's heads train from "
+                "scratch, so its fine-tuning trains every weight"
+            )
         if self.train.layer_programs and self.model.lora_rank:
-            raise ConfigError("train.layer_programs trains every weight: LoRA adapters "
-                              "(model.lora_rank) train with the single-program step")
+            raise ConfigError(
+                "train.layer_programs trains every weight: LoRA adapters (model.lora_rank) train "
+                "with the single-program step"
+            )
         if self.train.layer_programs and (self.train.shard_optimizer or self.train.shard_params):
-            raise ConfigError("train.layer_programs works with plain data parallelism only: unset "
-                              "train.shard_optimizer and train.shard_params (or "
-                              "train.layer_programs)")
+            raise ConfigError(
+                "train.layer_programs works with plain data parallelism only: unset "
+                "train.shard_optimizer and train.shard_params (or train.layer_programs)"
+            )
         return self
 
     def to_dict(self) -> dict:
@@ -203,7 +255,8 @@ def _check_representable(key: str, value):
     if isinstance(value, float) and not (value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX):
         raise ConfigError(
             f"{key} must be a finite number in float32's range (0, or 1.2e-38 to 3.4e+38 in "
-            f"magnitude), got {value}")
+            f"magnitude), got {value}"
+        )
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**31:
         raise ConfigError(f"{key} must be below 2^31 (the run counts in int32), got {value}")
     return value
@@ -218,8 +271,9 @@ _field_types = functools.cache(typing.get_type_hints)
 def _unknown(key: str) -> ConfigError:
     keys = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    return ConfigError(f"unknown config key '{key}'"
-                       + (f"; did you mean '{close[0]}'?" if close else ""))
+    return ConfigError(
+        f"unknown config key '{key}'" + (f"; did you mean '{close[0]}'?" if close else "")
+    )
 
 
 def _coerce(key: str, value, typ):
@@ -231,7 +285,7 @@ def _coerce(key: str, value, typ):
                 return text.lower() in ("true", "1", "yes", "on")
             raise ConfigError(f"{key} expects true or false, got '{value}'")
         try:
-            if typ is int and "e" in text.lower():    # 1e6 is an integer written as a float
+            if typ is int and "e" in text.lower():  # 1e6 is an integer written as a float
                 number = float(text)
                 if not number.is_integer():
                     raise ValueError
@@ -256,8 +310,11 @@ def set_value(cfg: Config, key: str, value) -> None:
         raise _unknown(key)
     if key == "model.remat" and isinstance(value, (bool, str)):
         value = REMAT_ALIASES.get(value.lower() if isinstance(value, str) else value, value)
-    setattr(getattr(cfg, section), field,
-            _check_representable(key, _coerce(key, value, _field_types(cls)[field])))
+    setattr(
+        getattr(cfg, section),
+        field,
+        _check_representable(key, _coerce(key, value, _field_types(cls)[field])),
+    )
 
 
 def with_values(cfg: Config, values: dict) -> Config:
@@ -269,7 +326,7 @@ def with_values(cfg: Config, values: dict) -> Config:
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    # one "key=value" too
+    # a single "key=value" string is taken too
     for item in [overrides] if isinstance(overrides, str) else overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got '{item}'")
@@ -283,15 +340,22 @@ def find_config(name_or_path: str) -> Path:
     named = [CONFIG_DIR / f"{name_or_path}.toml", Path("configs") / f"{name_or_path}.toml"]
     if found := [c for c in [p] * suffixed + named if c.is_file()]:
         return found[0]
-    if suffixed or len(p.parts) > 1:     # meant as a file, not a name
-        what = ("not found" if not p.exists() else "is not a .toml or .json file" if p.is_file()
-                else "is not a file")
+    if suffixed or len(p.parts) > 1:  # meant as a file, not a name
+        what = (
+            "not found"
+            if not p.exists()
+            else "is not a .toml or .json file"
+            if p.is_file()
+            else "is not a file"
+        )
         raise ConfigError(
-            f"config {name_or_path} {what} (give a name in configs/, or a .toml or .json file)")
+            f"config {name_or_path} {what} (give a name in configs/, or a .toml or .json file)"
+        )
     close = difflib.get_close_matches(name_or_path, known := available_configs(), n=1)
-    raise ConfigError(f"no config named '{name_or_path}'"
-                      + (f"; did you mean '{close[0]}'?" if close else
-                                                             f"; available: {', '.join(known)}"))
+    raise ConfigError(
+        f"no config named '{name_or_path}'"
+        + (f"; did you mean '{close[0]}'?" if close else f"; available: {', '.join(known)}")
+    )
 
 
 def _read(path: Path) -> dict:
@@ -304,12 +368,14 @@ def _read(path: Path) -> dict:
         raise ConfigError(f"cannot parse {path}: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(
-            f"{path}: expected a table of sections at the top, got {type(raw).__name__}")
+            f"{path}: expected a table of sections at the top, got {type(raw).__name__}"
+        )
     return raw
 
 
-def load_config(name_or_path: str = "default", overrides: list[str] | None = None,
-                _seen: tuple[Path, ...] = ()) -> Config:
+def load_config(
+    name_or_path: str = "default", overrides: list[str] | None = None, _seen: tuple[Path, ...] = ()
+) -> Config:
     """Load a config by name (configs/NAME.toml) or path (.toml or a saved .json), then apply
     `overrides`."""
     path = find_config(name_or_path)
@@ -341,8 +407,10 @@ def _from_checkout(source: str) -> str:
     if spec.kind not in ("text", "bin", "chat", "pairs", "megatron") or not spec.arg:
         return source
     root = CONFIG_DIR.parent
-    paths = [str(root / p) if not Path(p).is_absolute() and (root / p).exists() else p
-             for p in spec.paths]
+    paths = [
+        str(root / p) if not Path(p).is_absolute() and (root / p).exists() else p
+        for p in spec.paths
+    ]
     return str(DataSpec(spec.kind, ",".join(paths)))
 
 

@@ -1,4 +1,5 @@
 """Errors a user can cause and fix. The CLIs print them as one line and exit with code 2."""
+
 import contextlib
 import os
 import re
@@ -37,6 +38,6 @@ def exit_now(line: str, status: int):
     crashed the interpreter at exit, SIGSEGV in CI), and for a peer's death in a multi-process
     run, where the normal exit's shutdown barrier would wait for the dead process."""
     print(line, file=sys.stderr, flush=True)
-    with contextlib.suppress(Exception):   # stdout may be a closed pipe
+    with contextlib.suppress(Exception):  # stdout may be a closed pipe
         sys.stdout.flush()
     os._exit(status)

@@ -1,6 +1,7 @@
 """Files megajax writes: a kill at any moment leaves either the old content or the new, never
 a truncated file; JSON-lines logs read back even when a kill cut their last line short; and
 one training run at a time per workdir."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,7 @@ from megajax.errors import UserError
 
 try:
     import fcntl
-except ImportError:        # not POSIX: no workdir lock
+except ImportError:  # not POSIX: no workdir lock
     fcntl = None
 
 
@@ -131,9 +132,11 @@ class WorkdirLock:
         self.workdir, self.what = Path(workdir), what
         self.fd = None
         self.created = False
-        self.busy = busy or (f"another megajax process holds {self.workdir} (a run training "
-                             f"there, or a megajax-prepare writing to it); wait for it to finish "
-                             f"(or stop it), or give this one another --workdir")
+        self.busy = busy or (
+            f"another megajax process holds {self.workdir} (a run training there, or a "
+            "megajax-prepare writing to it); wait for it to finish (or stop it), or give this one "
+            "another --workdir"
+        )
 
     def __enter__(self):
         self.created = not self.workdir.exists()
@@ -158,9 +161,9 @@ class WorkdirLock:
     def __exit__(self, *exc):
         if self.fd is not None:
             _HELD_LOCKS.discard(self.fd)
-            os.close(self.fd)     # closing the descriptor releases the lock
+            os.close(self.fd)  # closing the descriptor releases the lock
             self.fd = None
-        if self.created:          # a run refused after the lock leaves no empty workdir behind
+        if self.created:  # a run refused after the lock leaves no empty workdir behind
             with contextlib.suppress(OSError):
                 self.workdir.rmdir()
 
@@ -169,8 +172,10 @@ def check_new_directory(path: Path, what: str = "output") -> Path:
     """`path` may be created: it does not exist, or is an empty directory. Never overwrite."""
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise UserError(f"{path} already exists and is not empty: choose a new {what} directory "
-                        f"(megajax does not overwrite it)")
+        raise UserError(
+            f"{path} already exists and is not empty: choose a new {what} directory (megajax does "
+            "not overwrite it)"
+        )
     return path
 
 
@@ -189,19 +194,21 @@ def staged_directory(path: Path, what: str = "output"):
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(path)
     tmp = path.parent / f".{path.name}.{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.partial"
-    _STAGED[tmp] = [path, None]   # before it exists: a signal between the two still finds it
+    _STAGED[tmp] = [path, None]  # before it exists: a signal between the two still finds it
     tmp.mkdir()
     _STAGED[tmp][1] = tmp.stat().st_ino
     try:
         yield tmp
-        check_new_directory(path, what)          # someone may have made it meanwhile
+        check_new_directory(path, what)  # someone may have made it meanwhile
         try:
             if path.exists():
                 path.rmdir()
             os.replace(tmp, path)
-        except OSError:                          # ... even between that check and the rename
-            raise UserError(f"{path} was created by another process meanwhile: nothing of this run "
-                            f"was written there") from None
+        except OSError:  # ... even between that check and the rename
+            raise UserError(
+                f"{path} was created by another process meanwhile: nothing of this run was written "
+                "there"
+            ) from None
         _WRITTEN.append(path)
     finally:
         _STAGED.pop(tmp, None)
@@ -247,7 +254,7 @@ def _remove_abandoned(path: Path):
     """Staged copies of `path` left by processes of this host that died (SIGKILL, or a writer
     thread that outran abandon_staged): their names say which process made them."""
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.{_HOST}-*-*.partial"):
-        pid = tmp.name[len(path.name) + len(_HOST) + 3:].split("-")[0]
+        pid = tmp.name[len(path.name) + len(_HOST) + 3 :].split("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -257,6 +264,6 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:      # it exists, but belongs to someone else
+    except OSError:  # it exists, but belongs to someone else
         return True
     return True

@@ -14,6 +14,7 @@ Accepted specs:
                             config instead (plan/auto.py: the planner's mesh when the run does
                             not fit there)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +55,9 @@ class MeshShape:
             if name not in sizes:
                 given = sizes[other] * sizes[PIPE]
                 if devices % given:
-                    raise ValueError(f"mesh '{spec}': {_named(sizes)} does not divide the "
-                                     f"number of devices")
+                    raise ValueError(
+                        f"mesh '{spec}': {_named(sizes)} does not divide the number of devices"
+                    )
                 sizes[name] = devices // given
         shape = cls(**sizes)
         if shape.devices != devices:
@@ -81,8 +83,11 @@ class MeshShape:
     # -- writing ----------------------------------------------------------------------------
     def __str__(self) -> str:
         """The spec that parses back to this shape: "data=2,model=4", "data=2,pipe=2,model=2"."""
-        return ",".join(f"{name}={getattr(self, name)}" for name in (DATA, PIPE, MODEL)
-                        if name != PIPE or self.pipelined)
+        return ",".join(
+            f"{name}={getattr(self, name)}"
+            for name in (DATA, PIPE, MODEL)
+            if name != PIPE or self.pipelined
+        )
 
     def sizes(self) -> dict[str, int]:
         """{axis: size} of the jax Mesh's axes, outermost first (pipe only with stages): what
@@ -113,8 +118,9 @@ class MeshShape:
 
 
 def _named(sizes: dict) -> str:
-    return " x ".join(f"{a}={sizes[a]}" for a in LAYOUT
-                      if a in sizes and (a != PIPE or sizes[a] > 1))
+    return " x ".join(
+        f"{a}={sizes[a]}" for a in LAYOUT if a in sizes and (a != PIPE or sizes[a] > 1)
+    )
 
 
 def _sizes(spec: str | None, s: str) -> dict[str, int]:
@@ -133,15 +139,17 @@ def _sizes(spec: str | None, s: str) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for name, value in pairs:
         if name not in LAYOUT:
-            raise ValueError(f"mesh '{spec}': unknown axis '{name}' (axes are 'data', 'pipe' "
-                             f"and 'model')")
+            raise ValueError(
+                f"mesh '{spec}': unknown axis '{name}' (axes are 'data', 'pipe' and 'model')"
+            )
         if name in sizes:
             raise ValueError(f"mesh '{spec}': axis '{name}' given twice")
         try:
             size = int(value)
         except ValueError:
             raise ValueError(
-                f"mesh '{spec}': size of '{name}' must be an integer, got '{value}'") from None
+                f"mesh '{spec}': size of '{name}' must be an integer, got '{value}'"
+            ) from None
         if size <= 0:
             raise ValueError(f"mesh '{spec}': size of '{name}' must be positive, got {size}")
         sizes[name] = size

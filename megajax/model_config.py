@@ -4,6 +4,7 @@ One ModelConfig describes GPT-2 and BERT (2019) and the decoders of today (Llama
 Qwen2): RMSNorm, rotary positions, SwiGLU, grouped-query attention, untied output layers and
 their bias patterns are fields here, each validated with every other.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,25 +19,39 @@ class ConfigError(UserError, ValueError):
     """A mistake in a config file or override that the user can fix."""
 
 
-# the boolean it once was
+# model.remat was a boolean once: true and false still mean "full" and "none"
 REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}
 ROPE_SCALINGS = ("none", "linear", "llama3")
 # the layers LoRA adapts (core/lora.py): the attention's qkv and out, the MLP's fc1 and fc2
 LORA_TARGETS = ("qkv", "out", "fc1", "fc2")
 # The fields of today's decoders: with the sizes they fix a model's weights and its function, so
 # a workdir's model (--init-from) and an imported checkpoint decide them, never an override.
-ARCHITECTURE = ("norm", "positions", "rope_theta", "rope_scaling", "rope_factor",
-                "rope_low_freq_factor",
-                "rope_high_freq_factor", "rope_original_context", "max_positions", "mlp",
-                "num_kv_heads", "kv_channels", "bias", "tie_embeddings", "sliding_window")
+ARCHITECTURE = (
+    "norm",
+    "positions",
+    "rope_theta",
+    "rope_scaling",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_context",
+    "max_positions",
+    "mlp",
+    "num_kv_heads",
+    "kv_channels",
+    "bias",
+    "tie_embeddings",
+    "sliding_window",
+)
 
 
 def one_of(section_config, section: str, **choices):
     for name, allowed in choices.items():
         if getattr(section_config, name) not in allowed:
             raise ConfigError(
-                f"{section}.{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
-                f"got '{getattr(section_config, name)}'")
+                f"{section}.{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got "
+                f"'{getattr(section_config, name)}'"
+            )
 
 
 def swiglu_ffn(hidden: int) -> int:
@@ -45,24 +60,24 @@ def swiglu_ffn(hidden: int) -> int:
     return 256 * math.ceil(8 * hidden / 3 / 256)
 
 
-@dataclasses.dataclass(slots=True)   # slots: a misspelt field set from Python is an error
+@dataclasses.dataclass(slots=True)  # slots: a misspelt field set from Python is an error
 class ModelConfig:
-    kind: str = "gpt"                 # gpt | bert
+    kind: str = "gpt"  # gpt | bert
     # pretrain (GPT: next token; BERT: MLM + SOP) | BERT: race | mnli | qqp (shapes.py)
     task: str = "pretrain"
-    num_layers: int = 4               # transformer layers
-    hidden: int = 256                 # the model width h
-    num_heads: int = 4                # attention (query) heads; split over the model axis
-    ffn_hidden: int = 0               # 0 -> 4 * hidden
-    seq_len: int = 256                # training sequence length (and learned positions' rows)
-    vocab_size: int = 256             # the tokenizer's size; padded below
+    num_layers: int = 4  # transformer layers
+    hidden: int = 256  # the model width h
+    num_heads: int = 4  # attention (query) heads; split over the model axis
+    ffn_hidden: int = 0  # 0 -> 4 * hidden
+    seq_len: int = 256  # training sequence length (and learned positions' rows)
+    vocab_size: int = 256  # the tokenizer's size; padded below
     # padded vocab = vocab_size rounded up to this (50257 -> 51200)
     vocab_multiple: int = 1024
-    hidden_dropout: float = 0.1       # after attention and MLP, and on embeddings
-    attention_dropout: float = 0.1    # on the attention probabilities
-    ln_placement: str = "pre"         # pre (GPT-2, the paper's BERT) | post (original BERT)
-    ln_eps: float = 1e-5              # LayerNorm's / RMSNorm's epsilon
-    init_std: float = 0.02            # normal init; output layers scaled by 1/sqrt(2L)
+    hidden_dropout: float = 0.1  # after attention and MLP, and on embeddings
+    attention_dropout: float = 0.1  # on the attention probabilities
+    ln_placement: str = "pre"  # pre (GPT-2, the paper's BERT) | post (original BERT)
+    ln_eps: float = 1e-5  # LayerNorm's / RMSNorm's epsilon
+    init_std: float = 0.02  # normal init; output layers scaled by 1/sqrt(2L)
     # auto (16-bit on GPU/TPU, float32 on CPU) | float32 | bfloat16 | float16 | mixed (bfloat16
     # matmul operands, float32 accumulation and activations)
     compute_dtype: str = "auto"
@@ -71,22 +86,22 @@ class ModelConfig:
     # none | selective (recompute the attention core: scores, softmax, dropout, probabilities x
     # values) | full (recompute each layer); true/false: full/none
     remat: str = "none"
-    scan_layers: bool = True          # one compiled layer body, looped: compile time flat in depth
+    scan_layers: bool = True  # one compiled layer body, looped: compile time flat in depth
     # a scanned stack without full remat recomputes LayerNorm's and GeLU's outputs in the
     # backward pass instead of keeping them: a third fewer bytes (not "mixed")
     recompute_norm_gelu: bool = False
     # between blocks, activations split over "model" along the sequence (Korthikanti et al.
     # 2022); model.seq_len must divide by the model axis
     sequence_parallel: bool = False
-    norm: str = "layernorm"           # layernorm | rmsnorm (Llama, Mistral, Qwen2); epsilon: ln_eps
+    norm: str = "layernorm"  # layernorm | rmsnorm (Llama, Mistral, Qwen2); epsilon: ln_eps
     # learned (a table of seq_len rows) | rope (rotary, on each device's heads)
     positions: str = "learned"
-    rope_theta: float = 10000.0       # rope: the base of the rotary frequencies
+    rope_theta: float = 10000.0  # rope: the base of the rotary frequencies
     # none | linear (positions / rope_factor) | llama3 (Llama 3.1's long-context rule: low
     # frequencies / rope_factor, high ones kept, a smooth blend between over wavelengths
     # relative to rope_original_context)
     rope_scaling: str = "none"
-    rope_factor: float = 1.0          # the rope_scaling rule's factor (linear and llama3)
+    rope_factor: float = 1.0  # the rope_scaling rule's factor (linear and llama3)
     # llama3: wavelengths above rope_original_context / rope_low_freq_factor are divided
     rope_low_freq_factor: float = 1.0
     # llama3: wavelengths below rope_original_context / rope_high_freq_factor are kept
@@ -115,15 +130,16 @@ class ModelConfig:
     attention: str = "auto"
     # LoRA adapters (core/lora.py): rank 0 is none; with them only the adapters are trained
     lora_rank: int = 0
-    lora_alpha: float = 16.0          # the adapters' scale is lora_alpha / lora_rank (PEFT's)
-    lora_dropout: float = 0.0         # on the adapters' input, as PEFT's lora_dropout
+    lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank (PEFT's)
+    lora_dropout: float = 0.0  # on the adapters' input, as PEFT's lora_dropout
     # the adapted layers, among qkv, out (attention's), fc1 (SwiGLU: gate and up), fc2
     lora_targets: str = "qkv,out,fc1,fc2"
 
     @property
     def ffn(self) -> int:
-        return (self.ffn_hidden
-                or (swiglu_ffn(self.hidden) if self.mlp == "swiglu" else 4 * self.hidden))
+        return self.ffn_hidden or (
+            swiglu_ffn(self.hidden) if self.mlp == "swiglu" else 4 * self.hidden
+        )
 
     @property
     def head_dim(self) -> int:
@@ -154,110 +170,145 @@ class ModelConfig:
         self.remat = REMAT_ALIASES.get(self.remat, self.remat)
         if self.remat not in REMAT_MODES:
             raise ConfigError(
-                f"model.remat must be none, selective or full (true/false: full/none), got "
-                f"{self.remat!r}")
+                "model.remat must be none, selective or full (true/false: full/none), got "
+                f"{self.remat!r}"
+            )
         if self.kind not in MODEL_TASKS:
             raise ConfigError(
-                f"model.kind must be one of {', '.join(MODEL_TASKS)}, got '{self.kind}'")
+                f"model.kind must be one of {', '.join(MODEL_TASKS)}, got '{self.kind}'"
+            )
         if self.task not in MODEL_TASKS[self.kind]:
             other = [k for k, tasks in MODEL_TASKS.items() if self.task in tasks]
-            hint = f"; it is a {other[0]} task: set model.kind = \"{other[0]}\"" if other else ""
-            raise ConfigError(f"model.task must be one of {', '.join(MODEL_TASKS[self.kind])} for "
-                              f"model.kind = \"{self.kind}\", got '{self.task}'{hint}")
-        one_of(self, "model", ln_placement=("pre", "post"), gelu=("exact", "tanh"),
-               attention=("auto", "megajax", "fused"),
-               compute_dtype=("auto", "float32", "bfloat16", "float16", "mixed"),
-               norm=("layernorm", "rmsnorm"), positions=("learned", "rope"),
-               rope_scaling=ROPE_SCALINGS, mlp=("gelu", "swiglu"), bias=("all", "none", "qkv"))
-        for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size", "vocab_multiple",
-                     "ln_eps", "init_std"):
+            hint = f'; it is a {other[0]} task: set model.kind = "{other[0]}"' if other else ""
+            raise ConfigError(
+                f"model.task must be one of {', '.join(MODEL_TASKS[self.kind])} for model.kind = "
+                f"\"{self.kind}\", got '{self.task}'{hint}"
+            )
+        one_of(
+            self,
+            "model",
+            ln_placement=("pre", "post"),
+            gelu=("exact", "tanh"),
+            attention=("auto", "megajax", "fused"),
+            compute_dtype=("auto", "float32", "bfloat16", "float16", "mixed"),
+            norm=("layernorm", "rmsnorm"),
+            positions=("learned", "rope"),
+            rope_scaling=ROPE_SCALINGS,
+            mlp=("gelu", "swiglu"),
+            bias=("all", "none", "qkv"),
+        )
+        for name in (
+            "num_layers",
+            "hidden",
+            "num_heads",
+            "seq_len",
+            "vocab_size",
+            "vocab_multiple",
+            "ln_eps",
+            "init_std",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.hidden % self.num_heads and not self.kv_channels:
             raise ConfigError(
                 f"model.hidden={self.hidden} is not divisible by model.num_heads={self.num_heads}: "
-                f"set model.kv_channels, the head dimension")
+                "set model.kv_channels, the head dimension"
+            )
         self.validate_architecture()
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.ffn_hidden < 0:
             raise ConfigError(
-                f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}")
+                f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}"
+            )
         self.validate_lora()
         if self.attention == "fused" and self.attention_dropout:
             raise ConfigError(
-                f"model.attention = \"fused\" has no attention dropout: set "
-                f"model.attention_dropout=0 "
-                f"(it is {self.attention_dropout}) or model.attention = \"megajax\"")
+                'model.attention = "fused" has no attention dropout: set '
+                f"model.attention_dropout=0 (it is {self.attention_dropout}) or model.attention = "
+                '"megajax"'
+            )
 
     def validate_lora(self):
         if self.lora_rank < 0 or self.lora_alpha <= 0 or not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(
-                f"model.lora_rank must be 0 (no adapters) or positive, lora_alpha positive and "
+                "model.lora_rank must be 0 (no adapters) or positive, lora_alpha positive and "
                 f"lora_dropout in [0, 1); got {self.lora_rank}, {self.lora_alpha}, "
-                f"{self.lora_dropout}")
+                f"{self.lora_dropout}"
+            )
         targets = self.named_lora_targets
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown or (self.lora_rank and not targets):
             raise ConfigError(
-                f"model.lora_targets names layers among {', '.join(LORA_TARGETS)} (comma-"
-                f"separated), got {self.lora_targets!r}")
+                f"model.lora_targets names layers among {', '.join(LORA_TARGETS)} "
+                f"(comma-separated), got {self.lora_targets!r}"
+            )
 
     def validate_architecture(self):
         """The fields of today's decoders, each against the others."""
         for name in ("num_kv_heads", "kv_channels", "max_positions", "sliding_window"):
             if getattr(self, name) < 0:
                 raise ConfigError(
-                    f"model.{name} must be 0 (the default) or positive, got {getattr(self, name)}")
+                    f"model.{name} must be 0 (the default) or positive, got {getattr(self, name)}"
+                )
         if self.num_heads % self.kv_heads:
             raise ConfigError(
-                f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads="
-                f"{self.kv_heads}: each key/value head serves a whole group of query heads")
-        if self.kind != "gpt" and (self.positions != "learned" or not self.tie_embeddings
-                                   or self.norm != "layernorm"):
+                f"model.num_heads={self.num_heads} is not divisible by "
+                f"model.num_kv_heads={self.kv_heads}: each key/value head serves a whole group of "
+                "query heads"
+            )
+        if self.kind != "gpt" and (
+            self.positions != "learned" or not self.tie_embeddings or self.norm != "layernorm"
+        ):
             raise ConfigError(
-                f"model.positions = \"rope\", model.norm = \"rmsnorm\" and model.tie_embeddings = "
-                f"false "
-                f"are for GPT-style decoders; model.kind = \"{self.kind}\" learns its positions, "
-                f"normalises with LayerNorm and ties its output layer")
+                'model.positions = "rope", model.norm = "rmsnorm" and model.tie_embeddings = '
+                f'false are for GPT-style decoders; model.kind = "{self.kind}" learns its '
+                "positions, normalises with LayerNorm and ties its output layer"
+            )
         if self.positions == "rope":
             if self.head_dim % 2:
                 raise ConfigError(
-                    f"rotary positions rotate pairs of features: the head dimension "
-                    f"({self.head_dim}) "
-                    f"must be even")
+                    "rotary positions rotate pairs of features: the head dimension "
+                    f"({self.head_dim}) must be even"
+                )
             if self.rope_theta <= 1:
                 raise ConfigError(
-                    f"model.rope_theta must be greater than 1, got {self.rope_theta:g}")
+                    f"model.rope_theta must be greater than 1, got {self.rope_theta:g}"
+                )
         elif self.rope_scaling != "none":
             raise ConfigError(
-                f"model.rope_scaling = \"{self.rope_scaling}\" scales rotary positions: set "
-                f"model.positions = \"rope\" (or model.rope_scaling = \"none\")")
+                f'model.rope_scaling = "{self.rope_scaling}" scales rotary positions: set '
+                'model.positions = "rope" (or model.rope_scaling = "none")'
+            )
         if self.rope_scaling != "none" and self.rope_factor < 1:
             raise ConfigError(f"model.rope_factor must be at least 1, got {self.rope_factor:g}")
         if self.rope_scaling == "llama3" and not (
             0 < self.rope_low_freq_factor < self.rope_high_freq_factor
-            and self.rope_original_context > 0):
-            raise ConfigError(f"llama3 rope scaling needs 0 < model.rope_low_freq_factor "
-                              f"({self.rope_low_freq_factor:g}) < model.rope_high_freq_factor "
-                              f"({self.rope_high_freq_factor:g}) and model.rope_original_context > "
-                              f"0 "
-                              f"({self.rope_original_context})")
+            and self.rope_original_context > 0
+        ):
+            raise ConfigError(
+                "llama3 rope scaling needs 0 < model.rope_low_freq_factor "
+                f"({self.rope_low_freq_factor:g}) < model.rope_high_freq_factor "
+                f"({self.rope_high_freq_factor:g}) and model.rope_original_context > 0 "
+                f"({self.rope_original_context})"
+            )
 
     def describe(self) -> str:
         """One line: the kind, its architecture and sizes."""
         traits = [f"{self.ln_placement}-{'RMSNorm' if self.norm == 'rmsnorm' else 'LayerNorm'}"]
         traits += ["rotary positions"] * (self.positions == "rope") + [f"SwiGLU {self.ffn}"] * (
-            self.mlp == "swiglu")
+            self.mlp == "swiglu"
+        )
         traits += ["untied output layer"] * (not self.tie_embeddings)
-        heads = (f"{self.num_heads} heads"
-                 + (f" / {self.kv_heads} key-value" if self.kv_heads < self.num_heads else ""))
+        heads = f"{self.num_heads} heads" + (
+            f" / {self.kv_heads} key-value" if self.kv_heads < self.num_heads else ""
+        )
         return (
             f"{self.kind} ({', '.join(traits)}), {self.num_layers} layers, hidden {self.hidden}, "
-            f"{heads}, "
-            f"vocabulary {self.vocab_size} (padded to {self.padded_vocab}), {self.context} "
-            f"positions")
+            f"{heads}, vocabulary {self.vocab_size} (padded to {self.padded_vocab}), "
+            f"{self.context} positions"
+        )
 
     @property
     def lora_target_list(self) -> tuple[str, ...]:
@@ -274,14 +325,23 @@ class ModelConfig:
         """LoRA parameters of one layer: rank x (d_in + d_out) for each adapted layer (a fused
         layer's parts share A, each has its B); 0 without adapters."""
         h, d = self.hidden, self.head_dim
-        shapes = {"qkv": (h, (self.num_heads + 2 * self.kv_heads) * d),
-                  "out": (self.num_heads * d, h),
-                  "fc1": (h, 2 * self.ffn if self.mlp == "swiglu" else self.ffn),
-                  "fc2": (self.ffn, h)}
+        shapes = {
+            "qkv": (h, (self.num_heads + 2 * self.kv_heads) * d),
+            "out": (self.num_heads * d, h),
+            "fc1": (h, 2 * self.ffn if self.mlp == "swiglu" else self.ffn),
+            "fc2": (self.ffn, h),
+        }
         return sum(self.lora_rank * sum(shapes[t]) for t in self.lora_target_list)
 
     @property
     def layer_params(self) -> int:
-        return layer_params(self.hidden, self.ffn, heads=self.num_heads, kv_heads=self.kv_heads,
-                            head_dim=self.head_dim, gated=self.mlp == "swiglu", bias=self.bias,
-                            norm=self.norm)
+        return layer_params(
+            self.hidden,
+            self.ffn,
+            heads=self.num_heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            gated=self.mlp == "swiglu",
+            bias=self.bias,
+            norm=self.norm,
+        )

@@ -1,4 +1,5 @@
 """Progress display: a tqdm bar on a terminal, plain log lines otherwise (CI, files, pipes)."""
+
 from __future__ import annotations
 
 import sys
@@ -10,8 +11,9 @@ class Progress:
     """Training steps (`update` with the step's record) or evaluated rows (`advance`). Disabled
     (on every process but the first) it shows nothing."""
 
-    def __init__(self, total: int | None = None, start: int = 0, unit: str = "step",
-                 enabled: bool = True):
+    def __init__(
+        self, total: int | None = None, start: int = 0, unit: str = "step", enabled: bool = True
+    ):
         self.enabled = enabled
         self.bar = None
         if enabled and sys.stderr.isatty():
@@ -22,24 +24,37 @@ class Progress:
             return
         if self.bar is not None:
             self.bar.n = step
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}",
-                                 tok_s=f"{record['tokens_per_sec']:,.0f}",
-                                 **({"mfu": f"{100 * record['mfu']:.1f}%"} if "mfu" in record
-                                    else {}), refresh=False)
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                tok_s=f"{record['tokens_per_sec']:,.0f}",
+                **({"mfu": f"{100 * record['mfu']:.1f}%"} if "mfu" in record else {}),
+                refresh=False,
+            )
             self.bar.refresh()
         else:
-            norm = "skipped (overflow)" if record[
-                "grad_norm"] is None else f"{record['grad_norm']:.3f}"
-            print(f"step {step:>6}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                  f"grad_norm {norm}  {record['tokens_per_sec']:,.0f} tok/s  "
-                  f"{record['step_time_s'] * 1000:.1f} ms/step  "
-                  f"{record['tflops_per_device']:.3g} TFLOP/s/device"
-                  + (f"  MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
-                  + "".join(f"  {k} {record[k]:.3f}"
-                            for k in ("mlm_accuracy", "sop_accuracy", "accuracy") if k in record)
-                  + (f"  loss_scale {record['loss_scale']:g} ({record['skipped_steps']} skipped)"
-                     if "loss_scale" in record else ""),
-                  flush=True)
+            norm = (
+                "skipped (overflow)"
+                if record["grad_norm"] is None
+                else f"{record['grad_norm']:.3f}"
+            )
+            print(
+                f"step {step:>6}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  grad_norm "
+                f"{norm}  {record['tokens_per_sec']:,.0f} tok/s  "
+                f"{record['step_time_s'] * 1000:.1f} ms/step  {record['tflops_per_device']:.3g} "
+                "TFLOP/s/device"
+                + (f"  MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "")
+                + "".join(
+                    f"  {k} {record[k]:.3f}"
+                    for k in ("mlm_accuracy", "sop_accuracy", "accuracy")
+                    if k in record
+                )
+                + (
+                    f"  loss_scale {record['loss_scale']:g} ({record['skipped_steps']} skipped)"
+                    if "loss_scale" in record
+                    else ""
+                ),
+                flush=True,
+            )
 
     def advance(self, done: int, total: int):
         """`done` of `total` rows evaluated: the bar only (a log line per batch would be noise)."""

@@ -17,6 +17,7 @@ Each forward and each backward takes one tick here (the backward recomputes its 
 forward first, so the tick of a backward is the longer one; the count of ticks is what the
 bubble is measured in, as in the paper).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,9 +28,9 @@ IDLE, FORWARD, BACKWARD = 0, 1, 2
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    kind: int          # FORWARD or BACKWARD
-    chunk: int         # the stage's model chunk (0 unless interleaved)
-    micro: int         # the microbatch
+    kind: int  # FORWARD or BACKWARD
+    chunk: int  # the stage's model chunk (0 unless interleaved)
+    micro: int  # the microbatch
 
 
 def check(schedule: str, stages: int, micro: int, chunks: int = 1) -> None:
@@ -37,19 +38,24 @@ def check(schedule: str, stages: int, micro: int, chunks: int = 1) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
     if chunks < 1 or (chunks > 1) != (schedule == "interleaved"):
-        raise ValueError(f"the {schedule} schedule runs "
-                         f"{'2 or more chunks' if schedule == 'interleaved' else '1 chunk'} "
-                         f"per stage, not {chunks}")
+        raise ValueError(
+            f"the {schedule} schedule runs "
+            f"{'2 or more chunks' if schedule == 'interleaved' else '1 chunk'} per stage, not "
+            f"{chunks}"
+        )
     if schedule == "interleaved" and micro % stages:
-        raise ValueError(f"the interleaved schedule needs the microbatches ({micro}) to be a "
-                         f"multiple of the pipeline stages ({stages})")
+        raise ValueError(
+            f"the interleaved schedule needs the microbatches ({micro}) to be a multiple of the "
+            f"pipeline stages ({stages})"
+        )
 
 
 def stage_order(schedule: str, stages: int, micro: int, chunks: int, stage: int) -> list[Action]:
     """The actions of one stage, in the order it runs them (Megatron-LM's order)."""
     if schedule == "gpipe":
-        return ([Action(FORWARD, 0, i) for i in range(micro)]
-                + [Action(BACKWARD, 0, i) for i in range(micro)])
+        return [Action(FORWARD, 0, i) for i in range(micro)] + [
+            Action(BACKWARD, 0, i) for i in range(micro)
+        ]
     total = micro * chunks
 
     def nth(k: int, kind: int) -> Action:
@@ -58,6 +64,7 @@ def stage_order(schedule: str, stages: int, micro: int, chunks: int, stage: int)
         if kind == BACKWARD:
             chunk = chunks - 1 - chunk
         return Action(kind, chunk, group * stages + within % stages)
+
     if schedule == "1f1b":
         warmup = min(stages - stage - 1, micro)
     else:
@@ -73,14 +80,15 @@ class Table:
     """A schedule run tick by tick. Per tick and stage: the action (kind, chunk, micro, the
     buffer slot of its input activation, of its incoming gradient) and the slots the
     activation and gradient arriving at the end of the tick go to (-1: none)."""
+
     schedule: str
     stages: int
     micro: int
     chunks: int
-    ticks: list          # ticks x stages of (kind, chunk, micro, act slot, grad slot)
-    arrive_act: list     # ticks x stages: slot of the activation received after the tick
-    arrive_grad: list    # ticks x stages: slot of the gradient received after the tick
-    act_slots: int       # stage-input buffers a stage needs (the schedule's activation memory)
+    ticks: list  # ticks x stages of (kind, chunk, micro, act slot, grad slot)
+    arrive_act: list  # ticks x stages: slot of the activation received after the tick
+    arrive_grad: list  # ticks x stages: slot of the gradient received after the tick
+    act_slots: int  # stage-input buffers a stage needs (the schedule's activation memory)
     grad_slots: int
 
     @property
@@ -106,8 +114,11 @@ class Table:
         step, skip = (1, last) if kind == FORWARD else (-1, 0)
         patterns, index = [()], []
         for row in self.ticks:
-            pairs = tuple((s, (s + step) % p) for s, (k, chunk, *_) in enumerate(row)
-                          if k == kind and chunk * p + s != skip)
+            pairs = tuple(
+                (s, (s + step) % p)
+                for s, (k, chunk, *_) in enumerate(row)
+                if k == kind and chunk * p + s != skip
+            )
             if pairs not in patterns:
                 patterns.append(pairs)
             index.append(patterns.index(pairs))
@@ -136,7 +147,7 @@ def build(schedule: str, stages: int, micro: int, chunks: int = 1) -> Table:
     check(schedule, stages, micro, chunks)
     p, last = stages, stages * chunks - 1
     orders = [stage_order(schedule, p, micro, chunks, s) for s in range(p)]
-    done: dict = {}                       # (kind, virtual stage, micro) -> tick it ran
+    done: dict = {}  # (kind, virtual stage, micro) -> tick it ran
     acts, grads = [_Slots() for _ in range(p)], [_Slots() for _ in range(p)]
     nxt, ticks, arrive_act, arrive_grad = [0] * p, [], [], []
     while any(nxt[s] < len(orders[s]) for s in range(p)):
@@ -156,17 +167,27 @@ def build(schedule: str, stages: int, micro: int, chunks: int = 1) -> Table:
                 grads[s].free((vs, a.micro))
             row.append((a.kind, a.chunk, a.micro, act, grad))
         if len(ticks) > 4 * (micro * chunks + p) * 2:
-            raise AssertionError(f"{schedule} schedule deadlocked")   # a bug, never a user's
+            raise AssertionError(f"{schedule} schedule deadlocked")  # a bug, never a user's
         ticks.append(row)
         arrive_act.append(_arrivals(row, p, last, acts, FORWARD, +1))
         arrive_grad.append(_arrivals(row, p, last, grads, BACKWARD, -1))
-    return Table(schedule, p, micro, chunks, ticks, arrive_act, arrive_grad,
-                 max(max(a.most for a in acts), 1), max(max(g.most for g in grads), 1))
+    return Table(
+        schedule,
+        p,
+        micro,
+        chunks,
+        ticks,
+        arrive_act,
+        arrive_grad,
+        max(max(a.most for a in acts), 1),
+        max(max(g.most for g in grads), 1),
+    )
 
 
 def _ready(a: Action, vs: int, last: int, done: dict, t: int) -> bool:
     def before(key):
         return done.get(key, t) < t
+
     if a.kind == FORWARD:
         return vs == 0 or before((FORWARD, vs - 1, a.micro))
     return before((FORWARD, vs, a.micro)) and (vs == last or before((BACKWARD, vs + 1, a.micro)))

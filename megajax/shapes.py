@@ -1,5 +1,6 @@
 """Shape facts of the objectives that data readers, models and tasks all need: plain Python,
 importing nothing, so that none of them has to import another to learn a number."""
+
 from __future__ import annotations
 
 import math
@@ -8,8 +9,8 @@ import math
 NUM_CLASSES = {"mnli": 3, "qqp": 2, "race": 1}
 # the heads each model has
 MODEL_TASKS = {"gpt": ("pretrain",), "bert": ("pretrain", *NUM_CLASSES)}
-NUM_CHOICES = 4                                  # RACE's options per question
-TYPE_VOCAB = 2                                   # BERT's segment A / segment B
+NUM_CHOICES = 4  # RACE's options per question
+TYPE_VOCAB = 2  # BERT's segment A / segment B
 
 
 def mlm_predictions(seq_len: int, mask_prob: float) -> int:

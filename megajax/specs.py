@@ -11,13 +11,21 @@ Each kind has its loader in one registry (megajax/data/tokens.py for sources, me
 tokenizer.py for tokenizers), and its own error there. No jax: the command lines parse their
 arguments before JAX starts.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 # every kind of data source, as a user writes it
-SOURCE_FORMS = {"builtin": "builtin", "text": "text:PATH", "bin": "bin:PATH", "chat": "chat:PATH",
-                "megatron": "megatron:PREFIX", "tfds": "tfds:NAME", "pairs": "pairs:DIR"}
+SOURCE_FORMS = {
+    "builtin": "builtin",
+    "text": "text:PATH",
+    "bin": "bin:PATH",
+    "chat": "chat:PATH",
+    "megatron": "megatron:PREFIX",
+    "tfds": "tfds:NAME",
+    "pairs": "pairs:DIR",
+}
 SOURCE_KINDS = tuple(SOURCE_FORMS)
 TOKENIZER_KINDS = ("bytes", "chars", "hf", "tiktoken", "wordpiece")
 
@@ -33,7 +41,7 @@ def split_kind(text: str) -> tuple[str, str]:
 class DataSpec:
     # one of SOURCE_KINDS, or what a user wrote (refused by the loader that reads it)
     kind: str
-    arg: str = ""   # paths, a prefix, a dataset name; "" for builtin
+    arg: str = ""  # paths, a prefix, a dataset name; "" for builtin
 
     @classmethod
     def of(cls, source: "str | DataSpec", bare_path_is_text: bool = False) -> "DataSpec":
@@ -63,8 +71,8 @@ class DataSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSpec:
-    kind: str       # one of TOKENIZER_KINDS, or what a user wrote (refused by make_tokenizer)
-    arg: str = ""   # a path, an encoding's name, a vocabulary size
+    kind: str  # one of TOKENIZER_KINDS, or what a user wrote (refused by make_tokenizer)
+    arg: str = ""  # a path, an encoding's name, a vocabulary size
 
     @classmethod
     def of(cls, spec: "str | TokenizerSpec") -> "TokenizerSpec":
@@ -79,5 +87,6 @@ class TokenizerSpec:
     @property
     def built_from_corpus(self) -> bool:
         """chars and wordpiece[:SIZE] build their vocabulary from the training text itself."""
-        return (self.kind == "chars"
-                or (self.kind == "wordpiece" and (not self.arg or self.arg.isdigit())))
+        return self.kind == "chars" or (
+            self.kind == "wordpiece" and (not self.arg or self.arg.isdigit())
+        )

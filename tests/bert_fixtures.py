@@ -1,6 +1,7 @@
 """Small files in the published layouts, written by the tests: a pretraining corpus whose
 sentence order is learnable, a WordPiece vocabulary trained on it, and RACE / MNLI / QQP
 fixtures whose labels follow a learnable rule."""
+
 from __future__ import annotations
 
 import csv
@@ -26,13 +27,39 @@ def corpus(n_docs: int = 300, seed: int = 0) -> str:
         a, t = rng.choice(ANIMALS), lambda: rng.choice(THINGS)  # noqa: E731
         docs.append(
             f"first the {a} {rng.choice(VERBS)}. finally the {a} {rng.choice(VERBS)} the {t()} "
-            f"with the {t()} near the {t()}.")
+            f"with the {t()} near the {t()}."
+        )
     return "\n\n".join(docs) + "\n"
 
 
-WORDS = sorted(set(ANIMALS + VERBS + THINGS + FRUITS + TOOLS + [
-    "first", "finally", "the", "with", "near", "what", "is", "it", "which", "one", "story", "about",
-    "always", "never", "maybe", "same", "other"]))
+WORDS = sorted(
+    set(
+        ANIMALS
+        + VERBS
+        + THINGS
+        + FRUITS
+        + TOOLS
+        + [
+            "first",
+            "finally",
+            "the",
+            "with",
+            "near",
+            "what",
+            "is",
+            "it",
+            "which",
+            "one",
+            "story",
+            "about",
+            "always",
+            "never",
+            "maybe",
+            "same",
+            "other",
+        ]
+    )
+)
 
 
 def write_corpus(directory: Path) -> tuple[Path, Path]:
@@ -42,8 +69,9 @@ def write_corpus(directory: Path) -> tuple[Path, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "corpus.txt").write_text(corpus())
     letters = "abcdefghijklmnopqrstuvwxyz"
-    vocab = (list(BERT_SPECIALS) + list(".,?!_") + WORDS + list(letters)
-             + [f"##{c}" for c in letters])
+    vocab = (
+        list(BERT_SPECIALS) + list(".,?!_") + WORDS + list(letters) + [f"##{c}" for c in letters]
+    )
     (directory / "vocab.txt").write_text("\n".join(vocab) + "\n")
     return directory / "corpus.txt", directory / "vocab.txt"
 
@@ -63,15 +91,21 @@ def write_race(root: Path, per_split: dict | None = None, seed: int = 0) -> Path
                     fruit = rng.choice(FRUITS)
                     opts = rng.sample(TOOLS, 3) + [f"{fruit} {fruit} {fruit}"]
                     rng.shuffle(opts)
-                    questions.append("which one is it ?" if rng.random() < 0.5
-                                     else "the story is about _ .")
+                    questions.append(
+                        "which one is it ?" if rng.random() < 0.5 else "the story is about _ ."
+                    )
                     options.append(opts)
                     answers.append(
-                        "ABCD"[next(j for j, o in enumerate(opts) if o.split()[0] in FRUITS)])
+                        "ABCD"[next(j for j, o in enumerate(opts) if o.split()[0] in FRUITS)]
+                    )
                 a = rng.choice(ANIMALS)
-                doc = {"article": f"first the {a} {rng.choice(VERBS)} the {rng.choice(THINGS)}.",
-                       "questions": questions, "options": options, "answers": answers,
-                       "id": f"{level}{i}.txt"}
+                doc = {
+                    "article": f"first the {a} {rng.choice(VERBS)} the {rng.choice(THINGS)}.",
+                    "questions": questions,
+                    "options": options,
+                    "answers": answers,
+                    "id": f"{level}{i}.txt",
+                }
                 (d / f"{i}.txt").write_text(json.dumps(doc))
     return root
 
@@ -86,10 +120,20 @@ def _tsv(path: Path, header: list[str], rows: list[list[str]]):
 def write_mnli(root: Path, n_train: int = 240, n_dev: int = 60, seed: int = 0) -> Path:
     """MNLI layout; the label follows the hypothesis' adverb (always x1, never x2, maybe x3)."""
     rng = random.Random(seed)
-    header = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse",
-              "sentence2_binary_parse",
-              "sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1",
-              "gold_label"]
+    header = [
+        "index",
+        "promptID",
+        "pairID",
+        "genre",
+        "sentence1_binary_parse",
+        "sentence2_binary_parse",
+        "sentence1_parse",
+        "sentence2_parse",
+        "sentence1",
+        "sentence2",
+        "label1",
+        "gold_label",
+    ]
     cue = {"entailment": "always", "contradiction": "never never", "neutral": "maybe maybe maybe"}
     root.mkdir(parents=True, exist_ok=True)
     for name, n in (("train.tsv", n_train), ("dev_matched.tsv", n_dev)):
@@ -99,8 +143,21 @@ def write_mnli(root: Path, n_train: int = 240, n_dev: int = 60, seed: int = 0) -
             a, v, t = rng.choice(ANIMALS), rng.choice(VERBS), rng.choice(THINGS)
             p, h = f"the {a} {v} the {t}.", f"the {a} {cue[label]} {v} the {rng.choice(THINGS)}."
             rows.append(
-                [str(i), str(i), f"{i}e", "fiction", "( x )", "( y )", "(ROOT x)", "(ROOT y)", p, h,
-                         label, label])
+                [
+                    str(i),
+                    str(i),
+                    f"{i}e",
+                    "fiction",
+                    "( x )",
+                    "( y )",
+                    "(ROOT x)",
+                    "(ROOT y)",
+                    p,
+                    h,
+                    label,
+                    label,
+                ]
+            )
         _tsv(root / name, header, rows)
     return root
 

@@ -7,6 +7,7 @@ and 1 in norm; Adam's per-entry amplification of gradient errors), never a numbe
 passed on one machine. The suite must pass on any x86-64 or ARM CPU and pinned to one core
 (`taskset -c 0 python -m pytest -q tests`), which changes XLA:CPU's kernels and summation order.
 """
+
 import atexit
 import json
 import os
@@ -31,8 +32,11 @@ def xla_cache_dir() -> str:
         atexit.register(shutil.rmtree, path, ignore_errors=True)
         return path
     versions = "-".join(f"{name}{metadata.version(name)}" for name in ("jax", "jaxlib"))
-    base = Path(where) if where else Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megajax" / "tests"
+    base = (
+        Path(where)
+        if where
+        else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megajax" / "tests"
+    )
     path = base / f"xla-{versions}"
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
@@ -45,8 +49,12 @@ def xla_accepts(flag: str, cache: Path) -> bool:
     known = json.loads(answers.read_text()) if answers.is_file() else {}
     if flag not in known:
         env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
-        known[flag] = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                                     capture_output=True).returncode == 0
+        known[flag] = (
+            subprocess.run(
+                [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True
+            ).returncode
+            == 0
+        )
         staged = answers.with_name(f"{answers.name}.{os.getpid()}")
         staged.write_text(json.dumps(known))
         os.replace(staged, answers)
@@ -65,10 +73,23 @@ LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 given = os.environ.get("XLA_FLAGS", "")
 TEST_XLA_FLAGS = " ".join(
     ([] if "xla_backend_optimization_level" in given else ["--xla_backend_optimization_level=0"])
-    + ([LEGACY_EMITTERS] if "xla_cpu_use_fusion_emitters" not in given and xla_accepts(
-        LEGACY_EMITTERS, Path(os.environ["JAX_COMPILATION_CACHE_DIR"])) else []))
-os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS,
-                                                 "--xla_force_host_platform_device_count=8")))
+    + (
+        [LEGACY_EMITTERS]
+        if "xla_cpu_use_fusion_emitters" not in given
+        and xla_accepts(LEGACY_EMITTERS, Path(os.environ["JAX_COMPILATION_CACHE_DIR"]))
+        else []
+    )
+)
+os.environ["XLA_FLAGS"] = " ".join(
+    filter(
+        None,
+        (
+            os.environ.get("XLA_FLAGS", ""),
+            TEST_XLA_FLAGS,
+            "--xla_force_host_platform_device_count=8",
+        ),
+    )
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 XLA_CACHE_BYTES = 4 * 2**30
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(XLA_CACHE_BYTES))
@@ -95,12 +116,21 @@ from megajax.core.mesh import make_mesh  # noqa: E402
 
 def tiny_config(**model) -> Config:
     """A model every test mesh divides: 8 heads, hidden 64, ffn 256, vocab 100 -> 128."""
-    fields = dict(num_layers=2, hidden=64, num_heads=8, seq_len=16, vocab_size=100,
-                  vocab_multiple=128, hidden_dropout=0.1, attention_dropout=0.1)
+    fields = dict(
+        num_layers=2,
+        hidden=64,
+        num_heads=8,
+        seq_len=16,
+        vocab_size=100,
+        vocab_multiple=128,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )
     fields.update(model)
-    return Config(model=ModelConfig(**fields),
-                  train=TrainConfig(batch_size=8, lr=1e-2, warmup_steps=1, steps=10,
-                                    min_lr=1e-3)).validate()
+    return Config(
+        model=ModelConfig(**fields),
+        train=TrainConfig(batch_size=8, lr=1e-2, warmup_steps=1, steps=10, min_lr=1e-3),
+    ).validate()
 
 
 def mesh_for(spec: str):
@@ -123,7 +153,7 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent          # the run's directory, which the workers' own are in
+        root = root.parent  # the run's directory, which the workers' own are in
     path = root / name
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -143,8 +173,19 @@ def trained_gpt(tmp_path_factory):
     from helpers import BASE, losses, run
 
     def build(path: Path):
-        p = run(*BASE, "--mesh", "2x4", "--workdir", path, "--steps", "16", "--save-every", "8",
-                "--eval-every", "8")
+        p = run(
+            *BASE,
+            "--mesh",
+            "2x4",
+            "--workdir",
+            path,
+            "--steps",
+            "16",
+            "--save-every",
+            "8",
+            "--eval-every",
+            "8",
+        )
         (path.parent / f"{path.name}.stdout").write_text(p.stdout)
 
     wd = built_once(tmp_path_factory, "trained_gpt", build)
@@ -154,8 +195,17 @@ def trained_gpt(tmp_path_factory):
 # Settings of the Hugging Face fixtures' imports: float32 throughout, and the vocabulary padded to
 # a multiple of 128 (300 -> 384, 320 -> 384), which every test mesh divides.
 HF_IMPORT_SETTINGS = ["model.compute_dtype=float32", "model.vocab_multiple=128"]
-HF_NAMES = ("gpt2", "bert", "megatron_bert", "llama", "llama_tied", "mistral", "qwen2",
-            "mistral_window", "qwen2_window")
+HF_NAMES = (
+    "gpt2",
+    "bert",
+    "megatron_bert",
+    "llama",
+    "llama_tied",
+    "mistral",
+    "qwen2",
+    "mistral_window",
+    "qwen2_window",
+)
 
 
 @pytest.fixture(scope="session")
@@ -170,18 +220,18 @@ def hf_imported(tmp_path_factory) -> dict:
             import_hf(ROOT / "tests" / "fixtures" / "hf" / name, path / name, HF_IMPORT_SETTINGS)
 
     root = built_once(tmp_path_factory, "hf_imported", build)
-    return {name: (load_config(str(root / name / "config.json")), root / name)
-            for name in HF_NAMES}
+    return {name: (load_config(str(root / name / "config.json")), root / name) for name in HF_NAMES}
 
 
 def file_size_limited(*args: str, kib: int = 64) -> list[str]:
     """A Python command line (`python ARGS...`) in which no file may grow past `kib` KiB: a
     write fails as a full disk or a quota makes it fail (EFBIG), without needing either. The
     child sets the limit itself: forking a process that runs JAX's threads is unsafe."""
-    code = ("import os, resource, sys; "
-            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({kib * 1024}, "
-            f"resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
-            "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+    code = (
+        f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({kib * 1024}, "
+        "resource.getrlimit(resource.RLIMIT_FSIZE)[1])); os.execv(sys.executable, "
+        "[sys.executable] + sys.argv[1:])"
+    )
     return [sys.executable, "-c", code, *args]
 
 
@@ -198,8 +248,11 @@ def handles_signal(pid: int, sig: int) -> bool:
 # adds the cases marked `full` (every mesh x schedule grid, every docs command, every signal
 # case), what .ci/run runs.
 def pytest_addoption(parser):
-    parser.addoption("--full", action="store_true",
-                     help="megajax's full tier: the default tests and those marked `full`")
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="megajax's full tier: the default tests and those marked `full`",
+    )
 
 
 # Seconds each test took in a full run on a 2-core machine (scripts/test_durations.py writes
@@ -219,6 +272,7 @@ def pytest_collection_modifyitems(config, items):
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     per_file: dict[str, float] = {}
     for item in items:
-        per_file[item.path.name] = (per_file.get(item.path.name, 0.0)
-                                    + seconds.get(item.nodeid, DEFAULT_SECONDS))
-    items.sort(key=lambda item: -per_file[item.path.name])   # stable: tests keep their order
+        per_file[item.path.name] = per_file.get(item.path.name, 0.0) + seconds.get(
+            item.nodeid, DEFAULT_SECONDS
+        )
+    items.sort(key=lambda item: -per_file[item.path.name])  # stable: tests keep their order

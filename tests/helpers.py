@@ -4,6 +4,7 @@ reading back losses and TensorBoard; the audit's model-axis count without the op
 scalars; the grids whose cases split between the two tiers (`tiered`). (conftest.py holds the
 session's setup: simulated devices, the compilation cache, the tiers, tiny_config, mesh_for and
 the fixtures built once a run: the trained GPT and the imported Hugging Face models.)"""
+
 import json
 import os
 import subprocess
@@ -13,8 +14,18 @@ from pathlib import Path
 from conftest import ROOT
 
 SHAKESPEARE = ROOT / "data" / "tinyshakespeare.txt"
-RUN_ARGS = ["--config", "tiny", "--data", f"text:{SHAKESPEARE}", "--tokenizer", "chars",
-            "--sample-tokens", "0", "--log-every", "1"]
+RUN_ARGS = [
+    "--config",
+    "tiny",
+    "--data",
+    f"text:{SHAKESPEARE}",
+    "--tokenizer",
+    "chars",
+    "--sample-tokens",
+    "0",
+    "--log-every",
+    "1",
+]
 BASE = [*RUN_ARGS, "--host-devices", "8"]
 HF_FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 
@@ -23,14 +34,18 @@ def hf_reference(name: str):
     """What transformers computed for a fixture (tests/make_hf_fixtures.py,
     make_llama_fixtures.py)."""
     import numpy as np
+
     return np.load(HF_FIXTURES / name / "reference.npz")
 
 
 def env():
     e = dict(os.environ)
     # train.py sets the device count from --host-devices; the other flags (conftest) carry over.
-    e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split()
-                              if not f.startswith("--xla_force_host_platform_device_count"))
+    e["XLA_FLAGS"] = " ".join(
+        f
+        for f in e.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    )
     e["PYTHONPATH"] = str(ROOT)
     return e
 
@@ -40,8 +55,9 @@ def long_run_env():
     run in a third of -O0's time (conftest.py). Only for runs compared with each other (its
     last bits are not -O0's)."""
     e = env()
-    e["XLA_FLAGS"] = e["XLA_FLAGS"].replace("--xla_backend_optimization_level=0",
-                                            "--xla_backend_optimization_level=1")
+    e["XLA_FLAGS"] = e["XLA_FLAGS"].replace(
+        "--xla_backend_optimization_level=0", "--xla_backend_optimization_level=1"
+    )
     return e
 
 
@@ -50,19 +66,31 @@ def run(*args, check=True, timeout=240, env=None, process=False):
     only a process of its own can honour (`in_process_ok`)."""
     args = tuple(map(str, args))
     if process or env is not None or not in_process_ok(args):
-        p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True,
-                           text=True, env=env or globals()["env"](), timeout=timeout, cwd=ROOT)
+        p = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *args],
+            capture_output=True,
+            text=True,
+            env=env or globals()["env"](),
+            timeout=timeout,
+            cwd=ROOT,
+        )
     else:
         p = cli("train", *args)
     if check and p.returncode != 0:
         raise AssertionError(
-            f"train.py {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+            f"train.py {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+        )
     return p
 
 
-TOOLS = {"train": "megajax.cli.train:train_main", "eval": "megajax.cli.eval:eval_main",
-         "plan": "megajax.cli.plan:plan_main", "convert": "megajax.cli.convert:convert_main",
-         "prepare": "megajax.cli.prepare:prepare_main", "plot": "megajax.cli.plot:plot_main"}
+TOOLS = {
+    "train": "megajax.cli.train:train_main",
+    "eval": "megajax.cli.eval:eval_main",
+    "plan": "megajax.cli.plan:plan_main",
+    "convert": "megajax.cli.convert:convert_main",
+    "prepare": "megajax.cli.prepare:prepare_main",
+    "plot": "megajax.cli.plot:plot_main",
+}
 
 
 def in_process_ok(args) -> bool:
@@ -73,16 +101,21 @@ def in_process_ok(args) -> bool:
 
     args = list(map(str, args))
     for i, a in enumerate(args):
-        if (a == "--host-devices" and i + 1 < len(args) and args[i + 1].isdigit()
-                and int(args[i + 1]) > jax.device_count()):
+        if (
+            a == "--host-devices"
+            and i + 1 < len(args)
+            and args[i + 1].isdigit()
+            and int(args[i + 1]) > jax.device_count()
+        ):
             return False
         if a in ("--coordinator", "--num-processes", "--process-id"):
             return False
     return True
 
 
-def cli(tool: str, *args, cwd: Path = ROOT, environ: dict | None = None
-        ) -> subprocess.CompletedProcess:
+def cli(
+    tool: str, *args, cwd: Path = ROOT, environ: dict | None = None
+) -> subprocess.CompletedProcess:
     """megajax's program TOOL (train, eval, plan, convert, prepare, plot) called in this process
     as its entry point calls it (`TOOL_main(argv) -> status`), with what it prints captured: for
     the tests whose subject is what a program says and writes, not its process (signals, a
@@ -100,7 +133,7 @@ def cli(tool: str, *args, cwd: Path = ROOT, environ: dict | None = None
     assert in_process_ok(args), f"{tool} {args} needs a process of its own: run(..., process=True)"
     args = tuple(map(str, args))
     if tool in ("train", "eval") and "--host-devices" not in args:
-        args += ("--host-devices", "1")      # what a process of its own has: XLA's one device
+        args += ("--host-devices", "1")  # what a process of its own has: XLA's one device
     module, name = TOOLS[tool].split(":")
     main = getattr(importlib.import_module(module), name)
     handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
@@ -113,7 +146,7 @@ def cli(tool: str, *args, cwd: Path = ROOT, environ: dict | None = None
         with contextlib.chdir(cwd):
             try:
                 status = main([str(a) for a in args])
-            except SystemExit as e:     # argparse's --help and usage errors, sys.exit(...)
+            except SystemExit as e:  # argparse's --help and usage errors, sys.exit(...)
                 status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
                 if isinstance(e.code, str):
                     print(e.code, file=sys.stderr)
@@ -132,9 +165,14 @@ def killed_after_checkpoint(args, workdir: Path, step: int, timeout=180, environ
     checkpoint `step` exists (asserted): a run cut off with no chance to save or clean up."""
     import signal
     import time
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args],
-                            env=environ or env(), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        env=environ or env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + timeout
     while time.time() < deadline and not (workdir / "checkpoints" / str(step)).is_dir():
         time.sleep(0.05)
@@ -193,6 +231,9 @@ def tiered(cases, *default) -> list:
     `full` and run with `pytest --full` only (docs/testing.md)."""
     import pytest
 
-    return [case if case in default else
-            pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=pytest.mark.full)
-            for case in cases]
+    return [
+        case
+        if case in default
+        else pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=pytest.mark.full)
+        for case in cases
+    ]

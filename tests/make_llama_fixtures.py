@@ -22,6 +22,7 @@ bfloat16 (its references are computed from the rounded weights).
 loads a directory that `megajax-convert export` wrote from the imported fixture NAME with
 `from_pretrained` and prints how far its logits are from the fixture's.
 """
+
 import sys
 from pathlib import Path
 
@@ -34,14 +35,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_hf_fixtures import TEXT, randomize  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "fixtures" / "hf"
-SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-           "<|eot_id|>"]
+SPECIAL = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
-    "<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-             max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="eager")
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] "
+    "}}<|end_header_id|>\n"
+    "\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt "
+    "%}<|start_header_id|>assistant<|end_header_id|>\n"
+    "\n"
+    "{% endif %}"
+)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    attn_implementation="eager",
+)
 
 
 def tokenizer(out: Path):
@@ -49,34 +67,51 @@ def tokenizer(out: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL,
-                                                        initial_alphabet=alphabet))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL[0],
-                                                eos_token=SPECIAL[4])
+    tok.train_from_iterator(
+        [TEXT],
+        trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL, initial_alphabet=alphabet),
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=SPECIAL[0], eos_token=SPECIAL[4]
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast
 
 
-def build(name: str, config_cls, model_cls, seed: int, dtype=torch.float32,
-          shard: str | None = None, seq: int = 16, **fields):
+def build(
+    name: str,
+    config_cls,
+    model_cls,
+    seed: int,
+    dtype=torch.float32,
+    shard: str | None = None,
+    seq: int = 16,
+    **fields,
+):
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*"):
         old.unlink()
     tok = tokenizer(out)
-    cfg = config_cls(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                     eos_token_id=tok.eos_token_id, **SHAPE, **fields)
+    cfg = config_cls(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        **SHAPE,
+        **fields,
+    )
     torch.manual_seed(seed)
     model = randomize(model_cls(cfg), seed)
     noise = torch.Generator().manual_seed(seed)
-    with torch.no_grad():   # every norm's scale (the final one too): 1 + noise, each its own
+    with torch.no_grad():  # every norm's scale (the final one too): 1 + noise, each its own
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=noise))
     model = model.to(dtype)
-    model.save_pretrained(out, safe_serialization=True,
-                          **({"max_shard_size": shard} if shard else {}))
+    model.save_pretrained(
+        out, safe_serialization=True, **({"max_shard_size": shard} if shard else {})
+    )
     # The references: float32 on the weights as saved, loaded again (a model cast in place also
     # casts its rotary frequencies, which from_pretrained computes in float32).
     model = model_cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
@@ -87,67 +122,135 @@ def build(name: str, config_cls, model_cls, seed: int, dtype=torch.float32,
     grads = {f"grad/{n}": p.grad.numpy() for n, p in model.named_parameters()}
     with torch.no_grad():
         prompt = torch.tensor(g.integers(0, cfg.vocab_size, (1, 6)))
-        gen = model.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0,
-                             eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+        gen = model.generate(
+            prompt,
+            max_new_tokens=32,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     gaps = [np.diff(np.sort(s[0].numpy())[-2:])[0] for s in gen.scores]
     assert min(gaps) > 1e-4, f"{name}: a greedy step is a near tie ({min(gaps)}): pick another seed"
-    chat = tok.apply_chat_template([{"role": "user", "content": "Call me Ishmael."}], tokenize=True,
-                                   add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Call me Ishmael."}], tokenize=True, add_generation_prompt=True
+    )
     # a BatchEncoding in transformers 5
     chat = chat["input_ids"] if hasattr(chat, "keys") else chat
-    np.savez_compressed(out / "reference.npz", ids=ids, logits=out_.logits.detach().numpy(),
-                        loss=out_.loss.detach().numpy(), prompt=prompt.numpy(),
-                        greedy=gen.sequences[:, prompt.shape[1]:].numpy(), chat_ids=np.array(chat),
-                        **grads)
+    np.savez_compressed(
+        out / "reference.npz",
+        ids=ids,
+        logits=out_.logits.detach().numpy(),
+        loss=out_.loss.detach().numpy(),
+        prompt=prompt.numpy(),
+        greedy=gen.sequences[:, prompt.shape[1] :].numpy(),
+        chat_ids=np.array(chat),
+        **grads,
+    )
 
 
 def check_export(exported: str, name: str):
     ref = np.load(OUT / name / "reference.npz")
-    model = transformers.AutoModelForCausalLM.from_pretrained(exported,
-                                                              torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        exported, torch_dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         got = model(torch.tensor(ref["ids"])).logits.numpy()
     print(
-        f"{type(model).__name__}: largest logit difference {np.abs(got - ref['logits']).max():.3g}")
+        f"{type(model).__name__}: largest logit difference {np.abs(got - ref['logits']).max():.3g}"
+    )
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--check"]:
         check_export(*sys.argv[2:4])
         sys.exit(0)
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 16}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     builds = {
-        "llama": lambda: build("llama", transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                               11, num_key_value_heads=2, tie_word_embeddings=False,
-                               rope_theta=500000.0, rope_scaling=llama3),
-        "llama_tied": lambda: build("llama_tied", transformers.LlamaConfig,
-                                    transformers.LlamaForCausalLM, 12, num_key_value_heads=8,
-                                    tie_word_embeddings=True, rope_theta=10000.0),
-        "mistral": lambda: build("mistral", transformers.MistralConfig,
-                                 transformers.MistralForCausalLM, 15, shard="60KB",
-                                 num_key_value_heads=4, tie_word_embeddings=False,
-                                 rope_theta=1000000.0, sliding_window=None),
-        "qwen2": lambda: build("qwen2", transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-                               14, dtype=torch.bfloat16, num_key_value_heads=2,
-                               tie_word_embeddings=False, rope_theta=1000000.0,
-                               use_sliding_window=False),
+        "llama": lambda: build(
+            "llama",
+            transformers.LlamaConfig,
+            transformers.LlamaForCausalLM,
+            11,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling=llama3,
+        ),
+        "llama_tied": lambda: build(
+            "llama_tied",
+            transformers.LlamaConfig,
+            transformers.LlamaForCausalLM,
+            12,
+            num_key_value_heads=8,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+        ),
+        "mistral": lambda: build(
+            "mistral",
+            transformers.MistralConfig,
+            transformers.MistralForCausalLM,
+            15,
+            shard="60KB",
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            sliding_window=None,
+        ),
+        "qwen2": lambda: build(
+            "qwen2",
+            transformers.Qwen2Config,
+            transformers.Qwen2ForCausalLM,
+            14,
+            dtype=torch.bfloat16,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            use_sliding_window=False,
+        ),
         # Sliding windows of 8 positions over every layer: 24-token rows and 32 greedy tokens
         # after a 6-token prompt reach well past them.
-        "mistral_window": lambda: build("mistral_window", transformers.MistralConfig,
-                                        transformers.MistralForCausalLM, 16, seq=24,
-                                        num_key_value_heads=4, tie_word_embeddings=False,
-                                        rope_theta=10000.0, sliding_window=8),
-        "qwen2_window": lambda: build("qwen2_window", transformers.Qwen2Config,
-                                      transformers.Qwen2ForCausalLM, 17, seq=24,
-                                      num_key_value_heads=2, tie_word_embeddings=False,
-                                      rope_theta=10000.0, use_sliding_window=True,
-                                      sliding_window=8, max_window_layers=0),
+        "mistral_window": lambda: build(
+            "mistral_window",
+            transformers.MistralConfig,
+            transformers.MistralForCausalLM,
+            16,
+            seq=24,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            sliding_window=8,
+        ),
+        "qwen2_window": lambda: build(
+            "qwen2_window",
+            transformers.Qwen2Config,
+            transformers.Qwen2ForCausalLM,
+            17,
+            seq=24,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=0,
+        ),
     }
-    names = sys.argv[1:] or list(builds)      # the fixtures named, or all
+    names = sys.argv[1:] or list(builds)  # the fixtures named, or all
     for name in names:
         builds[name]()
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}:",
-          ", ".join(f"{p.relative_to(OUT)} {p.stat().st_size // 1024} KiB"
-                    for name in names
-                    for p in sorted((OUT / name).glob("*")) if p.is_file()))
+    print(
+        f"transformers {transformers.__version__}, torch {torch.__version__}:",
+        ", ".join(
+            f"{p.relative_to(OUT)} {p.stat().st_size // 1024} KiB"
+            for name in names
+            for p in sorted((OUT / name).glob("*"))
+            if p.is_file()
+        ),
+    )

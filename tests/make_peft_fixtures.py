@@ -12,6 +12,7 @@ Each adapter has rank 4 and alpha 8 on every linear layer of the blocks (Llama: 
 gate, up and down projections; GPT-2: c_attn, attn.c_proj, c_fc and mlp.c_proj), with random
 B (PEFT starts it at zero) so that a value mix-up would show.
 """
+
 import json
 from pathlib import Path
 
@@ -20,16 +21,23 @@ import torch
 import transformers
 
 HERE = Path(__file__).resolve().parent
-TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-           "gpt2": ["c_attn", "c_proj", "c_fc"]}
+TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+}
 
 
 def main():
     torch.manual_seed(0)
     for name, targets in TARGETS.items():
         base = transformers.AutoModelForCausalLM.from_pretrained(HERE / "fixtures" / "hf" / name)
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                 fan_in_fan_out=name == "gpt2", task_type="CAUSAL_LM")
+        config = peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=targets,
+            fan_in_fan_out=name == "gpt2",
+            task_type="CAUSAL_LM",
+        )
         model = peft.get_peft_model(base, config)
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -37,7 +45,7 @@ def main():
                     p.normal_(0, 0.02)
         out = HERE / "fixtures" / "peft" / name
         model.save_pretrained(out)
-        (out / "README.md").unlink()        # PEFT's model card: nothing the test reads
+        (out / "README.md").unlink()  # PEFT's model card: nothing the test reads
         config = json.loads((out / "adapter_config.json").read_text())
         config["base_model_name_or_path"] = f"tests/fixtures/hf/{name}"
         (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

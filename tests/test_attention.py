@@ -2,6 +2,7 @@
 flash attention on NVIDIA GPUs, XLA here) computes what megajax's own core computes, with the
 same collectives; "auto" picks it only on GPUs without attention dropout. (megajax's own core on
 the CPU without attention dropout: tests/test_blocked_attention.py.)"""
+
 from collections import Counter
 
 import jax
@@ -13,8 +14,8 @@ from helpers import tiered
 from tolerances import BF16_ELEMENT, assert_close, assert_tree_close
 
 from megajax.config import ConfigError
-from megajax.core.fused_attention import fused_attention_core, implementation
 from megajax.core.attention import fused_attention
+from megajax.core.fused_attention import fused_attention_core, implementation
 from megajax.core.sharding import Layout
 from megajax.tools.audit import audit
 from megajax.training.step import make_trainer
@@ -30,13 +31,15 @@ def loss_and_grads(cfg, spec):
     params, _ = trainer.init_state(seed=0)
     batch = jax.device_put(
         trainer.task.synthetic_batch(cfg, cfg.train.batch_size, np.random.default_rng(0)),
-        trainer.batch_sharding)
+        trainer.batch_sharding,
+    )
     metrics, grads = jax.jit(trainer.gradients)(params, batch, jax.random.key(1))
     return jax.device_get((metrics["loss"], grads))
 
 
-@pytest.mark.parametrize("kind,spec", tiered([("gpt", "1x1"), ("gpt", "2x4"), ("bert", "2x4")],
-                                             ("bert", "2x4")))
+@pytest.mark.parametrize(
+    "kind,spec", tiered([("gpt", "1x1"), ("gpt", "2x4"), ("bert", "2x4")], ("bert", "2x4"))
+)
 def test_fused_attention_matches_megajax_core(kind, spec):
     """Causal (GPT) and padding (BERT) masks; float32, so within F32 of each scale
     (tests/tolerances.py)."""
@@ -54,14 +57,16 @@ def test_fused_attention_slides_the_window_as_megajax_core():
     full_loss, _ = loss_and_grads(config("megajax"), "2x4")
     assert_close(got_loss, want_loss, what="loss")
     assert_tree_close(want, got, what="gradient")
-    assert abs(float(full_loss) - float(want_loss)) > 1e-4    # the window changes the numbers
+    assert abs(float(full_loss) - float(want_loss)) > 1e-4  # the window changes the numbers
 
 
 def test_fused_attention_adds_no_collective():
     def collectives(attention):
         r = audit(config(attention), mesh_for("2x4"))
-        return r, Counter((c.kind, c.axis, c.origin, c.direction, c.shape, c.count)
-                          for c in r.collectives)
+        return r, Counter(
+            (c.kind, c.axis, c.origin, c.direction, c.shape, c.count) for c in r.collectives
+        )
+
     (fused, got), (_, want) = collectives("fused"), collectives("megajax")
     assert got == want
     assert fused.ratio == pytest.approx(1.0, abs=0.005)
@@ -69,7 +74,7 @@ def test_fused_attention_adds_no_collective():
 
 def test_auto_picks_fused_only_on_gpus_without_attention_dropout():
     cpu = Layout(mesh_for("2x4"))
-    assert not fused_attention(config("auto").model, cpu)                      # CPU devices
+    assert not fused_attention(config("auto").model, cpu)  # CPU devices
     assert fused_attention(config("fused").model, cpu)
     assert not fused_attention(tiny_config(attention="megajax").model, cpu)
     with pytest.raises(ConfigError, match="attention_dropout=0"):
@@ -79,6 +84,7 @@ def test_auto_picks_fused_only_on_gpus_without_attention_dropout():
 
 # The fused core's own choices: cuDNN's kernel asked for by name on GPUs (jax would give XLA's),
 # its masks translated into its flag and bias, and XLA's attention where cuDNN refuses.
+
 
 def reference_attention(q, k, v, key_mask, causal):
     """softmax(q k^T / sqrt(d) + masks) v by hand, float32, (b, heads, s, d)."""
@@ -97,14 +103,14 @@ def attention_inputs(seed=0, b=2, h=3, s=12, d=8):
     rng = np.random.default_rng(seed)
     q, k, v = (jnp.asarray(rng.standard_normal((b, h, s, d)), jnp.bfloat16) for _ in range(3))
     key_mask = np.ones((b, s), bool)
-    key_mask[1, 7:] = False            # the second sequence padded after 7 tokens
+    key_mask[1, 7:] = False  # the second sequence padded after 7 tokens
     return q, k, v, key_mask
 
 
 def test_fused_core_asks_gpus_for_cudnn_in_bf16_and_fp16_only():
     assert implementation(jnp.bfloat16, "gpu") == "cudnn"
     assert implementation(jnp.float16, "gpu") == "cudnn"
-    assert implementation(jnp.float32, "gpu") == "xla"     # cuDNN's flash kernel takes no float32
+    assert implementation(jnp.float32, "gpu") == "xla"  # cuDNN's flash kernel takes no float32
     assert implementation(jnp.bfloat16, "cpu") == "xla"
 
 
@@ -117,18 +123,26 @@ def test_cudnn_call_carries_the_masks(monkeypatch, causal, padded):
 
     def as_cudnn_would(q, k, v, *, mask=None, is_causal=False, scale=None, implementation=None):
         calls.append((implementation, is_causal, None if mask is None else mask.shape))
-        f32 = lambda t: t.astype(jnp.float32)   # noqa: E731
-        return real(f32(q), f32(k), f32(v), mask=mask, is_causal=is_causal, scale=scale,
-                    implementation="xla")
+        f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
+        return real(
+            f32(q),
+            f32(k),
+            f32(v),
+            mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            implementation="xla",
+        )
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", as_cudnn_would)
     q, k, v, key_mask = attention_inputs()
     key_mask = key_mask if padded else None
-    got = fused_attention_core(q, k, v, key_mask, causal=causal, scale=1 / np.sqrt(8),
-                               platform="gpu")
+    got = fused_attention_core(
+        q, k, v, key_mask, causal=causal, scale=1 / np.sqrt(8), platform="gpu"
+    )
     b, _, s, _ = q.shape
     assert calls == [("cudnn", causal, (b, 1, s, s) if padded else None)]
-    f64 = lambda t: np.asarray(t, np.float64)   # noqa: E731
+    f64 = lambda t: np.asarray(t, np.float64)  # noqa: E731
     assert_close(got, reference_attention(f64(q), f64(k), f64(v), key_mask, causal))
 
 
@@ -137,7 +151,8 @@ def test_where_cudnn_refuses_xla_attention_runs_with_a_warning():
     same result, within bf16 rounding of its output (4 u of its scale)."""
     q, k, v, key_mask = attention_inputs(seed=1)
     with pytest.warns(UserWarning, match="XLA's attention runs instead"):
-        got = fused_attention_core(q, k, v, key_mask, causal=True, scale=1 / np.sqrt(8),
-                                   platform="gpu")
-    f64 = lambda t: np.asarray(t, np.float64)   # noqa: E731
+        got = fused_attention_core(
+            q, k, v, key_mask, causal=True, scale=1 / np.sqrt(8), platform="gpu"
+        )
+    f64 = lambda t: np.asarray(t, np.float64)  # noqa: E731
     assert_close(got, reference_attention(f64(q), f64(k), f64(v), key_mask, True), tol=BF16_ELEMENT)

@@ -9,8 +9,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from megajax.data.sources import builtin_text, source_text, text_files
-from megajax.data.tokenizer import (ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer,
-                                    load_tokenizer, make_tokenizer)
+from megajax.data.tokenizer import (
+    ByteTokenizer,
+    CharTokenizer,
+    HFTokenizer,
+    TiktokenTokenizer,
+    load_tokenizer,
+    make_tokenizer,
+)
 from megajax.data.tokens import Batches, EvalWindows, load_tokens
 from megajax.errors import UserError
 
@@ -47,9 +53,10 @@ def test_hf_tokenizer_json(tmp_path):
 
     tk = Tokenizer(models.BPE(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.train_from_iterator(["the cat sat on the mat"] * 50,
-                           trainers.BpeTrainer(vocab_size=60,
-                                               special_tokens=["<unk>", "<|endoftext|>"]))
+    tk.train_from_iterator(
+        ["the cat sat on the mat"] * 50,
+        trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<|endoftext|>"]),
+    )
     path = tmp_path / "tokenizer.json"
     tk.save(str(path))
     hf = HFTokenizer(path)
@@ -65,29 +72,35 @@ def test_tiktoken_wrapper_and_offline_error(monkeypatch, tmp_path):
     import tiktoken
 
     ranks = {bytes([i]): i for i in range(256)}
-    enc = tiktoken.Encoding("bytes", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
-                            special_tokens={"<|endoftext|>": 256})
+    enc = tiktoken.Encoding(
+        "bytes", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 256}
+    )
     tok = TiktokenTokenizer("bytes", enc)
     assert tok.encode("hi") == [104, 105] and tok.eos_id == 256 and tok.vocab_size == 257
     with pytest.raises(
-        UserError, match=r"unknown tiktoken encoding 'definitely_not_one' \(tiktoken has gpt2, "):
-        TiktokenTokenizer("definitely_not_one")   # before: "not available offline"
+        UserError, match=r"unknown tiktoken encoding 'definitely_not_one' \(tiktoken has gpt2, "
+    ):
+        TiktokenTokenizer("definitely_not_one")  # before: "not available offline"
 
-    def offline(name):   # what tiktoken raises with an empty cache and no network
+    def offline(name):  # what tiktoken raises with an empty cache and no network
         raise ConnectionError("Max retries exceeded")
+
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     with pytest.raises(
-        UserError, match="tiktoken encoding 'gpt2' is not available offline .*: ConnectionError"):
+        UserError, match="tiktoken encoding 'gpt2' is not available offline .*: ConnectionError"
+    ):
         TiktokenTokenizer("gpt2")
     # hf:DIR reads DIR/tokenizer.json (a model directory)
     (tmp_path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(UserError,
-                       match=f"{tmp_path / 'tokenizer.json'} is not a Hugging Face tokenizer.json"):
+    with pytest.raises(
+        UserError, match=f"{tmp_path / 'tokenizer.json'} is not a Hugging Face tokenizer.json"
+    ):
         make_tokenizer(f"hf:{tmp_path}")
 
 
 def test_tfds_source_with_mock_data():
     import tensorflow_datasets as tfds
+
     with tfds.testing.mock_data(num_examples=4):
         d = load_tokens("tfds:tiny_shakespeare", "bytes")
     assert len(d.train) > 0 and len(d.val) > 0
@@ -156,9 +169,14 @@ def test_garbage_tokenizer_file_is_one_line(tmp_path):
         make_tokenizer(f"wordpiece:{tmp_path / 'vocab.txt'}")
 
 
-@pytest.mark.parametrize("spec, message", [("bytes:3", "the bytes tokenizer takes no argument"),
-                                           ("chars:x", "the chars tokenizer takes no argument"),
-                                           ("wordpiece:0", "wordpiece:SIZE must be at least 5")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("bytes:3", "the bytes tokenizer takes no argument"),
+        ("chars:x", "the chars tokenizer takes no argument"),
+        ("wordpiece:0", "wordpiece:SIZE must be at least 5"),
+    ],
+)
 def test_tokenizer_arguments_that_would_be_ignored_are_refused(spec, message):
     """Before, each was accepted: the argument ignored, or a vocabulary of the alphabet alone."""
     with pytest.raises(UserError, match=re.escape(message)):
@@ -172,8 +190,10 @@ def test_paths_that_exist_are_not_split_or_globbed(tmp_path):
         (tmp_path / name).write_text(name, encoding="utf-8")
     assert text_files(str(tmp_path / "a,b.txt")) == [tmp_path / "a,b.txt"]
     assert text_files(str(tmp_path / "run[1].txt")) == [tmp_path / "run[1].txt"]
-    assert text_files(f"{tmp_path / 'x.txt'},{tmp_path / 'run1.txt'}") == [tmp_path / "x.txt",
-                                                                           tmp_path / "run1.txt"]
+    assert text_files(f"{tmp_path / 'x.txt'},{tmp_path / 'run1.txt'}") == [
+        tmp_path / "x.txt",
+        tmp_path / "run1.txt",
+    ]
     assert text_files(str(tmp_path / "run?.txt")) == [tmp_path / "run1.txt"]
     assert len(text_files(str(tmp_path / "*.txt"))) == 4
     with pytest.raises(UserError, match="data file not found"):
@@ -190,24 +210,31 @@ def test_paths_that_exist_are_not_split_or_globbed(tmp_path):
 def test_missing_and_empty_sources(tmp_path):
     with pytest.raises(UserError, match="data file not found"):
         load_tokens(f"bin:{tmp_path / 'none.bin'}", "bytes")
-    with pytest.raises(UserError, match=re.escape(
-        f"data file {tmp_path} is a directory: give its files (a glob such as {tmp_path}/*.txt)")):
+    with pytest.raises(
+        UserError,
+        match=re.escape(
+            f"data file {tmp_path} is a directory: give its files (a glob such as {tmp_path}/*.txt)"
+        ),
+    ):
         load_tokens(f"text:{tmp_path}", "bytes")
     with pytest.raises(UserError, match="data file /dev/null is not a regular file"):
         load_tokens("text:/dev/null", "bytes")
-    with pytest.raises(UserError,
-                       match=f"{tmp_path} is a directory without meta.json, not a corpus prepared"):
-        load_tokens(f"bin:{tmp_path}", "bytes")    # before: "data file not found"
+    with pytest.raises(
+        UserError, match=f"{tmp_path} is a directory without meta.json, not a corpus prepared"
+    ):
+        load_tokens(f"bin:{tmp_path}", "bytes")  # before: "data file not found"
     (tmp_path / "e.bin").write_bytes(b"")
     with pytest.raises(UserError, match="empty"):
         load_tokens(f"bin:{tmp_path / 'e.bin'}", "bytes")
     with pytest.raises(UserError, match="unknown data source"):
         load_tokens("ftp:x", "bytes")
-    with pytest.raises(UserError,
-                       match="'pairs:x' holds BERT sentence pairs, for model.kind = bert"):
-        load_tokens("pairs:x", "bytes")     # GPT given a BERT corpus, and BERT given token files:
-    with pytest.raises(UserError,
-                       match="token files keep no sentence boundaries: BERT reads pairs:DIR"):
+    with pytest.raises(
+        UserError, match="'pairs:x' holds BERT sentence pairs, for model.kind = bert"
+    ):
+        load_tokens("pairs:x", "bytes")  # GPT given a BERT corpus, and BERT given token files:
+    with pytest.raises(
+        UserError, match="token files keep no sentence boundaries: BERT reads pairs:DIR"
+    ):
         source_text("bin:x")
     with pytest.raises(UserError, match="fewer than one sequence"):
         Batches(np.arange(10), 16, 2, 0, None)

@@ -1,6 +1,7 @@
 """ZeRO-1 (`train.shard_optimizer`) and FSDP (`train.shard_params`) compute what plain data
 parallelism computes, with the data-axis collectives the audit says, and their states are
 1/N as large and interchangeable with plain ones through checkpoints."""
+
 import dataclasses
 import functools
 
@@ -23,10 +24,17 @@ TOKENS = np.asarray(jax.random.randint(jax.random.key(7), (16, 17), 0, 100))
 
 
 def config(mode: str = "plain", microbatches: int = 1, **model):
-    cfg = tiny_config(**model)   # dropout on (0.1 hidden and attention)
-    return dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, batch_size=16, microbatches=microbatches,
-        shard_optimizer=mode == "shard_optimizer", shard_params=mode == "shard_params")).validate()
+    cfg = tiny_config(**model)  # dropout on (0.1 hidden and attention)
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(
+            cfg.train,
+            batch_size=16,
+            microbatches=microbatches,
+            shard_optimizer=mode == "shard_optimizer",
+            shard_params=mode == "shard_params",
+        ),
+    ).validate()
 
 
 def run(spec: str, microbatches: int, mode: str):
@@ -35,19 +43,25 @@ def run(spec: str, microbatches: int, mode: str):
     p, o = trainer.init_state(seed=0)
     tokens = jax.device_put(TOKENS, trainer.batch_sharding)
     out = dict(param_specs=[x.sharding.spec for x in jax.tree.leaves(p)])
-    if mode == "plain":   # the first step's gradients: the scale of Adam's per-entry bound
+    if mode == "plain":  # the first step's gradients: the scale of Adam's per-entry bound
         out["grads"] = jax.device_get(jax.jit(trainer.gradients)(p, tokens, KEY)[1])
     step, losses, norms = trainer.jit_step(), [], []
     for i in range(3):
         p, o, m = step(p, o, tokens, jnp.int32(i))
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
-    return dict(out, losses=losses, norms=norms, final=jax.device_get(p),
-                opt_specs=[x.sharding.spec for x in jax.tree.leaves(o)])
+    return dict(
+        out,
+        losses=losses,
+        norms=norms,
+        final=jax.device_get(p),
+        opt_specs=[x.sharding.spec for x in jax.tree.leaves(o)],
+    )
 
 
-@pytest.mark.parametrize("spec,microbatches", tiered([("2x4", 2), ("4x2", 4), ("8x1", 2)],
-                                                      ("2x4", 2)))
+@pytest.mark.parametrize(
+    "spec,microbatches", tiered([("2x4", 2), ("4x2", 4), ("8x1", 2)], ("2x4", 2))
+)
 def test_sharded_data_parallel_matches_plain(spec, microbatches):
     """Both schemes, gradient accumulation and dropout on; float32 throughout, so losses and
     gradient norms within F32 of their scale (tests/tolerances.py), parameters within Adam's
@@ -57,8 +71,9 @@ def test_sharded_data_parallel_matches_plain(spec, microbatches):
         got = run(spec, microbatches, mode)
         assert_close(got["losses"], ref["losses"], what=f"{mode}: losses of 3 steps")
         assert_close(got["norms"], ref["norms"], what=f"{mode}: gradient norms of 3 steps")
-        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(ref["final"])[0],
-                                jax.tree.leaves(got["final"])):
+        for (path, x), y in zip(
+            jax.tree_util.tree_flatten_with_path(ref["final"])[0], jax.tree.leaves(got["final"])
+        ):
             g = np.asarray(functools.reduce(lambda t, k: t[k.key], path, ref["grads"]))
             bound = adam_tolerance(g, np.abs(g).max(), 1e-2, steps=3) + F32 * np.abs(x).max()
             assert (np.abs(y - x) <= bound).all(), f"{mode} {jax.tree_util.keystr(path)}"
@@ -71,21 +86,26 @@ def _data(r, **kw):
     return r.select(axis="data", **kw)
 
 
-@pytest.mark.parametrize("spec,microbatches", tiered([("2x4", (1, 2)), ("8x1", (2,))],
-                                                      ("2x4", (1, 2))))
+@pytest.mark.parametrize(
+    "spec,microbatches", tiered([("2x4", (1, 2)), ("8x1", (2,))], ("2x4", (1, 2)))
+)
 def test_zero_reduces_gradients_once_per_step(spec, microbatches):
     """One reduce-scatter per gradient and one all-gather per parameter, whatever the number of
     microbatches: exactly the bytes of one all-reduce (ratio 1.000); no gradient all-reduce
     remains, and the model axis keeps Megatron's collectives exactly."""
     results = {m: audit(config("shard_optimizer", m), mesh_for(spec)) for m in microbatches}
     n_params = len(
-        jax.tree.leaves(make_trainer(config(), mesh_for(spec)).modeldef.abstract_params()))
+        jax.tree.leaves(make_trainer(config(), mesh_for(spec)).modeldef.abstract_params())
+    )
     for m, r in results.items():
         assert not _data(r, origin="gradients", kind="all-reduce")
-        scatters, gathers = _data(r, origin="gradients",
-                                  kind="reduce-scatter"), _data(r, origin="params")
-        assert len(scatters) == len(gathers) == n_params and all(c.count == 1 for c in scatters
-                                                                 + gathers)
+        scatters, gathers = (
+            _data(r, origin="gradients", kind="reduce-scatter"),
+            _data(r, origin="params"),
+        )
+        assert len(scatters) == len(gathers) == n_params and all(
+            c.count == 1 for c in scatters + gathers
+        )
         assert {c.kind for c in gathers} == {"all-gather"}
         assert r.data_scheme == "zero" and r.data_axis_ratio == pytest.approx(1.0, abs=1e-9)
         _model_axis_as_megatron(r)
@@ -134,13 +154,19 @@ def test_sharded_states_are_one_nth(spec):
     FSDP, at most 1/N + 2% of plain data parallelism's."""
     mesh = mesh_for(spec)
     n = mesh.shape["data"]
-    sizes = {mode: [per_device_bytes(x) for x in make_trainer(config(mode), mesh).abstract_state()]
-             for mode in MODES}
+    sizes = {
+        mode: [per_device_bytes(x) for x in make_trainer(config(mode), mesh).abstract_state()]
+        for mode in MODES
+    }
     (params, opt) = sizes["plain"]
-    assert sizes["shard_optimizer"][0] == params and sizes["shard_optimizer"][1] <= (1 / n
-                                                                                     + 0.02) * opt
-    assert sizes["shard_params"][0] <= (1 / n + 0.02) * params and sizes["shard_params"][1] <= (
-        1 / n + 0.02) * opt
+    assert (
+        sizes["shard_optimizer"][0] == params
+        and sizes["shard_optimizer"][1] <= (1 / n + 0.02) * opt
+    )
+    assert (
+        sizes["shard_params"][0] <= (1 / n + 0.02) * params
+        and sizes["shard_params"][1] <= (1 / n + 0.02) * opt
+    )
 
 
 @pytest.mark.full
@@ -150,22 +176,26 @@ def test_checkpoints_move_between_modes_and_meshes(tmp_path):
     for mode, spec in (("shard_params", "2x4"), ("plain", "4x2")):
         trainer = make_trainer(config(mode, 2), mesh_for(spec))
         p, o = trainer.init_state(seed=0)
-        p, o, _ = trainer.jit_step()(p, o, jax.device_put(TOKENS, trainer.batch_sharding),
-                                     jnp.int32(0))
+        p, o, _ = trainer.jit_step()(
+            p, o, jax.device_put(TOKENS, trainer.batch_sharding), jnp.int32(0)
+        )
         ckpt = Checkpoints(tmp_path / mode, async_save=False)
         assert ckpt.save(1, p, o, {"step": 1}) is None
         ckpt.close()
         saved[mode] = jax.device_get((p, o))
-    for source, (mode, spec) in (("shard_params", ("plain", "1x8")),
-                                 ("shard_params", ("shard_optimizer", "4x2")),
-                                 ("plain", ("shard_params", "8x1")),
-                                 ("plain", ("shard_optimizer", "2x4"))):
+    for source, (mode, spec) in (
+        ("shard_params", ("plain", "1x8")),
+        ("shard_params", ("shard_optimizer", "4x2")),
+        ("plain", ("shard_params", "8x1")),
+        ("plain", ("shard_optimizer", "2x4")),
+    ):
         trainer = make_trainer(config(mode, 2), mesh_for(spec))
         ckpt = Checkpoints(tmp_path / source, async_save=False)
         p, o, _ = ckpt.restore(1, *trainer.abstract_state())
         ckpt.close()
-        for want, got in zip(jax.tree.leaves(saved[source]),
-                             jax.tree.leaves(jax.device_get((p, o)))):
+        for want, got in zip(
+            jax.tree.leaves(saved[source]), jax.tree.leaves(jax.device_get((p, o)))
+        ):
             np.testing.assert_array_equal(got, want)
         shardings = jax.tree.leaves(trainer.abstract_state())
         assert [x.sharding for x in jax.tree.leaves((p, o))] == [x.sharding for x in shardings]

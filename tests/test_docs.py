@@ -3,6 +3,7 @@ page missing from the navigation fails), the generated reference pages are curre
 command block (```sh) and Python block of README.md and docs/ runs, in order, page by page, in
 a directory of its own beside a checkout's files. A block that cannot run here says why in a
 `<!-- not run: REASON -->` line just above it (it needs a GPU, a cluster or a download)."""
+
 import dataclasses
 import os
 import re
@@ -20,9 +21,24 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 NOT_RUN = re.compile(r"^<!-- not run: (.+?) -->$")
 RUNNABLE = ("sh", "python")
 # what a page's commands see of the checkout, from a directory of their own
-CHECKOUT = ("train.py", "eval.py", "configs", "data", "tests", "megajax", "bench", "notebooks",
-            "scripts", "requirements.txt", "requirements-test.txt", "pyproject.toml", "mkdocs.yml",
-            "docs", "README.md", ".ci")
+CHECKOUT = (
+    "train.py",
+    "eval.py",
+    "configs",
+    "data",
+    "tests",
+    "megajax",
+    "bench",
+    "notebooks",
+    "scripts",
+    "requirements.txt",
+    "requirements-test.txt",
+    "pyproject.toml",
+    "mkdocs.yml",
+    "docs",
+    "README.md",
+    ".ci",
+)
 
 
 def blocks(page: Path):
@@ -38,7 +54,7 @@ def blocks(page: Path):
         while not lines[i].startswith("```"):
             i += 1
         marker = NOT_RUN.match(lines[start - 1]) if start else None
-        yield lang, "\n".join(lines[start + 1:i]), marker and marker.group(1), start + 1
+        yield lang, "\n".join(lines[start + 1 : i]), marker and marker.group(1), start + 1
         i += 1
 
 
@@ -53,8 +69,9 @@ def test_every_block_not_run_says_why_and_every_command_block_is_marked():
             assert lang, f"{where}: a fence names its language (sh, python, text, toml, ...)"
             assert why is None or (lang in RUNNABLE and why != "REVIEW"), where
             if lang == "text" and "[-h]" not in code:  # commands are in sh blocks (not usage)
-                assert not re.match(r"\s*(python3? \S+\.py |python3? -m |megajax-[a-z]+ |\$ )",
-                                    code), where
+                assert not re.match(
+                    r"\s*(python3? \S+\.py |python3? -m |megajax-[a-z]+ |\$ )", code
+                ), where
 
 
 def sandbox(tmp_path: Path) -> Path:
@@ -62,7 +79,7 @@ def sandbox(tmp_path: Path) -> Path:
         (tmp_path / name).symlink_to(ROOT / name)
     bin_dir = tmp_path / ".bin"
     bin_dir.mkdir()
-    for name in ("python", "python3"):   # the suite's interpreter (a link would leave its venv)
+    for name in ("python", "python3"):  # the suite's interpreter (a link would leave its venv)
         (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
         (bin_dir / name).chmod(0o755)
     return bin_dir
@@ -73,8 +90,9 @@ def page_id(page: Path) -> str:
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("page", [p for p in runnable_pages() if "guides" not in p.parts],
-                         ids=page_id)
+@pytest.mark.parametrize(
+    "page", [p for p in runnable_pages() if "guides" not in p.parts], ids=page_id
+)
 def test_page_commands_run(page, tmp_path):
     """The guides' pages run in tests/test_docs_guides.py (the other pytest worker)."""
     run_page(page, tmp_path)
@@ -83,9 +101,14 @@ def test_page_commands_run(page, tmp_path):
 # A line that is only a megajax program and its arguments (no pipe, redirection, variable,
 # environment or background job): `python train.py ...`, `python eval.py ...`, `python -m
 # megajax TOOL ...`.
-PROGRAMS = {("train.py",): "train", ("eval.py",): "eval",
-            **{("-m", "megajax", tool): tool
-               for tool in ("train", "eval", "plan", "convert", "prepare", "plot")}}
+PROGRAMS = {
+    ("train.py",): "train",
+    ("eval.py",): "eval",
+    **{
+        ("-m", "megajax", tool): tool
+        for tool in ("train", "eval", "plan", "convert", "prepare", "plot")
+    },
+}
 
 
 def programs(code: str) -> list[tuple[str, list[str]]] | None:
@@ -110,37 +133,59 @@ def run_page(page: Path, tmp_path: Path):
     (helpers.cli: what the user's process runs, without an interpreter start each), any other
     in bash or Python of its own."""
     bin_dir = sandbox(tmp_path)
-    e = dict(env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", WANDB_MODE="offline",
-             MPLBACKEND="Agg")
+    e = dict(
+        env(),
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        WANDB_MODE="offline",
+        MPLBACKEND="Agg",
+    )
     for lang, code, why, line in blocks(page):
         if lang not in RUNNABLE or why:
             continue
         calls = programs(code) if lang == "sh" else None
         if calls and all(in_process_ok(args) for _, args in calls):
             for tool, args in calls:
-                p = cli(tool, *args, cwd=tmp_path,
-                        environ={"WANDB_MODE": "offline", "MPLBACKEND": "Agg"})
+                p = cli(
+                    tool,
+                    *args,
+                    cwd=tmp_path,
+                    environ={"WANDB_MODE": "offline", "MPLBACKEND": "Agg"},
+                )
                 if p.returncode != 0:
                     break
         else:
-            cmd = (["bash", "-e", "-o", "pipefail", "-c", code] if lang == "sh"
-                   else [sys.executable, "-c", code])
-            p = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True,
-                               timeout=600)
-        assert p.returncode == 0, (f"{page.relative_to(ROOT)}:{line} failed ({p.returncode}):\n"
-                                   f"{code}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n"
-                                   f"{p.stderr[-3000:]}")
+            cmd = (
+                ["bash", "-e", "-o", "pipefail", "-c", code]
+                if lang == "sh"
+                else [sys.executable, "-c", code]
+            )
+            p = subprocess.run(
+                cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=600
+            )
+        assert p.returncode == 0, (
+            f"{page.relative_to(ROOT)}:{line} failed ({p.returncode}):\n"
+            f"{code}\n"
+            "--- stdout\n"
+            f"{p.stdout[-3000:]}\n"
+            "--- stderr\n"
+            f"{p.stderr[-3000:]}"
+        )
 
 
 def test_reference_pages_are_current():
     from megajax.cli.reference import main
+
     assert main(["--check"]) == 0, "run: python -m megajax.cli.reference"
 
 
 def test_site_builds_strict(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
-                        str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
 
@@ -161,6 +206,5 @@ def test_every_config_field_has_one_whole_description():
             text = comments.get(f.name, "")
             where = f"{cls.__name__}.{f.name}: {text!r}"
             assert text, where
-            assert text.count("(") == text.count(")") and text.count("[") == text.count("]"), \
-                where
+            assert text.count("(") == text.count(")") and text.count("[") == text.count("]"), where
             assert not text.rstrip().endswith((",", "|", "(", ";", ":")), where

@@ -1,5 +1,6 @@
 """Every mesh computes what one device computes: weights, logits, loss, gradients and
 optimizer steps, with dropout on (the masks must not depend on the mesh)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,8 @@ from megajax.training.step import make_trainer
 MESHES = ["2x4", "4x2", "1x8", "8x1"]
 CFG = tiny_config()
 TOKENS = np.asarray(
-    jax.random.randint(jax.random.key(7), (8, CFG.model.seq_len + 1), 0, CFG.model.vocab_size))
+    jax.random.randint(jax.random.key(7), (8, CFG.model.seq_len + 1), 0, CFG.model.vocab_size)
+)
 KEY = jax.random.key(3)
 
 
@@ -24,8 +26,8 @@ def run(mesh, cfg=CFG):
     """Weights, logits, loss and gradients (dropout on), and three optimizer steps on `mesh`."""
     trainer = make_trainer(cfg, mesh)
     md = trainer.modeldef
-    p, o = trainer.init_state(seed=0)          # init_model's weights, in this mesh's shardings
-    params = jax.tree.map(lambda x: x.copy(), p)   # the step below donates p
+    p, o = trainer.init_state(seed=0)  # init_model's weights, in this mesh's shardings
+    params = jax.tree.map(lambda x: x.copy(), p)  # the step below donates p
     tokens = jax.device_put(TOKENS, trainer.batch_sharding)
 
     @jax.jit
@@ -40,8 +42,14 @@ def run(mesh, cfg=CFG):
     for i in range(3):
         p, o, m = step(p, o, tokens, jnp.int32(i))
         losses.append(float(m["loss"]))
-    return dict(params=jax.device_get(params), logits=logits, loss=float(loss), grads=grads,
-                losses=losses, final=jax.device_get(p))
+    return dict(
+        params=jax.device_get(params),
+        logits=logits,
+        loss=float(loss),
+        grads=grads,
+        losses=losses,
+        final=jax.device_get(p),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +87,9 @@ def assert_matches_reference(reference, got):
         g = _get(reference["grads"], path)
         bound = adam_tolerance(g, np.abs(g).max(), CFG.train.lr, steps=3) + F32 * np.abs(x).max()
         err = np.abs(_get(got["final"], path) - x)
-        assert (
-            err <= bound).all(), f"params after 3 steps {jax.tree_util.keystr(path)}: {err.max()}"
+        assert (err <= bound).all(), (
+            f"params after 3 steps {jax.tree_util.keystr(path)}: {err.max()}"
+        )
 
 
 def _get(tree, path):
@@ -94,8 +103,8 @@ def test_dropout_is_on_and_matters(reference):
     mesh = mesh_for("1x1")
     model = init_model(CFG.model, mesh, seed=0)
     t = jnp.asarray(TOKENS)
-    deterministic = np.asarray(model(t[:, :-1]))[..., :CFG.model.vocab_size]
-    dropped = reference["logits"][..., :CFG.model.vocab_size]
+    deterministic = np.asarray(model(t[:, :-1]))[..., : CFG.model.vocab_size]
+    dropped = reference["logits"][..., : CFG.model.vocab_size]
     assert np.linalg.norm(dropped - deterministic) > 0.05 * np.linalg.norm(deterministic)
     assert reference["losses"][2] < reference["losses"][0]
 
@@ -123,36 +132,54 @@ def test_gradient_accumulation_equals_one_big_batch():
     mesh = mesh_for("2x4")
     results = []
     for micro, unroll in ((1, False), (4, False), (4, True)):
-        cfg = dataclasses.replace(base, train=dataclasses.replace(
-            base.train, microbatches=micro, unroll_microbatches=unroll, batch_size=16))
+        cfg = dataclasses.replace(
+            base,
+            train=dataclasses.replace(
+                base.train, microbatches=micro, unroll_microbatches=unroll, batch_size=16
+            ),
+        )
         trainer = make_trainer(cfg, mesh)
         p, o = trainer.init_state(seed=0)
         tokens = jax.device_put(np.concatenate([TOKENS, TOKENS[::-1]]), trainer.batch_sharding)
         p, o, m = trainer.jit_step()(p, o, tokens, jnp.int32(0))
         results.append((float(m["loss"]), float(m["grad_norm"]), jax.device_get(p)))
     grads = jax.device_get(
-        jax.jit(jax.grad(trainer.loss_fn))(trainer.init_state(seed=0)[0], tokens, None))
+        jax.jit(jax.grad(trainer.loss_fn))(trainer.init_state(seed=0)[0], tokens, None)
+    )
     for accumulated in results[1:]:
         assert_close(accumulated[0], results[0][0], what="loss")
         assert_close(accumulated[1], results[0][1], what="grad norm")
         # One Adam step moves an entry by lr * sign(g): only entries whose gradient is within
         # rounding of zero (the key bias) can differ, by up to 2 lr.
-        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(results[0][2])[0],
-                                jax.tree.leaves(accumulated[2])):
+        for (path, x), y in zip(
+            jax.tree_util.tree_flatten_with_path(results[0][2])[0], jax.tree.leaves(accumulated[2])
+        ):
             g = _get(grads, path)
-            bound = (adam_tolerance(g, np.abs(g).max(), base.train.lr, steps=1)
-                     + F32 * np.abs(x).max())
+            bound = (
+                adam_tolerance(g, np.abs(g).max(), base.train.lr, steps=1) + F32 * np.abs(x).max()
+            )
             assert (np.abs(y - x) <= bound).all(), jax.tree_util.keystr(path)
     assert results[2][:2] == results[1][:2]
 
 
-@pytest.mark.parametrize("remat,scan,sp", tiered(
-    [("selective", True, False), ("full", True, False), ("selective", False, False),
-     ("selective", True, True), ("full", False, True)], ("selective", True, True)))
+@pytest.mark.parametrize(
+    "remat,scan,sp",
+    tiered(
+        [
+            ("selective", True, False),
+            ("full", True, False),
+            ("selective", False, False),
+            ("selective", True, True),
+            ("full", False, True),
+        ],
+        ("selective", True, True),
+    ),
+)
 def test_remat_recomputes_the_same_numbers(remat, scan, sp):
     """Selective (the attention core) and full (each layer) recomputation give the loss and
     every gradient of no recomputation, dropout on, on 2x4: only the backward pass's schedule
     changes. Full remat is compared scanned only, as the rest of the suite runs it unrolled."""
+
     def loss_and_grads(mode):
         cfg = tiny_config(remat=mode, scan_layers=scan, sequence_parallel=sp)
         trainer = make_trainer(cfg, mesh_for("2x4"))

@@ -1,5 +1,6 @@
 """train.layer_programs: the step as one compiled program per layer gives the single-program
 step's result, keeps the four all-reduces per layer, and refuses what it does not support."""
+
 import dataclasses
 
 import jax
@@ -10,15 +11,16 @@ from helpers import tiered
 from tolerances import F16_U, F32, adam_tolerance, assert_tree_close
 
 from megajax.config import ConfigError
-from megajax.tools.hlo import parse_collectives
 from megajax.mesh_shape import MeshShape
+from megajax.tools.hlo import parse_collectives
 from megajax.training.layer_programs import LayerProgramStep
 from megajax.training.step import make_trainer
 
 
 def _programs(cfg):
-    return dataclasses.replace(cfg,
-                               train=dataclasses.replace(cfg.train, layer_programs=True)).validate()
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, layer_programs=True)
+    ).validate()
 
 
 def _two_steps(cfg, mesh, step_fn_of):
@@ -30,11 +32,13 @@ def _two_steps(cfg, mesh, step_fn_of):
     rng = np.random.default_rng(0)
     metrics, grads = [], None
     for i in range(2):
-        batch = jax.device_put(tr.task.synthetic_batch(cfg, cfg.train.batch_size, rng),
-                               tr.batch_sharding)
+        batch = jax.device_put(
+            tr.task.synthetic_batch(cfg, cfg.train.batch_size, rng), tr.batch_sharding
+        )
         if grads is None:
-            grads = jax.device_get(jax.jit(tr.gradients)(params, batch, tr.step_key(i),
-                                                         tr.loss_scale(opt))[1])
+            grads = jax.device_get(
+                jax.jit(tr.gradients)(params, batch, tr.step_key(i), tr.loss_scale(opt))[1]
+            )
         params, opt, m = step(params, opt, batch, np.int32(i))
         metrics.append(jax.device_get(m))
     return jax.device_get(params), jax.device_get(opt), metrics, grads
@@ -53,15 +57,21 @@ def assert_params_close(want, got, grads, lr: float, steps: int):
         assert (err <= bound).all(), f"params {jax.tree_util.keystr(path)}: {err.max()}"
 
 
-@pytest.mark.parametrize("kind, mesh, model", tiered([
-    ("gpt", "1x1", {}),
-    # tensor and data parallel, microbatches, dropout
-    ("gpt", "2x4", {}),
-    ("gpt", "1x4", {"remat": "full", "sequence_parallel": True}),
-    # the stack's padding mask and BERT's heads
-    ("bert", "2x2", {"remat": "selective"}),
-    ("gpt", "2x2", {"compute_dtype": "float16"}),         # the loss scale reaches the programs
-], ("gpt", "2x4", {})))
+@pytest.mark.parametrize(
+    "kind, mesh, model",
+    tiered(
+        [
+            ("gpt", "1x1", {}),
+            # tensor and data parallel, microbatches, dropout
+            ("gpt", "2x4", {}),
+            ("gpt", "1x4", {"remat": "full", "sequence_parallel": True}),
+            # the stack's padding mask and BERT's heads
+            ("bert", "2x2", {"remat": "selective"}),
+            ("gpt", "2x2", {"compute_dtype": "float16"}),  # the loss scale reaches the programs
+        ],
+        ("gpt", "2x4", {}),
+    ),
+)
 def test_layer_programs_give_the_single_program_step(kind, mesh, model):
     cfg = tiny_config(kind=kind, num_layers=3, **model)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2)).validate()
@@ -76,7 +86,7 @@ def test_layer_programs_give_the_single_program_step(kind, mesh, model):
         # entry and step (tolerances.adam_tolerance's cap); the metrics stay within 4 units.
         for w, g in zip(jax.tree.leaves(want[0]), jax.tree.leaves(got[0])):
             np.testing.assert_allclose(g, w, rtol=0, atol=2 * 2 * cfg.train.lr)
-        metric_tol = 4 * F16_U        # grad_norm and loss_scale catch a loss scale left out
+        metric_tol = 4 * F16_U  # grad_norm and loss_scale catch a loss scale left out
     else:
         assert_params_close(want[0], got[0], want[3], cfg.train.lr, steps=2)
         assert_tree_close(want[1], got[1], F32, what="optimizer state")
@@ -84,7 +94,7 @@ def test_layer_programs_give_the_single_program_step(kind, mesh, model):
         assert set(w) == set(g)
         for k in w:
             np.testing.assert_allclose(g[k], w[k], rtol=metric_tol, atol=0, err_msg=k)
-    assert want[2][1]["loss"] != want[2][0]["loss"]      # the second step saw the first's update
+    assert want[2][1]["loss"] != want[2][0]["loss"]  # the second step saw the first's update
 
 
 def _model_axis(hlo: str, mesh_shape) -> list:
@@ -100,8 +110,9 @@ def test_each_layer_program_holds_two_of_the_four_all_reduces():
     step = make_trainer(cfg, mesh).compiled_step()
     tr = step.tr
     params, _ = tr.init_state(seed=0)
-    batch = jax.device_put(tr.task.synthetic_batch(cfg, 8, np.random.default_rng(0)),
-                           tr.batch_sharding)
+    batch = jax.device_put(
+        tr.task.synthetic_batch(cfg, 8, np.random.default_rng(0)), tr.batch_sharding
+    )
     x, aux, _ = step._pre(params, batch, np.int32(0), np.int32(0))
     fwd_hlo = step._forward.lower(params, np.int32(0), x, aux).compile().as_text()
     _, pullback = step._forward(params, np.int32(0), x, aux)
@@ -109,8 +120,10 @@ def test_each_layer_program_holds_two_of_the_four_all_reduces():
     bwd_hlo = step._backward.lower(params, pullback, grads, np.int32(0), x).compile().as_text()
     # the forward program keeps no copy of the layer's weights: the backward slices them again
     layer_weight_shapes = {w.shape[1:] for w in jax.tree.leaves(params["layers"]["stacked"])}
-    assert jax.tree.leaves(pullback) and not {
-        a.shape for a in jax.tree.leaves(pullback)} & layer_weight_shapes
+    assert (
+        jax.tree.leaves(pullback)
+        and not {a.shape for a in jax.tree.leaves(pullback)} & layer_weight_shapes
+    )
     assert _model_axis(fwd_hlo, MeshShape(model=4)) == [("all-reduce", 1)] * 2
     assert _model_axis(bwd_hlo, MeshShape(model=4)) == [("all-reduce", 1)] * 2
 

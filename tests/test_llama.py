@@ -8,6 +8,7 @@ loss for every weight, and 32 greedy tokens. Here, without PyTorch, each is impo
 meshes that split its key/value heads (tp divides them) and that replicate them (tp a multiple
 of them), exported, and imported again.
 """
+
 import json
 import re
 
@@ -31,12 +32,18 @@ from megajax.tasks import param_count
 
 FIXTURES = HF_FIXTURES
 NAMES = ("llama", "llama_tied", "mistral", "qwen2", "mistral_window", "qwen2_window")
-SETTINGS = HF_IMPORT_SETTINGS      # float32; vocab 320 -> 384
+SETTINGS = HF_IMPORT_SETTINGS  # float32; vocab 320 -> 384
 # (fixture, mesh): every fixture on one device; 1x8 and 2x4 replicate the key/value heads
 # of llama (2 of them) and qwen2 (2), 1x8 mistral's (4); llama_tied has 8 (split on 2x4).
-CASES = [(n, "1x1") for n in NAMES] + [("llama", "2x4"), ("llama", "1x8"), ("llama_tied", "2x4"),
-                                       ("mistral", "1x8"), ("qwen2", "2x4"),
-                                       ("mistral_window", "2x4"), ("qwen2_window", "1x8")]
+CASES = [(n, "1x1") for n in NAMES] + [
+    ("llama", "2x4"),
+    ("llama", "1x8"),
+    ("llama_tied", "2x4"),
+    ("mistral", "1x8"),
+    ("qwen2", "2x4"),
+    ("mistral_window", "2x4"),
+    ("qwen2_window", "1x8"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +56,27 @@ reference = hf_reference
 
 def test_configs_come_from_the_hf_config(imported):
     llama, tied, mistral, qwen, window, qwen_window = (imported[n][0].model for n in NAMES)
-    assert (llama.norm, llama.positions, llama.mlp, llama.bias, llama.tie_embeddings) == \
-        ("rmsnorm", "rope", "swiglu", "none", False)
-    assert (llama.num_heads, llama.kv_heads, llama.head_dim, llama.ffn, llama.seq_len,
-            llama.max_positions) == \
-        (8, 2, 8, 96, 64, 64)
-    assert (llama.rope_scaling, llama.rope_theta, llama.rope_factor,
-            llama.rope_original_context) == \
-        ("llama3", 500000.0, 8.0, 16)
+    assert (llama.norm, llama.positions, llama.mlp, llama.bias, llama.tie_embeddings) == (
+        "rmsnorm",
+        "rope",
+        "swiglu",
+        "none",
+        False,
+    )
+    assert (
+        llama.num_heads,
+        llama.kv_heads,
+        llama.head_dim,
+        llama.ffn,
+        llama.seq_len,
+        llama.max_positions,
+    ) == (8, 2, 8, 96, 64, 64)
+    assert (
+        llama.rope_scaling,
+        llama.rope_theta,
+        llama.rope_factor,
+        llama.rope_original_context,
+    ) == ("llama3", 500000.0, 8.0, 16)
     assert (tied.tie_embeddings, tied.kv_heads, tied.rope_scaling) == (True, 8, "none")
     assert (mistral.kv_heads, mistral.rope_theta, qwen.bias, qwen.kv_heads) == (4, 1e6, "qkv", 2)
     assert (mistral.sliding_window, qwen.sliding_window) == (0, 0)
@@ -65,9 +85,18 @@ def test_configs_come_from_the_hf_config(imported):
     assert (qwen_window.sliding_window, qwen_window.bias) == (8, "qkv")
 
 
-@pytest.mark.parametrize("name,spec", tiered(CASES, ("llama", "1x1"), ("llama", "2x4"),
-                                             ("mistral", "1x8"), ("qwen2", "2x4"),
-                                             ("llama_tied", "1x1"), ("mistral_window", "2x4")))
+@pytest.mark.parametrize(
+    "name,spec",
+    tiered(
+        CASES,
+        ("llama", "1x1"),
+        ("llama", "2x4"),
+        ("mistral", "1x8"),
+        ("qwen2", "2x4"),
+        ("llama_tied", "1x1"),
+        ("mistral_window", "2x4"),
+    ),
+)
 def test_logits_and_every_gradient_match_transformers(imported, name, spec):
     """Forward and backward through the whole model on each mesh, against transformers' float32:
     a wrongly rotated, grouped, replicated or untied weight moves its gradient by O(1), and so
@@ -78,7 +107,8 @@ def test_logits_and_every_gradient_match_transformers(imported, name, spec):
     modeldef = ModelDef(loaded.model)
     params = modeldef.params(loaded.model)
     assert (kv_copies(cfg.model, loaded.model.layout.tp) > 1) == (
-        cfg.model.kv_heads < loaded.model.layout.tp)
+        cfg.model.kv_heads < loaded.model.layout.tp
+    )
 
     @jax.jit
     def run(params, ids):
@@ -88,20 +118,32 @@ def test_logits_and_every_gradient_match_transformers(imported, name, spec):
         return logits, loss, grads
 
     logits, loss, grads = run(params, jnp.asarray(ref["ids"]))
-    assert_close(np.asarray(logits)[..., :cfg.model.vocab_size], ref["logits"],
-                 what=f"{name} {spec} logits")
+    assert_close(
+        np.asarray(logits)[..., : cfg.model.vocab_size], ref["logits"], what=f"{name} {spec} logits"
+    )
     assert_close(loss, ref["loss"], what="loss")
     hf_grads = to_hf_tensors(name.split("_")[0], jax.tree.map(np.asarray, grads), cfg.model)
-    assert set(hf_grads) == {k.removeprefix("grad/") for k in ref.files
-                             if k.startswith("grad/")} - \
-        ({"lm_head.weight"} if cfg.model.tie_embeddings else set())
+    assert set(hf_grads) == {
+        k.removeprefix("grad/") for k in ref.files if k.startswith("grad/")
+    } - ({"lm_head.weight"} if cfg.model.tie_embeddings else set())
     for hf_name, grad in hf_grads.items():
         assert_close(grad, ref[f"grad/{hf_name}"], tol=F32, what=f"{name} {spec} d/d{hf_name}")
 
 
-@pytest.mark.parametrize("name,spec", tiered(
-    [("llama", "1x8"), ("qwen2", "1x1"), ("mistral", "2x4"), ("mistral_window", "1x8"),
-     ("qwen2_window", "2x4")], ("llama", "1x8"), ("mistral_window", "1x8")))
+@pytest.mark.parametrize(
+    "name,spec",
+    tiered(
+        [
+            ("llama", "1x8"),
+            ("qwen2", "1x1"),
+            ("mistral", "2x4"),
+            ("mistral_window", "1x8"),
+            ("qwen2_window", "2x4"),
+        ],
+        ("llama", "1x8"),
+        ("mistral_window", "1x8"),
+    ),
+)
 def test_greedy_kv_cache_decoding_matches_transformers_generate(imported, name, spec):
     """32 greedy tokens through the KV cache (which holds the key/value heads only, or each
     device's copy) equal transformers' generate, and the full recomputation of each prefix;
@@ -117,7 +159,7 @@ def test_greedy_kv_cache_decoding_matches_transformers_generate(imported, name, 
     full = np.concatenate([ref["prompt"], got], axis=1)
     rows = np.repeat(full, model.layout.dp, axis=0)
     recomputed = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(rows)))[0]
-    np.testing.assert_array_equal(recomputed[ref["prompt"].shape[1] - 1:-1].argmax(-1), got[0])
+    np.testing.assert_array_equal(recomputed[ref["prompt"].shape[1] - 1 : -1].argmax(-1), got[0])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -126,8 +168,13 @@ def test_export_then_import_is_bitwise(imported, name, tmp_path):
     notes = export_hf(workdir, tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     # Mistral without a window is a Llama
-    expected = ("Qwen2ForCausalLM" if name.startswith("qwen2") else "MistralForCausalLM"
-                if name == "mistral_window" else "LlamaForCausalLM")
+    expected = (
+        "Qwen2ForCausalLM"
+        if name.startswith("qwen2")
+        else "MistralForCausalLM"
+        if name == "mistral_window"
+        else "LlamaForCausalLM"
+    )
     assert written["architectures"] == [expected] and expected in notes[0]
     assert written.get("sliding_window") == (cfg.model.sliding_window or None)
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
@@ -144,21 +191,39 @@ def test_the_chat_template_and_tokenizer_config_are_kept(imported):
     assert json.loads((workdir / "tokenizer_config.json").read_text())["eos_token"] == "<|eot_id|>"
 
 
-@pytest.mark.parametrize("name,change,says", [
-    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-     "rope scaling 'yarn'"),
-    # transformers' layer_types: the window over the second layer only
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16,
-                   layer_types=["full_attention", "sliding_attention"]),
-     "over 1 of its 2 layers (max_window_layers / layer_types)"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16, layer_types=None,
-                   max_window_layers=1), "over 1 of its 2 layers"),
-    ("llama", dict(attention_bias=True), "attention_bias = true"),
-    ("llama", dict(mlp_bias=True), "mlp_bias = true"),
-    ("mistral", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
-    ("mistral", dict(architectures=["MixtralForCausalLM"], model_type="mixtral"),
-     "unsupported architecture"),
-])
+@pytest.mark.parametrize(
+    "name,change,says",
+    [
+        (
+            "llama",
+            dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+            "rope scaling 'yarn'",
+        ),
+        # transformers' layer_types: the window over the second layer only
+        (
+            "qwen2",
+            dict(
+                use_sliding_window=True,
+                sliding_window=16,
+                layer_types=["full_attention", "sliding_attention"],
+            ),
+            "over 1 of its 2 layers (max_window_layers / layer_types)",
+        ),
+        (
+            "qwen2",
+            dict(use_sliding_window=True, sliding_window=16, layer_types=None, max_window_layers=1),
+            "over 1 of its 2 layers",
+        ),
+        ("llama", dict(attention_bias=True), "attention_bias = true"),
+        ("llama", dict(mlp_bias=True), "mlp_bias = true"),
+        ("mistral", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
+        (
+            "mistral",
+            dict(architectures=["MixtralForCausalLM"], model_type="mixtral"),
+            "unsupported architecture",
+        ),
+    ],
+)
 def test_unsupported_options_are_one_line_and_nothing_is_written(tmp_path, name, change, says):
     src = tmp_path / "src"
     src.mkdir()
@@ -183,15 +248,29 @@ def test_a_window_over_every_layer_or_none(tmp_path):
             (src / f.name).write_bytes(f.read_bytes())
         config = json.loads((src / "config.json").read_text())
         config.pop("layer_types")
-        (src / "config.json").write_text(json.dumps(
-            {**config, "use_sliding_window": True, "sliding_window": 16,
-             "max_window_layers": first}))
+        (src / "config.json").write_text(
+            json.dumps(
+                {
+                    **config,
+                    "use_sliding_window": True,
+                    "sliding_window": 16,
+                    "max_window_layers": first,
+                }
+            )
+        )
         assert import_hf(src, tmp_path / f"w{first}", SETTINGS).model.sliding_window == window
 
 
-@pytest.mark.parametrize("name,published", [
-    ("llama3.2_1b", 1_235_814_400), ("llama3.1_8b", 8_030_261_248),
-    ("llama3.1_70b", 70_553_706_496), ("mistral_7b", 7_241_732_096), ("qwen2_7b", 7_615_616_512)])
+@pytest.mark.parametrize(
+    "name,published",
+    [
+        ("llama3.2_1b", 1_235_814_400),
+        ("llama3.1_8b", 8_030_261_248),
+        ("llama3.1_70b", 70_553_706_496),
+        ("mistral_7b", 7_241_732_096),
+        ("qwen2_7b", 7_615_616_512),
+    ],
+)
 def test_shipped_shapes_have_the_published_parameter_counts(name, published):
     assert param_count(load_config(name)) == published
 
@@ -216,4 +295,6 @@ def test_fused_attention_takes_the_grouped_heads_directly(imported, tmp_path):
     assert cfg.model.attention == "fused"
     model = load_workdir(tmp_path / "w", mesh_for("1x8")).model
     logits = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ref["ids"])))
-    assert_close(logits[..., :cfg.model.vocab_size], ref["logits"], what="fused attention's logits")
+    assert_close(
+        logits[..., : cfg.model.vocab_size], ref["logits"], what="fused attention's logits"
+    )

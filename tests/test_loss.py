@@ -1,13 +1,14 @@
 """The fused vocab-parallel cross-entropy against optax on the gathered logits."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from conftest import mesh_for
-from tolerances import assert_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tolerances import assert_close
 
 from megajax.core.loss import vocab_parallel_cross_entropy, vocab_parallel_lookup
 from megajax.core.sharding import Layout
@@ -33,7 +34,7 @@ def test_matches_optax_value_and_gradient(spec):
 
     v, g = jax.jit(jax.value_and_grad(ours))(logits_s)
     v_ref, g_ref = jax.value_and_grad(reference)(logits)
-    assert_close(v, v_ref)          # float32: within F32 of the scale (tests/tolerances.py)
+    assert_close(v, v_ref)  # float32: within F32 of the scale (tests/tolerances.py)
     assert_close(g, g_ref)
     assert np.all(np.asarray(g)[..., VOCAB:] == 0)  # padding columns get no gradient
 
@@ -43,9 +44,13 @@ def test_per_token_values_and_no_logits_all_gather():
     layout = Layout(mesh)
     logits = jax.random.normal(jax.random.key(1), (4, 6, PADDED)) * 10
     targets = jnp.arange(24).reshape(4, 6) * 41 % VOCAB
-    fn = jax.jit(lambda lg, t: vocab_parallel_cross_entropy(lg, t, layout, VOCAB),
-                 in_shardings=(NamedSharding(mesh, P("data", None, "model")),
-                               NamedSharding(mesh, P("data", None))))
+    fn = jax.jit(
+        lambda lg, t: vocab_parallel_cross_entropy(lg, t, layout, VOCAB),
+        in_shardings=(
+            NamedSharding(mesh, P("data", None, "model")),
+            NamedSharding(mesh, P("data", None)),
+        ),
+    )
     got = fn(logits, targets)
     ref = optax.softmax_cross_entropy_with_integer_labels(logits[..., :VOCAB], targets)
     assert_close(got, ref)
@@ -53,6 +58,7 @@ def test_per_token_values_and_no_logits_all_gather():
     assert "all-gather" not in hlo and "all-to-all" not in hlo
     # Only (batch/data, seq) = (2, 6) arrays are all-reduced, never vocab-sized ones.
     import re
+
     shapes = re.findall(r"= (f32\[[\d,]*\])\S* all-reduce\(", hlo)
     assert shapes and set(shapes) == {"f32[2,6]"}
 
@@ -61,7 +67,8 @@ def test_vocab_parallel_lookup_equals_take():
     mesh = mesh_for("2x4")
     table = jax.random.normal(jax.random.key(2), (PADDED, 16))
     ids = jax.random.randint(jax.random.key(3), (4, 10), 0, PADDED)
-    got = jax.jit(lambda t, i: vocab_parallel_lookup(t, i, Layout(mesh)),
-                  in_shardings=(NamedSharding(mesh, P("model", None)),
-                                NamedSharding(mesh, P("data", None))))(table, ids)
+    got = jax.jit(
+        lambda t, i: vocab_parallel_lookup(t, i, Layout(mesh)),
+        in_shardings=(NamedSharding(mesh, P("model", None)), NamedSharding(mesh, P("data", None))),
+    )(table, ids)
     np.testing.assert_array_equal(got, jnp.take(table, ids, axis=0))

@@ -1,6 +1,7 @@
 """Pipeline parallelism: the schedules' tables (every dependency kept, the paper's bubble, the
 activation memory of each), and pipelined steps that compute what one device computes, with
 dropout on, on every factorisation of the 8 devices that has stages."""
+
 import json
 from collections import Counter
 
@@ -26,8 +27,7 @@ MICRO = 4
 TOKENS = np.asarray(jax.random.randint(jax.random.key(7), (8, 17), 0, 100))
 
 
-def config(schedule: str = "1f1b", chunks: int = 1, layers: int = 8, micro: int = MICRO,
-           **model):
+def config(schedule: str = "1f1b", chunks: int = 1, layers: int = 8, micro: int = MICRO, **model):
     cfg = tiny_config(num_layers=layers, **model)
     cfg.train.microbatches, cfg.train.pipeline_schedule = micro, schedule
     cfg.train.pipeline_chunks = chunks
@@ -70,8 +70,9 @@ def replay(t: schedules.Table):
     assert len(ran) == 2 * (last + 1) * t.micro
 
 
-@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
-                                             ("interleaved", 4)])
+@pytest.mark.parametrize(
+    "schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)]
+)
 def test_schedule_tables_keep_every_dependency_and_the_papers_bubble(schedule, chunks):
     for p, m in SIZES:
         if schedule == "interleaved" and m % p:
@@ -81,8 +82,9 @@ def test_schedule_tables_keep_every_dependency_and_the_papers_bubble(schedule, c
         t = schedules.build(schedule, p, m, chunks)
         replay(t)
         # Narayanan et al. 2021: (p - 1) / m, interleaved (p - 1) / (v m), in ticks.
-        assert t.bubble == pytest.approx(schedules.bubble_formula(schedule, p, m, chunks),
-                                         abs=1e-12)
+        assert t.bubble == pytest.approx(
+            schedules.bubble_formula(schedule, p, m, chunks), abs=1e-12
+        )
         assert t.num_ticks == 2 * chunks * m + 2 * (p - 1)
         # each microbatch crosses each of the p v - 1 boundaries once each way
         for kind in (schedules.FORWARD, schedules.BACKWARD):
@@ -92,7 +94,7 @@ def test_schedule_tables_keep_every_dependency_and_the_papers_bubble(schedule, c
         # GPipe keeps every microbatch's input; 1F1B at most p on the first stage.
         held = t.first_stage_inputs()
         assert held == {"gpipe": m, "1f1b": min(p, m)}.get(schedule, held)
-        if schedule != "interleaved":    # the planner's closed form of a stage's buffers
+        if schedule != "interleaved":  # the planner's closed form of a stage's buffers
             assert t.act_slots + t.grad_slots == _slots(schedule, p, m, chunks)
 
 
@@ -120,14 +122,16 @@ def run(cfg, mesh):
     def step(params, opt, batch, i):
         metrics, grads = trainer.gradients(params, batch, trainer.step_key(i))
         return *trainer.apply_gradients(params, opt, grads, metrics, i), grads
+
     losses, grads = [], None
     for i in range(3):
         params, opt, m, g = step(params, opt, tokens, jnp.int32(i))
         losses.append(float(m["loss"]))
         # (an interleaved pipeline keeps its layers stage-major: compared in their own order)
         grads = jax.device_get(trainer.natural(g)[0]) if i == 0 else grads
-    return dict(loss=losses[0], grads=grads, losses=losses,
-                final=jax.device_get(trainer.natural(params)[0]))
+    return dict(
+        loss=losses[0], grads=grads, losses=losses, final=jax.device_get(trainer.natural(params)[0])
+    )
 
 
 _REFERENCES = {}
@@ -148,13 +152,17 @@ def reference():
 MESHES = ["data=1,pipe=2,model=4", "pipe=4,model=2", "pipe=8", "data=2,pipe=2,model=2"]
 # Every schedule on every mesh. Interleaved needs the layers to divide by p x v and the
 # microbatches by p: on 8 stages, 16 layers and 8 microbatches of one row.
-CASES = ([(spec, schedule, 1) for schedule in ("1f1b", "gpipe") for spec in MESHES]
-         + [("data=1,pipe=2,model=4", "interleaved", 4), ("pipe=4,model=2", "interleaved", 2),
-            ("pipe=8", "interleaved", 2), ("data=2,pipe=2,model=2", "interleaved", 2)])
+CASES = [(spec, schedule, 1) for schedule in ("1f1b", "gpipe") for spec in MESHES] + [
+    ("data=1,pipe=2,model=4", "interleaved", 4),
+    ("pipe=4,model=2", "interleaved", 2),
+    ("pipe=8", "interleaved", 2),
+    ("data=2,pipe=2,model=2", "interleaved", 2),
+]
 
 
-@pytest.mark.parametrize("spec,schedule,chunks",
-                         tiered(CASES, ("data=2,pipe=2,model=2", "1f1b", 1)))
+@pytest.mark.parametrize(
+    "spec,schedule,chunks", tiered(CASES, ("data=2,pipe=2,model=2", "1f1b", 1))
+)
 def test_pipelined_step_matches_single_device(spec, schedule, chunks):
     shape = dict(layers=16, micro=8) if spec == "pipe=8" and schedule == "interleaved" else {}
     reference = single_device(**shape)
@@ -164,15 +172,23 @@ def test_pipelined_step_matches_single_device(spec, schedule, chunks):
     assert_close(got["losses"], reference["losses"], what="losses of 3 steps")
     lr = config().train.lr
     flat_grads = dict(jax.tree_util.tree_flatten_with_path(reference["grads"])[0])
-    for (path, want), have in zip(jax.tree_util.tree_flatten_with_path(reference["final"])[0],
-                                  jax.tree.leaves(got["final"])):
+    for (path, want), have in zip(
+        jax.tree_util.tree_flatten_with_path(reference["final"])[0], jax.tree.leaves(got["final"])
+    ):
         g = flat_grads[path]
         bound = adam_tolerance(g, np.abs(g).max(), lr, steps=3) + F32 * np.abs(want).max()
         assert (np.abs(have - want) <= bound).all(), jax.tree_util.keystr(path)
 
 
-LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", num_kv_heads=2,
-             ffn_hidden=128, tie_embeddings=False)
+LLAMA = dict(
+    norm="rmsnorm",
+    positions="rope",
+    mlp="swiglu",
+    bias="none",
+    num_kv_heads=2,
+    ffn_hidden=128,
+    tie_embeddings=False,
+)
 
 
 @pytest.mark.full
@@ -185,9 +201,15 @@ def test_pipelined_llama_gradients_match_single_device():
     results = []
     for mesh in (single_device_mesh(), make_mesh("pipe=2,model=4")):
         trainer = make_trainer(cfg, mesh)
-        results.append(jax.device_get(jax.jit(trainer.gradients)(
-            jax.device_put(params, trainer.param_shardings),
-            jax.device_put(TOKENS, trainer.batch_sharding), jax.random.key(3))))
+        results.append(
+            jax.device_get(
+                jax.jit(trainer.gradients)(
+                    jax.device_put(params, trainer.param_shardings),
+                    jax.device_put(TOKENS, trainer.batch_sharding),
+                    jax.random.key(3),
+                )
+            )
+        )
     (want_metrics, want), (got_metrics, got) = results
     assert_close(got_metrics["loss"], want_metrics["loss"], what="loss")
     assert_tree_close(want, got, what="gradient")
@@ -210,15 +232,22 @@ def test_sharded_data_parallelism_on_stages_matches_single_device(reference, sch
     assert_tree_close(reference["grads"], got["grads"], what="gradient")
     trainer = make_trainer(cfg.validate(), mesh)
     params, opt = trainer.init_state()
-    kernel = ("layers", "stacked", "mlp", "fc1", "kernel")               # (8, 64, 256)
-    held = [x for path, x in jax.tree_util.tree_flatten_with_path((params, opt))[0]
-            if path_keys(path)[-5:] == kernel]
-    assert len(held) == 3              # the weight, Adam's mu and nu
+    kernel = ("layers", "stacked", "mlp", "fc1", "kernel")  # (8, 64, 256)
+    held = [
+        x
+        for path, x in jax.tree_util.tree_flatten_with_path((params, opt))[0]
+        if path_keys(path)[-5:] == kernel
+    ]
+    assert len(held) == 3  # the weight, Adam's mu and nu
     for i, x in enumerate(held):  # 4 layers a stage, 64 rows over "data", 256 columns / "model"
         split = i > 0 or scheme == "shard_params"
         assert {s.data.shape for s in x.addressable_shards} == {(4, 32 if split else 64, 128)}
-    audit = audit_hlo(trainer.lower_step().compile().as_text(), cfg,
-                      MeshShape(data=2, pipe=2, model=2), trainer=trainer)
+    audit = audit_hlo(
+        trainer.lower_step().compile().as_text(),
+        cfg,
+        MeshShape(data=2, pipe=2, model=2),
+        trainer=trainer,
+    )
     assert audit.data_scheme == {"shard_optimizer": "zero", "shard_params": "fsdp"}[scheme]
     assert audit.data_axis_ratio == pytest.approx(1.0, abs=1e-9)
     if scheme == "shard_optimizer":
@@ -290,22 +319,29 @@ def test_interleaved_run_checkpoints_in_the_layers_order(tmp_path):
     t = cfg.train
     t.steps, t.microbatches, t.save_every, t.eval_every, t.decay_steps = 4, 2, 2, 2, 4
     t.pipeline_schedule, t.pipeline_chunks = "interleaved", 2
-    straight = train(cfg.validate(), make_mesh("2x4"), tmp_path / "straight", sample_tokens=0,
-                     out=None)
+    straight = train(
+        cfg.validate(), make_mesh("2x4"), tmp_path / "straight", sample_tokens=0, out=None
+    )
     t.steps = 2
-    piped = train(cfg.validate(), make_mesh("pipe=2,model=4"), tmp_path / "moved",
-                  sample_tokens=8, out=None)
+    piped = train(
+        cfg.validate(), make_mesh("pipe=2,model=4"), tmp_path / "moved", sample_tokens=8, out=None
+    )
     t.steps, t.pipeline_schedule, t.pipeline_chunks = 4, "1f1b", 1
-    moved = train(cfg.validate(), make_mesh("pipe=4,model=2"), tmp_path / "moved",
-                  sample_tokens=0, out=None)
+    moved = train(
+        cfg.validate(), make_mesh("pipe=4,model=2"), tmp_path / "moved", sample_tokens=0, out=None
+    )
     losses = {**piped.losses, **moved.losses}
     assert sorted(losses) == [1, 2, 3, 4]
-    assert_close([losses[s] for s in range(1, 5)], [straight.losses[s] for s in range(1, 5)],
-                 what="losses")
+    assert_close(
+        [losses[s] for s in range(1, 5)], [straight.losses[s] for s in range(1, 5)], what="losses"
+    )
     assert_close(moved.val_loss, straight.val_loss, what="validation loss")
     # validated on the stages at step 2, with the weights back in order
-    step2 = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").open()
-             if '"val_loss"' in line][0]
+    step2 = [
+        json.loads(line)
+        for line in (tmp_path / "straight" / "metrics.jsonl").open()
+        if '"val_loss"' in line
+    ][0]
     assert step2["step"] == 2
     assert_close(piped.val_loss, step2["val_loss"], what="validation loss on the stages")
     assert piped.sample

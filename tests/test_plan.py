@@ -1,5 +1,6 @@
 """The planner (megajax/plan/) against what it predicts from: the dry run's compiled memory, the
 audit's collective volumes, the paper's formulas and scaling study; and its command line."""
+
 import dataclasses
 import json
 import os
@@ -27,7 +28,7 @@ from megajax.tools.audit import audit_hlo
 from megajax.training.memory import per_device_bytes, step_memory
 from megajax.training.step import make_trainer
 
-MEMORY_TOLERANCE = 0.10     # the issue's bound on predicted against compiled peak bytes
+MEMORY_TOLERANCE = 0.10  # the issue's bound on predicted against compiled peak bytes
 
 # XLA:CPU's plans (`backend="cpu"`), in float32: how XLA:CPU stores 16-bit activations changed
 # between jax releases (0.10 keeps them as float32 plus a 16-bit copy of the checkpoints; 0.12
@@ -39,22 +40,43 @@ MEMORY_TOLERANCE = 0.10     # the issue's bound on predicted against compiled pe
 # default) with Megatron's set kept.
 F32 = "model.compute_dtype=float32"
 RECOMPUTE = "model.recompute_norm_gelu=true"
-LOCAL_POINTS = [("gpt2_8.3b", 1, 8, [F32]),
-                ("gpt2_355m", 2, 4,
-                 [F32, RECOMPUTE, "train.microbatches=16", "model.remat=selective",
-                                     "model.sequence_parallel=true"]),
-                ("gpt2_355m", 2, 4, [F32, RECOMPUTE, "train.microbatches=64", "model.remat=none"]),
-                ("gpt2_355m", 2, 4,
-                 [F32, "model.recompute_norm_gelu=false", "train.microbatches=64",
-                                     "model.remat=none"]),
-                ("bert_336m", 2, 4, [F32])]
+LOCAL_POINTS = [
+    ("gpt2_8.3b", 1, 8, [F32]),
+    (
+        "gpt2_355m",
+        2,
+        4,
+        [
+            F32,
+            RECOMPUTE,
+            "train.microbatches=16",
+            "model.remat=selective",
+            "model.sequence_parallel=true",
+        ],
+    ),
+    ("gpt2_355m", 2, 4, [F32, RECOMPUTE, "train.microbatches=64", "model.remat=none"]),
+    (
+        "gpt2_355m",
+        2,
+        4,
+        [F32, "model.recompute_norm_gelu=false", "train.microbatches=64", "model.remat=none"],
+    ),
+    ("bert_336m", 2, 4, [F32]),
+]
 # (config, data, model, overrides, pipeline stages): ... and a 70B Llama on the plan the
 # planner picks for 64 H100s with plain data parallelism (remat full: the CPU's float32 copy
 # fits a GPU's 80 GB too)
-WIDE_POINTS = [("gpt2_8.3b", 8, 8, [F32, "train.microbatches=8"], 1),
-               ("gpt2_8.3b", 8, 8, [F32, "train.microbatches=8", "train.shard_params=true"], 1),
-               ("llama3.1_70b", 2, 4, [F32, "train.microbatches=128", "model.remat=full",
-                                       "model.sequence_parallel=true"], 8)]
+WIDE_POINTS = [
+    ("gpt2_8.3b", 8, 8, [F32, "train.microbatches=8"], 1),
+    ("gpt2_8.3b", 8, 8, [F32, "train.microbatches=8", "train.shard_params=true"], 1),
+    (
+        "llama3.1_70b",
+        2,
+        4,
+        [F32, "train.microbatches=128", "model.remat=full", "model.sequence_parallel=true"],
+        8,
+    ),
+]
 
 WIDE_SCRIPT = """
 import json, sys, jax
@@ -73,20 +95,28 @@ for name, dp, tp, sets, pp in json.loads(sys.argv[1]):
 def compiled_peak(name, dp, tp, sets) -> int:
     cfg = load_config(name, sets)
     return step_memory(make_trainer(cfg, mesh_for(f"{dp}x{tp}")).lower_step().compile())[
-        "step_peak_bytes"]
+        "step_peak_bytes"
+    ]
 
 
 @pytest.mark.parametrize("name,dp,tp,sets", tiered(LOCAL_POINTS, LOCAL_POINTS[1]))
 def test_memory_within_ten_percent_of_the_compiled_step(name, dp, tp, sets):
     predicted = memory_bytes(load_config(name, sets), MeshShape(data=dp, model=tp), backend="cpu")[
-        "total"]
+        "total"
+    ]
     assert predicted == pytest.approx(compiled_peak(name, dp, tp, sets), rel=MEMORY_TOLERANCE)
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("sets", [[], ["model.num_layers=8", "train.shard_optimizer=true"],
-                                  ["model.num_layers=8", "train.shard_params=true"]],
-                         ids=["plain", "zero", "fsdp"])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],
+        ["model.num_layers=8", "train.shard_optimizer=true"],
+        ["model.num_layers=8", "train.shard_params=true"],
+    ],
+    ids=["plain", "zero", "fsdp"],
+)
 def test_pipelined_memory_within_ten_percent_of_the_compiled_step(sets):
     """Two stages, each split over model=2, two data shards: the stage's state (with ZeRO-1 its
     Adam moments, with FSDP its weights too, split over "data"), the 1F1B schedule's stage
@@ -94,16 +124,26 @@ def test_pipelined_memory_within_ten_percent_of_the_compiled_step(sets):
     cfg = load_config("gpt2_355m", [F32, "train.microbatches=8", "train.batch_size=32", *sets])
     compiled = make_trainer(cfg, make_mesh("data=2,pipe=2,model=2")).lower_step().compile()
     predicted = memory_bytes(cfg, MeshShape(data=2, pipe=2, model=2), backend="cpu")["total"]
-    assert predicted == pytest.approx(step_memory(compiled)["step_peak_bytes"],
-                                      rel=MEMORY_TOLERANCE)
+    assert predicted == pytest.approx(
+        step_memory(compiled)["step_peak_bytes"], rel=MEMORY_TOLERANCE
+    )
 
 
 def compiled_peaks(points, devices: int) -> list[int]:
     """The compiled train steps' peak bytes per device, on `devices` simulated devices."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}"}
-    out = subprocess.run([sys.executable, "-c", WIDE_SCRIPT, json.dumps(points)], env=env,
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", WIDE_SCRIPT, json.dumps(points)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return list(map(int, out))
 
 
@@ -115,12 +155,18 @@ def test_the_1t_gpt_fits_on_the_plan_megajax_plan_picks_within_ten_percent():
     the planner's bytes."""
     best = plan("gpt_1t", 3072, "a100-80g")[0]
     assert (best.data, best.pipe, best.model) == (6, 64, 8) and best.fits
-    sets = [F32, f"train.batch_size={3072 // best.data}", f"train.microbatches={best.microbatches}",
-            f"model.remat={best.remat}", f"model.sequence_parallel={best.sequence_parallel}",
-            *[f"{k}={v}" for k, v in SCHEMES[best.scheme].items()]]
+    sets = [
+        F32,
+        f"train.batch_size={3072 // best.data}",
+        f"train.microbatches={best.microbatches}",
+        f"model.remat={best.remat}",
+        f"model.sequence_parallel={best.sequence_parallel}",
+        *[f"{k}={v}" for k, v in SCHEMES[best.scheme].items()],
+    ]
     [peak] = compiled_peaks([("gpt_1t", 1, best.model, sets, best.pipe)], 512)
-    predicted = memory_bytes(load_config("gpt_1t", sets),
-                             MeshShape(pipe=best.pipe, model=best.model), backend="cpu")["total"]
+    predicted = memory_bytes(
+        load_config("gpt_1t", sets), MeshShape(pipe=best.pipe, model=best.model), backend="cpu"
+    )["total"]
     assert predicted == pytest.approx(peak, rel=MEMORY_TOLERANCE)
     assert peak < BUILTIN["a100-80g"].memory_bytes, peak
 
@@ -129,8 +175,9 @@ def test_the_1t_gpt_fits_on_the_plan_megajax_plan_picks_within_ten_percent():
 def test_memory_within_ten_percent_on_64_devices():
     peaks = compiled_peaks(WIDE_POINTS, 64)
     for (name, dp, tp, sets, pp), peak in zip(WIDE_POINTS, peaks, strict=True):
-        predicted = memory_bytes(load_config(name, sets), MeshShape(data=dp, pipe=pp, model=tp),
-                                 backend="cpu")["total"]
+        predicted = memory_bytes(
+            load_config(name, sets), MeshShape(data=dp, pipe=pp, model=tp), backend="cpu"
+        )["total"]
         assert predicted == pytest.approx(peak, rel=MEMORY_TOLERANCE), (name, sets)
         if pp > 1:
             assert peak < BUILTIN["h100-80g"].memory_bytes, peak
@@ -146,10 +193,11 @@ PLANNED = [r for r in measured.H200 if r.plan_gib is not None]
 
 @pytest.mark.parametrize("run", PLANNED, ids=lambda r: f"{r.config}-{r.overrides[-1]}")
 def test_memory_within_ten_percent_of_the_h200s_compiled_plans(run):
-    gpu, cpu = (memory_bytes(run.cfg(), MeshShape(), backend=b)["total"] / 2**30
-                for b in ("gpu", "cpu"))
+    gpu, cpu = (
+        memory_bytes(run.cfg(), MeshShape(), backend=b)["total"] / 2**30 for b in ("gpu", "cpu")
+    )
     assert gpu == pytest.approx(run.plan_gib, rel=MEMORY_TOLERANCE)
-    assert abs(gpu - run.plan_gib) < abs(cpu - run.plan_gib)    # XLA:CPU's rules miss by 9-49%
+    assert abs(gpu - run.plan_gib) < abs(cpu - run.plan_gib)  # XLA:CPU's rules miss by 9-49%
 
 
 # The "megajax" stack's one constant is fitted on the 1.2B step (exact); the rest are predictions:
@@ -162,7 +210,8 @@ def test_h200_step_times_predicted():
     assert measured.calibrate() == pytest.approx(timing.XLA_MATMUL_EFFICIENCY, rel=1e-3)
     for i, run in enumerate(measured.H200):
         assert measured.predicted_ms(run) == pytest.approx(
-            run.step_ms, rel=STEP_KNOWN_MISSES.get(i, STEP_TOLERANCE)), i
+            run.step_ms, rel=STEP_KNOWN_MISSES.get(i, STEP_TOLERANCE)
+        ), i
     # the paper's stack on the same machine would be 2-3x slow: what the planner said before
     paper_stack = dataclasses.replace(BUILTIN["h200"], stack="megatron-2019")
     run = measured.CALIBRATED_ON
@@ -171,8 +220,9 @@ def test_h200_step_times_predicted():
 
 def test_gradient_copies_and_logit_bytes_by_backend():
     """The two rules that differ between XLA:GPU's and XLA:CPU's plans, by hand."""
-    cfg = load_config("gpt2_355m",
-                      ["model.compute_dtype=bfloat16", "train.microbatches=1", "model.remat=none"])
+    cfg = load_config(
+        "gpt2_355m", ["model.compute_dtype=bfloat16", "train.microbatches=1", "model.remat=none"]
+    )
     gpu, cpu = memory_bytes(cfg, MeshShape()), memory_bytes(cfg, MeshShape(), backend="cpu")
     assert gpu["gradients"] == gpu["params"] and cpu["gradients"] == 2 * cpu["params"]
     rows = cfg.train.batch_size * cfg.model.seq_len * cfg.model.padded_vocab
@@ -194,14 +244,20 @@ def test_parameters_and_optimizer_state_are_the_dry_runs_exactly():
 
 
 # Every option for GPT; for BERT (whose heads read only their rows) the forms that differ.
-COMM_CASES = [("gpt", "2x4", {}), ("gpt", "2x4", {"sequence_parallel": True}),
-              ("gpt", "2x4", {"remat": "full"}),
-              ("gpt", "2x4", {"sequence_parallel": True, "remat": "full"}),
-              ("gpt", "2x4", {"remat": "selective"}),
-              ("gpt", "2x4", {"shard_optimizer": True}), ("gpt", "2x4", {"shard_params": True}),
-              ("gpt", "1x8", {}), ("gpt", "1x8", {"sequence_parallel": True, "remat": "full"}),
-              ("bert", "2x4", {}), ("bert", "2x4", {"sequence_parallel": True, "remat": "full"}),
-              ("bert", "2x4", {"shard_params": True})]
+COMM_CASES = [
+    ("gpt", "2x4", {}),
+    ("gpt", "2x4", {"sequence_parallel": True}),
+    ("gpt", "2x4", {"remat": "full"}),
+    ("gpt", "2x4", {"sequence_parallel": True, "remat": "full"}),
+    ("gpt", "2x4", {"remat": "selective"}),
+    ("gpt", "2x4", {"shard_optimizer": True}),
+    ("gpt", "2x4", {"shard_params": True}),
+    ("gpt", "1x8", {}),
+    ("gpt", "1x8", {"sequence_parallel": True, "remat": "full"}),
+    ("bert", "2x4", {}),
+    ("bert", "2x4", {"sequence_parallel": True, "remat": "full"}),
+    ("bert", "2x4", {"shard_params": True}),
+]
 
 
 @pytest.mark.parametrize("kind,mesh,options", tiered(COMM_CASES, COMM_CASES[3], COMM_CASES[11]))
@@ -219,10 +275,15 @@ def test_communication_volumes_are_the_audits(kind, mesh, options):
     # the audit's analytic forms, and what it found compiled but the optimizer's and the
     # metrics' scalar reductions (the gradient norm's partial sums), exactly
     planned = sum(model_axis_elements(cfg, shape).values())
-    assert (planned == audit.analytic_min_elements + audit.remat_extra_elements
-            + audit.regathered_elements)
-    scalars = sum(c.elements * c.count for c in audit.collectives
-                  if MODEL in c.axis and c.origin in ("optimizer", "metrics"))
+    assert (
+        planned
+        == audit.analytic_min_elements + audit.remat_extra_elements + audit.regathered_elements
+    )
+    scalars = sum(
+        c.elements * c.count
+        for c in audit.collectives
+        if MODEL in c.axis and c.origin in ("optimizer", "metrics")
+    )
     assert planned == audit.model_axis_elements - scalars
     sent, least = data_axis_sent(cfg, shape), audit.data_axis_minimum
     if audit.data_scheme == "plain":
@@ -235,8 +296,11 @@ def test_communication_volumes_are_the_audits(kind, mesh, options):
     assert sent["params"] == pytest.approx(least["params"], rel=1e-12)
     assert sent["regather"] == pytest.approx(least.get("regather", 0), rel=1e-12)
     assert sent["gradients"] + sent["params"] == pytest.approx(
-        audit.data_axis_sent("gradients") + audit.data_axis_sent("params")
-        - audit.data_axis_regathered, rel=1e-9)
+        audit.data_axis_sent("gradients")
+        + audit.data_axis_sent("params")
+        - audit.data_axis_regathered,
+        rel=1e-9,
+    )
 
 
 def test_flops_are_the_papers_formula():
@@ -278,11 +342,13 @@ def test_two_data_parallel_figures_cannot_both_be_met():
     assert big["low"] * big["node_bytes_lower"] / big["node_bytes"] > hw.inter_node_bandwidth
     for name, tp in zip(paper.CONFIGS, paper.MODEL_PARALLEL):
         mesh = MeshShape(data=paper.DATA_PARALLEL, model=tp)
-        seconds = timing.communication_seconds(paper.study_config(name, mesh), mesh, hw,
-                                               paper.PAPER_GRADIENT_BYTES)
+        seconds = timing.communication_seconds(
+            paper.study_config(name, mesh), mesh, hw, paper.PAPER_GRADIENT_BYTES
+        )
         # The ring's 126 steps of InfiniBand latency are the only other term (1.3 ms).
         assert seconds["data_axis"] == pytest.approx(
-            windows[name]["node_bytes"] / hw.inter_node_bandwidth, abs=2e-3)
+            windows[name]["node_bytes"] / hw.inter_node_bandwidth, abs=2e-3
+        )
         inside = windows[name]["low"] <= hw.inter_node_bandwidth <= windows[name]["high"]
         assert inside == (name in ("gpt2_1.2b", "gpt2_4.2b")), name
 
@@ -302,7 +368,7 @@ def test_2021_weak_scaling_table_reproduced_within_5_points():
     assert paper2021.calibrate() == pytest.approx(timing.MATMUL_EFFICIENCY_2021, rel=1e-3)
     for row in paper2021.TABLE_1:
         assert abs(paper2021.predicted_percent(row) - row.percent) <= 5, row
-    for page in ("README.md", "docs/concepts/planner.md"):   # side by side, as computed
+    for page in ("README.md", "docs/concepts/planner.md"):  # side by side, as computed
         assert paper2021.table() in (ROOT / page).read_text(encoding="utf-8"), page
     big = paper2021.TABLE_1[-1]
     cfg = paper2021.row_config(big)
@@ -315,7 +381,8 @@ def test_2021_weak_scaling_table_reproduced_within_5_points():
     twice = with_values(cfg, {"train.batch_size": 2 * big.batch, "train.microbatches": 2 * m})
     longer = timing.compute_seconds(twice, big.mesh, paper2021.selene())
     assert longer["matmuls"] / parts["matmuls"] == pytest.approx(
-        (2 * m + big.pp - 1) / (m + big.pp - 1), rel=1e-9)
+        (2 * m + big.pp - 1) / (m + big.pp - 1), rel=1e-9
+    )
 
 
 def test_a_model_beyond_a_nodes_tensor_parallel_group_is_pipelined():
@@ -342,7 +409,7 @@ def test_best_plan_for_8_3b_on_8_v100s_is_model_parallel():
     assert not any(p.fits for p in plans if p.model == 1)
     least = min((p for p in plans if not p.fits), key=lambda p: p.memory["total"])
     over = (least.memory["total"] - least.device_bytes) / 2**30
-    over_text = f"{over:.1f}" if over >= 1 else f"{over:.2f}"     # report.py's two precisions
+    over_text = f"{over:.1f}" if over >= 1 else f"{over:.2f}"  # report.py's two precisions
     assert f"{over_text} GiB more than the 32.0 GiB" in why(least, [least])
 
 
@@ -351,25 +418,40 @@ def test_command_line_json_and_errors(tmp_path, capsys):
     assert out.returncode == 0, out.stderr
     plans = json.loads(out.stdout)["plans"]
     assert plans[0]["fits"] and plans[0]["mesh"].startswith("data=")
-    assert {"memory_bytes", "step_seconds", "tokens_per_s", "mfu",
-            "scaling_efficiency"} <= set(plans[0])
+    assert {"memory_bytes", "step_seconds", "tokens_per_s", "mfu", "scaling_efficiency"} <= set(
+        plans[0]
+    )
     toml = tmp_path / "gpus.toml"
-    toml.write_text("[tiny-gpu]\npeak_flops = 1e12\nmemory_bytes = 1e9\nhbm_bandwidth = 1e11\n"
-                    "gpus_per_node = 4\nintra_node_bandwidth = 1e10\ninter_node_bandwidth = 1e9\n")
+    toml.write_text(
+        "[tiny-gpu]\n"
+        "peak_flops = 1e12\n"
+        "memory_bytes = 1e9\n"
+        "hbm_bandwidth = 1e11\n"
+        "gpus_per_node = 4\n"
+        "intra_node_bandwidth = 1e10\n"
+        "inter_node_bandwidth = 1e9\n"
+    )
     assert plan_main(["--config", "gpt2_8.3b", "--devices", "4", "--hardware", str(toml)]) == 0
     assert "No plan fits" in capsys.readouterr().out
     assert pick_hardware(str(toml)).gpus_per_node == 4
     toml.write_text("[bad]\npeak_flops = -1\n")
-    for args in (["--hardware", "tpu-v9"], ["--hardware", str(toml)], ["--devices", "0"],
-                 ["--config", "nope"],
-                 # (the last: at once)
-                 ["--schemes", "zero3"], ["--top", "0"], ["--devices", str(10**14)]):
+    for args in (
+        ["--hardware", "tpu-v9"],
+        ["--hardware", str(toml)],
+        ["--devices", "0"],
+        ["--config", "nope"],
+        # (the last: at once)
+        ["--schemes", "zero3"],
+        ["--top", "0"],
+        ["--devices", str(10**14)],
+    ):
         assert plan_main(["--config", "tiny", "--devices", "8"] + args) == 2, args
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error:"), (args, err)
-    for devices in ("8", 8.0, True):    # from Python: a TypeError deep in the search before
-        with pytest.raises(UserError,
-                           match=f"--devices must be an integer of at least 1, got {devices!r}"):
+    for devices in ("8", 8.0, True):  # from Python: a TypeError deep in the search before
+        with pytest.raises(
+            UserError, match=f"--devices must be an integer of at least 1, got {devices!r}"
+        ):
             plan("tiny", devices, "h100-80g")
 
 
@@ -378,17 +460,31 @@ def test_ctrl_c_stops_the_planner_in_one_line():
     """Ctrl-C while megajax-plan searches (512 devices: a few seconds): one line and 128 + SIGINT,
     not a KeyboardInterrupt traceback."""
     p = subprocess.Popen(
-        [sys.executable, "-m", "megajax.plan", "--config", "gpt2_8.3b", "--devices", "512",
-                          "--hardware", "h100-80g"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        [
+            sys.executable,
+            "-m",
+            "megajax.plan",
+            "--config",
+            "gpt2_8.3b",
+            "--devices",
+            "512",
+            "--hardware",
+            "h100-80g",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     # (Python handles SIGINT from its start)
     while p.poll() is None and not handles_signal(p.pid, signal.SIGTERM):
         time.sleep(0.01)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    assert (p.returncode == 128 + signal.SIGINT
-            and err == "stopped by SIGINT: nothing was planned\n"), err
+    assert (
+        p.returncode == 128 + signal.SIGINT and err == "stopped by SIGINT: nothing was planned\n"
+    ), err
 
 
 def test_microbatches_cost_their_weight_traffic():
@@ -396,16 +492,25 @@ def test_microbatches_cost_their_weight_traffic():
     and writing (accumulating) its gradient. By hand: splitting a batch in two adds exactly that
     traffic (the matmuls, the activations' passes and the scan's copies scale with the rows)."""
     hw = BUILTIN["h200"]
-    one = load_config("gpt2_355m",
-                      ["train.batch_size=16", "train.microbatches=1", "model.remat=none"])
+    one = load_config(
+        "gpt2_355m", ["train.batch_size=16", "train.microbatches=1", "model.remat=none"]
+    )
     two = with_values(one, {"train.microbatches": 2})
     t1, t2 = (timing.compute_seconds(c, MeshShape(), hw) for c in (one, two))
     shard = state_split(one, MeshShape()).model_shard
-    extra = (2 * (timing.WEIGHT_BYTES_PER_PARAM + timing.ACCUMULATE_BYTES_PER_PARAM)
-             - timing.WEIGHT_BYTES_PER_PARAM) * shard / hw.hbm_bandwidth
+    extra = (
+        (
+            2 * (timing.WEIGHT_BYTES_PER_PARAM + timing.ACCUMULATE_BYTES_PER_PARAM)
+            - timing.WEIGHT_BYTES_PER_PARAM
+        )
+        * shard
+        / hw.hbm_bandwidth
+    )
     assert t2["elementwise"] - t1["elementwise"] == pytest.approx(extra, rel=1e-9)
-    assert t2["matmuls"] == pytest.approx(t1["matmuls"],
-                                          rel=1e-9) and t2["overhead"] == t1["overhead"] == 0
+    assert (
+        t2["matmuls"] == pytest.approx(t1["matmuls"], rel=1e-9)
+        and t2["overhead"] == t1["overhead"] == 0
+    )
 
 
 def test_layer_programs_save_the_scans_copies_and_take_plain_data_parallelism():
@@ -413,12 +518,12 @@ def test_layer_programs_save_the_scans_copies_and_take_plain_data_parallelism():
     step is the scan's less its copies of the kept activations, and only plain data-parallel
     plans are made (asked for with ZeRO-1 or FSDP alone: one error line)."""
     hw = BUILTIN["h200"]
-    scan = load_config("gpt2_355m",
-                       ["train.batch_size=16", "train.microbatches=1", "model.remat=none"])
+    scan = load_config(
+        "gpt2_355m", ["train.batch_size=16", "train.microbatches=1", "model.remat=none"]
+    )
     programs = with_values(scan, {"train.layer_programs": True})
     t_scan, t_programs = (timing.compute_seconds(c, MeshShape(), hw) for c in (scan, programs))
-    copies = (timing.SCAN_COPY_PASSES * kept_activation_bytes(scan, MeshShape())
-              / hw.hbm_bandwidth)
+    copies = timing.SCAN_COPY_PASSES * kept_activation_bytes(scan, MeshShape()) / hw.hbm_bandwidth
     assert t_scan["elementwise"] - t_programs["elementwise"] == pytest.approx(copies, rel=1e-9)
     assert t_programs["matmuls"] == t_scan["matmuls"]
     found = plan("gpt2_355m", 8, "h200", ["train.layer_programs=true"])
@@ -429,41 +534,59 @@ def test_layer_programs_save_the_scans_copies_and_take_plain_data_parallelism():
 
 
 def test_hardware_files_name_their_stack(tmp_path, capsys):
-    gpu = ("peak_flops = 1e15\nmemory_bytes = 8e10\nhbm_bandwidth = 3e12\ngpus_per_node = 8\n"
-           "intra_node_bandwidth = 4e11\ninter_node_bandwidth = 4e11\n")
+    gpu = (
+        "peak_flops = 1e15\n"
+        "memory_bytes = 8e10\n"
+        "hbm_bandwidth = 3e12\n"
+        "gpus_per_node = 8\n"
+        "intra_node_bandwidth = 4e11\n"
+        "inter_node_bandwidth = 4e11\n"
+    )
     toml = tmp_path / "gpus.toml"
-    toml.write_text(f"[ours]\n{gpu}[theirs]\n{gpu}stack = \"megatron-2019\"\n")
+    toml.write_text(f'[ours]\n{gpu}[theirs]\n{gpu}stack = "megatron-2019"\n')
     ours, theirs = (pick_hardware(f"{toml}:{n}") for n in ("ours", "theirs"))
     assert (ours.stack, theirs.stack) == ("megajax", "megatron-2019")
-    assert timing.stack_constants(theirs)[:2] == (timing.MATMUL_EFFICIENCY,
-                                                  timing.LAYER_OVERHEAD_SECONDS)
+    assert timing.stack_constants(theirs)[:2] == (
+        timing.MATMUL_EFFICIENCY,
+        timing.LAYER_OVERHEAD_SECONDS,
+    )
     assert timing.stack_constants(ours).matmul_efficiency == timing.XLA_MATMUL_EFFICIENCY
-    toml.write_text(f"[bad]\n{gpu}stack = \"pytorch\"\n")
+    toml.write_text(f'[bad]\n{gpu}stack = "pytorch"\n')
     assert plan_main(["--config", "tiny", "--devices", "8", "--hardware", str(toml)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "stack must be one of megajax, megatron-2019" in err
     # not UTF-8: a UnicodeDecodeError traceback before
-    toml.write_bytes(b"[ours]\nname = \"caf\xe9\"\n")
+    toml.write_bytes(b'[ours]\nname = "caf\xe9"\n')
     assert plan_main(["--config", "tiny", "--devices", "8", "--hardware", str(toml)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"hardware file {toml} is not valid TOML" in err
 
 
-@pytest.mark.parametrize("line,message", [
-    # before: a table of NaN, exit 0
-    ("peak_flops = nan", "[gpu] peak_flops must be a finite number, got nan"),
-    ("hbm_bandwidth = inf", "[gpu] hbm_bandwidth must be a finite number, got inf"),
-    # before: ZeroDivisionError
-    ("gpus_per_node = 0.5", "[gpu] gpus_per_node counts whole GPUs, got 0.5"),
-    # before: ZeroDivisionError
-    ("peak_flops = 1e-300", "[gpu] peak_flops = 1e-300 is outside 1e+09..1e+18"),
-    ("inter_node_latency = 0.0", "[gpu] inter_node_latency = 0 is outside"),
-    ("memory_bytes = 1e300", "[gpu] memory_bytes = 1e+300 is outside")])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        # before: a table of NaN, exit 0
+        ("peak_flops = nan", "[gpu] peak_flops must be a finite number, got nan"),
+        ("hbm_bandwidth = inf", "[gpu] hbm_bandwidth must be a finite number, got inf"),
+        # before: ZeroDivisionError
+        ("gpus_per_node = 0.5", "[gpu] gpus_per_node counts whole GPUs, got 0.5"),
+        # before: ZeroDivisionError
+        ("peak_flops = 1e-300", "[gpu] peak_flops = 1e-300 is outside 1e+09..1e+18"),
+        ("inter_node_latency = 0.0", "[gpu] inter_node_latency = 0 is outside"),
+        ("memory_bytes = 1e300", "[gpu] memory_bytes = 1e+300 is outside"),
+    ],
+)
 def test_a_hardware_file_holds_finite_physical_numbers(tmp_path, capsys, line, message):
     """Every field finite, whole where it counts GPUs, and within bounds no accelerator is near;
     the JSON output is JSON (no bare NaN) because no such number reaches the arithmetic."""
-    fields = {"peak_flops": "1e15", "memory_bytes": "8e10", "hbm_bandwidth": "3e12",
-              "gpus_per_node": "8", "intra_node_bandwidth": "4e11", "inter_node_bandwidth": "4e11"}
+    fields = {
+        "peak_flops": "1e15",
+        "memory_bytes": "8e10",
+        "hbm_bandwidth": "3e12",
+        "gpus_per_node": "8",
+        "intra_node_bandwidth": "4e11",
+        "inter_node_bandwidth": "4e11",
+    }
     key, value = (s.strip() for s in line.split("="))
     fields[key] = value
     toml = tmp_path / "gpus.toml"
@@ -506,7 +629,7 @@ def test_mesh_auto_keeps_every_device_on_data_unless_the_model_does_not_fit(monk
     mesh, why = auto_mesh(cfg, 8, three, "gpu")
     assert mesh.devices == 8 and mesh.data < 8
     assert memory_bytes(cfg, mesh)["total"] <= three
-    assert MeshShape.parse(str(mesh), 8) == mesh     # the line names the mesh as --mesh takes it
+    assert MeshShape.parse(str(mesh), 8) == mesh  # the line names the mesh as --mesh takes it
     assert why.startswith("--mesh auto: every device on the data axis would need about")
     assert f"running {mesh}," in why
     # the same through train.py's and eval.py's --mesh, on this machine's 8 simulated devices

@@ -1,4 +1,5 @@
 """model.compute_dtype = "mixed": bfloat16 matmul operands, float32 accumulation and activations."""
+
 import dataclasses
 import re
 
@@ -34,12 +35,13 @@ def test_mixed_matmul_and_its_gradients_match_a_float64_reference(stacked_residu
 
     x2, g2 = np.asarray(x).reshape(-1, 48), np.asarray(g).reshape(-1, 56)
     want_y = _bf16(x2) @ _bf16(w)
-    want_dx = _bf16(g2) @ _bf16(w).T           # the incoming gradient is rounded too
+    want_dx = _bf16(g2) @ _bf16(w).T  # the incoming gradient is rounded too
     want_dw = _bf16(x2).T @ _bf16(g2)
     # The operands are exact in float32, so only float32 accumulation differs from float64:
     # within gamma_K = K u_f32 of the sum of the products' magnitudes (tests/tolerances.py).
-    for (got, want), (a, b) in zip(((y, want_y), (dx, want_dx), (dw, want_dw)),
-                                   ((x2, w), (g2, np.asarray(w).T), (x2.T, g2))):
+    for (got, want), (a, b) in zip(
+        ((y, want_y), (dx, want_dx), (dw, want_dw)), ((x2, w), (g2, np.asarray(w).T), (x2.T, g2))
+    ):
         got = np.asarray(got).reshape(want.shape)
         k = np.shape(a)[-1]
         bound = k * F32_U * (np.abs(_bf16(a)) @ np.abs(_bf16(b)))
@@ -85,13 +87,16 @@ def test_every_linear_matmul_runs_in_bfloat16_forward_and_backward():
     assert _lowered_bf16_dots(lowered.as_text()) == 4 * 3 * layers
     if _cpu_keeps_bf16_matmuls():
         assert _bf16_dots(lowered.compile().as_text()) == 4 * 3 * layers
-    float32 = make_trainer(tiny_config(num_layers=layers, scan_layers=False),
-                           mesh_for("1x1")).lower_step()
-    assert _lowered_bf16_dots(float32.as_text()) == 0 and _bf16_dots(
-        float32.compile().as_text()) == 0
+    float32 = make_trainer(
+        tiny_config(num_layers=layers, scan_layers=False), mesh_for("1x1")
+    ).lower_step()
+    assert (
+        _lowered_bf16_dots(float32.as_text()) == 0 and _bf16_dots(float32.compile().as_text()) == 0
+    )
     # The scanned stack (the paper configs') has one layer body, whose 12 matmuls stay bf16 too.
-    scanned = make_trainer(tiny_config(num_layers=layers, compute_dtype="mixed"),
-                           mesh_for("1x1")).lower_step()
+    scanned = make_trainer(
+        tiny_config(num_layers=layers, compute_dtype="mixed"), mesh_for("1x1")
+    ).lower_step()
     assert _lowered_bf16_dots(scanned.as_text()) == 4 * 3
     if _cpu_keeps_bf16_matmuls():
         assert _bf16_dots(scanned.compile().as_text()) == 4 * 3
@@ -100,7 +105,8 @@ def test_every_linear_matmul_runs_in_bfloat16_forward_and_backward():
 def test_mixed_precision_is_mesh_invariant_with_megatron_collectives():
     cfg = tiny_config(compute_dtype="mixed", hidden_dropout=0.0, attention_dropout=0.0)
     tokens = np.asarray(
-        jax.random.randint(jax.random.key(7), (8, cfg.model.seq_len + 1), 0, cfg.model.vocab_size))
+        jax.random.randint(jax.random.key(7), (8, cfg.model.seq_len + 1), 0, cfg.model.vocab_size)
+    )
     # Sequence parallelism runs the linear layers inside shard_map, where the weight gradient
     # of the mixed matmul's own VJP must be summed over "data" as a plain dot's is.
     sp = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sequence_parallel=True))
@@ -110,7 +116,8 @@ def test_mixed_precision_is_mesh_invariant_with_megatron_collectives():
         params, _ = trainer.init_state(seed=0)
         batch = jax.device_put(tokens, trainer.batch_sharding)
         results[name] = jax.device_get(
-            jax.jit(jax.value_and_grad(trainer.loss_fn))(params, batch, None))
+            jax.jit(jax.value_and_grad(trainer.loss_fn))(params, batch, None)
+        )
     loss1, g1 = results["1x1"]
     for name in ("2x4", "2x4 SP"):
         # The mesh changes float32 partial sums, which can flip bfloat16 roundings downstream:
@@ -124,20 +131,32 @@ def test_mixed_precision_is_mesh_invariant_with_megatron_collectives():
     trainer = make_trainer(f32, mesh_for("1x1"))
     params, _ = trainer.init_state(seed=0)
     loss32 = float(
-        jax.jit(trainer.loss_fn)(params, jax.device_put(tokens, trainer.batch_sharding), None))
+        jax.jit(trainer.loss_fn)(params, jax.device_put(tokens, trainer.batch_sharding), None)
+    )
     assert loss32 != loss1 and loss32 == pytest.approx(float(loss1), rel=4 * BF16_U)
 
     counts = audit(cfg, mesh_for("2x4")).model_axis_layer_counts()
-    assert all(c == {("attention", "forward"): 1, ("mlp", "forward"): 1,
-                     ("attention", "backward"): 1, ("mlp", "backward"): 1} for c in counts.values())
+    assert all(
+        c
+        == {
+            ("attention", "forward"): 1,
+            ("mlp", "forward"): 1,
+            ("attention", "backward"): 1,
+            ("mlp", "backward"): 1,
+        }
+        for c in counts.values()
+    )
 
 
 def _widened_slice_writes(hlo: str) -> list[str]:
     """dynamic-update-slices whose buffer operand is a convert: XLA widened a 16-bit buffer to
     write one slice into it, which rewrites the whole buffer, not the slice, each time."""
     converts = set(re.findall(r"%([\w.\-]+) = \S+ convert\(", hlo))
-    return [m.group(0) for m in re.finditer(r"dynamic-update-slice\(%([\w.\-]+)", hlo)
-            if m.group(1) in converts]
+    return [
+        m.group(0)
+        for m in re.finditer(r"dynamic-update-slice\(%([\w.\-]+)", hlo)
+        if m.group(1) in converts
+    ]
 
 
 def test_scanned_stack_writes_its_saved_bfloat16_activations_in_place():
@@ -146,11 +165,12 @@ def test_scanned_stack_writes_its_saved_bfloat16_activations_in_place():
     turns that one-slice write into a rewrite of the whole buffer at every layer (time
     quadratic in depth: 1.52x the unrolled step at 24 layers, against 1.11x written in place).
     The mixed matmul saves its bfloat16 operand as uint16 bits instead."""
-    lowered = make_trainer(tiny_config(num_layers=3, compute_dtype="mixed"),
-                           mesh_for("1x1")).lower_step()
+    lowered = make_trainer(
+        tiny_config(num_layers=3, compute_dtype="mixed"), mesh_for("1x1")
+    ).lower_step()
     hlo = lowered.compile().as_text()
     assert "dynamic-update-slice" in hlo and _widened_slice_writes(hlo) == []
-    assert re.search(r"u16\[3,\d+,\d+\]\S* \S*dynamic-update-slice", hlo)    # the saves, as bits
+    assert re.search(r"u16\[3,\d+,\d+\]\S* \S*dynamic-update-slice", hlo)  # the saves, as bits
 
 
 def test_a_scanned_bfloat16_stack_keeps_no_16_bit_copy_of_its_weights():
@@ -179,10 +199,13 @@ def test_logits_product_and_its_gradients_match_a_float64_reference(x_dtype):
     dx, dtable = vjp(g)
     assert (y.dtype, dx.dtype, dtable.dtype) == (jnp.float32, x_dtype, jnp.float32)
 
-    x2, g2, t = np.asarray(x, np.float32).reshape(-1, 48), np.asarray(g).reshape(
-        -1, 64), np.asarray(table)
+    x2, g2, t = (
+        np.asarray(x, np.float32).reshape(-1, 48),
+        np.asarray(g).reshape(-1, 64),
+        np.asarray(table),
+    )
     cases = [(y, _bf16(x2) @ _bf16(t).T, (x2, t.T)), (dtable, _bf16(g2).T @ _bf16(x2), (g2.T, x2))]
-    if x_dtype == jnp.float32:    # a bf16 dx is rounded once more, to its own dtype
+    if x_dtype == jnp.float32:  # a bf16 dx is rounded once more, to its own dtype
         cases.append((dx, _bf16(g2) @ _bf16(t), (g2, t)))
     else:
         assert_close(np.asarray(dx, np.float32).reshape(-1, 48), _bf16(g2) @ _bf16(t), tol=BF16_U)
@@ -195,9 +218,9 @@ def test_a_bfloat16_model_runs_every_matmul_in_bfloat16_forward_and_backward():
     """The layers', the attention core's (q k^T and p v, with their backward passes) and the
     output layer's (x E^T, dx = g E, dE = g^T x): all bf16 x bf16. Autodiff took the float32
     gradients of the scores and of the logits into float32 matmuls (tf32 on a GPU)."""
-    cfg = tiny_config(num_layers=1, compute_dtype="bfloat16", vocab_size=384)   # 384: no other dim
+    cfg = tiny_config(num_layers=1, compute_dtype="bfloat16", vocab_size=384)  # 384: no other dim
     text = make_trainer(cfg, mesh_for("1x1")).lower_step().as_text()
     dots = re.findall(r"dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
-    assert len(dots) == 4 * 3 + 2 * 3 + 3    # linear layers, attention core, output layer
+    assert len(dots) == 4 * 3 + 2 * 3 + 3  # linear layers, attention core, output layer
     assert all(a.endswith("bf16>") and b.endswith("bf16>") for a, b in dots), dots
     assert len([d for d in dots if any(re.search(r"[<x]384x", t) for t in d)]) == 3

@@ -4,6 +4,7 @@ independent element-by-element indexing reads, or is refused in one line; any tr
 damaged byte of every committed .pt fixture is read or refused in one line. Before the bounds
 checks, an offset of -1 read memory before the storage and negative strides with a large shape
 ended the process with SIGSEGV."""
+
 import argparse
 import itertools
 import random
@@ -45,10 +46,12 @@ def _random_view(rng: random.Random, length: int):
     sizes = [0, 1, 2, 3, 5, 2**31, 2**62, -1]
     strides = [0, 1, 2, 3, 7, length, 2**40, 2**63, -1, -2]
     ndim = rng.randint(0, 3)
-    shape = tuple(rng.choice(sizes[:5]) if rng.random() < 0.8 else rng.choice(sizes)
-                  for _ in range(ndim))
-    stride = tuple(rng.choice(strides[:6]) if rng.random() < 0.8 else rng.choice(strides)
-                   for _ in range(ndim))
+    shape = tuple(
+        rng.choice(sizes[:5]) if rng.random() < 0.8 else rng.choice(sizes) for _ in range(ndim)
+    )
+    stride = tuple(
+        rng.choice(strides[:6]) if rng.random() < 0.8 else rng.choice(strides) for _ in range(ndim)
+    )
     offset = rng.choice([0, 1, rng.randrange(length + 3), length - 1, length, -1, -length, 2**62])
     return offset, shape, stride
 
@@ -69,18 +72,21 @@ def test_any_claimed_view_reads_what_indexing_reads_or_is_refused():
             else:
                 np.testing.assert_array_equal(view.numpy(), want)
                 read += 1
-    assert refused > 500 and read > 500     # both sides of the rule were exercised
+    assert refused > 500 and read > 500  # both sides of the rule were exercised
 
 
-@pytest.mark.parametrize("offset,shape,stride,message", [
-    (-1, (4,), (1,), "negative offset, size or stride"),                 # the sweep's offset -1
-    (100, (2**31, 2**31), (-1, -1), "negative offset, size or stride"),  # the sweep's SIGSEGV
-    # a small file claiming any size
-    (0, (2**40,), (0,), "elements over a storage"),
-    (0, (0, 2**62), (1, 1), "claims an impossible size"),
-    (0, (2, 2), (1,), "is not a view torch.save writes"),
-    (0.5, (2,), (1,), "is not a view torch.save writes"),
-])
+@pytest.mark.parametrize(
+    "offset,shape,stride,message",
+    [
+        (-1, (4,), (1,), "negative offset, size or stride"),  # the sweep's offset -1
+        (100, (2**31, 2**31), (-1, -1), "negative offset, size or stride"),  # the sweep's SIGSEGV
+        # a small file claiming any size
+        (0, (2**40,), (0,), "elements over a storage"),
+        (0, (0, 2**62), (1, 1), "claims an impossible size"),
+        (0, (2, 2), (1,), "is not a view torch.save writes"),
+        (0.5, (2,), (1,), "is not a view torch.save writes"),
+    ],
+)
 def test_the_sweeps_views_are_one_line(offset, shape, stride, message):
     loaded = torch_pickle.load(ROOT / "tests/fixtures/megatron/tensors.pt")
     storage = next(iter(loaded["model"].values())).storage
@@ -101,8 +107,9 @@ def _tensors(value):
         yield from _tensors(vars(value))
 
 
-@pytest.mark.parametrize("fixture", FIXTURES,
-                         ids=lambda p: str(p.relative_to(ROOT / "tests/fixtures/megatron")))
+@pytest.mark.parametrize(
+    "fixture", FIXTURES, ids=lambda p: str(p.relative_to(ROOT / "tests/fixtures/megatron"))
+)
 def test_truncated_or_damaged_files_are_read_or_refused_in_one_line(fixture, tmp_path):
     data = fixture.read_bytes()
     rng = random.Random(fixture.name)
@@ -122,7 +129,7 @@ def test_truncated_or_damaged_files_are_read_or_refused_in_one_line(fixture, tmp
         except UserError as e:
             assert "\n" not in str(e) and str(path) in str(e)
             refused.append(i)
-    assert set(range(12)) <= set(refused)      # no truncated archive reads as whole
+    assert set(range(12)) <= set(refused)  # no truncated archive reads as whole
 
 
 def test_a_truncated_file_is_called_truncated_not_legacy(tmp_path):

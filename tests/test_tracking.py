@@ -1,6 +1,7 @@
 """A user's tools around a run: TensorBoard event files (read back with TensorBoard's own reader)
 and W&B in its offline mode, across a resume; --profile's trace and its time by kind of op; MFU
 on each log line."""
+
 import json
 import shutil
 import struct
@@ -29,13 +30,13 @@ def wandb_records(run_dir):
     assert data[:4] == b":W&B"
     pos, block, records, pending = 7, 32768, [], b""
     while pos + 7 <= len(data):
-        if block - pos % block < 7:         # a block's tail too short for a header: padding
+        if block - pos % block < 7:  # a block's tail too short for a header: padding
             pos += block - pos % block
             continue
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
-        if kind in (1, 4):                  # FULL, LAST
+        if kind in (1, 4):  # FULL, LAST
             r = pb.Record()
             r.ParseFromString(pending)
             records.append(r)
@@ -53,9 +54,17 @@ def test_profile_command_leaves_events_equal_to_metrics_and_a_trace(tmp_path):
     p = run(*TINY, "--steps", "12", "--profile", "4:6", "--workdir", str(wd))
     got = assert_tensorboard_is_metrics(wd)
     assert [s for s, _ in got["train/loss"]] == [1, 5, 10, 12]
-    assert {"train/mfu", "train/tflops_per_device", "train/tokens_per_sec", "train/lr",
-            "train/grad_norm", "val/loss", "val/ppl"} <= set(got)
+    assert {
+        "train/mfu",
+        "train/tflops_per_device",
+        "train/tokens_per_sec",
+        "train/lr",
+        "train/grad_norm",
+        "val/loss",
+        "val/ppl",
+    } <= set(got)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(wd / "tensorboard"))
     acc.Reload()
     assert "config/text_summary" in acc.Tags()["tensors"]
@@ -67,17 +76,27 @@ def test_profile_command_leaves_events_equal_to_metrics_and_a_trace(tmp_path):
     assert {"perfetto_trace.json.gz", "step.hlo.txt"} <= names
     assert any(n.endswith(".xplane.pb") for n in names)
     line = next(x for x in p.stdout.splitlines() if x.startswith("profile of steps 4-6"))
-    ms = {k: float(v) for k, v in
-          (part.split(" ms")[0].rsplit(" ", 1) for part in line.split("by kind: ")[1].split(", "))}
+    ms = {
+        k: float(v)
+        for k, v in (
+            part.split(" ms")[0].rsplit(" ", 1) for part in line.split("by kind: ")[1].split(", ")
+        )
+    }
     assert set(ms) == set(KINDS)
     assert ms["matmuls"] > 0 and ms["attention"] > 0 and ms["optimizer"] > 0
-    assert ms["collectives"] == 0      # one device
+    assert ms["collectives"] == 0  # one device
     head = p.stdout.splitlines()[0]
     assert "MFU against" in head and "measured float32 matmul" in head
-    step_lines = [x for x in p.stdout.splitlines() if x.startswith("step") and "loss " in x
-                  and "val_loss" not in x]
-    records = {r["step"]: r for r in map(json.loads, (wd / "metrics.jsonl").read_text()
-                                         .splitlines()) if "loss" in r}
+    step_lines = [
+        x
+        for x in p.stdout.splitlines()
+        if x.startswith("step") and "loss " in x and "val_loss" not in x
+    ]
+    records = {
+        r["step"]: r
+        for r in map(json.loads, (wd / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    }
     for x in step_lines:
         r = records[int(x.split()[1])]
         assert f"MFU {100 * r['mfu']:.1f}%" in x and f"{r['tflops_per_device']:.3g} TFLOP/s" in x
@@ -90,10 +109,21 @@ def test_resume_after_death_past_a_checkpoint_purges_and_resumes_the_wandb_run(t
     (offline) continues the same run, its records the run's own."""
     wd = tmp_path / "run"
     e = dict(env(), WANDB_MODE="offline", WANDB_PROJECT="megajax-test")
-    args = [*TINY, "--workdir", str(wd), "--tracker", "wandb", "--save-every", "4",
-            "--log-every", "1", "--eval-every", "4"]
+    args = [
+        *TINY,
+        "--workdir",
+        str(wd),
+        "--tracker",
+        "wandb",
+        "--save-every",
+        "4",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "4",
+    ]
     first = run(*args, "--steps", "8", env=e)
-    assert "wandb" not in first.stdout.lower() + first.stderr.lower()   # silent
+    assert "wandb" not in first.stdout.lower() + first.stderr.lower()  # silent
     shutil.rmtree(wd / "checkpoints" / "8")
     second = run(*args, "--steps", "10", env=e)
     assert "resuming from step 4" in second.stdout
@@ -101,13 +131,18 @@ def test_resume_after_death_past_a_checkpoint_purges_and_resumes_the_wandb_run(t
     assert [s for s, _ in got["train/loss"]] == list(range(1, 11))
     run_id = (wd / "wandb" / "run_id").read_text().strip()
     legs = sorted((wd / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert len(legs) == 2          # both legs logged to the same run
-    metrics = {r["step"]: r for r in map(json.loads, (wd / "metrics.jsonl").read_text()
-                                         .splitlines()) if "loss" in r}
+    assert len(legs) == 2  # both legs logged to the same run
+    metrics = {
+        r["step"]: r
+        for r in map(json.loads, (wd / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    }
     records = wandb_records(legs[1])
-    history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
-                for i in r.history.item} for r in records if r.WhichOneof("record_type")
-               == "history"]
+    history = [
+        {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     logged = {h["step"]: h for h in history if "train/loss" in h}
     assert sorted(logged) == list(range(5, 11))
     for s, h in logged.items():
@@ -125,10 +160,14 @@ def test_op_kinds_of_a_compiled_sharded_step():
     trainer = make_trainer(cfg, mesh_for("2x4"))
     text = trainer.lower_step().compile().as_text()
     kinds = op_kinds(text)
-    assert set(kinds.values()) == {"matmuls", "attention", "element-wise", "collectives",
-                                   "optimizer"}
-    collectives = [n for n in kinds if n.startswith(("all-reduce", "all-gather",
-                                                     "reduce-scatter"))]
+    assert set(kinds.values()) == {
+        "matmuls",
+        "attention",
+        "element-wise",
+        "collectives",
+        "optimizer",
+    }
+    collectives = [n for n in kinds if n.startswith(("all-reduce", "all-gather", "reduce-scatter"))]
     assert collectives and all(kinds[n] == "collectives" for n in collectives)
 
 
@@ -143,18 +182,32 @@ def test_profile_window_checked(text):
 
 def test_wandb_missing_is_one_line(monkeypatch):
     import builtins
+
     real = builtins.__import__
-    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (
-        (_ for _ in ()).throw(ImportError(name)) if name == "wandb" else real(name, *a, **k)))
+    monkeypatch.setattr(
+        builtins,
+        "__import__",
+        lambda name, *a, **k: (
+            (_ for _ in ()).throw(ImportError(name)) if name == "wandb" else real(name, *a, **k)
+        ),
+    )
     with pytest.raises(UserError, match=r"pip install 'megajax\[wandb\]'"):
         tracking.check_tracker("wandb")
     tracking.check_tracker("tensorboard")
 
 
 def test_scalar_names():
-    assert tracking.scalars({"step": 3, "loss": 1.5, "val_loss": 2.0, "val_ppl": np.float32(7),
-                             "skipped_steps": 2, "grad_norm": None, "flag": True}) == {
-        "train/loss": 1.5, "val/loss": 2.0, "val/ppl": 7.0, "train/skipped_steps": 2.0}
+    assert tracking.scalars(
+        {
+            "step": 3,
+            "loss": 1.5,
+            "val_loss": 2.0,
+            "val_ppl": np.float32(7),
+            "skipped_steps": 2,
+            "grad_norm": None,
+            "flag": True,
+        }
+    ) == {"train/loss": 1.5, "val/loss": 2.0, "val/ppl": 7.0, "train/skipped_steps": 2.0}
 
 
 def test_the_log_finds_a_gpus_peak_by_its_whole_name():
@@ -162,10 +215,30 @@ def test_the_log_finds_a_gpus_peak_by_its_whole_name():
     device_kind, so that an A100 is not taken for an A10, nor an L40S for an L4."""
     from megajax.hardware import for_device
 
-    named = {kind: getattr(for_device(kind), "name", None) for kind in (
-        "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA A10",
-        "NVIDIA L40S", "NVIDIA L4", "Tesla T4", "Tesla V100-SXM2-32GB", "NVIDIA A10G", "cpu")}
-    assert named == {"NVIDIA H100 80GB HBM3": "h100-80g", "NVIDIA H200": "h200",
-                     "NVIDIA A100-SXM4-80GB": "a100-80g", "NVIDIA A10": "a10",
-                     "NVIDIA L40S": "l40s", "NVIDIA L4": "l4", "Tesla T4": "t4",
-                     "Tesla V100-SXM2-32GB": "v100-dgx2h", "NVIDIA A10G": None, "cpu": None}
+    named = {
+        kind: getattr(for_device(kind), "name", None)
+        for kind in (
+            "NVIDIA H100 80GB HBM3",
+            "NVIDIA H200",
+            "NVIDIA A100-SXM4-80GB",
+            "NVIDIA A10",
+            "NVIDIA L40S",
+            "NVIDIA L4",
+            "Tesla T4",
+            "Tesla V100-SXM2-32GB",
+            "NVIDIA A10G",
+            "cpu",
+        )
+    }
+    assert named == {
+        "NVIDIA H100 80GB HBM3": "h100-80g",
+        "NVIDIA H200": "h200",
+        "NVIDIA A100-SXM4-80GB": "a100-80g",
+        "NVIDIA A10": "a10",
+        "NVIDIA L40S": "l40s",
+        "NVIDIA L4": "l4",
+        "Tesla T4": "t4",
+        "Tesla V100-SXM2-32GB": "v100-dgx2h",
+        "NVIDIA A10G": None,
+        "cpu": None,
+    }

@@ -1,4 +1,5 @@
 """The paper's optimiser recipe: what decays, the schedule, and the initialisation."""
+
 import math
 
 import jax
@@ -41,7 +42,8 @@ def test_warmup_then_cosine_to_min_lr():
     s = 1300
     frac = (s - 100) / 1900
     assert float(sched(s)) == pytest.approx(
-        1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * frac)), rel=1e-4)
+        1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * frac)), rel=1e-4
+    )
 
 
 def test_initialisation_follows_the_paper():
@@ -55,4 +57,5 @@ def test_initialisation_follows_the_paper():
     assert np.std(np.asarray(layer.attention.out.kernel[...])) == pytest.approx(scaled, rel=0.03)
     assert np.std(np.asarray(model.embed.table[...])) == pytest.approx(0.02, rel=0.02)
     assert np.all(np.asarray(layer.mlp.fc1.bias[...]) == 0) and np.all(
-        np.asarray(layer.ln1.scale[...]) == 1)
+        np.asarray(layer.ln1.scale[...]) == 1
+    )

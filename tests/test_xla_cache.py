@@ -3,6 +3,7 @@
 jaxlib 0.10's XLA:CPU runs wrongly when read back from the cache (megajax/host/xla_cache.py),
 gives the same loss and gradients in processes that find a warm cache as in the one that
 filled it, and the cache still serves the other programs."""
+
 import json
 import subprocess
 import sys
@@ -39,8 +40,11 @@ def test_affected_versions():
 
 @pytest.mark.full
 def test_a_pipelined_step_from_a_warm_cache_computes_what_a_fresh_compile_does(tmp_path):
-    environ = {**env(), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    environ = {
+        **env(),
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
     # (the parent's device count: the program builds its 8-device mesh before conftest could)
     environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
     # glibc's defaults: the heap reuse of megajax's malloc settings hides the race on most runs
@@ -48,13 +52,20 @@ def test_a_pipelined_step_from_a_warm_cache_computes_what_a_fresh_compile_does(t
     program = PROGRAM.format(tests=str(ROOT / "tests"), root=str(ROOT))
 
     def step() -> list:
-        done = subprocess.run([sys.executable, "-c", program], env=environ, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", program],
+            env=environ,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.splitlines()[-1])
+
     fresh = step()
     cached = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert any(name.startswith("jit_init") for name in cached), cached
     # unguarded, jaxlib 0.10.2 computed a wrong step on 1 to 5 reads in 6: three reads
     for _ in range(3):
-        assert step() == fresh      # bitwise: the same program
+        assert step() == fresh  # bitwise: the same program

@@ -31,17 +31,18 @@ Numerical Algorithms", Thm 3.5), where u is the unit roundoff of the arithmetic:
 - A discrete metric (an accuracy) computed from float32 scores may flip where two scores tie
   within rounding; such metrics may differ by one example.
 """
+
 from __future__ import annotations
 
 import jax
 import numpy as np
 
-F32_U = 2.0 ** -24
-BF16_U = 2.0 ** -8
-F16_U = 2.0 ** -11
-F32 = 2 ** 8 * F32_U                 # ~1.5e-5
-BF16_ELEMENT = 4 * BF16_U            # ~1.6e-2 of the array's scale
-BF16_NORM = BF16_U                   # ~3.9e-3 of the array's norm
+F32_U = 2.0**-24
+BF16_U = 2.0**-8
+F16_U = 2.0**-11
+F32 = 2**8 * F32_U  # ~1.5e-5
+BF16_ELEMENT = 4 * BF16_U  # ~1.6e-2 of the array's scale
+BF16_NORM = BF16_U  # ~3.9e-3 of the array's norm
 
 
 def assert_close(got, want, tol: float = F32, scale: float | None = None, what: str = ""):
@@ -71,8 +72,9 @@ def assert_tree_close(want, got, tol: float = F32, what: str = "", norm_tol: flo
             assert np.linalg.norm(y - x) <= norm_tol * np.linalg.norm(x), name
 
 
-def adam_tolerance(grad: np.ndarray, grad_scale: float, lr: float, steps: int,
-                   tol: float = F32) -> np.ndarray:
+def adam_tolerance(
+    grad: np.ndarray, grad_scale: float, lr: float, steps: int, tol: float = F32
+) -> np.ndarray:
     """Per-entry bound on parameters after `steps` Adam updates from gradients known within
     tol * grad_scale: each step moves an entry by lr * (relative error of its gradient), at
     most 2 lr. Entries with large gradients get tight bounds, vanishing ones lr-sized."""

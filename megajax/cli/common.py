@@ -3,6 +3,7 @@
 Nothing here imports jax at module level: the programs import it only after their arguments
 are read, because --host-devices must be in XLA_FLAGS before JAX starts its CPU backend.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,6 @@ from megajax.host.env import open_standard_streams, restart_with_malloc_tuning
 from megajax.host.signals import STOP_SIGNALS
 from megajax.specs import split_kind
 
-
 # each simulated device holds host memory and threads: 100,000 exhausted 24 GiB
 MAX_HOST_DEVICES = 4096
 
@@ -27,8 +27,11 @@ def set_host_devices(n: int | None):
     if n is not None and not 1 <= n <= MAX_HOST_DEVICES:
         sys.exit(fail(f"--host-devices must be in 1..{MAX_HOST_DEVICES}, got {n}"))
     if n:
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
+        flags = [
+            f
+            for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
 
 
@@ -79,26 +82,41 @@ def lost_peer(e: Exception):
     (which would wait for the dead peer). Checkpoints already finalised stay valid."""
     if (count := process_count()) > 1:
         jax = sys.modules["jax"]
-        exit_now(f"error: process {jax.process_index()} of {count}: {type(e).__name__}: "
-                 f"{first_line(e, 300)} (another process has probably died; completed checkpoints "
-                 f"are intact)", 1)
+        exit_now(
+            f"error: process {jax.process_index()} of {count}: {type(e).__name__}: "
+            f"{first_line(e, 300)} (another process has probably died; completed checkpoints are "
+            "intact)",
+            1,
+        )
 
 
 def process_count() -> int:
     """How many processes run this program: 1 unless JAX was started, and with a backend."""
-    jax = sys.modules.get("jax")   # a program that never started JAX has no peers
+    jax = sys.modules.get("jax")  # a program that never started JAX has no peers
     try:
         return 1 if jax is None else jax.process_count()
-    except (RuntimeError, AssertionError):   # no backend (start_jax's case)
+    except (RuntimeError, AssertionError):  # no backend (start_jax's case)
         return 1
 
 
 # What the machine's file systems, not megajax, make an OS call fail with: a full disk or quota,
 # a read-only, lost or unreadable file system, a path someone changed while the program ran.
 FILE_SYSTEM_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES,
-                                errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
-                                errno.ENAMETOOLONG, errno.ESTALE})
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EFBIG,
+        errno.EROFS,
+        errno.EIO,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ENAMETOOLONG,
+        errno.ESTALE,
+    }
+)
 
 
 # what Python says when the operating system refuses a thread (its stack needs address space:
@@ -118,18 +136,27 @@ def failed(e: Exception, memory_hint: str) -> int:
     device = isinstance(e, RuntimeError) and str(e).startswith("RESOURCE_EXHAUSTED")
     if device or isinstance(e, MemoryError):
         status = fail(
-            f"out of {'device' if device else 'host'} memory ({first_line(e, 200)}): {memory_hint}")
+            f"out of {'device' if device else 'host'} memory ({first_line(e, 200)}): {memory_hint}"
+        )
     elif isinstance(e, RuntimeError) and NO_THREAD in str(e):
-        status = fail(f"out of host memory (the system refused a thread: its address space or "
-                      f"threads are limited, `ulimit -v` / `ulimit -u`): raise the limit, or "
-                      f"{memory_hint}")
+        status = fail(
+            "out of host memory (the system refused a thread: its address space or threads are "
+            f"limited, `ulimit -v` / `ulimit -u`): raise the limit, or {memory_hint}"
+        )
     elif SIMULATED_TOO_MANY in str(e) and process_count() == 1:
-        status = fail("XLA's CPU backend compiles no program over this many simulated devices in "
-                      "one process (more than 2048 here): simulate fewer with --host-devices, "
-                      "e.g. one data replica of the mesh (data=1: the same memory per device)")
+        status = fail(
+            "XLA's CPU backend compiles no program over this many simulated devices in one "
+            "process (more than 2048 here): simulate fewer with --host-devices, e.g. one data "
+            "replica of the mesh (data=1: the same memory per device)"
+        )
     elif (code := os_error_code(e)) in FILE_SYSTEM_ERRNOS:
-        where = (f": {e.filename}" if getattr(e, "filename", None) else
-                 "" if isinstance(e, OSError) else f" ({type(e).__name__}: {first_line(e, 160)})")
+        where = (
+            f": {e.filename}"
+            if getattr(e, "filename", None)
+            else ""
+            if isinstance(e, OSError)
+            else f" ({type(e).__name__}: {first_line(e, 160)})"
+        )
         status = fail(f"{os.strerror(code)}{where} (what was saved before is intact)")
     else:
         lost_peer(e)
@@ -155,7 +182,8 @@ def end(status: int):
         grace = float(os.environ.get("MEGAJAX_EXIT_GRACE_S", EXIT_GRACE_S))
         line = (
             f"warning: background threads did not end within {grace:g} s of the program's end (a "
-            f"checkpoint writer that cannot finish); leaving with status {status}")
+            f"checkpoint writer that cannot finish); leaving with status {status}"
+        )
         timer = threading.Timer(grace, exit_now, (line, status))
         timer.daemon = True
         timer.start()
@@ -171,12 +199,17 @@ def bound_shutdown(status: int) -> int:
 
 def add_distributed_args(p):
     g = p.add_argument_group(
-        "multi-process (jax.distributed; on SLURM/Open MPI/... detected automatically)")
+        "multi-process (jax.distributed; on SLURM/Open MPI/... detected automatically)"
+    )
     g.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
     g.add_argument("--num-processes", type=int, help="how many processes the run has in all")
     g.add_argument("--process-id", type=int, help="this process's number, 0 .. N-1")
-    g.add_argument("--heartbeat-timeout", type=int, default=60,
-                   help="seconds after which a silent peer counts as dead (default 60)")
+    g.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=60,
+        help="seconds after which a silent peer counts as dead (default 60)",
+    )
 
 
 def start_jax(args=None):
@@ -184,7 +217,7 @@ def start_jax(args=None):
     then its backend. A backend that does not start is the machine's setup, not a bug: one
     line. (JAX_PLATFORMS=cuda with a jax built without CUDA raises a bare AssertionError.)"""
     if args is not None:
-        from megajax.host.distributed import initialize   # imports jax: after set_host_devices
+        from megajax.host.distributed import initialize  # imports jax: after set_host_devices
 
         initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
     import jax
@@ -193,7 +226,8 @@ def start_jax(args=None):
         raise UserError(
             "JAX_DISABLE_JIT is set: megajax compiles its steps ahead of time and cannot run them "
             "uncompiled; unset it (to step through a model eagerly, call it from Python under "
-            "jax.disable_jit())")
+            "jax.disable_jit())"
+        )
     # The programs compute in the dtypes their configs name; JAX_ENABLE_X64 (from a notebook's or
     # a cluster's environment) would move some host-side means to float64 and change last digits.
     jax.config.update("jax_enable_x64", False)
@@ -204,12 +238,12 @@ def start_jax(args=None):
         why = first_line(e, 300) if str(e).strip() else f"this jax has no {asked or 'such'} backend"
         raise UserError(
             f"jax could not start its backend{f' (JAX_PLATFORMS={asked})' if asked else ''}: "
-            f"{why}. "
-            "Install the jax built for this machine (NVIDIA GPUs: the jax[cuda] extra), "
-            "or unset JAX_PLATFORMS to use what it has") from None
+            f"{why}. Install the jax built for this machine (NVIDIA GPUs: the jax[cuda] extra), or "
+            "unset JAX_PLATFORMS to use what it has"
+        ) from None
 
 
-class Stopped(BaseException):   # not an Exception: nothing on the way may swallow it
+class Stopped(BaseException):  # not an Exception: nothing on the way may swallow it
     pass
 
 
@@ -217,8 +251,10 @@ def stop_with_a_line(message: str):
     """A tool's stop signals (SIGTERM, SIGINT, SIGHUP, a scheduler's warnings: host/signals.py)
     raise Stopped("SIGNAL: message"), which its main prints as one line (`stopped`) instead of a
     traceback; what it writes is atomic, so nothing is half done."""
+
     def handler(signum, frame):
         raise Stopped(f"{signal.Signals(signum).name}: {message}", signum)
+
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
 
@@ -229,10 +265,13 @@ def exit_on_signal(message, status=lambda signum: 128 + signum):
     training starts): the stop signals print one line and end the process at once
     (errors.exit_now says why not by raising). `message` is a str.format template of {signal},
     or a function of the signal's name that returns the line (and may clean up first)."""
+
     def handler(signum, frame):
         name = signal.Signals(signum).name
-        exit_now(message(name) if callable(message) else message.format(signal=name),
-                 status(signum))
+        exit_now(
+            message(name) if callable(message) else message.format(signal=name), status(signum)
+        )
+
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
 
@@ -246,8 +285,8 @@ def stop_during_startup(signum, frame):
     """train.py's handler until train() takes the signals over (megajax/host/signals.py):
     nothing is written before training starts, so leave at once (see exit_on_signal)."""
     exit_now(
-        f"error: {signal.Signals(signum).name} during start-up: stopped before training any step",
-        2)
+        f"error: {signal.Signals(signum).name} during start-up: stopped before training any step", 2
+    )
 
 
 def guard_stdout(on_close=None, to_stderr: bool = False):
@@ -280,7 +319,7 @@ class _PipeGuard:
             return self._stream.write(text)
         except OSError as e:
             self._reader_gone(e)
-            return self.write(text)    # to the new target (once on /dev/null, a write cannot fail)
+            return self.write(text)  # to the new target (once on /dev/null, a write cannot fail)
 
     def flush(self):
         try:
@@ -290,7 +329,7 @@ class _PipeGuard:
             self.flush()
 
     def _reader_gone(self, e: OSError):
-        if e.errno not in (errno.EPIPE, errno.EIO):   # a closed pipe; a closed terminal (EIO)
+        if e.errno not in (errno.EPIPE, errno.EIO):  # a closed pipe; a closed terminal (EIO)
             # a full disk: failed() names what it could not write
             raise OSError(e.errno, e.strerror, self._name) from e
         target = self._targets.pop(0)
@@ -310,8 +349,10 @@ class _PipeGuard:
 def command(main, restart: bool = True):
     """A program's entry point: first restart with the host settings of megajax/host/env.py
     (`restart`), then `main`, then a bounded `end`."""
+
     def run() -> int:
         if restart:
             restart_with_malloc_tuning()
         end(main())
+
     return run

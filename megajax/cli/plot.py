@@ -1,5 +1,6 @@
 """megajax-plot / python -m megajax plot WORKDIR: redraw a run's loss curve from its
 metrics.jsonl."""
+
 from __future__ import annotations
 
 import sys
@@ -12,9 +13,12 @@ from megajax.errors import UserError
 def plot_parser() -> Parser:
     p = Parser(prog="megajax-plot", description="Draw WORKDIR/loss.png from metrics.jsonl")
     p.add_argument("workdir", type=given, help="a run's workdir (its metrics.jsonl)")
-    p.add_argument("--out", type=given,
-                   help="the picture (default WORKDIR/loss.png); its suffix picks the format: "
-                   ".png, .pdf, .svg, .jpg, ...")
+    p.add_argument(
+        "--out",
+        type=given,
+        help="the picture (default WORKDIR/loss.png); its suffix picks the format: .png, .pdf, "
+        ".svg, .jpg, ...",
+    )
     return p
 
 
@@ -43,5 +47,5 @@ def plot_command() -> int:
     return plot_main()
 
 
-if __name__ == "__main__":   # from a checkout, without pip install
+if __name__ == "__main__":  # from a checkout, without pip install
     sys.exit(plot_command())

@@ -1,4 +1,5 @@
 """python -m megajax.convert: the converter's command line (megajax/cli/convert.py)."""
+
 from megajax.cli import convert_command
 
 convert_command()

@@ -9,6 +9,7 @@
 
 Weights are read with the `safetensors` package's NumPy API: no PyTorch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ import warnings
 from pathlib import Path
 
 import jax
+
 # Registers bfloat16 with NumPy: safetensors reads bf16 weights through it.
 import ml_dtypes  # noqa: F401
 import numpy as np
@@ -24,7 +26,6 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from megajax.config import Config, ConfigError, apply_overrides
-from megajax.model_config import ARCHITECTURE
 from megajax.convert import hf_config, hf_decoders, hf_weights
 from megajax.convert.hf_tokenizer import read_tokenizer, write_tokenizer
 from megajax.core.mesh import single_device_mesh
@@ -32,6 +33,7 @@ from megajax.data.chat_template import TOKENIZER_EXTRAS
 from megajax.data.tokenizer import HF_FILE, VOCAB_FILE, WordPieceTokenizer
 from megajax.errors import UserError, first_line
 from megajax.files import staged_directory, write_atomic
+from megajax.model_config import ARCHITECTURE
 from megajax.models.registry import ModelDef, abstract_model
 from megajax.runs.checkpoint import Checkpoints
 from megajax.runs.workdir import CONFIG_FILE, load_workdir
@@ -43,10 +45,24 @@ WEIGHTS = "model.safetensors"
 class ExportNote(UserWarning):
     """What an export could not carry over (a tokenizer with no Hugging Face file): warned to a
     Python caller, printed by megajax-convert with its other notes."""
+
+
 INDEX = "model.safetensors.index.json"
 # Model fields the HF config decides: a --set of one of them would contradict the weights.
-FROM_HF = ("kind", "task", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len",
-           "vocab_size", "ln_placement", "ln_eps", "gelu", *ARCHITECTURE)
+FROM_HF = (
+    "kind",
+    "task",
+    "num_layers",
+    "hidden",
+    "num_heads",
+    "ffn_hidden",
+    "seq_len",
+    "vocab_size",
+    "ln_placement",
+    "ln_eps",
+    "gelu",
+    *ARCHITECTURE,
+)
 
 
 def _read_json(path: Path) -> dict:
@@ -68,8 +84,10 @@ def read_tensors(hf_dir: Path) -> dict:
     elif any((hf_dir / n).is_file() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         raise UserError(
             f"{hf_dir} has PyTorch weights (pytorch_model.bin) but no {WEIGHTS}: convert them once "
-            f"where transformers is installed: AutoModelForPreTraining.from_pretrained(DIR)"
-            f".save_pretrained(DIR, safe_serialization=True)")
+            "where transformers is installed: "
+            "AutoModelForPreTraining.from_pretrained(DIR).save_pretrained(DIR, "
+            "safe_serialization=True)"
+        )
     else:
         raise UserError(f"no {WEIGHTS} in {hf_dir}")
     tensors = {}
@@ -90,8 +108,9 @@ def hf_run_config(hf_dir: Path, overrides: list[str] | None = None) -> tuple[str
     # Rotary positions leave the training length free: --set model.seq_len=N picks it.
     rotary = hf_config.ARCHITECTURES[hf_config.architecture(hf)][0] in hf_decoders.MODEL_TYPES
     base = import_base(overrides, str(hf_dir / "config.json"), free=("seq_len",) if rotary else ())
-    seq_len_given = any(item.split("=", 1)[0].strip() == "model.seq_len" for item in overrides
-                        or [])
+    seq_len_given = any(
+        item.split("=", 1)[0].strip() == "model.seq_len" for item in overrides or []
+    )
     model_type, model = hf_config.model_config(hf, base.model, seq_len_given)
     cfg = dataclasses.replace(base, model=model, name=hf_dir.resolve().name)
     return model_type, cfg.validate()
@@ -102,8 +121,11 @@ def import_base(overrides: list[str] | None, source: str, free: tuple[str, ...] 
     model fields it leaves open)."""
     for item in overrides or []:
         key = item.split("=", 1)[0].strip()
-        if key.startswith("model.") and key.removeprefix("model.") in FROM_HF and key.removeprefix(
-            "model.") not in free:
+        if (
+            key.startswith("model.")
+            and key.removeprefix("model.") in FROM_HF
+            and key.removeprefix("model.") not in free
+        ):
             raise ConfigError(f"{key} comes from {source} and cannot be set on import")
     return apply_overrides(Config(), overrides)
 
@@ -120,11 +142,13 @@ def import_hf(hf_dir, workdir, overrides: list[str] | None = None) -> Config:
         if tokenizer.vocab_size > cfg.model.vocab_size:
             raise UserError(
                 f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
-                f"{cfg.model.vocab_size} rows")
+                f"{cfg.model.vocab_size} rows"
+            )
         tokenizer.save(tmp)
         copy_tokenizer_extras(hf_dir, tmp, tokenizer)
         cfg = dataclasses.replace(
-            cfg, data=dataclasses.replace(cfg.data, tokenizer=workdir_spec(tokenizer, workdir)))
+            cfg, data=dataclasses.replace(cfg.data, tokenizer=workdir_spec(tokenizer, workdir))
+        )
         cfg.save(tmp / CONFIG_FILE)
         save_step0(tmp, cfg, params, source=str(hf_dir))
     return cfg
@@ -152,8 +176,10 @@ def check_shapes(params: dict, cfg: Config):
     want = ModelDef(abstract_model(cfg.model)).abstract_params()
     got = jax.tree.map(lambda x: x.shape, params)
     if jax.tree.map(lambda x: x.shape, want) != got:
-        raise UserError("the converted weights do not have the model's shapes (a config.json that "
-                        "contradicts model.safetensors)")
+        raise UserError(
+            "the converted weights do not have the model's shapes (a config.json that contradicts "
+            "model.safetensors)"
+        )
 
 
 def save_step0(workdir: Path, cfg: Config, params: dict, source: str):
@@ -162,8 +188,9 @@ def save_step0(workdir: Path, cfg: Config, params: dict, source: str):
         params = jax.tree.map(jax.numpy.asarray, params)
         opt_state = make_optimizer(cfg).init(params)
         ckpts = Checkpoints(workdir, async_save=False)
-        failure = ckpts.save(0, params, opt_state,
-                             {"step": 0, "config": cfg.name, "imported_from": source})
+        failure = ckpts.save(
+            0, params, opt_state, {"step": 0, "config": cfg.name, "imported_from": source}
+        )
         ckpts.close()
     if failure is not None:
         raise UserError(f"could not write the checkpoint: {failure[1]}")
@@ -174,11 +201,11 @@ def export_hf(workdir, out_dir, step: int | None = None) -> list[str]:
     loaded = load_workdir(Path(workdir), single_device_mesh(), step)
     if loaded.cfg.model.lora_rank:
         raise UserError(
-            f"{workdir} holds LoRA adapters on its base model: export them with --adapter "
-            f"(PEFT's format), or fold them into the base with megajax-convert merge")
+            f"{workdir} holds LoRA adapters on its base model: export them with --adapter (PEFT's "
+            "format), or fold them into the base with megajax-convert merge"
+        )
     params = jax.tree.map(np.asarray, ModelDef(loaded.model).params(loaded.model))
-    notes = write_hf_model(Path(workdir), Path(out_dir), loaded.cfg.model, params,
-                           loaded.tokenizer)
+    notes = write_hf_model(Path(workdir), Path(out_dir), loaded.cfg.model, params, loaded.tokenizer)
     arch = hf_config.hf_config(loaded.cfg.model)["architectures"][0]
     return [f"step {loaded.step} of {workdir} written to {out_dir} as {arch}", *notes]
 
@@ -188,7 +215,7 @@ def write_hf_model(workdir: Path, out_dir: Path, model_cfg, params: dict, tokeni
     directory, which appears whole or not at all; returns notes for the user."""
     config = hf_config.hf_config(model_cfg)
     eos, bos = tokenizer.eos_id, getattr(tokenizer, "bos_id", None)
-    if model_cfg.kind == "gpt" and eos is not None:   # GPT-2's <|endoftext|> opens and ends
+    if model_cfg.kind == "gpt" and eos is not None:  # GPT-2's <|endoftext|> opens and ends
         config.update(bos_token_id=eos if bos is None else bos, eos_token_id=eos)
     tensors = hf_weights.to_hf_tensors(config["model_type"], params, model_cfg)
     notes = []

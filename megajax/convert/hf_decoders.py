@@ -10,12 +10,16 @@ Qwen2 whose sliding window covers some layers only (max_window_layers), biases L
 switch on (attention_bias, mlp_bias), another activation. A sliding window over every layer
 (Mistral's `sliding_window`, Qwen2's `use_sliding_window`) is model.sliding_window.
 """
+
 from __future__ import annotations
 
 from megajax.errors import UserError
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
 MODEL_TYPES = set(ARCHITECTURES.values())
 # string / bool fields
 WORDS = ("norm", "positions", "rope_scaling", "mlp", "bias", "tie_embeddings")
@@ -38,12 +42,18 @@ def _rope(hf: dict) -> dict:
     if kind == "linear":
         return dict(fields, rope_scaling="linear", rope_factor=float(params["factor"]))
     if kind == "llama3":
-        return dict(fields, rope_scaling="llama3", rope_factor=float(params["factor"]),
-                    rope_low_freq_factor=float(params["low_freq_factor"]),
-                    rope_high_freq_factor=float(params["high_freq_factor"]),
-                    rope_original_context=int(params["original_max_position_embeddings"]))
-    raise UserError(f"config.json has rope scaling '{kind}', which megajax does not implement "
-                    f"(it has default, linear and llama3)")
+        return dict(
+            fields,
+            rope_scaling="llama3",
+            rope_factor=float(params["factor"]),
+            rope_low_freq_factor=float(params["low_freq_factor"]),
+            rope_high_freq_factor=float(params["high_freq_factor"]),
+            rope_original_context=int(params["original_max_position_embeddings"]),
+        )
+    raise UserError(
+        f"config.json has rope scaling '{kind}', which megajax does not implement (it has default, "
+        "linear and llama3)"
+    )
 
 
 def _window(model_type: str, hf: dict) -> int:
@@ -55,14 +65,20 @@ def _window(model_type: str, hf: dict) -> int:
         return 0
     layers = hf["num_hidden_layers"]
     types = hf.get("layer_types") or (
-        ["sliding_attention" if i >= hf.get("max_window_layers", 0) else "full_attention"
-         for i in range(layers)] if model_type == "qwen2" else ["sliding_attention"] * layers)
+        [
+            "sliding_attention" if i >= hf.get("max_window_layers", 0) else "full_attention"
+            for i in range(layers)
+        ]
+        if model_type == "qwen2"
+        else ["sliding_attention"] * layers
+    )
     if len(set(types)) > 1:
         sliding = types.count("sliding_attention")
         raise UserError(
             f"config.json slides its window (sliding_window = {window}) over {sliding} of its "
             f"{layers} layers (max_window_layers / layer_types): megajax slides it over every "
-            f"layer or none")
+            "layer or none"
+        )
     return int(window) if types and types[0] == "sliding_attention" else 0
 
 
@@ -71,41 +87,56 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
     for, or None for the default)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(
-            f"config.json has hidden_act = {hf['hidden_act']!r}: megajax's SwiGLU uses silu")
+            f"config.json has hidden_act = {hf['hidden_act']!r}: megajax's SwiGLU uses silu"
+        )
     for option in ("attention_bias", "mlp_bias"):
         if model_type == "llama" and hf.get(option):
             raise UserError(
                 f"config.json has {option} = true: biases on Llama's output projection or MLP, "
-                f"which megajax's bias patterns (all, none, qkv) do not include")
+                "which megajax's bias patterns (all, none, qkv) do not include"
+            )
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     context = hf["max_position_embeddings"]
     head_dim = hf.get("head_dim") or hidden // heads
-    return dict(num_layers=hf["num_hidden_layers"], hidden=hidden, num_heads=heads,
-                num_kv_heads=hf.get("num_key_value_heads") or heads,
-                kv_channels=0 if head_dim * heads == hidden else head_dim,
-                ffn_hidden=hf["intermediate_size"], max_positions=context,
-                seq_len=seq_len or min(context, DEFAULT_SEQ_LEN),
-                ln_eps=hf.get("rms_norm_eps", 1e-6),
-                norm="rmsnorm", positions="rope", mlp="swiglu",
-                sliding_window=_window(model_type, hf),
-                bias="qkv" if model_type == "qwen2" else "none",
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), hidden_dropout=0.0,
-                attention_dropout=hf.get("attention_dropout", 0.0), **_rope(hf))
+    return dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        kv_channels=0 if head_dim * heads == hidden else head_dim,
+        ffn_hidden=hf["intermediate_size"],
+        max_positions=context,
+        seq_len=seq_len or min(context, DEFAULT_SEQ_LEN),
+        ln_eps=hf.get("rms_norm_eps", 1e-6),
+        norm="rmsnorm",
+        positions="rope",
+        mlp="swiglu",
+        sliding_window=_window(model_type, hf),
+        bias="qkv" if model_type == "qwen2" else "none",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        hidden_dropout=0.0,
+        attention_dropout=hf.get("attention_dropout", 0.0),
+        **_rope(hf),
+    )
 
 
 def export_architecture(cfg) -> str | None:
     """The HF decoder a megajax GPT with these fields is written as, None for a GPT-2, or a
     UserError for a mixture no HF architecture has."""
     llama_like = (cfg.norm, cfg.positions, cfg.mlp) == ("rmsnorm", "rope", "swiglu")
-    if (cfg.norm, cfg.positions, cfg.mlp, cfg.bias, cfg.tie_embeddings) == ("layernorm", "learned",
-                                                                            "gelu", "all", True) \
-            and cfg.kv_heads == cfg.num_heads and not cfg.kv_channels:
+    if (
+        (cfg.norm, cfg.positions, cfg.mlp, cfg.bias, cfg.tie_embeddings)
+        == ("layernorm", "learned", "gelu", "all", True)
+        and cfg.kv_heads == cfg.num_heads
+        and not cfg.kv_channels
+    ):
         return None
     if not llama_like or cfg.bias == "all" or cfg.ln_placement != "pre":
         raise UserError(
             f"no Hugging Face architecture has this model's mixture (norm {cfg.norm}, positions "
             f"{cfg.positions}, mlp {cfg.mlp}, bias {cfg.bias}, {cfg.ln_placement}-norm): GPT-2 is "
-            f"layernorm + learned + gelu with all biases, Llama/Qwen2 rmsnorm + rope + swiglu")
+            "layernorm + learned + gelu with all biases, Llama/Qwen2 rmsnorm + rope + swiglu"
+        )
     if cfg.bias == "qkv":
         return "Qwen2ForCausalLM"
     # Llama has no sliding window; Mistral is Llama with one
@@ -117,21 +148,47 @@ def hf_config(arch: str, model_type: str, cfg) -> dict:
     if cfg.rope_scaling == "linear":
         rope.update(rope_type="linear", factor=cfg.rope_factor)
     elif cfg.rope_scaling == "llama3":
-        rope.update(rope_type="llama3", factor=cfg.rope_factor,
-                    low_freq_factor=cfg.rope_low_freq_factor,
-                    high_freq_factor=cfg.rope_high_freq_factor,
-                    original_max_position_embeddings=cfg.rope_original_context)
-    scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items()
-                                                           if k != "rope_theta"}
-    return dict(architectures=[arch], model_type=model_type, vocab_size=cfg.vocab_size,
-                hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.num_layers,
-                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
-                head_dim=cfg.head_dim,
-                max_position_embeddings=cfg.context, rms_norm_eps=cfg.ln_eps, hidden_act="silu",
-                initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
-                attention_dropout=cfg.attention_dropout, rope_theta=cfg.rope_theta,
-                rope_scaling=scaling, rope_parameters=rope, torch_dtype="float32",
-                **({"use_sliding_window": bool(cfg.sliding_window), "max_window_layers": 0,
-                    "sliding_window": cfg.sliding_window or None} if model_type == "qwen2"
-                   else {"sliding_window": cfg.sliding_window or None} if model_type == "mistral"
-                   else {"attention_bias": False, "mlp_bias": False}))
+        rope.update(
+            rope_type="llama3",
+            factor=cfg.rope_factor,
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_context,
+        )
+    scaling = (
+        None
+        if rope["rope_type"] == "default"
+        else {k: v for k, v in rope.items() if k != "rope_theta"}
+    )
+    return dict(
+        architectures=[arch],
+        model_type=model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context,
+        rms_norm_eps=cfg.ln_eps,
+        hidden_act="silu",
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_dropout=cfg.attention_dropout,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=scaling,
+        rope_parameters=rope,
+        torch_dtype="float32",
+        **(
+            {
+                "use_sliding_window": bool(cfg.sliding_window),
+                "max_window_layers": 0,
+                "sliding_window": cfg.sliding_window or None,
+            }
+            if model_type == "qwen2"
+            else {"sliding_window": cfg.sliding_window or None}
+            if model_type == "mistral"
+            else {"attention_bias": False, "mlp_bias": False}
+        ),
+    )

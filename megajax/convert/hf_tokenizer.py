@@ -5,6 +5,7 @@ BPE, rebuilt with the `tokenizers` package) or BERT's `vocab.txt` (WordPiece, lo
 unless tokenizer_config.json says otherwise). Out: `tokenizer.json`, or `vocab.txt` with its
 tokenizer_config.json; a bytes / chars / tiktoken tokenizer has no HF file and is reported.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,8 @@ def _byte_level_bpe(vocab: Path, merges: Path, out: Path) -> HFTokenizer:
         tok = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
     except Exception as e:  # noqa: BLE001  (the tokenizers package raises its own Exception)
         raise UserError(
-            f"{vocab} / {merges} are not a BPE vocabulary ({first_line(e, 120)})") from None
+            f"{vocab} / {merges} are not a BPE vocabulary ({first_line(e, 120)})"
+        ) from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(out))
@@ -58,14 +60,18 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> str | None:
     """The HF files for a megajax tokenizer; a note when it has none."""
     if isinstance(tokenizer, WordPieceTokenizer):
         write_atomic(out / "vocab.txt", "\n".join(tokenizer.vocab) + "\n")
-        write_atomic(out / "tokenizer_config.json", json.dumps(
-            {"tokenizer_class": "BertTokenizer", "do_lower_case": tokenizer.lowercase}, indent=1)
-            + "\n")
+        write_atomic(
+            out / "tokenizer_config.json",
+            json.dumps(
+                {"tokenizer_class": "BertTokenizer", "do_lower_case": tokenizer.lowercase}, indent=1
+            )
+            + "\n",
+        )
         return None
     if isinstance(tokenizer, HFTokenizer):
         shutil.copyfile(tokenizer.path, out / "tokenizer.json")
         return None
     return (
         f"the '{tokenizer.kind}' tokenizer has no Hugging Face file: the model is written without "
-        f"one "
-        f"(load a tokenizer for it separately)")
+        "one (load a tokenizer for it separately)"
+    )

@@ -15,6 +15,7 @@ A tied output layer is the input embedding: an HF file that carries its own copy
 (lm_head.weight, cls.predictions.decoder.weight) must hold the same values. Llama's
 rotary layout (rotate_half) is megajax's, so q and k need no permutation.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,15 +32,16 @@ LAYER = "layer."
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    hf: tuple[str, ...]   # one HF name, or three (q, k, v) for BERT's separate projections
-    ours: str             # dotted megajax path; "layer.*" per layer
+    hf: tuple[str, ...]  # one HF name, or three (q, k, v) for BERT's separate projections
+    ours: str  # dotted megajax path; "layer.*" per layer
     # as_is | linear | vocab_rows | qkv_fused | qkv_linear | qkv_bias | kv_linear | kv_bias
     form: str = "as_is"
 
 
 def _rules(*rows) -> list[Rule]:
-    return [Rule((hf,) if isinstance(hf, str) else tuple(hf), ours, *form)
-            for hf, ours, *form in rows]
+    return [
+        Rule((hf,) if isinstance(hf, str) else tuple(hf), ours, *form) for hf, ours, *form in rows
+    ]
 
 
 def _norm(hf: str, ours: str, scale="weight", shift="bias"):
@@ -51,72 +53,109 @@ def _dense(hf: str, ours: str, form="linear"):
 
 
 GPT2 = _rules(
-    ("wte.weight", "embed.table", "vocab_rows"), ("wpe.weight", "pos"), *_norm("ln_f", "ln_f"),
-    *_norm("h.{i}.ln_1", "layer.ln1"), *_norm("h.{i}.ln_2", "layer.ln2"),
+    ("wte.weight", "embed.table", "vocab_rows"),
+    ("wpe.weight", "pos"),
+    *_norm("ln_f", "ln_f"),
+    *_norm("h.{i}.ln_1", "layer.ln1"),
+    *_norm("h.{i}.ln_2", "layer.ln2"),
     ("h.{i}.attn.c_attn.weight", "layer.attention.qkv.kernel", "qkv_fused"),
     ("h.{i}.attn.c_attn.bias", "layer.attention.qkv.bias", "qkv_fused"),
     *_dense("h.{i}.attn.c_proj", "layer.attention.out", "as_is"),
     *_dense("h.{i}.mlp.c_fc", "layer.mlp.fc1", "as_is"),
-    *_dense("h.{i}.mlp.c_proj", "layer.mlp.fc2", "as_is"))
+    *_dense("h.{i}.mlp.c_proj", "layer.mlp.fc2", "as_is"),
+)
 
 _ATTN = "bert.encoder.layer.{i}.attention"
-_QKV = [(tuple(f"{_ATTN}.self.{p}.weight" for p in ("query", "key", "value")),
-         "layer.attention.qkv.kernel", "qkv_linear"),
-        (tuple(f"{_ATTN}.self.{p}.bias" for p in ("query", "key", "value")),
-         "layer.attention.qkv.bias", "qkv_bias")]
+_QKV = [
+    (
+        tuple(f"{_ATTN}.self.{p}.weight" for p in ("query", "key", "value")),
+        "layer.attention.qkv.kernel",
+        "qkv_linear",
+    ),
+    (
+        tuple(f"{_ATTN}.self.{p}.bias" for p in ("query", "key", "value")),
+        "layer.attention.qkv.bias",
+        "qkv_bias",
+    ),
+]
 _BERT_COMMON = [
     ("bert.embeddings.word_embeddings.weight", "embed.table", "vocab_rows"),
     ("bert.embeddings.position_embeddings.weight", "pos"),
     ("bert.embeddings.token_type_embeddings.weight", "types"),
-    *_QKV, *_dense(f"{_ATTN}.output.dense", "layer.attention.out"),
+    *_QKV,
+    *_dense(f"{_ATTN}.output.dense", "layer.attention.out"),
     *_dense("bert.encoder.layer.{i}.intermediate.dense", "layer.mlp.fc1"),
     *_dense("bert.encoder.layer.{i}.output.dense", "layer.mlp.fc2"),
-    *_dense("bert.pooler.dense", "pooler"), *_dense("cls.predictions.transform.dense", "mlm_dense"),
+    *_dense("bert.pooler.dense", "pooler"),
+    *_dense("cls.predictions.transform.dense", "mlm_dense"),
     *_norm("cls.predictions.transform.LayerNorm", "mlm_ln"),
-    ("cls.predictions.bias", "mlm_bias", "vocab_rows"), *_dense("cls.seq_relationship", "sop")]
+    ("cls.predictions.bias", "mlm_bias", "vocab_rows"),
+    *_dense("cls.seq_relationship", "sop"),
+]
 # The original BERT: LayerNorm after the embeddings and after each residual add.
-BERT = _rules(*_BERT_COMMON, *_norm("bert.embeddings.LayerNorm", "ln_embed"),
-              *_norm(f"{_ATTN}.output.LayerNorm", "layer.ln1"),
-              *_norm("bert.encoder.layer.{i}.output.LayerNorm", "layer.ln2"))
+BERT = _rules(
+    *_BERT_COMMON,
+    *_norm("bert.embeddings.LayerNorm", "ln_embed"),
+    *_norm(f"{_ATTN}.output.LayerNorm", "layer.ln1"),
+    *_norm("bert.encoder.layer.{i}.output.LayerNorm", "layer.ln2"),
+)
 # The paper's BERT: LayerNorm at each sublayer's input and once at the end, none after the
 # embeddings.
-MEGATRON_BERT = _rules(*_BERT_COMMON, *_norm(f"{_ATTN}.ln", "layer.ln1"),
-                       *_norm("bert.encoder.layer.{i}.ln", "layer.ln2"),
-                       *_norm("bert.encoder.ln", "ln_f"))
-
+MEGATRON_BERT = _rules(
+    *_BERT_COMMON,
+    *_norm(f"{_ATTN}.ln", "layer.ln1"),
+    *_norm("bert.encoder.layer.{i}.ln", "layer.ln2"),
+    *_norm("bert.encoder.ln", "ln_f"),
+)
 
 
 def llama_rules(cfg: ModelConfig) -> list[Rule]:
     """LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM (Qwen2: q, k, v biases)."""
     attn, mlp = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
-    qkv = lambda suffix: tuple(f"{attn}.{p}_proj.{suffix}" for p in "qkv")   # noqa: E731
+    qkv = lambda suffix: tuple(f"{attn}.{p}_proj.{suffix}" for p in "qkv")  # noqa: E731
     biases = cfg.bias == "qkv"
     if cfg.kv_heads == cfg.num_heads:
         rows = [(qkv("weight"), "layer.attention.qkv.kernel", "qkv_linear")]
         rows += [(qkv("bias"), "layer.attention.qkv.bias", "qkv_bias")] * biases
     else:
-        rows = [(f"{attn}.q_proj.weight", "layer.attention.qkv.q_kernel", "linear"),
-                (qkv("weight")[1:], "layer.attention.qkv.kv_kernel", "kv_linear")]
-        rows += [(f"{attn}.q_proj.bias", "layer.attention.qkv.q_bias"),
-                 (qkv("bias")[1:], "layer.attention.qkv.kv_bias", "kv_bias")] * biases
-    rows += [("model.embed_tokens.weight", "embed.table", "vocab_rows"),
-             ("model.norm.weight", "ln_f.scale"),
-             ("model.layers.{i}.input_layernorm.weight", "layer.ln1.scale"),
-             ("model.layers.{i}.post_attention_layernorm.weight", "layer.ln2.scale"),
-             (f"{attn}.o_proj.weight", "layer.attention.out.kernel", "linear"),
-             (f"{mlp}.gate_proj.weight", "layer.mlp.fc1.gate_kernel", "linear"),
-             (f"{mlp}.up_proj.weight", "layer.mlp.fc1.up_kernel", "linear"),
-             (f"{mlp}.down_proj.weight", "layer.mlp.fc2.kernel", "linear")]
+        rows = [
+            (f"{attn}.q_proj.weight", "layer.attention.qkv.q_kernel", "linear"),
+            (qkv("weight")[1:], "layer.attention.qkv.kv_kernel", "kv_linear"),
+        ]
+        rows += [
+            (f"{attn}.q_proj.bias", "layer.attention.qkv.q_bias"),
+            (qkv("bias")[1:], "layer.attention.qkv.kv_bias", "kv_bias"),
+        ] * biases
+    rows += [
+        ("model.embed_tokens.weight", "embed.table", "vocab_rows"),
+        ("model.norm.weight", "ln_f.scale"),
+        ("model.layers.{i}.input_layernorm.weight", "layer.ln1.scale"),
+        ("model.layers.{i}.post_attention_layernorm.weight", "layer.ln2.scale"),
+        (f"{attn}.o_proj.weight", "layer.attention.out.kernel", "linear"),
+        (f"{mlp}.gate_proj.weight", "layer.mlp.fc1.gate_kernel", "linear"),
+        (f"{mlp}.up_proj.weight", "layer.mlp.fc1.up_kernel", "linear"),
+        (f"{mlp}.down_proj.weight", "layer.mlp.fc2.kernel", "linear"),
+    ]
     rows += [("lm_head.weight", "head.table", "vocab_rows")] * (not cfg.tie_embeddings)
     return _rules(*rows)
 
 
-RULES = {"gpt2": GPT2, "bert": BERT, "megatron-bert": MEGATRON_BERT,
-         "llama": llama_rules, "mistral": llama_rules, "qwen2": llama_rules}
+RULES = {
+    "gpt2": GPT2,
+    "bert": BERT,
+    "megatron-bert": MEGATRON_BERT,
+    "llama": llama_rules,
+    "mistral": llama_rules,
+    "qwen2": llama_rules,
+}
 # HF names that are another name for a tensor a rule reads (tied or duplicated): checked equal.
-ALIASES = {"gpt2": {"lm_head.weight": "wte.weight"},
-           "bert": {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
-                    "cls.predictions.decoder.bias": "cls.predictions.bias"}}
+ALIASES = {
+    "gpt2": {"lm_head.weight": "wte.weight"},
+    "bert": {
+        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    },
+}
 ALIASES["megatron-bert"] = ALIASES["bert"]
 for _arch in ("llama", "mistral", "qwen2"):
     # a tied model's copy, if saved
@@ -126,9 +165,11 @@ for _arch in ("llama", "mistral", "qwen2"):
 def rules_for(arch: str, cfg: ModelConfig) -> list[Rule]:
     rules = RULES[arch]
     return rules(cfg) if callable(rules) else rules
+
+
 # Buffers some HF files carry that are not weights.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids")
-PREFIX = {"gpt2": "transformer."}     # GPT2LMHeadModel's; a bare GPT2Model file has none
+PREFIX = {"gpt2": "transformer."}  # GPT2LMHeadModel's; a bare GPT2Model file has none
 
 
 # --- forms ------------------------------------------------------------------------------------
@@ -138,21 +179,22 @@ def finite(name: str, array: np.ndarray) -> np.ndarray:
     if not np.isfinite(array).all():
         bad = int(np.size(array) - np.isfinite(array).sum())
         raise UserError(
-            f"the checkpoint's tensor '{name}' holds {bad} non-finite value{'s' * (bad > 1)} "
-            f"(NaN or infinity) of {np.size(array)}: damaged or diverged weights, not imported")
+            f"the checkpoint's tensor '{name}' holds {bad} non-finite value{'s' * (bad > 1)} (NaN "
+            f"or infinity) of {np.size(array)}: damaged or diverged weights, not imported"
+        )
     return array
 
 
 def _interleave(*parts, heads: int):
     """(..., w) x n -> (..., w * n) with columns ordered (head, part, head_dim): q|k|v, or k|v."""
-    x = np.stack(parts, axis=-2)                                    # (..., n, w)
-    x = x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)       # (..., n, heads, d)
+    x = np.stack(parts, axis=-2)  # (..., n, w)
+    x = x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)  # (..., n, heads, d)
     return np.swapaxes(x, -3, -2).reshape(*parts[0].shape[:-1], len(parts) * parts[0].shape[-1])
 
 
 def _separate(x, heads: int, n: int = 3):
     w = x.shape[-1] // n
-    x = np.swapaxes(x.reshape(*x.shape[:-1], heads, n, w // heads), -3, -2)   # (..., n, heads, d)
+    x = np.swapaxes(x.reshape(*x.shape[:-1], heads, n, w // heads), -3, -2)  # (..., n, heads, d)
     return tuple(x[..., j, :, :].reshape(*x.shape[:-3], w) for j in range(n))
 
 
@@ -167,8 +209,9 @@ def to_ours(form: str, tensors: list, cfg: ModelConfig) -> np.ndarray:
     if form == "qkv_fused":
         return _interleave(*np.split(tensors[0], 3, axis=-1), heads=cfg.num_heads)
     if form in ("qkv_linear", "kv_linear"):
-        return _interleave(*(t.T for t in tensors),
-                           heads=cfg.num_heads if form == "qkv_linear" else cfg.kv_heads)
+        return _interleave(
+            *(t.T for t in tensors), heads=cfg.num_heads if form == "qkv_linear" else cfg.kv_heads
+        )
     # qkv_bias, kv_bias
     return _interleave(*tensors, heads=cfg.num_heads if form == "qkv_bias" else cfg.kv_heads)
 
@@ -179,13 +222,13 @@ def to_hf(form: str, x: np.ndarray, cfg: ModelConfig) -> list:
     if form == "linear":
         return [np.ascontiguousarray(x.T)]
     if form == "vocab_rows":
-        return [x[:cfg.vocab_size]]
+        return [x[: cfg.vocab_size]]
     if form == "qkv_fused":
         return [np.concatenate(_separate(x, cfg.num_heads), axis=-1)]
     heads, n = (cfg.num_heads, 3) if form.startswith("qkv") else (cfg.kv_heads, 2)
     if form in ("qkv_linear", "kv_linear"):
         return [np.ascontiguousarray(t.T) for t in _separate(x, heads, n)]
-    return [np.ascontiguousarray(t) for t in _separate(x, heads, n)]   # qkv_bias, kv_bias
+    return [np.ascontiguousarray(t) for t in _separate(x, heads, n)]  # qkv_bias, kv_bias
 
 
 # --- whole state dicts -------------------------------------------------------------------------
@@ -207,47 +250,55 @@ def _strip_prefix(tensors: dict, arch: str) -> tuple[dict, str]:
 
 def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
     """An HF state dict (name -> array) as a megajax params dict for `cfg` (scanned or not)."""
-    tensors, prefix = _strip_prefix(tensors, arch)   # messages name tensors as the file does
+    tensors, prefix = _strip_prefix(tensors, arch)  # messages name tensors as the file does
     flat, per_layer, used = {}, [{} for _ in range(cfg.num_layers)], set()
-    sources = [{} for _ in range(cfg.num_layers)]   # per layer: name -> [(HF tensor, shape)]
+    sources = [{} for _ in range(cfg.num_layers)]  # per layer: name -> [(HF tensor, shape)]
     todo = [(rule, e) for rule in rules_for(arch, cfg) for e in _expand(rule, cfg.num_layers)]
-    shown = Progress(unit="tensor")      # a bar on a terminal: a 70B model converts for minutes
+    shown = Progress(unit="tensor")  # a bar on a terminal: a 70B model converts for minutes
     for done, (rule, (names, ours, i)) in enumerate(todo):
         shown.advance(done, len(todo))
         missing = [n for n in names if n not in tensors]
         if missing:
-            raise UserError(f"the checkpoint has no tensor '{missing[0]}' (a {arch} model with "
-                            f"{cfg.num_layers} layers needs it)")
+            raise UserError(
+                f"the checkpoint has no tensor '{missing[0]}' (a {arch} model with "
+                f"{cfg.num_layers} layers needs it)"
+            )
         arrays = [finite(n, np.asarray(tensors[n], np.float32)) for n in names]
         if rule.form == "vocab_rows" and arrays[0].shape[0] != cfg.vocab_size:
             raise UserError(
                 f"'{names[0]}' has {arrays[0].shape[0]} rows but config.json's vocab_size is "
-                f"{cfg.vocab_size}")
+                f"{cfg.vocab_size}"
+            )
         try:
             value = to_ours(rule.form, arrays, cfg)
         except ValueError:
             raise UserError(
-                f"'{names[0]}' has shape {arrays[0].shape}, which config.json's sizes "
-                f"do not give") from None
+                f"'{names[0]}' has shape {arrays[0].shape}, which config.json's sizes do not give"
+            ) from None
         (flat if i is None else per_layer[i])[ours.removeprefix(LAYER)] = value
         if i is not None:
-            sources[i][ours.removeprefix(LAYER)] = [(prefix + n, a.shape)
-                                                    for n, a in zip(names, arrays)]
+            sources[i][ours.removeprefix(LAYER)] = [
+                (prefix + n, a.shape) for n, a in zip(names, arrays)
+            ]
         used.update(names)
     shown.close()
     _refuse_odd_layers(per_layer, sources)
     for alias, target in ALIASES[arch].items():
         if alias in tensors and alias not in used:
-            if not np.array_equal(np.asarray(tensors[alias], np.float32),
-                                  np.asarray(tensors[target], np.float32)):
+            if not np.array_equal(
+                np.asarray(tensors[alias], np.float32), np.asarray(tensors[target], np.float32)
+            ):
                 raise UserError(
                     f"'{alias}' differs from '{target}': megajax ties the output layer to the "
-                    f"input embedding, and this checkpoint does not")
+                    "input embedding, and this checkpoint does not"
+                )
             used.add(alias)
     extra = sorted(k for k in tensors if k not in used and not k.endswith(IGNORED_SUFFIXES))
     if extra:
-        raise UserError(f"the checkpoint has tensors a {arch} pretraining model does not: "
-                        f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}")
+        raise UserError(
+            f"the checkpoint has tensors a {arch} pretraining model does not: "
+            f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}"
+        )
     return nest(flat, per_layer, cfg.scan_layers)
 
 
@@ -261,9 +312,12 @@ def _refuse_odd_layers(per_layer: list[dict], sources: list[dict]):
         if odd is not None:
             pairs = list(zip(sources[odd][name], sources[shapes.index(usual)][name]))
             (tensor, shape), (other, expected) = next(
-                ((a, b) for a, b in pairs if a[1] != b[1]), pairs[0])
-            raise UserError(f"'{tensor}' has shape {shape}, where '{other}' has {expected}: "
-                            f"the layers of a checkpoint have the same shapes")
+                ((a, b) for a, b in pairs if a[1] != b[1]), pairs[0]
+            )
+            raise UserError(
+                f"'{tensor}' has shape {shape}, where '{other}' has {expected}: the layers of a "
+                "checkpoint have the same shapes"
+            )
 
 
 def to_hf_tensors(arch: str, params: dict, cfg: ModelConfig) -> dict:

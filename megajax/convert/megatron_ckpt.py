@@ -26,6 +26,7 @@ scaling, `use_rope_scaling`, or linear interpolation), SwiGLU (each rank's fc1 r
 slice of the gate, then its slice of up), grouped-query attention (the QKV rows of each query
 group: its query heads, then one key and one value head) and an untied output layer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,8 @@ import numpy as np
 
 from megajax.config import Config, ModelConfig
 from megajax.convert import hf_weights, torch_pickle
-from megajax.convert.megatron_args import model_config
 from megajax.convert.hf import check_shapes, import_base, save_step0, workdir_spec
+from megajax.convert.megatron_args import model_config
 from megajax.data.tokenizer import fixed_tokenizer
 from megajax.errors import UserError
 from megajax.files import staged_directory
@@ -46,19 +47,27 @@ from megajax.runs.workdir import CONFIG_FILE
 
 FILE = "model_optim_rng.pt"
 # megajax name <- the suffix after "layers.N." in each naming: (megatron-core, earlier)
-LAYER_NAMES = {"ln1": ("input_layernorm", "input_layernorm"),
-               "attention.qkv": ("self_attention.linear_qkv", "self_attention.query_key_value"),
-               "attention.out": ("self_attention.linear_proj", "self_attention.dense"),
-               "ln2": ("pre_mlp_layernorm", "post_attention_layernorm"),
-               "mlp.fc1": ("mlp.linear_fc1", "mlp.dense_h_to_4h"),
-               "mlp.fc2": ("mlp.linear_fc2", "mlp.dense_4h_to_h")}
+LAYER_NAMES = {
+    "ln1": ("input_layernorm", "input_layernorm"),
+    "attention.qkv": ("self_attention.linear_qkv", "self_attention.query_key_value"),
+    "attention.out": ("self_attention.linear_proj", "self_attention.dense"),
+    "ln2": ("pre_mlp_layernorm", "post_attention_layernorm"),
+    "mlp.fc1": ("mlp.linear_fc1", "mlp.dense_h_to_4h"),
+    "mlp.fc2": ("mlp.linear_fc2", "mlp.dense_4h_to_h"),
+}
 # megatron-core with Transformer Engine fuses each LayerNorm into the linear layer after it.
 TE_NORMS = {"ln1": "self_attention.linear_qkv.layer_norm_", "ln2": "mlp.linear_fc1.layer_norm_"}
-TOP_NAMES = {"embed.table": ("embedding.word_embeddings.weight",
-                             "language_model.embedding.word_embeddings.weight"),
-             "pos": ("embedding.position_embeddings.weight",
-                     "language_model.embedding.position_embeddings.weight"),
-             "ln_f": ("decoder.final_layernorm", "language_model.encoder.final_layernorm")}
+TOP_NAMES = {
+    "embed.table": (
+        "embedding.word_embeddings.weight",
+        "language_model.embedding.word_embeddings.weight",
+    ),
+    "pos": (
+        "embedding.position_embeddings.weight",
+        "language_model.embedding.position_embeddings.weight",
+    ),
+    "ln_f": ("decoder.final_layernorm", "language_model.encoder.final_layernorm"),
+}
 COLUMN, ROW = ("attention.qkv", "mlp.fc1"), ("attention.out", "mlp.fc2")
 
 
@@ -76,28 +85,35 @@ def rank_files(directory: Path) -> tuple[list[list[Path]], str]:
     tracker = directory / "latest_checkpointed_iteration.txt"
     if tracker.is_file():
         it = tracker.read_text().strip()
-        directory = directory / ("release" if it == "release" else f"iter_{int(it):07d}"
-                                 if it.isdigit() else it)
+        directory = directory / (
+            "release" if it == "release" else f"iter_{int(it):07d}" if it.isdigit() else it
+        )
     found = {}
     for path in directory.glob(f"mp_rank_*/{FILE}"):
         match = RANK_DIR.fullmatch(path.parent.name)
         if match is None:
             raise UserError(
                 f"{path.parent} is an expert-parallel rank (mp_rank_TT_PPP_EEE): megajax reads "
-                f"dense GPTs")
+                "dense GPTs"
+            )
         found[int(match.group(1)), int(match.group(2) or 0)] = path
     if not found:
         if any(directory.glob("*.distcp")) or (directory / "metadata.json").is_file():
             raise UserError(
                 f"{directory} is a torch_dist (distributed) checkpoint; megajax reads "
-                f"Megatron-LM's torch "
-                f"format: convert it with Megatron-LM's --ckpt-convert-format torch")
+                "Megatron-LM's torch format: convert it with Megatron-LM's --ckpt-convert-format "
+                "torch"
+            )
         raise UserError(
-            f"no mp_rank_*/{FILE} in {directory}: not a Megatron-LM checkpoint directory")
+            f"no mp_rank_*/{FILE} in {directory}: not a Megatron-LM checkpoint directory"
+        )
     tp, pp = (max(k[i] for k in found) + 1 for i in (0, 1))
-    missing = [f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") for t in range(tp)
-               for s in range(pp)
-               if (t, s) not in found]
+    missing = [
+        f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "")
+        for t in range(tp)
+        for s in range(pp)
+        if (t, s) not in found
+    ]
     if missing:
         raise UserError(f"{directory} lacks {', '.join(missing[:3])}: an incomplete checkpoint")
     return [[found[t, s] for s in range(pp)] for t in range(tp)], directory.name
@@ -114,12 +130,17 @@ def read_ranks(ranks: list[list[Path]]) -> tuple[dict, float, list[dict]]:
             if isinstance(ckpt, dict) and "model0" in ckpt:
                 raise UserError(
                     f"{f} holds interleaved (virtual) pipeline stages: megajax reads one model per "
-                    f"stage")
-            if not (isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict)
-                    and isinstance(ckpt.get("args"), argparse.Namespace)):
+                    "stage"
+                )
+            if not (
+                isinstance(ckpt, dict)
+                and isinstance(ckpt.get("model"), dict)
+                and isinstance(ckpt.get("args"), argparse.Namespace)
+            ):
                 raise UserError(
                     f"{f} is not a Megatron-LM checkpoint (no 'model' state dict and 'args' "
-                    f"Namespace)")
+                    "Namespace)"
+                )
             parts.append({k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")})
             args, version = vars(ckpt["args"]), float(ckpt.get("checkpoint_version", 0))
         shards.append(_join_stages(parts))
@@ -127,8 +148,8 @@ def read_ranks(ranks: list[list[Path]]) -> tuple[dict, float, list[dict]]:
     if (tp, pp) != (len(ranks), len(ranks[0])):
         raise UserError(
             f"the checkpoint was saved with tensor parallelism {tp} and pipeline parallelism {pp} "
-            f"but "
-            f"has {len(ranks)} x {len(ranks[0])} rank files")
+            f"but has {len(ranks)} x {len(ranks[0])} rank files"
+        )
     return args, version, shards
 
 
@@ -142,7 +163,7 @@ def _join_stages(stages: list[dict]) -> dict:
         for name, tensor in stage.items():
             if match := LAYER_KEY.match(name):
                 count = max(count, int(match.group(2)) + 1)
-                name = f"{match.group(1)}{offset + int(match.group(2))}.{name[match.end():]}"
+                name = f"{match.group(1)}{offset + int(match.group(2))}.{name[match.end() :]}"
             joined[name] = tensor
         offset += count
     return joined
@@ -154,8 +175,9 @@ def _normalized(shard: dict) -> dict:
     out = {}
     for k, v in shard.items():
         if k.startswith("language_model."):
-            k = k.replace("language_model.transformer.",
-                          "language_model.encoder.").replace(".attention.", ".self_attention.")
+            k = k.replace("language_model.transformer.", "language_model.encoder.").replace(
+                ".attention.", ".self_attention."
+            )
         out[k] = v
     return out
 
@@ -166,10 +188,15 @@ def _naming(shard: dict) -> int:
     if any(k.startswith("language_model.encoder.layers.") for k in shard):
         return 1
     bert = any(k.startswith(("lm_head.", "binary_head.")) for k in shard)
-    raise UserError("the checkpoint's model is "
-                    + ("a BERT: megajax imports Megatron-LM GPT checkpoints (BERT ones "
-                    "through Hugging Face's MegatronBertForPreTraining)" if bert
-                    else "not a Megatron-LM GPT"))
+    raise UserError(
+        "the checkpoint's model is "
+        + (
+            "a BERT: megajax imports Megatron-LM GPT checkpoints (BERT ones through Hugging "
+            "Face's MegatronBertForPreTraining)"
+            if bert
+            else "not a Megatron-LM GPT"
+        )
+    )
 
 
 class _Shards:
@@ -199,7 +226,8 @@ class _Shards:
         arrays = self._arrays(name)
         if any(not np.array_equal(a, arrays[0]) for a in arrays[1:]):
             raise UserError(
-                f"'{name}' differs between the tensor-parallel ranks: the checkpoint is damaged")
+                f"'{name}' differs between the tensor-parallel ranks: the checkpoint is damaged"
+            )
         return arrays[0]
 
     def joined(self, name: str, axis: int, qkv: bool = False) -> np.ndarray:
@@ -229,30 +257,40 @@ def to_params(shards: list[dict], version: float, cfg: ModelConfig) -> tuple[dic
     if table.shape[0] < cfg.vocab_size:
         raise UserError(
             f"the tokenizer has {cfg.vocab_size} tokens but the checkpoint's embedding only "
-            f"{table.shape[0]} rows")
+            f"{table.shape[0]} rows"
+        )
     pad = np.zeros((cfg.padded_vocab - cfg.vocab_size, table.shape[1]), np.float32)
-    flat = {"embed.table": np.concatenate([table[:cfg.vocab_size], pad]),
-            "ln_f.scale": s.same(f"{top['ln_f']}.weight")}
+    flat = {
+        "embed.table": np.concatenate([table[: cfg.vocab_size], pad]),
+        "ln_f.scale": s.same(f"{top['ln_f']}.weight"),
+    }
     if cfg.positions == "learned":
         flat["pos"] = s.same(top["pos"])
     if cfg.norm == "layernorm":
         flat["ln_f.bias"] = s.same(f"{top['ln_f']}.bias")
-    outputs = ("output_layer.weight", "language_model.output_layer.weight",
-               "word_embeddings_for_head.weight")
+    outputs = (
+        "output_layer.weight",
+        "language_model.output_layer.weight",
+        "word_embeddings_for_head.weight",
+    )
     if not cfg.tie_embeddings:
         name = next((o for o in outputs if s.has(o)), outputs[0])
-        flat["head.table"] = np.concatenate([s.joined(name, 0)[:cfg.vocab_size], pad])
+        flat["head.table"] = np.concatenate([s.joined(name, 0)[: cfg.vocab_size], pad])
     # A tied run's output layer copy of the embedding, where it keeps one (the last pipeline
     # stage's).
     for output in outputs if cfg.tie_embeddings else ():
-        if s.has(output) and not np.array_equal(s.joined(output, 0)[:cfg.vocab_size],
-                                                table[:cfg.vocab_size]):
+        if s.has(output) and not np.array_equal(
+            s.joined(output, 0)[: cfg.vocab_size], table[: cfg.vocab_size]
+        ):
             raise UserError(
-                f"'{output}' differs from the input embedding, and the run's arguments tie them")
+                f"'{output}' differs from the input embedding, and the run's arguments tie them"
+            )
     layers = [_layer(s, prefix.format(i=i), naming, cfg) for i in range(cfg.num_layers)]
     if extra := s.unused():
-        raise UserError(f"the checkpoint has tensors megajax's GPT does not: {', '.join(extra[:4])}"
-                        f"{' ...' if len(extra) > 4 else ''}")
+        raise UserError(
+            "the checkpoint has tensors megajax's GPT does not: "
+            f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}"
+        )
     return flat, layers
 
 
@@ -261,7 +299,7 @@ def _layer(s: _Shards, prefix: str, naming: int, cfg: ModelConfig) -> dict:
     for ours in ("ln1", "ln2"):
         norm = prefix + LAYER_NAMES[ours][naming] + "."
         if not s.has(norm + "weight") and s.has(prefix + TE_NORMS[ours] + "weight"):
-            norm = prefix + TE_NORMS[ours]          # Transformer Engine's fused LayerNorm
+            norm = prefix + TE_NORMS[ours]  # Transformer Engine's fused LayerNorm
         out[f"{ours}.scale"] = s.same(norm + "weight")
         if cfg.norm == "layernorm":
             out[f"{ours}.bias"] = s.same(norm + "bias")
@@ -273,8 +311,13 @@ def _layer(s: _Shards, prefix: str, naming: int, cfg: ModelConfig) -> dict:
             out.update(_gated(s, name, biased))
             continue
         kernel = s.joined(f"{name}.weight", 0 if column else 1, qkv)
-        bias = None if not biased else s.joined(f"{name}.bias", 0,
-                                                qkv) if column else s.same(f"{name}.bias")
+        bias = (
+            None
+            if not biased
+            else s.joined(f"{name}.bias", 0, qkv)
+            if column
+            else s.same(f"{name}.bias")
+        )
         if qkv and cfg.kv_heads < cfg.num_heads:
             out.update(_grouped_qkv(kernel, bias, cfg))
             continue
@@ -296,7 +339,8 @@ def _gated(s: _Shards, name: str, biased: bool) -> dict:
         halves = [np.split(a, 2, axis=0) for a in s._arrays(f"{name}.{suffix}")]
         gate, up = (np.concatenate([h[i] for h in halves], axis=0) for i in (0, 1))
         out[f"mlp.fc1.gate_{ours}"], out[f"mlp.fc1.up_{ours}"] = (
-            gate.T, up.T) if ours == "kernel" else (gate, up)
+            (gate.T, up.T) if ours == "kernel" else (gate, up)
+        )
     return out
 
 
@@ -312,33 +356,38 @@ def _grouped_qkv(kernel: np.ndarray, bias, cfg: ModelConfig) -> dict:
         rows = x.reshape(groups, per + 2, d, *x.shape[1:])
         q, kv = rows[:, :per].reshape(-1, *x.shape[1:]), rows[:, per:].reshape(-1, *x.shape[1:])
         out[f"attention.qkv.q_{ours}"], out[f"attention.qkv.kv_{ours}"] = (
-            q.T, kv.T) if ours == "kernel" else (q, kv)
+            (q.T, kv.T) if ours == "kernel" else (q, kv)
+        )
     return out
 
 
-def import_megatron(directory, workdir, tokenizer: str,
-                    overrides: list[str] | None = None) -> Config:
+def import_megatron(
+    directory, workdir, tokenizer: str, overrides: list[str] | None = None
+) -> Config:
     """Write a megajax workdir holding the newest (or given) Megatron-LM GPT checkpoint in
     `directory`, with `tokenizer` (the index records none); returns its config."""
     directory, workdir = Path(directory), Path(workdir).absolute()
     files, iteration = rank_files(directory)
     args, version, shards = read_ranks(files)
-    tok = fixed_tokenizer(None, tokenizer,
-                          f"--tokenizer {tokenizer} is built from a corpus: give the one the "
-                                           f"checkpoint was trained with (tiktoken:gpt2 for "
-                                           f"Megatron's "
-                                           f"GPT2BPETokenizer, hf:PATH, wordpiece:PATH/vocab.txt)")
+    tok = fixed_tokenizer(
+        None,
+        tokenizer,
+        f"--tokenizer {tokenizer} is built from a corpus: give the one the checkpoint was trained "
+        "with (tiktoken:gpt2 for Megatron's GPT2BPETokenizer, hf:PATH, wordpiece:PATH/vocab.txt)",
+    )
     base = import_base(overrides, "the checkpoint's arguments")
     model = model_config(args, tok.vocab_size, base.model)
-    cfg = dataclasses.replace(base, model=model,
-                              name=f"{directory.resolve().name}-{iteration}").validate()
+    cfg = dataclasses.replace(
+        base, model=model, name=f"{directory.resolve().name}-{iteration}"
+    ).validate()
     flat, layers = to_params(shards, version, model)
     params = hf_weights.nest(flat, layers, model.scan_layers)
     check_shapes(params, cfg)
     with staged_directory(workdir, "--workdir") as tmp:
         tok.save(tmp)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(
-            cfg.data, tokenizer=workdir_spec(tok, workdir, tokenizer)))
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, tokenizer=workdir_spec(tok, workdir, tokenizer))
+        )
         cfg.save(tmp / CONFIG_FILE)
         save_step0(tmp, cfg, params, source=str(files[0][0].parent.parent))
     return cfg

@@ -9,6 +9,7 @@ transposed (out, rank); a fused q|k|v kernel gives each of q_proj, k_proj and v_
 A and its own columns of B. GPT-2's Conv1D layers store (in, out), which PEFT's fan_in_fan_out
 takes as it is.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +31,7 @@ from megajax.models.registry import ModelDef
 from megajax.runs.workdir import load_workdir
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-CONV1D_FORMS = ("as_is", "qkv_fused")    # GPT-2's Conv1D: fan_in_fan_out
+CONV1D_FORMS = ("as_is", "qkv_fused")  # GPT-2's Conv1D: fan_in_fan_out
 
 
 def _adapter_names(ours: str) -> tuple[str, str] | None:
@@ -52,16 +53,16 @@ def adapter_tensors(arch: str, params: dict, cfg) -> tuple[dict, list[str], bool
         names = _adapter_names(rule.ours)
         if names is None:
             continue
-        for hf_names, ours, i in _expand(rule, cfg.num_layers):
+        for hf_names, _ours, i in _expand(rule, cfg.num_layers):
             source = flat if i is None else per_layer[i]
             a_name, b_name = (n.removeprefix(LAYER) for n in names)
             if a_name not in source:
-                continue                        # a layer model.lora_targets leaves out
+                continue  # a layer model.lora_targets leaves out
             a, bs = source[a_name], to_hf(rule.form, source[b_name], cfg)
             conv = conv or rule.form in CONV1D_FORMS
             for hf_name, b in zip(hf_names, bs):
                 module = PREFIX.get(arch, "") + hf_name.removesuffix(".weight")
-                b = b.T if rule.form in CONV1D_FORMS else b      # (out, rank) either way
+                b = b.T if rule.form in CONV1D_FORMS else b  # (out, rank) either way
                 out[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a.T)
                 out[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b)
                 modules.append(module)
@@ -73,11 +74,22 @@ def adapter_config(cfg, modules: list[str], conv: bool, base: str) -> dict:
     `self_attn.q_proj`), which PEFT matches at the end of a module's name."""
     m = cfg.model
     targets = sorted({".".join(name.split(".")[-2:]) for name in modules})
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": m.lora_rank,
-            "lora_alpha": m.lora_alpha, "lora_dropout": m.lora_dropout, "bias": "none",
-            "target_modules": targets, "fan_in_fan_out": conv, "use_rslora": False,
-            "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-            "modules_to_save": None, "base_model_name_or_path": base}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": m.lora_rank,
+        "lora_alpha": m.lora_alpha,
+        "lora_dropout": m.lora_dropout,
+        "bias": "none",
+        "target_modules": targets,
+        "fan_in_fan_out": conv,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "base_model_name_or_path": base,
+    }
 
 
 def merged(params: dict, cfg) -> tuple[dict, object]:
@@ -91,8 +103,10 @@ def merged(params: dict, cfg) -> tuple[dict, object]:
 def _loaded_adapters(workdir: Path, step):
     loaded = load_workdir(Path(workdir), single_device_mesh(), step)
     if not loaded.cfg.model.lora_rank:
-        raise UserError(f"{workdir} has no LoRA adapters (model.lora_rank is 0): export it whole "
-                        f"with megajax-convert export")
+        raise UserError(
+            f"{workdir} has no LoRA adapters (model.lora_rank is 0): export it whole with "
+            "megajax-convert export"
+        )
     params = jax.tree.map(np.asarray, ModelDef(loaded.model).params(loaded.model))
     return loaded, params
 
@@ -106,8 +120,10 @@ def export_adapter(workdir, out_dir, step: int | None = None, base: str = "") ->
     with staged_directory(Path(out_dir), "--out") as tmp:
         write_atomic(tmp / CONFIG, json.dumps(config, indent=1) + "\n")
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    return [f"step {loaded.step} of {workdir}: LoRA adapters of {len(modules)} modules written "
-            f"to {out_dir} (PEFT: PeftModel.from_pretrained(base, '{out_dir}'))"]
+    return [
+        f"step {loaded.step} of {workdir}: LoRA adapters of {len(modules)} modules written to "
+        f"{out_dir} (PEFT: PeftModel.from_pretrained(base, '{out_dir}'))"
+    ]
 
 
 def merge_export(workdir, out_dir, step: int | None = None) -> list[str]:

@@ -8,6 +8,7 @@ storage from the archive when asked (an optimizer state or RNG state is never re
 class a file names (an enum, a torch dtype, a NumPy RNG state) becomes an inert `Opaque`:
 pickle's usual hazard, a file that calls arbitrary code on load, cannot happen.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,18 @@ import numpy as np
 
 from megajax.errors import UserError
 
-STORAGES = {"FloatStorage": np.float32, "HalfStorage": np.float16,
-            "BFloat16Storage": ml_dtypes.bfloat16,
-            "DoubleStorage": np.float64, "LongStorage": np.int64, "IntStorage": np.int32,
-            "ShortStorage": np.int16,
-            "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
+STORAGES = {
+    "FloatStorage": np.float32,
+    "HalfStorage": np.float16,
+    "BFloat16Storage": ml_dtypes.bfloat16,
+    "DoubleStorage": np.float64,
+    "LongStorage": np.int64,
+    "IntStorage": np.int32,
+    "ShortStorage": np.int16,
+    "CharStorage": np.int8,
+    "ByteStorage": np.uint8,
+    "BoolStorage": np.bool_,
+}
 
 
 class Opaque:
@@ -52,8 +60,12 @@ class Tensor:
     """A tensor of the checkpoint, read from its storage by `numpy()`."""
 
     def __init__(self, storage: _Storage, offset: int, shape: tuple, stride: tuple):
-        self.storage, self.offset, self.shape, self.stride = storage, offset, tuple(shape), tuple(
-            stride)
+        self.storage, self.offset, self.shape, self.stride = (
+            storage,
+            offset,
+            tuple(shape),
+            tuple(stride),
+        )
 
     @property
     def dtype(self) -> np.dtype:
@@ -61,12 +73,14 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         flat = self.storage.archive.storage(self.storage.key, self.storage.dtype)
-        strides = _checked_strides(self.offset, self.shape, self.stride, len(flat),
-                                   self.storage.archive.path)
+        strides = _checked_strides(
+            self.offset, self.shape, self.stride, len(flat), self.storage.archive.path
+        )
         if math.prod(self.shape) == 0:
             return np.zeros(self.shape, flat.dtype)
-        view = np.lib.stride_tricks.as_strided(flat[self.offset:], self.shape,
-                                               [s * flat.itemsize for s in strides])
+        view = np.lib.stride_tricks.as_strided(
+            flat[self.offset :], self.shape, [s * flat.itemsize for s in strides]
+        )
         return np.array(view)
 
 
@@ -76,15 +90,20 @@ def _checked_strides(offset, shape, stride, length: int, path) -> list[int]:
     lowest or highest element outside the storage, or more elements than the storage holds (a
     broadcast view, which no weight is, and which would make a small file claim any size) is
     damage. Python's integers do not overflow, so the bounds are exact however large the claims."""
+
     def whole(x):
         return isinstance(x, int) and not isinstance(x, bool)
 
-    if not (whole(offset) and all(map(whole, shape)) and all(map(whole, stride))
-            and len(shape) == len(stride)):
+    if not (
+        whole(offset)
+        and all(map(whole, shape))
+        and all(map(whole, stride))
+        and len(shape) == len(stride)
+    ):
         raise UserError(
             f"{path}: a tensor with shape {shape!r}, strides {stride!r} and offset {offset!r} is "
-            f"not a "
-            f"view torch.save writes: damaged")
+            "not a view torch.save writes: damaged"
+        )
     what = f"{path}: a tensor of shape {tuple(shape)}, strides {tuple(stride)} and offset {offset}"
     if offset < 0 or min(shape, default=0) < 0 or min(stride, default=0) < 0:
         raise UserError(f"{what} has a negative offset, size or stride: damaged")
@@ -94,14 +113,14 @@ def _checked_strides(offset, shape, stride, length: int, path) -> list[int]:
     count = math.prod(shape)
     if count == 0:
         return [0] * len(shape)
-    strides = [s if n > 1 else 0 for n, s in zip(shape, stride)]   # a dimension of one never steps
+    strides = [s if n > 1 else 0 for n, s in zip(shape, stride)]  # a dimension of one never steps
     last = offset + sum((n - 1) * s for n, s in zip(shape, strides))
     if last >= length:
         raise UserError(f"{what} reaches element {last} of a storage of {length}: damaged")
     if count > length:
         raise UserError(
-            f"{what} has {count} elements over a storage of {length} (overlapping strides): "
-            f"damaged")
+            f"{what} has {count} elements over a storage of {length} (overlapping strides): damaged"
+        )
     return strides
 
 
@@ -117,11 +136,13 @@ def _rebuild_parameter(data, *_):
 
 
 class _Unpickler(pickle.Unpickler):
-    SAFE = {("collections", "OrderedDict"): collections.OrderedDict,
-            ("argparse", "Namespace"): argparse.Namespace,
-            ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-            ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-            ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter}
+    SAFE = {
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("argparse", "Namespace"): argparse.Namespace,
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    }
 
     def __init__(self, file, archive: "_Archive"):
         super().__init__(file)
@@ -141,7 +162,8 @@ class _Unpickler(pickle.Unpickler):
         if kind not in STORAGES:
             raise UserError(
                 f"{self.archive.path}: a tensor of storage type {kind!r}, which megajax does not "
-                f"read")
+                "read"
+            )
         return _Storage(self.archive, key, STORAGES[kind])
 
 
@@ -152,12 +174,14 @@ class _Archive:
         pickles = [n for n in self.zip.namelist() if n.endswith("/data.pkl")]
         if len(pickles) != 1:
             raise UserError(
-                f"{path} is a zip archive, but not one torch.save wrote (no ROOT/data.pkl)")
+                f"{path} is a zip archive, but not one torch.save wrote (no ROOT/data.pkl)"
+            )
         self.root = pickles[0].removesuffix("data.pkl")
         order = f"{self.root}byteorder"
         if order in self.zip.namelist() and self.zip.read(order).strip() != b"little":
             raise UserError(
-                f"{path} was saved on a big-endian machine, which megajax does not read")
+                f"{path} was saved on a big-endian machine, which megajax does not read"
+            )
 
     def storage(self, key: str, dtype: np.dtype) -> np.ndarray:
         if key not in self._storages:
@@ -168,9 +192,11 @@ class _Archive:
             except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as e:
                 raise UserError(
                     f"{self.path}: the storage data/{key} cannot be read ({type(e).__name__}: "
-                    f"{str(e)[:80]}): damaged") from None
-            self._storages[key] = np.frombuffer(data[:len(data) - len(data) % dtype.itemsize],
-                                                dtype)
+                    f"{str(e)[:80]}): damaged"
+                ) from None
+            self._storages[key] = np.frombuffer(
+                data[: len(data) - len(data) % dtype.itemsize], dtype
+            )
         return self._storages[key]
 
 
@@ -187,15 +213,16 @@ def _not_a_zip(path: Path) -> str:
     if head.startswith(b"PK\x03\x04"):
         return (
             f"{path} is a zip archive without its end (its directory of contents is missing): "
-            f"truncated or "
-            f"damaged, for example by a copy that did not finish")
+            "truncated or damaged, for example by a copy that did not finish"
+        )
     if head.startswith(b"\x80") and LEGACY_MAGIC in head:
         return (
             f"{path} is in torch.save's format before PyTorch 1.6 (a legacy file); load and save "
-            f"it again with "
-            f"any recent PyTorch (torch.save(torch.load(F), F))")
+            "it again with any recent PyTorch (torch.save(torch.load(F), F))"
+        )
     return (
-        f"{path} is not a PyTorch checkpoint (neither torch.save's zip format nor its legacy one)")
+        f"{path} is not a PyTorch checkpoint (neither torch.save's zip format nor its legacy one)"
+    )
 
 
 def load(path) -> object:
@@ -214,4 +241,5 @@ def load(path) -> object:
     # The unpickler runs no code: whatever it raises, the file is damaged.
     except Exception as e:  # noqa: BLE001
         raise UserError(
-            f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): damaged") from None
+            f"{path} cannot be read ({type(e).__name__}: {str(e)[:80]}): damaged"
+        ) from None

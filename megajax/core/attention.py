@@ -7,6 +7,7 @@ when it is a multiple of them each device holds the key/value head its query hea
 (replicated, as torchtitan and MaxText do), and their gradient is summed over the copies.
 Rotary positions turn each device's queries and keys (core/rope.py); no collective is added.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,11 +20,22 @@ from megajax import analytic
 from megajax.core import sharding as S
 from megajax.core.blocked_attention import blocked_attention, blocked_attention_pays
 from megajax.core.fused_attention import fused_attention_core
+from megajax.core.layers import (
+    ColumnParallelLinear,
+    FusedColumnParallelLinear,
+    RowParallelLinear,
+    dropout,
+)
 from megajax.core.lora import adapter, adapter_keys
-from megajax.core.layers import (ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear,
-                                 dropout)
-from megajax.core.ops import (attention_context, attention_scores, is_segments, masked_softmax,
-                              position_keep, same_segment, segment_positions)
+from megajax.core.ops import (
+    attention_context,
+    attention_scores,
+    is_segments,
+    masked_softmax,
+    position_keep,
+    same_segment,
+    segment_positions,
+)
 from megajax.core.precision import Precision
 from megajax.core.rope import apply_rotary, rotary_angles
 from megajax.model_config import ModelConfig
@@ -42,8 +54,11 @@ def copied_weights(cfg: ModelConfig, tp: int) -> dict[str, int]:
     if copies == 1:
         return {}
     # (LoRA's B of the key/value part is held in copies like the kernel: core/layers.py)
-    return {"kv_kernel": cfg.kv_heads, "kv_bias": cfg.kv_heads,
-            **({"b_kv": cfg.kv_heads} if "qkv" in cfg.lora_target_list else {})}
+    return {
+        "kv_kernel": cfg.kv_heads,
+        "kv_bias": cfg.kv_heads,
+        **({"b_kv": cfg.kv_heads} if "qkv" in cfg.lora_target_list else {}),
+    }
 
 
 def stored_kv_heads(cfg: ModelConfig, tp: int) -> int:
@@ -62,32 +77,60 @@ class ParallelSelfAttention(nnx.Module):
     kernel (kv heads, k|v, head_dim), run as one matmul (FusedColumnParallelLinear).
     """
 
-    def __init__(self, cfg: ModelConfig, *, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
-                 causal: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        layout: S.Layout,
+        precision: Precision,
+        rngs: nnx.Rngs,
+        causal: bool = True,
+    ):
         self.layout, self.causal = layout, causal
         self.num_heads, self.head_dim, self.cfg = cfg.num_heads, cfg.head_dim, cfg
         self.grouped = cfg.kv_heads < cfg.num_heads
         self.attention_dropout = cfg.attention_dropout
         self.fused = fused_attention(cfg, layout)
         self.selective_remat = cfg.remat == "selective"
-        self.blocked = cfg.attention_dropout == 0    # where it pays: blocked_attention_pays
+        self.blocked = cfg.attention_dropout == 0  # where it pays: blocked_attention_pays
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        common = dict(layout=layout, precision=precision, regather=cfg.remat != "full",
-                      std=cfg.init_std, rngs=rngs, use_bias=cfg.bias != "none")
+        common = dict(
+            layout=layout,
+            precision=precision,
+            regather=cfg.remat != "full",
+            std=cfg.init_std,
+            rngs=rngs,
+            use_bias=cfg.bias != "none",
+        )
         width = cfg.num_heads * cfg.head_dim
         if self.grouped:
-            parts = [("q", width, 1), ("kv", 2 * cfg.kv_heads * cfg.head_dim,
-                                       kv_copies(cfg, layout.tp))]
+            parts = [
+                ("q", width, 1),
+                ("kv", 2 * cfg.kv_heads * cfg.head_dim, kv_copies(cfg, layout.tp)),
+            ]
             self.qkv = FusedColumnParallelLinear(
-                cfg.hidden, parts, lora=adapter(cfg, "qkv", cfg.hidden, 0, column=True, rngs=rngs,
-                                                parts=parts), **common)
+                cfg.hidden,
+                parts,
+                lora=adapter(cfg, "qkv", cfg.hidden, 0, column=True, rngs=rngs, parts=parts),
+                **common,
+            )
         else:
-            self.qkv = ColumnParallelLinear(cfg.hidden, 3 * width, lora=adapter(
-                cfg, "qkv", cfg.hidden, 3 * width, column=True, rngs=rngs), **common)
-        self.out = RowParallelLinear(width, cfg.hidden, layout=layout, precision=precision,
-                                     std=out_std, rngs=rngs, use_bias=cfg.bias == "all",
-                                     lora=adapter(cfg, "out", width, cfg.hidden, column=False,
-                                                  rngs=rngs))
+            self.qkv = ColumnParallelLinear(
+                cfg.hidden,
+                3 * width,
+                lora=adapter(cfg, "qkv", cfg.hidden, 3 * width, column=True, rngs=rngs),
+                **common,
+            )
+        self.out = RowParallelLinear(
+            width,
+            cfg.hidden,
+            layout=layout,
+            precision=precision,
+            std=out_std,
+            rngs=rngs,
+            use_bias=cfg.bias == "all",
+            lora=adapter(cfg, "out", width, cfg.hidden, column=False, rngs=rngs),
+        )
         self.recompute_norm_gelu = precision.recompute_norm_gelu
 
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None, norm=None):
@@ -100,12 +143,12 @@ class ParallelSelfAttention(nnx.Module):
         start). Returns the output (and the new cache)."""
         b, s, _ = x.shape
         k_qkv, k_out = adapter_keys(key, 2)
-        project = lambda x: self.qkv(x if norm is None else norm(x), k_qkv)   # noqa: E731
+        project = lambda x: self.qkv(x if norm is None else norm(x), k_qkv)  # noqa: E731
         project = jax.checkpoint(project) if self.recompute_norm_gelu else project
         q, k, v = self.split_heads(project(x))
         q_pos = jnp.arange(s) if pos is None else pos + jnp.arange(s)
         if self.cfg.positions == "rope":
-            if is_segments(mask):    # (b, 1, s, d/2): per row, broadcast over the heads
+            if is_segments(mask):  # (b, 1, s, d/2): per row, broadcast over the heads
                 cos, sin = (t[:, None] for t in rotary_angles(self.cfg, segment_positions(mask)))
             else:
                 cos, sin = rotary_angles(self.cfg, q_pos)
@@ -123,7 +166,7 @@ class ParallelSelfAttention(nnx.Module):
             core = self.blocked_core
         else:
             core = jax.checkpoint(self.core) if self.selective_remat else self.core
-        with jax.named_scope("attention_core"):    # the profiler's "attention" (--profile)
+        with jax.named_scope("attention_core"):  # the profiler's "attention" (--profile)
             ctx = core(q, *self.shared_kv(k, v, core), q_pos, mask, key)
         ctx = self.layout.constrain(jnp.moveaxis(ctx, 1, 2), S.ACT_HEADS)
         out = self.out(ctx.reshape(b, s, self.num_heads * self.head_dim), k_out)
@@ -144,8 +187,11 @@ class ParallelSelfAttention(nnx.Module):
         kv = projected[..., q_width:].reshape(b, s, -1, 2, d)
         q = self.layout.constrain(q, S.ACT_HEADS)
         kv = self.layout.constrain(kv, S.P(S.DATA, None, S.MODEL, None, None))
-        return jnp.moveaxis(q, 2, 1), jnp.moveaxis(kv[:, :, :, 0], 2,
-                                                   1), jnp.moveaxis(kv[:, :, :, 1], 2, 1)
+        return (
+            jnp.moveaxis(q, 2, 1),
+            jnp.moveaxis(kv[:, :, :, 0], 2, 1),
+            jnp.moveaxis(kv[:, :, :, 1], 2, 1),
+        )
 
     def shared_kv(self, k, v, core):
         """k, v for the core: the fused core takes grouped heads as they are; megajax's cores
@@ -153,8 +199,10 @@ class ParallelSelfAttention(nnx.Module):
         groups = self.num_heads // k.shape[1]
         if groups == 1 or core == self.fused_core:
             return k, v
+
         def repeat(t):
             return self.layout.constrain(jnp.repeat(t, groups, axis=1), S.ATTN_SCORES)
+
         return repeat(k), repeat(v)
 
     def core(self, q, k, v, q_pos, mask, key):
@@ -170,10 +218,17 @@ class ParallelSelfAttention(nnx.Module):
     def blocked_core(self, q, k, v, q_pos, mask, key):
         """The same without attention dropout on the CPU: a few (batch, head) pairs at a time,
         keeping no probabilities (blocked_attention.py); the heads stay split over "model"."""
-        del q_pos, key    # positions 0..s-1: no cache
-        return blocked_attention(q, k, v.astype(q.dtype), mask, causal=self.causal,
-                                 scale=1 / math.sqrt(self.head_dim), ways=self.ways(),
-                                 window=self.cfg.sliding_window)
+        del q_pos, key  # positions 0..s-1: no cache
+        return blocked_attention(
+            q,
+            k,
+            v.astype(q.dtype),
+            mask,
+            causal=self.causal,
+            scale=1 / math.sqrt(self.head_dim),
+            ways=self.ways(),
+            window=self.cfg.sliding_window,
+        )
 
     def ways(self) -> tuple[int, int]:
         """How many devices split the batch and the heads (the batch is already this device's
@@ -183,11 +238,17 @@ class ParallelSelfAttention(nnx.Module):
     def fused_core(self, q, k, v, q_pos, mask, key):
         """The same through `jax.nn.dot_product_attention` (no attention dropout): cuDNN's flash
         attention on NVIDIA GPUs, XLA's attention elsewhere (fused_attention.py)."""
-        del q_pos, key    # positions 0..s-1: no cache
-        return fused_attention_core(q, k, v.astype(q.dtype), mask, causal=self.causal,
-                                    scale=1 / math.sqrt(self.head_dim),
-                                    platform=platform(self.layout),
-                                    window=self.cfg.sliding_window)
+        del q_pos, key  # positions 0..s-1: no cache
+        return fused_attention_core(
+            q,
+            k,
+            v.astype(q.dtype),
+            mask,
+            causal=self.causal,
+            scale=1 / math.sqrt(self.head_dim),
+            platform=platform(self.layout),
+            window=self.cfg.sliding_window,
+        )
 
     def keep(self, q_pos, num_keys: int, mask):
         """Which (query, key) pairs attend: causal, sliding-window, padding and segment masks,
@@ -207,8 +268,9 @@ def platform(layout: S.Layout) -> str:
     return next(iter(devices)).platform
 
 
-def fused_attention(cfg: ModelConfig, layout: S.Layout | None = None,
-                    on: str | None = None) -> bool:
+def fused_attention(
+    cfg: ModelConfig, layout: S.Layout | None = None, on: str | None = None
+) -> bool:
     """model.attention: fused when asked, or (auto) on GPUs without attention dropout; on the CPU
     XLA's form keeps the float32 scores for its backward pass, which megajax's own core does not.
     `on`: the platform ("gpu", "cpu") instead of the layout's."""

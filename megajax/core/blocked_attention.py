@@ -17,6 +17,7 @@ into (ways, blocks, per block), with "ways" the devices that split them (the "da
 axes), so a block spans every device and holds a contiguous slab of each device's rows: the
 loop adds no collective and no transposed copy.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,15 +42,24 @@ def blocked_attention_pays(q, ways: tuple[int, int] = (1, 1)) -> bool:
     return q.dtype == jnp.float32 and jax.default_backend() == "cpu" and scores > BLOCK_BYTES
 
 
-def blocked_attention(q, k, v, key_mask, *, causal: bool, scale: float,
-                      ways: tuple[int, int] = (1, 1), window: int = 0):
+def blocked_attention(
+    q,
+    k,
+    v,
+    key_mask,
+    *,
+    causal: bool,
+    scale: float,
+    ways: tuple[int, int] = (1, 1),
+    window: int = 0,
+):
     """softmax(q k^T * scale, masked) v for q, k, v (b, heads, s, d), the same s for queries and
     keys. Masked: causal (a query sees the keys up to its own position) and, if `key_mask` (b, s)
     is given, only the keys where it is True, or with (b, s) integer segment ids those of the
     query's segment; `window` > 0: only the key of the query's own position and the window - 1
     before it. A query with nothing to attend to attends to all keys uniformly, as
     jax.nn.softmax does. `ways`: how many devices split the batch and the heads."""
-    ways = tuple(w if n % w == 0 else 1 for w, n in zip(ways, q.shape[:2]))   # not split that way
+    ways = tuple(w if n % w == 0 else 1 for w, n in zip(ways, q.shape[:2]))  # not split that way
     blocks = _blocks(q.shape, ways)
     return _attention(q, k, v, key_mask, (causal, window), scale, ways, blocks)
 
@@ -61,9 +71,10 @@ def _blocks(shape, ways) -> tuple[int, int]:
     b, h, s, _ = shape
     local_b, local_h = b // ways[0], h // ways[1]
     pairs = min(local_b * local_h, max(2, BLOCK_BYTES // (4 * s * s)))
-    if pairs >= local_h:      # whole heads: blocks of batch rows
-        per_block = max(d for d in range(1, local_b + 1) if local_b % d == 0
-                        and d * local_h <= pairs)
+    if pairs >= local_h:  # whole heads: blocks of batch rows
+        per_block = max(
+            d for d in range(1, local_b + 1) if local_b % d == 0 and d * local_h <= pairs
+        )
         return local_b // per_block, 1
     per_block = max(d for d in range(1, local_h + 1) if local_h % d == 0 and d <= pairs)
     return local_b, local_h // per_block
@@ -123,13 +134,14 @@ def _tiles(s, masking, key_mask):
     sees its own segment's start: segment ids keep the tiles.)"""
     if not masking[0] or (key_mask is not None and not is_segments(key_mask)):
         return [(0, s, s)]
-    return [(lo, min(lo + QUERY_TILE, s), min(lo + QUERY_TILE, s))
-            for lo in range(0, s, QUERY_TILE)]
+    return [
+        (lo, min(lo + QUERY_TILE, s), min(lo + QUERY_TILE, s)) for lo in range(0, s, QUERY_TILE)
+    ]
 
 
 def _keep(lo, hi, kend, masking, key_mask):
     keep = position_keep(jnp.arange(lo, hi), jnp.arange(kend), *masking)
-    if is_segments(key_mask):   # (bb, 1, 1, s): the queries' ids against the keys'
+    if is_segments(key_mask):  # (bb, 1, 1, s): the queries' ids against the keys'
         return keep & (jnp.swapaxes(key_mask, -1, -2)[..., lo:hi, :] == key_mask[..., :kend])
     return keep if key_mask is None else keep & key_mask[..., :kend]
 
@@ -151,8 +163,9 @@ def _attention_fwd(q, k, v, key_mask, masking, scale, ways, blocks):
         q, k, v = (_block_shaped(t, shape, blocks) for t in xs[:3])
         parts = []
         for lo, hi, kend in _tiles(q.shape[-2], masking, mask):
-            s = _scores(q[..., lo:hi, :], k[..., :kend, :], _keep(lo, hi, kend, masking, mask),
-                        scale)
+            s = _scores(
+                q[..., lo:hi, :], k[..., :kend, :], _keep(lo, hi, kend, masking, mask), scale
+            )
             row_max = s.max(-1, keepdims=True)
             e = jnp.exp(s - row_max)
             inv_sum = 1 / e.sum(-1, keepdims=True)
@@ -164,7 +177,8 @@ def _attention_fwd(q, k, v, key_mask, masking, scale, ways, blocks):
 
     split = functools.partial(_to_blocks, ways=ways, blocks=blocks)
     out, row_max, inv_sum = jax.lax.map(
-        block, (split(q), split(k), split(v), _mask_blocks(key_mask, ways, blocks)))
+        block, (split(q), split(k), split(v), _mask_blocks(key_mask, ways, blocks))
+    )
     out = _from_blocks(out, ways, blocks, shape)
     return out, (q, k, v, out, key_mask, row_max, inv_sum)
 
@@ -181,8 +195,10 @@ def _attention_bwd(masking, scale, ways, blocks, residuals, g):
         for lo, hi, kend in _tiles(q.shape[-2], masking, mask):
             keep = _keep(lo, hi, kend, masking, mask)
             qt, gt, kt, vt = q[..., lo:hi, :], g[..., lo:hi, :], k[..., :kend, :], v[..., :kend, :]
-            p = jnp.exp(_scores(qt, kt, keep, scale) - row_max[..., lo:hi, :]) * inv_sum[..., lo:hi,
-                                                                                         :]
+            p = (
+                jnp.exp(_scores(qt, kt, keep, scale) - row_max[..., lo:hi, :])
+                * inv_sum[..., lo:hi, :]
+            )
             # sum_k p dp over a row is sum_d out g: on (q, d), where XLA:CPU would fuse a (q, k)
             # reduction into the dp matmul and run both at a third of the matmul rate.
             delta = (gt * out[..., lo:hi, :]).sum(-1, keepdims=True)
@@ -193,8 +209,19 @@ def _attention_bwd(masking, scale, ways, blocks, residuals, g):
         return _pairs(jnp.concatenate(dq, axis=-2)), _pairs(dk), _pairs(dv)
 
     split = functools.partial(_to_blocks, ways=ways, blocks=blocks)
-    grads = jax.lax.map(block, (split(q), split(k), split(v), split(out), split(g),
-                                _mask_blocks(key_mask, ways, blocks), row_max, inv_sum))
+    grads = jax.lax.map(
+        block,
+        (
+            split(q),
+            split(k),
+            split(v),
+            split(out),
+            split(g),
+            _mask_blocks(key_mask, ways, blocks),
+            row_max,
+            inv_sum,
+        ),
+    )
     dq, dk, dv = (_from_blocks(t, ways, blocks, shape) for t in grads)
     return dq, dk, dv, None if key_mask is None else zero_cotangent(key_mask)
 

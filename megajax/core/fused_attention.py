@@ -10,6 +10,7 @@ tracing), XLA's attention runs instead, with a warning that says why.
 The heads stay split over "model" as the inputs are: cuDNN's kernel is partitioned along batch
 and heads, so no collective is added (tests/test_attention.py audits it).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -23,12 +24,14 @@ CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def implementation(dtype, platform: str) -> str:
-    """"cudnn" where the flash kernel can take the inputs, "xla" elsewhere."""
+    """The attention implementation: "cudnn" where the flash kernel can take the inputs, "xla"
+    elsewhere."""
     return "cudnn" if platform == "gpu" and jnp.dtype(dtype) in CUDNN_DTYPES else "xla"
 
 
-def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platform: str,
-                         window: int = 0):
+def fused_attention_core(
+    q, k, v, key_mask, *, causal: bool, scale: float, platform: str, window: int = 0
+):
     """softmax(q k^T scale + masks) v for q, k, v (b, heads, s, d), queries and keys at positions
     0..s-1; key_mask (b, k) True where a key may be attended to, or (b, s) segment ids (a query
     attends within its segment), or None; `window` > 0: a query attends to itself and the
@@ -36,7 +39,7 @@ def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platf
     # asked for only with a window: the call is otherwise as it was
     local = {"local_window_size": (window - 1, 0)} if window else {}
     # (b, s, heads, d), as jax takes them
-    heads_second = lambda t: jnp.moveaxis(t, 1, 2)   # noqa: E731
+    heads_second = lambda t: jnp.moveaxis(t, 1, 2)  # noqa: E731
     q, k, v = heads_second(q), heads_second(k), heads_second(v)
     if is_segments(key_mask):
         mask = same_segment(key_mask, key_mask)
@@ -44,22 +47,36 @@ def fused_attention_core(q, k, v, key_mask, *, causal: bool, scale: float, platf
         mask = None if key_mask is None else key_mask[:, None, None, :]
     if implementation(q.dtype, platform) == "cudnn":
         # cuDNN's mask must span the queries: (b, 1, q, k), broadcast per sequence, not per head.
-        full = None if mask is None else jnp.broadcast_to(mask,
-                                                          (q.shape[0], 1, q.shape[1], k.shape[1]))
+        full = (
+            None
+            if mask is None
+            else jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], k.shape[1]))
+        )
         try:
             return heads_second(
-                jax.nn.dot_product_attention(q, k, v, mask=full, is_causal=causal, scale=scale,
-                                             implementation="cudnn", **local))
+                jax.nn.dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    mask=full,
+                    is_causal=causal,
+                    scale=scale,
+                    implementation="cudnn",
+                    **local,
+                )
+            )
         # shapes, dtypes or cuDNN version
         except (NotImplementedError, ValueError, RuntimeError) as e:
             warnings.warn(
                 f"cuDNN flash attention refused these shapes ({e}); XLA's attention runs instead",
-                stacklevel=2)
+                stacklevel=2,
+            )
     dtype = q.dtype
     if platform == "cpu" and dtype == jnp.float16:
         # XLA's attention asks for float16 x float16 -> float32 products, which XLA:CPU has no
         # kernel for: on the CPU it runs in float32, and its output is rounded back.
         q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
-                                       implementation="xla", **local)
+    out = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=causal, scale=scale, implementation="xla", **local
+    )
     return heads_second(out.astype(dtype))

@@ -8,6 +8,7 @@ Inside a block, activations stay split over "model"; the single all-reduce per b
 `layout.reduce_to_replicated` in RowParallelLinear (g forward, f backward).
 Norms, dropout and residual adds run duplicated on every device of the model axis.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,9 @@ def param(init, spec, key, shape):
     """A float32 weight carrying its PartitionSpec as metadata. The sharding is applied by
     megajax itself (jit out_shardings when the model is built), not eagerly by Flax, which
     would need a global mesh."""
-    return nnx.Param(nnx.with_partitioning(init, spec)(key, shape, jnp.float32),
-                     eager_sharding=False)
+    return nnx.Param(
+        nnx.with_partitioning(init, spec)(key, shape, jnp.float32), eager_sharding=False
+    )
 
 
 def dropout(x, rate: float, key, layout: S.Layout, spec):
@@ -38,7 +40,8 @@ def dropout(x, rate: float, key, layout: S.Layout, spec):
     if key is None or rate == 0.0:
         return x
     return apply_dropout(
-        x, layout.constrain(keep_mask(key, x.shape, rate, layout.row_ids(x.shape[0])), spec), rate)
+        x, layout.constrain(keep_mask(key, x.shape, rate, layout.row_ids(x.shape[0])), spec), rate
+    )
 
 
 class _Linear(nnx.Module):
@@ -47,16 +50,31 @@ class _Linear(nnx.Module):
 
     The three linear layers differ only in those specs and in what follows the local matmul:
     nothing (column), the all-reduce (row) or a replicated constraint."""
+
     KERNEL_SPEC: S.P
     BIAS_SPEC: S.P
 
-    def __init__(self, d_in: int, d_out: int, *, layout: S.Layout, precision: Precision, std: float,
-                 rngs: nnx.Rngs, use_bias: bool = True, lora: Adapter | None = None):
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        layout: S.Layout,
+        precision: Precision,
+        std: float,
+        rngs: nnx.Rngs,
+        use_bias: bool = True,
+        lora: Adapter | None = None,
+    ):
         self.layout, self.precision = layout, precision
-        self.kernel = param(nnx.initializers.normal(std), self.KERNEL_SPEC, rngs.params(),
-                            (d_in, d_out))
-        self.bias = param(nnx.initializers.zeros, self.BIAS_SPEC, rngs.params(),
-                          (d_out,)) if use_bias else None
+        self.kernel = param(
+            nnx.initializers.normal(std), self.KERNEL_SPEC, rngs.params(), (d_in, d_out)
+        )
+        self.bias = (
+            param(nnx.initializers.zeros, self.BIAS_SPEC, rngs.params(), (d_out,))
+            if use_bias
+            else None
+        )
         self.lora = lora
 
     def weights(self):
@@ -71,9 +89,12 @@ class _Linear(nnx.Module):
 
     def local_matmul(self, x, kernel=None):
         kernel = self.weights()[0] if kernel is None else kernel
-        return matmul(x.astype(self.precision.compute), kernel, self.precision.matmul,
-                      self.precision.stacked_residuals)
-
+        return matmul(
+            x.astype(self.precision.compute),
+            kernel,
+            self.precision.matmul,
+            self.precision.stacked_residuals,
+        )
 
     def plus_bias(self, y, bias):
         return y if bias is None else y + bias.astype(self.precision.compute)
@@ -83,11 +104,12 @@ class ColumnParallelLinear(_Linear):
     """y = x W + b with W split by columns: each device computes out/tp features, no communication.
     With sequence parallelism x arrives split along the sequence and is all-gathered first
     (Megatron's f becomes an all-gather forward, a reduce-scatter backward)."""
+
     KERNEL_SPEC, BIAS_SPEC = S.COLUMN, S.COLUMN_BIAS
 
     def __init__(self, *args, regather: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        self.regather = regather    # False under full remat, which recomputes the gather anyway
+        self.regather = regather  # False under full remat, which recomputes the gather anyway
 
     def __call__(self, x, key=None):
         kernel, bias = self.weights()
@@ -121,6 +143,7 @@ class ColumnParallelLinear(_Linear):
             if not adapter:
                 return y
             return y + self.low_rank_of(x, *adapter)
+
         # Checkpointed, as Megatron does: the backward pass keeps the (b, s/tp, h) shard and
         # all-gathers it again for the weight gradient, instead of keeping the whole sequence.
         # In a scanned stack; in unrolled layers XLA may merge the two gathers (jax 0.10's does),
@@ -132,12 +155,13 @@ class ColumnParallelLinear(_Linear):
         keep = None
         if key is not None and self.lora.rate > 0:
             # x's global shape, each device drawing the whole mask of its rows
-            keep = self.layout.constrain(keep_mask(key, x.shape, self.lora.rate,
-                                                   self.layout.row_ids(x.shape[0])),
-                                         S.ACT_REPLICATED)
+            keep = self.layout.constrain(
+                keep_mask(key, x.shape, self.lora.rate, self.layout.row_ids(x.shape[0])),
+                S.ACT_REPLICATED,
+            )
         return self.layout.shard_map(
-            local, (*specs, S.P(*S.REPLICATED_2D), S.P(*S.COLUMN), S.ACT_REPLICATED),
-            S.ACT_COLUMN)(x, kernel, *adapter, keep)
+            local, (*specs, S.P(*S.REPLICATED_2D), S.P(*S.COLUMN), S.ACT_REPLICATED), S.ACT_COLUMN
+        )(x, kernel, *adapter, keep)
 
 
 class FusedColumnParallelLinear(ColumnParallelLinear):
@@ -150,26 +174,44 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
     larger than their count: every device holds the heads its queries read; the gradient sums
     over the copies). The output is (..., tp, sum of each device's widths)."""
 
-    def __init__(self, d_in: int, parts, *, layout: S.Layout, precision: Precision, std: float,
-                 rngs: nnx.Rngs, use_bias: bool = True, regather: bool = True,
-                 lora: Adapter | None = None):
+    def __init__(
+        self,
+        d_in: int,
+        parts,
+        *,
+        layout: S.Layout,
+        precision: Precision,
+        std: float,
+        rngs: nnx.Rngs,
+        use_bias: bool = True,
+        regather: bool = True,
+        lora: Adapter | None = None,
+    ):
         self.layout, self.precision, self.regather = layout, precision, regather
         self.parts, self.lora = tuple(parts), lora
         for name, width, copies in self.parts:
-            kernel_spec, bias_spec = (S.REPLICATED_2D, S.REPLICATED_BIAS) if copies > 1 else (
-                S.COLUMN, S.COLUMN_BIAS)
-            setattr(self, f"{name}_kernel",
-                    param(nnx.initializers.normal(std), kernel_spec, rngs.params(),
-                                                  (d_in, width)))
-            setattr(self, f"{name}_bias",
-                    param(nnx.initializers.zeros, bias_spec, rngs.params(), (width,))
-                    if use_bias else None)
+            kernel_spec, bias_spec = (
+                (S.REPLICATED_2D, S.REPLICATED_BIAS) if copies > 1 else (S.COLUMN, S.COLUMN_BIAS)
+            )
+            setattr(
+                self,
+                f"{name}_kernel",
+                param(nnx.initializers.normal(std), kernel_spec, rngs.params(), (d_in, width)),
+            )
+            setattr(
+                self,
+                f"{name}_bias",
+                param(nnx.initializers.zeros, bias_spec, rngs.params(), (width,))
+                if use_bias
+                else None,
+            )
 
     def widths(self) -> list[int]:
         """Each part's columns on one device."""
         tp = self.layout.tp
-        return [width // tp if copies == 1 else width * copies // tp
-                for _, width, copies in self.parts]
+        return [
+            width // tp if copies == 1 else width * copies // tp for _, width, copies in self.parts
+        ]
 
     def weights(self):
         kernels, biases = [], []
@@ -189,9 +231,8 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         or held in copies like its kernel)."""
         if self.lora is None:
             return None
-        with jax.named_scope("lora_gradient"):    # a copied part's B: summed like the kernel's
-            bs = [self._per_device(self.lora.b_of(name), copies)
-                  for name, _, copies in self.parts]
+        with jax.named_scope("lora_gradient"):  # a copied part's B: summed like the kernel's
+            bs = [self._per_device(self.lora.b_of(name), copies) for name, _, copies in self.parts]
         b = jnp.concatenate(bs, axis=-1).reshape(self.lora.rank, -1)
         return self.lora.a_weight(), self.layout.constrain(b, S.P(*S.COLUMN))
 
@@ -203,7 +244,7 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         lead, tp = w.shape[:-1], self.layout.tp
         if copies == 1:
             split = w.reshape(*lead, tp, -1)
-        else:   # the scope names the backward pass's reduction of the copies, for the audit
+        else:  # the scope names the backward pass's reduction of the copies, for the audit
             with jax.named_scope("kv_copies_gradient"):
                 w = _gradient_replicated(w, self.layout)
                 groups = w.reshape(*lead, tp // copies, 1, -1)
@@ -239,6 +280,7 @@ class RowParallelLinear(_Linear):
     """y = x W + b with W split by rows: partial sums all-reduced over "model", then the bias.
     With sequence parallelism they are reduce-scattered along the sequence instead (g becomes
     a reduce-scatter forward, an all-gather backward)."""
+
     KERNEL_SPEC, BIAS_SPEC = S.ROW, S.REPLICATED_BIAS
 
     def __call__(self, x, key=None):
@@ -256,23 +298,34 @@ class RowParallelLinear(_Linear):
         sp = self.layout.sequence_parallel
 
         def local(x, w, *adapter):
-            y = matmul(x.astype(self.precision.compute), w, self.precision.matmul,
-                       self.precision.stacked_residuals)
+            y = matmul(
+                x.astype(self.precision.compute),
+                w,
+                self.precision.matmul,
+                self.precision.stacked_residuals,
+            )
             if adapter:
                 a, b, dropped = adapter
-                y = y + low_rank(dropped.astype(self.precision.compute), a,
-                                 per_device(b, self.layout), self.lora.scale, self.local_matmul)
+                y = y + low_rank(
+                    dropped.astype(self.precision.compute),
+                    a,
+                    per_device(b, self.layout),
+                    self.lora.scale,
+                    self.local_matmul,
+                )
             if not sp:
                 with jax.named_scope("g_all_reduce"):
                     return jax.lax.psum(y, S.MODEL)
             with jax.named_scope("g_reduce_scatter"):
                 return jax.lax.psum_scatter(y, S.MODEL, scatter_dimension=1, tiled=True)
+
         specs = (S.ACT_COLUMN, S.P(*S.ROW))
         out = self.layout.between_blocks
         if adapter is None:
             return self.layout.shard_map(local, specs, out)(x, self.kernel[...])
-        return self.layout.shard_map(local, (*specs, S.P(*S.ROW), S.P(*S.REPLICATED_2D),
-                                             S.ACT_COLUMN), out)(x, self.kernel[...], *adapter)
+        return self.layout.shard_map(
+            local, (*specs, S.P(*S.ROW), S.P(*S.REPLICATED_2D), S.ACT_COLUMN), out
+        )(x, self.kernel[...], *adapter)
 
 
 def _gather_sequence(x):
@@ -284,6 +337,7 @@ def _gather_sequence(x):
 class ReplicatedLinear(_Linear):
     """y = x W + b with W whole on every device: for the small heads (BERT's MLM transform,
     pooler, classifiers), computed duplicated like LayerNorm, so they add no collective."""
+
     KERNEL_SPEC, BIAS_SPEC = S.REPLICATED_2D, S.REPLICATED_BIAS
 
     def __call__(self, x):
@@ -293,9 +347,11 @@ class ReplicatedLinear(_Linear):
 
 def _first_rows(init, drawn: int):
     """`init` for the first `drawn` rows, zeros after them."""
+
     def padded(key, shape, dtype=jnp.float32):
         x = init(key, (drawn, *shape[1:]), dtype)
         return jnp.pad(x, ((0, shape[0] - drawn),) + ((0, 0),) * (len(shape) - 1))
+
     return padded
 
 
@@ -303,8 +359,17 @@ class VocabParallelEmbedding(nnx.Module):
     """Token embedding split along the vocabulary; also the output layer (tied to the input
     embedding, or an untied one of the same shape and split)."""
 
-    def __init__(self, rows: int, dim: int, *, layout: S.Layout, precision: Precision, std: float,
-                 rngs: nnx.Rngs, drawn: int | None = None):
+    def __init__(
+        self,
+        rows: int,
+        dim: int,
+        *,
+        layout: S.Layout,
+        precision: Precision,
+        std: float,
+        rngs: nnx.Rngs,
+        drawn: int | None = None,
+    ):
         """`rows` of the table, the first `drawn` of them random (the rest, a model axis's extra
         padding, zeros: the same weights on every mesh; models/vocab_rows.py)."""
         self.layout, self.dtype = layout, precision.compute
@@ -330,7 +395,8 @@ class VocabParallelEmbedding(nnx.Module):
     def gathered_attend(self, x):
         def local(x, table):
             return logits_product(_gather_sequence(x), table, self.dtype)
+
         with jax.named_scope("logits"):
-            return self.layout.shard_map(local, (S.ACT_SEQUENCE, S.P(*S.VOCAB)),
-                                         S.P(S.DATA, None, S.MODEL))(
-                x, self.table[...])
+            return self.layout.shard_map(
+                local, (S.ACT_SEQUENCE, S.P(*S.VOCAB)), S.P(S.DATA, None, S.MODEL)
+            )(x, self.table[...])

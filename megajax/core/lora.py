@@ -17,6 +17,7 @@ per layer and microbatch, h x rank numbers.
 Which layers: model.lora_targets, among LORA_TARGETS (qkv: the query, key and value projection;
 out: attention's output projection; fc1: the MLP's first (SwiGLU: gate and up); fc2: its last).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,7 @@ from flax import nnx
 
 from megajax.core import sharding as S
 
-NAME = "lora"          # the attribute of an adapted layer: its weights' paths hold it
+NAME = "lora"  # the attribute of an adapted layer: its weights' paths hold it
 
 
 def is_adapter(keys: tuple[str, ...]) -> bool:
@@ -35,8 +36,9 @@ def is_adapter(keys: tuple[str, ...]) -> bool:
     return NAME in keys
 
 
-def adapter(cfg, target: str, d_in: int, d_out: int, *, column: bool, rngs: nnx.Rngs,
-            parts=None) -> Adapter | None:
+def adapter(
+    cfg, target: str, d_in: int, d_out: int, *, column: bool, rngs: nnx.Rngs, parts=None
+) -> Adapter | None:
     """The adapter of a `target` layer, None where model.lora_targets does not name it."""
     if target not in cfg.lora_target_list:
         return None
@@ -61,18 +63,25 @@ class Adapter(nnx.Module):
     """A and B of one layer. `parts`: the fused column layer's (name, width, copies), one B
     each (`b_{name}`, split like that part's kernel); a plain layer has one B, `b`."""
 
-    def __init__(self, d_in: int, d_out: int, *, column: bool, cfg, rngs: nnx.Rngs,
-                 parts=None):
+    def __init__(self, d_in: int, d_out: int, *, column: bool, cfg, rngs: nnx.Rngs, parts=None):
         self.rank, self.scale = cfg.lora_rank, cfg.lora_alpha / cfg.lora_rank
         self.rate, self.column = cfg.lora_dropout, column
-        bound = 1 / math.sqrt(d_in)    # PEFT's: kaiming_uniform(a=sqrt(5)) on (rank, d_in)
-        self.a = _param(nnx.initializers.uniform(2 * bound), S.REPLICATED_2D if column else S.ROW,
-                        _lora_key(rngs), (d_in, self.rank), shift=-bound)
+        bound = 1 / math.sqrt(d_in)  # PEFT's: kaiming_uniform(a=sqrt(5)) on (rank, d_in)
+        self.a = _param(
+            nnx.initializers.uniform(2 * bound),
+            S.REPLICATED_2D if column else S.ROW,
+            _lora_key(rngs),
+            (d_in, self.rank),
+            shift=-bound,
+        )
         self.parts = tuple(parts or (("", d_out, 1),))
         for name, width, copies in self.parts:
             spec = S.REPLICATED_2D if not column or copies > 1 else S.COLUMN
-            setattr(self, f"b_{name}" if name else "b",
-                    _param(nnx.initializers.zeros, spec, None, (self.rank, width)))
+            setattr(
+                self,
+                f"b_{name}" if name else "b",
+                _param(nnx.initializers.zeros, spec, None, (self.rank, width)),
+            )
 
     def b_of(self, name: str = ""):
         return getattr(self, f"b_{name}" if name else "b")[...]
@@ -84,8 +93,10 @@ class Adapter(nnx.Module):
 def _param(init, spec, key, shape, shift: float = 0.0):
     def make(key, shape, dtype):
         return init(key if key is not None else jax.random.key(0), shape, dtype) + shift
-    return nnx.Param(nnx.with_partitioning(make, spec)(key, shape, jnp.float32),
-                     eager_sharding=False)
+
+    return nnx.Param(
+        nnx.with_partitioning(make, spec)(key, shape, jnp.float32), eager_sharding=False
+    )
 
 
 def per_device(w, layout: S.Layout):
@@ -117,4 +128,5 @@ def folded(params: dict, cfg) -> dict:
                 kernel = "kernel" if name == "b" else f"{name.removeprefix('b_')}_kernel"
                 out[kernel] = out[kernel] + (tree[NAME]["a"] @ b) * scale
         return out
+
     return fold(params)

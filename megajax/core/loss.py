@@ -4,6 +4,7 @@ Both run under `jax.shard_map`, so the collectives are written out: each device 
 its slice of the vocabulary, and only (batch, seq)-sized numbers cross the model axis,
 never the (batch, seq, vocab) logits.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,12 +40,14 @@ def vocab_parallel_lookup(table, ids, layout):
             return jax.lax.psum(rows, MODEL)
 
     with jax.named_scope("embedding"):
-        return layout.shard_map(local, (P(MODEL, None), P(DATA, None)),
-                                layout.between_blocks)(table, ids)
+        return layout.shard_map(local, (P(MODEL, None), P(DATA, None)), layout.between_blocks)(
+            table, ids
+        )
 
 
-def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None = None,
-                                 with_accuracy: bool = False):
+def vocab_parallel_cross_entropy(
+    logits, targets, layout, vocab_size: int | None = None, with_accuracy: bool = False
+):
     """Per-token -log softmax(logits)[target] for logits split over "model" on their last axis.
 
     Three all-reduces of (b, s) numbers: the max (for stability), the sum of exponentials and
@@ -64,8 +67,9 @@ def vocab_parallel_cross_entropy(logits, targets, layout, vocab_size: int | None
 
     out_specs = (P(DATA, None), P(DATA, None)) if with_accuracy else P(DATA, None)
     with jax.named_scope("loss"):
-        return layout.shard_map(local, (P(DATA, None, MODEL), P(DATA, None)), out_specs)(logits,
-                                                                                         targets)
+        return layout.shard_map(local, (P(DATA, None, MODEL), P(DATA, None)), out_specs)(
+            logits, targets
+        )
 
 
 def _local_columns(logits, targets, start, vocab_size):

@@ -1,6 +1,7 @@
 """The jax device mesh megajax runs on: laid out from a `MeshShape` (megajax/mesh_shape.py,
 which parses `--mesh`), a user's own mesh taken as megajax's, the rules a run must meet to fit
 on one, and batches padded to split over its data axis."""
+
 from __future__ import annotations
 
 import jax
@@ -8,8 +9,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from megajax.config import ConfigError
-from megajax.core.sharding import (AXES, PIPE, PIPE_AXES, check_context_mesh,
-                                   is_megajax_mesh)
+from megajax.core.sharding import AXES, PIPE, PIPE_AXES, check_context_mesh, is_megajax_mesh
 from megajax.mesh_shape import MeshShape
 
 
@@ -23,8 +23,10 @@ def _simulate_hint(spec: str, devices) -> str:
     n = MeshShape.devices_asked(spec)
     if any(d.platform != "cpu" for d in devices) or not n:
         return ""
-    return (f"; simulate {n} on the CPU with --host-devices {n} (train.py, eval.py), or in Python "
-            f"set XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax")
+    return (
+        f"; simulate {n} on the CPU with --host-devices {n} (train.py, eval.py), or in Python set "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax"
+    )
 
 
 def mesh_shape(spec: str | MeshShape, devices=None) -> MeshShape:
@@ -36,8 +38,9 @@ def mesh_shape(spec: str | MeshShape, devices=None) -> MeshShape:
         if shape.devices != len(devices):
             raise ValueError(f"mesh '{shape}' needs {shape.devices} devices")
     except ValueError as e:
-        raise ValueError(f"{e}; {_describe_devices(devices)}{_simulate_hint(str(spec), devices)}") \
-            from None
+        raise ValueError(
+            f"{e}; {_describe_devices(devices)}{_simulate_hint(str(spec), devices)}"
+        ) from None
     return shape
 
 
@@ -73,20 +76,26 @@ def as_mesh(mesh) -> Mesh:
     if isinstance(mesh, str):
         return make_mesh(mesh)
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"expected a jax.sharding.Mesh with axes {AXES} or a spec such as '2x4', "
-                        f"got {type(mesh).__name__}")
+        raise TypeError(
+            f"expected a jax.sharding.Mesh with axes {AXES} or a spec such as '2x4', got "
+            f"{type(mesh).__name__}"
+        )
     names = tuple(mesh.axis_names)
     if not names or set(names) - set(PIPE_AXES) or len(set(names)) != len(names):
         raise ConfigError(
-            f"megajax's mesh axes are 'data' and 'model' (and 'pipe' for pipeline stages), this "
-            f"mesh has {names}: name them so (or build the mesh with megajax.make_mesh('2x4'))")
+            "megajax's mesh axes are 'data' and 'model' (and 'pipe' for pipeline stages), this "
+            f"mesh has {names}: name them so (or build the mesh with megajax.make_mesh('2x4'))"
+        )
     if is_megajax_mesh(mesh):
         return mesh
     target = PIPE_AXES if mesh.shape.get(PIPE, 1) > 1 else AXES
     order = [names.index(a) for a in PIPE_AXES if a in names]
     devices = mesh.devices.transpose(order)
-    return Mesh(devices.reshape([mesh.shape.get(a, 1) for a in target]), target,
-                axis_types=(jax.sharding.AxisType.Auto,) * len(target))
+    return Mesh(
+        devices.reshape([mesh.shape.get(a, 1) for a in target]),
+        target,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(target),
+    )
 
 
 def single_device_mesh() -> Mesh:
@@ -112,14 +121,15 @@ def check_fits(cfg, mesh, *, batch: bool = True):
     if t.batch_size * (m.seq_len + 1) >= 2**31:
         raise ConfigError(
             f"a batch of {t.batch_size} x {m.seq_len + 1} tokens is more than the 2^31 the step "
-            f"counts "
-            f"in int32: lower train.batch_size or model.seq_len")
+            "counts in int32: lower train.batch_size or model.seq_len"
+        )
     if t.batch_size % dp:
         raise ConfigError(f"global batch {t.batch_size} is not divisible by the data axis ({dp})")
     if (t.batch_size // t.microbatches) % dp:
         raise ConfigError(
             f"microbatch of {t.batch_size // t.microbatches} rows (batch {t.batch_size} / "
-            f"{t.microbatches} microbatches) is not divisible by the data axis ({dp})")
+            f"{t.microbatches} microbatches) is not divisible by the data axis ({dp})"
+        )
 
 
 def check_model_fits(m, mesh):
@@ -130,15 +140,17 @@ def check_model_fits(m, mesh):
     for what, size in (("hidden", m.hidden), ("num_heads", m.num_heads), ("ffn_hidden", m.ffn)):
         if size % tp:
             raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
-    if m.kv_heads % tp and tp % m.kv_heads:   # grouped-query: split, or each device holding one
+    if m.kv_heads % tp and tp % m.kv_heads:  # grouped-query: split, or each device holding one
         raise ConfigError(
-            f"model num_kv_heads={m.kv_heads} and the model axis ({tp}) must divide one "
-            f"another: the key/value heads are split over it, or each device holds the one "
-            f"its query heads read")
+            f"model num_kv_heads={m.kv_heads} and the model axis ({tp}) must divide one another: "
+            "the key/value heads are split over it, or each device holds the one its query heads "
+            "read"
+        )
     if m.sequence_parallel and m.seq_len % tp:
         raise ConfigError(
-            f"model.seq_len={m.seq_len} is not divisible by the model axis ({tp}), which "
-            f"sequence parallelism splits the sequence over")
+            f"model.seq_len={m.seq_len} is not divisible by the model axis ({tp}), which sequence "
+            "parallelism splits the sequence over"
+        )
 
 
 def check_pipeline_fits(cfg, mesh):
@@ -149,14 +161,18 @@ def check_pipeline_fits(cfg, mesh):
     chunks = pp * t.pipeline_chunks
     if cfg.model.num_layers % chunks:
         raise ConfigError(
-            f"model.num_layers={cfg.model.num_layers} is not divisible by the pipeline's "
-            f"{pp} stages" + (f" x {t.pipeline_chunks} chunks" if t.pipeline_chunks > 1 else ""))
+            f"model.num_layers={cfg.model.num_layers} is not divisible by the pipeline's {pp} "
+            "stages" + (f" x {t.pipeline_chunks} chunks" if t.pipeline_chunks > 1 else "")
+        )
     if t.pipeline_schedule == "interleaved" and t.microbatches % pp:
         raise ConfigError(
             f"the interleaved schedule needs train.microbatches ({t.microbatches}) to be a "
-            f"multiple of the pipeline stages ({pp})")
-    for refused, why in ((not cfg.model.scan_layers, "model.scan_layers = false"),
-                         (t.layer_programs, "train.layer_programs")):
+            f"multiple of the pipeline stages ({pp})"
+        )
+    for refused, why in (
+        (not cfg.model.scan_layers, "model.scan_layers = false"),
+        (t.layer_programs, "train.layer_programs"),
+    ):
         if refused:
             raise ConfigError(f"a pipeline (mesh axis pipe={pp}) does not run with {why} yet")
 

@@ -4,6 +4,7 @@ device, the last weight row-parallel, one all-reduce after it.
 GeLU (GPT-2, BERT): fc1, GeLU, fc2. SwiGLU (Llama, Mistral, Qwen2): silu(x Wg) * (x Wu), then
 Wd; the gate and up weights are split alike, so a device holds both halves of the features
 it computes, and they run as one matmul (FusedColumnParallelLinear)."""
+
 from __future__ import annotations
 
 import math
@@ -29,14 +30,33 @@ class ParallelMLP(nnx.Module):
         parts = [("gate", cfg.ffn, 1), ("up", cfg.ffn, 1)] if self.gated else None
         lora = adapter(cfg, "fc1", cfg.hidden, cfg.ffn, column=True, rngs=rngs, parts=parts)
         if self.gated:
-            self.fc1 = FusedColumnParallelLinear(cfg.hidden, parts, regather=cfg.remat != "full",
-                                                 std=cfg.init_std, rngs=rngs, lora=lora, **common)
+            self.fc1 = FusedColumnParallelLinear(
+                cfg.hidden,
+                parts,
+                regather=cfg.remat != "full",
+                std=cfg.init_std,
+                rngs=rngs,
+                lora=lora,
+                **common,
+            )
         else:
-            self.fc1 = ColumnParallelLinear(cfg.hidden, cfg.ffn, regather=cfg.remat != "full",
-                                            std=cfg.init_std, rngs=rngs, lora=lora, **common)
-        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden, std=out_std, rngs=rngs, **common,
-                                     lora=adapter(cfg, "fc2", cfg.ffn, cfg.hidden, column=False,
-                                                  rngs=rngs))
+            self.fc1 = ColumnParallelLinear(
+                cfg.hidden,
+                cfg.ffn,
+                regather=cfg.remat != "full",
+                std=cfg.init_std,
+                rngs=rngs,
+                lora=lora,
+                **common,
+            )
+        self.fc2 = RowParallelLinear(
+            cfg.ffn,
+            cfg.hidden,
+            std=out_std,
+            rngs=rngs,
+            **common,
+            lora=adapter(cfg, "fc2", cfg.ffn, cfg.hidden, column=False, rngs=rngs),
+        )
         self.layout, self.recompute_norm_gelu = layout, precision.recompute_norm_gelu
 
     def activation(self, h):
@@ -56,8 +76,8 @@ class ParallelMLP(nnx.Module):
         # anyway: that keeps no (b, s, ffn) intermediates alive and is ~5% faster on XLA:CPU
         # (bench/shakespeare_char.py).
         act = jax.checkpoint(self.activation)
-        first = lambda x: self.fc1(x if norm is None else norm(x), k1)   # noqa: E731
-        second = lambda h: self.fc2(act(h), k2)                          # noqa: E731
+        first = lambda x: self.fc1(x if norm is None else norm(x), k1)  # noqa: E731
+        second = lambda h: self.fc2(act(h), k2)  # noqa: E731
         # keeps x and fc1's output, not the norm's and the activation's too
         if self.recompute_norm_gelu:
             first, second = jax.checkpoint(first), jax.checkpoint(second)

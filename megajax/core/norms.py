@@ -1,5 +1,6 @@
 """The norms, LayerNorm and RMSNorm: float32 statistics, replicated parameters, run duplicated
 on every device of the model axis (Megatron's)."""
+
 from __future__ import annotations
 
 import jax

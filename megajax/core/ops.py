@@ -16,6 +16,7 @@ alone: the same products as autodiff's, in the forms XLA:CPU's matmul library ta
 attention dropout, and with more than a block of scores on a device, the CPU goes further: its
 attention core (blocked_attention.py) keeps no probabilities at all and recomputes them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -114,8 +115,9 @@ def segment_positions(segments):
     """(b, s) segment ids, each segment contiguous -> each token's position within its segment:
     positions restart at 0 where the id changes."""
     idx = jnp.arange(segments.shape[-1])
-    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool),
-                              segments[:, 1:] != segments[:, :-1]], axis=1)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1
+    )
     return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
 
 
@@ -138,7 +140,7 @@ def _softmax_bwd(dtype, residuals, g):
     # Masked scores get no gradient; only a row with nothing to attend to (uniform, all masked: a
     # sequence of padding alone) has a nonzero p there, hence the select.
     ds = jnp.where(keep, p * (g32 - (g32 * p).sum(-1, keepdims=True)), 0.0)
-    return ds, zero_cotangent(keep)   # keep: positions and the padding mask, no gradient
+    return ds, zero_cotangent(keep)  # keep: positions and the padding mask, no gradient
 
 
 masked_softmax.defvjp(_softmax_fwd, _softmax_bwd)
@@ -166,12 +168,14 @@ def keep_mask(key, shape, rate: float, rows):
     pairs = len(shape) > 1 and shape[-1] % 2 == 0
     counters = (*shape[:-1], shape[-1] // 2) if pairs else shape
     counter_row = jnp.broadcast_to(
-        rows.astype(jnp.uint32).reshape(-1, *([1] * (len(counters) - 1))), counters)
+        rows.astype(jnp.uint32).reshape(-1, *([1] * (len(counters) - 1))), counters
+    )
     counter_pos = jnp.broadcast_to(
-        jnp.arange(math.prod(counters[1:]), dtype=jnp.uint32).reshape(counters[1:]), counters)
+        jnp.arange(math.prod(counters[1:]), dtype=jnp.uint32).reshape(counters[1:]), counters
+    )
     first, second = threefry2x32_p.bind(words[0], words[1], counter_row, counter_pos)
     bits = jnp.stack([first, second], axis=-1).reshape(shape) if pairs else first
-    return bits >= jnp.uint32(round(rate * 2.0 ** 32))
+    return bits >= jnp.uint32(round(rate * 2.0**32))
 
 
 def _dropout_fwd(x, keep, rate):
@@ -187,7 +191,7 @@ apply_dropout.defvjp(_dropout_fwd, _dropout_bwd)
 
 def attention_scores(q, k):
     """q k^T over the last two axes, (..., q, d) x (..., k, d) -> (..., q, k), in float32."""
-    if jnp.dtype(q.dtype).itemsize == 2:    # its gradient in 16 bits too, as Megatron's
+    if jnp.dtype(q.dtype).itemsize == 2:  # its gradient in 16 bits too, as Megatron's
         return low_precision_product("...qd,...kd->...qk", q, k, q.dtype)
     if not _strided_dots_matter(q, k):
         return jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32)

@@ -23,6 +23,7 @@ the backward pass as it is instead of stacking a copy per layer. A plain 16-bit 
 float32 weight (`compute_dtype = "bfloat16"`, the GPU default) does the same: its cast is
 checkpointed, so the backward pass casts the weight again instead of keeping its 16-bit copy.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,7 @@ class Precision:
     param: jnp.dtype
     compute: jnp.dtype
     matmul: jnp.dtype
-    stacked_residuals: bool = False    # a scanned stack that saves activations (no full remat)
+    stacked_residuals: bool = False  # a scanned stack that saves activations (no full remat)
     # model.recompute_norm_gelu: the backward pass recomputes LayerNorm's and GeLU's outputs
     # (element-wise, from arrays it keeps anyway: the block's input, fc1's output) instead of
     # keeping them. In a scanned stack each kept array is written into a (layers, ...) buffer,
@@ -65,15 +66,21 @@ class Precision:
         compute = jnp.dtype(jnp.float32 if name == "mixed" else name)
         matmul_dtype = jnp.dtype(jnp.bfloat16) if name == "mixed" else compute
         stacked = model_cfg.scan_layers and model_cfg.remat != "full"
-        return cls(jnp.dtype(jnp.float32), compute, matmul_dtype, stacked,
-                   stacked and model_cfg.recompute_norm_gelu and matmul_dtype == compute)
+        return cls(
+            jnp.dtype(jnp.float32),
+            compute,
+            matmul_dtype,
+            stacked,
+            stacked and model_cfg.recompute_norm_gelu and matmul_dtype == compute,
+        )
 
     @property
     def name(self) -> str:
         if self.matmul != self.compute:
             return "mixed (bf16 matmuls, f32 activations)"
-        return ("float16 (dynamic loss scaling)" if self.compute == jnp.float16
-                else self.compute.name)
+        return (
+            "float16 (dynamic loss scaling)" if self.compute == jnp.float16 else self.compute.name
+        )
 
 
 def _device_has_bfloat16() -> bool:
@@ -98,7 +105,7 @@ def matmul(x, w, dtype, stacked_residuals: bool = False):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if jnp.dtype(dtype) == x.dtype:
-        plain = lambda x2, w: jnp.dot(x2, w.astype(dtype))    # noqa: E731
+        plain = lambda x2, w: jnp.dot(x2, w.astype(dtype))  # noqa: E731
         if w.dtype != dtype:
             # Checkpointed, the backward pass casts the float32 weight again instead of keeping
             # autodiff's 16-bit copy, which a scan would stack for every layer (GPT-2 1.2B in

@@ -3,6 +3,7 @@ features rotated in pairs (i, i + d/2) by an angle of position x frequency, on t
 device holds, so the model axis adds nothing. The frequencies are fixed numbers of the config,
 with the context-extension rules Llama 3.1 (`llama3`) and others (`linear`) use; they are
 computed in float32 as transformers computes them, so imported models give its logits."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -14,14 +15,17 @@ from megajax.model_config import ModelConfig
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     """(head_dim / 2,) float32 angular frequencies, after the config's scaling."""
     d = cfg.head_dim
-    inv = (1.0
-           / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))))
+    inv = 1.0 / (
+        np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
+    )
     inv = inv.astype(np.float32)
     if cfg.rope_scaling == "linear":
         return (inv / np.float32(cfg.rope_factor)).astype(np.float32)
     if cfg.rope_scaling == "llama3":
-        factor, low, high = (np.float32(v) for v in (cfg.rope_factor, cfg.rope_low_freq_factor,
-                                                      cfg.rope_high_freq_factor))
+        factor, low, high = (
+            np.float32(v)
+            for v in (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor)
+        )
         context = np.float32(cfg.rope_original_context)
         wavelength = np.float32(2 * np.pi) / inv
         scaled = np.where(wavelength > context / low, inv / factor, inv).astype(np.float32)

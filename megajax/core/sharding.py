@@ -27,6 +27,7 @@ written out: `Layout.gather_weights` (FSDP's per-layer all-gather; its transpose
 gradients' reduce-scatter) and the step's one reduce-scatter of the accumulated gradients.
 `data_sharded_spec` says which dimension of each weight "data" splits.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,19 +53,19 @@ COLUMN_BIAS = (MODEL,)
 ROW = (MODEL, None)
 REPLICATED_BIAS = (None,)
 VOCAB = (MODEL, None)
-VOCAB_BIAS = (MODEL,)                      # BERT's MLM output bias, split like the logits
+VOCAB_BIAS = (MODEL,)  # BERT's MLM output bias, split like the logits
 REPLICATED_2D = (None, None)
 
 # Activation specs.
-ACT_REPLICATED = P(DATA, None, None)       # (batch, seq, hidden) between blocks
+ACT_REPLICATED = P(DATA, None, None)  # (batch, seq, hidden) between blocks
 # (batch, seq/tp, hidden) between blocks, sequence parallel
 ACT_SEQUENCE = P(DATA, MODEL, None)
 # (batch, seq, features/tp) after a column-parallel matmul
 ACT_COLUMN = P(DATA, None, MODEL)
-ACT_HEADS = P(DATA, None, MODEL, None)     # (batch, seq, heads/tp, head_dim)
-ATTN_SCORES = P(DATA, MODEL, None, None)   # (batch, heads/tp, q, k)
-TOKENS = P(DATA, None)                     # (batch, seq) token ids, per-token losses
-BATCH = P(DATA)                            # any batch array: rows over "data", the rest whole
+ACT_HEADS = P(DATA, None, MODEL, None)  # (batch, seq, heads/tp, head_dim)
+ATTN_SCORES = P(DATA, MODEL, None, None)  # (batch, heads/tp, q, k)
+TOKENS = P(DATA, None)  # (batch, seq) token ids, per-token losses
+BATCH = P(DATA)  # any batch array: rows over "data", the rest whole
 # (batch, heads/tp, max_len, head_dim): split like the heads
 KV_CACHE = P(DATA, MODEL, None, None)
 
@@ -72,8 +73,9 @@ KV_CACHE = P(DATA, MODEL, None, None)
 def is_megajax_mesh(mesh) -> bool:
     """The axes ("data", "model"), both Auto: the only mesh a Layout takes (core.mesh.as_mesh
     turns a user's into one)."""
-    return (tuple(mesh.axis_names) in (AXES, PIPE_AXES)
-            and all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types))
+    return tuple(mesh.axis_names) in (AXES, PIPE_AXES) and all(
+        t == jax.sharding.AxisType.Auto for t in mesh.axis_types
+    )
 
 
 def check_context_mesh():
@@ -84,8 +86,9 @@ def check_context_mesh():
     if any(t == jax.sharding.AxisType.Explicit for t in types):
         raise ValueError(
             "megajax cannot run inside jax.set_mesh(mesh) of a mesh with Explicit axes "
-            "(jax.make_mesh's "
-            "default): call it outside that block, or make the mesh with megajax.make_mesh")
+            "(jax.make_mesh's default): call it outside that block, or make the mesh with "
+            "megajax.make_mesh"
+        )
 
 
 PURPOSES = ("train", "inference")
@@ -120,7 +123,8 @@ class Layout:
         if self.mesh is not None and not is_megajax_mesh(self.mesh):
             raise ValueError(
                 f"a Layout needs a mesh with Auto axes {AXES}, got {self.mesh.axis_names} "
-                f"({self.mesh.axis_types}): pass it through megajax.core.mesh.as_mesh")
+                f"({self.mesh.axis_types}): pass it through megajax.core.mesh.as_mesh"
+            )
 
     @property
     def between_blocks(self) -> P:
@@ -149,19 +153,23 @@ class Layout:
         if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(
                 f"token ids must be a (batch, seq) integer array, got {ids.dtype} "
-                f"{tuple(ids.shape)}")
+                f"{tuple(ids.shape)}"
+            )
         if not self.data_manual and ids.shape[0] % self.dp:
             raise ValueError(
                 f"a batch of {ids.shape[0]} rows does not split over the data axis ({self.dp}): "
-                f"give a multiple of {self.dp} rows (megajax.core.mesh.padded_rows pads one)")
+                f"give a multiple of {self.dp} rows (megajax.core.mesh.padded_rows pads one)"
+            )
         if self.sequence_parallel and ids.shape[1] % self.tp:
             raise ValueError(
                 f"a sequence of {ids.shape[1]} tokens does not split over the model axis "
-                f"({self.tp}), which sequence parallelism splits it over")
+                f"({self.tp}), which sequence parallelism splits it over"
+            )
         if positions is not None and ids.shape[1] > positions:
             raise ValueError(
                 f"a sequence of {ids.shape[1]} tokens is longer than the model's {positions} "
-                f"positions (model.seq_len)")
+                "positions (model.seq_len)"
+            )
 
     def sharding(self, spec) -> NamedSharding:
         return NamedSharding(self.mesh, spec if isinstance(spec, P) else P(*spec))
@@ -176,20 +184,24 @@ class Layout:
         """Pin an activation's layout so XLA cannot choose a costlier one."""
         if self.mesh is None:
             return x
-        if self.data_manual or self.pipe_manual:   # the context's mesh, where some are manual
+        if self.data_manual or self.pipe_manual:  # the context's mesh, where some are manual
             return jax.lax.with_sharding_constraint(x, self.spec(spec))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def shard_map(self, fn, in_specs, out_specs):
         """`fn` manual over the model axis (and over "data" too, unless it already is)."""
+
         def strip(specs):
             return jax.tree.map(self.spec, specs, is_leaf=lambda x: isinstance(x, P))
+
         if self.data_manual:
-            return jax.shard_map(fn, in_specs=strip(in_specs), out_specs=strip(out_specs),
-                                 axis_names={MODEL})
+            return jax.shard_map(
+                fn, in_specs=strip(in_specs), out_specs=strip(out_specs), axis_names={MODEL}
+            )
         if self.pipe_manual:
-            return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
-                                 axis_names={DATA, MODEL})
+            return jax.shard_map(
+                fn, in_specs=in_specs, out_specs=out_specs, axis_names={DATA, MODEL}
+            )
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
 
     def global_sum(self, x):
@@ -243,6 +255,7 @@ class Layout:
             mine = ((offset >= 0) & (offset < n))[..., None]
             with jax.named_scope("rows_all_reduce"):
                 return jax.lax.psum(jnp.where(mine, picked, jnp.zeros_like(picked)), MODEL)
+
         return self.shard_map(local, (ACT_SEQUENCE, TOKENS), ACT_REPLICATED)(x, positions)
 
 
@@ -265,17 +278,21 @@ def gather_over_data(x, dim: int, spec: tuple):
     collective there would first gather its operand over "model"); a weight the model axis
     replicates is gathered directly (per model shard, the transpose would add a reduction
     over "model" that its gradient does not need)."""
+
     def gather(x):
         with jax.named_scope("fsdp_all_gather"):
             return jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+
     if MODEL not in spec:
         return gather(x)
-    return jax.shard_map(gather, in_specs=P(*spec), out_specs=P(*spec), axis_names={MODEL},
-                         check_vma=False)(x)
+    return jax.shard_map(
+        gather, in_specs=P(*spec), out_specs=P(*spec), axis_names={MODEL}, check_vma=False
+    )(x)
 
 
-def data_sharded_spec(shape, spec: P, data_size: int, model_size: int,
-                      skip_leading: bool = False) -> P | None:
+def data_sharded_spec(
+    shape, spec: P, data_size: int, model_size: int, skip_leading: bool = False
+) -> P | None:
     """`spec` with "data" added on the largest dimension it leaves whole and `data_size`
     divides (ties: the first), or None when there is none: ZeRO's split of optimizer state and
     FSDP's of parameters, on top of the model axis's (a model axis of size 1 leaves every
@@ -283,8 +300,11 @@ def data_sharded_spec(shape, spec: P, data_size: int, model_size: int,
     on one device, gathered whole each step)."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
     whole = (None, MODEL) if model_size == 1 else (None,)
-    free = [d for d in range(len(shape)) if entries[d] in whole and shape[d] % data_size == 0
-            and not (skip_leading and d == 0)]
+    free = [
+        d
+        for d in range(len(shape))
+        if entries[d] in whole and shape[d] % data_size == 0 and not (skip_leading and d == 0)
+    ]
     if data_size == 1 or not free:
         return None
     d = max(free, key=lambda i: (shape[i], -i))
@@ -292,9 +312,6 @@ def data_sharded_spec(shape, spec: P, data_size: int, model_size: int,
     return P(*entries)
 
 
-
-
 def param_shardings(mesh: Mesh, specs):
     """NamedShardings for a pytree of PartitionSpecs (as given by `nnx.get_partition_spec`)."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))

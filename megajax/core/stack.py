@@ -5,6 +5,7 @@ with FSDP, each layer's weights all-gathered over "data" right before it runs.
 `split_at_stack` lets the train step's layer programs (megajax/training/layer_programs.py) run
 a model's own code before and after its stack without the stack, and `layer_call` is the one
 layer the scan runs, for them to run a layer at a time."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,24 +18,31 @@ from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
-from megajax.core.transformer import TransformerLayer
 from megajax.core.precision import Precision
+from megajax.core.transformer import TransformerLayer
 
 
-def _stacked_layers(cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
-                    causal: bool):
+def _stacked_layers(
+    cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs, causal: bool
+):
     """num_layers layers whose parameters are stacked on a new leading (unsharded) axis."""
     keys = jax.random.split(rngs.params(), cfg.num_layers)
     # LoRA adapters: their own stream, so that the base weights are those of the same seed without
     lora_keys = keys
     if cfg.lora_rank:
-        lora_keys = jax.random.split(rngs.lora() if "lora" in rngs else rngs.params(),
-                                     cfg.num_layers)
+        lora_keys = jax.random.split(
+            rngs.lora() if "lora" in rngs else rngs.params(), cfg.num_layers
+        )
 
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
     def make(key, lora_key):
-        return TransformerLayer(cfg, layout=layout, precision=precision,
-                                rngs=nnx.Rngs(params=key, lora=lora_key), causal=causal)
+        return TransformerLayer(
+            cfg,
+            layout=layout,
+            precision=precision,
+            rngs=nnx.Rngs(params=key, lora=lora_key),
+            causal=causal,
+        )
 
     return make(keys, lora_keys)
 
@@ -59,17 +67,31 @@ def split_at_stack(handler: Callable):
 class LayerStack(nnx.Module):
     """The transformer layers, run as a scan over stacked weights or as a Python loop."""
 
-    def __init__(self, cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
-                 causal: bool = True):
-        self.num_layers, self.scan, self.remat = (cfg.num_layers, cfg.scan_layers,
-                                                  cfg.remat == "full")
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layout: S.Layout,
+        precision: Precision,
+        rngs: nnx.Rngs,
+        causal: bool = True,
+    ):
+        self.num_layers, self.scan, self.remat = (
+            cfg.num_layers,
+            cfg.scan_layers,
+            cfg.remat == "full",
+        )
         self.layout = layout
         if self.scan:
             self.stacked = _stacked_layers(cfg, layout, precision, rngs, causal)
         else:
             self.layers = nnx.List(
-                [TransformerLayer(cfg, layout=layout, precision=precision, rngs=rngs,
-                                                     causal=causal) for _ in range(cfg.num_layers)])
+                [
+                    TransformerLayer(
+                        cfg, layout=layout, precision=precision, rngs=rngs, causal=causal
+                    )
+                    for _ in range(cfg.num_layers)
+                ]
+            )
 
     def _gathered(self, layer_state, x):
         """FSDP: one layer's weights all-gathered over "data" right before the layer runs on x.
@@ -103,6 +125,7 @@ class LayerStack(nnx.Module):
 
         def call(layer_state, h, k):
             return self._run_layer(graphdef, layer_state, h, k, mask)
+
         return self._checkpointed(call), graphdef, state
 
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
@@ -129,9 +152,12 @@ class LayerStack(nnx.Module):
                 return self._run_layer(graphdef, layer_state, h, k, mask, c, pos)
 
             with jax.named_scope(f"layer_{i}"):
-                out = self._checkpointed(call)(state, x, None if keys is None else keys[i],
-                                               None if cache is None
-                                               else (cache[0][i], cache[1][i]))
+                out = self._checkpointed(call)(
+                    state,
+                    x,
+                    None if keys is None else keys[i],
+                    None if cache is None else (cache[0][i], cache[1][i]),
+                )
             if cache is None:
                 x = out
             else:

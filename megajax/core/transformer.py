@@ -1,5 +1,6 @@
 """One transformer layer: the attention and MLP blocks with their residuals, the norm before
 each block (pre) or after each residual add (post)."""
+
 from __future__ import annotations
 
 import jax
@@ -8,8 +9,8 @@ from flax import nnx
 from megajax.core import sharding as S
 from megajax.core.attention import ParallelSelfAttention
 from megajax.core.layers import dropout
-from megajax.core.norms import norm
 from megajax.core.mlp import ParallelMLP
+from megajax.core.norms import norm
 from megajax.core.precision import Precision
 from megajax.model_config import ModelConfig
 
@@ -18,21 +19,30 @@ class TransformerLayer(nnx.Module):
     """Attention and MLP blocks with residuals; the norm before each block (pre) or after each add
     (post)."""
 
-    def __init__(self, cfg: ModelConfig, *, layout: S.Layout, precision: Precision, rngs: nnx.Rngs,
-                 causal: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        layout: S.Layout,
+        precision: Precision,
+        rngs: nnx.Rngs,
+        causal: bool = True,
+    ):
         self.layout, self.placement = layout, cfg.ln_placement
         self.hidden_dropout = cfg.hidden_dropout
         self.lora_dropout = cfg.lora_rank > 0 and cfg.lora_dropout > 0
         self.ln1 = norm(cfg, layout)
-        self.attention = ParallelSelfAttention(cfg, layout=layout, precision=precision, rngs=rngs,
-                                               causal=causal)
+        self.attention = ParallelSelfAttention(
+            cfg, layout=layout, precision=precision, rngs=rngs, causal=causal
+        )
         self.ln2 = norm(cfg, layout)
         self.mlp = ParallelMLP(cfg, layout=layout, precision=precision, rngs=rngs)
 
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
         k_attn, k1, k2 = jax.random.split(key, 3) if key is not None else (None, None, None)
-        drop = lambda y, k: dropout(y, self.hidden_dropout, k, self.layout,
-                                    self.layout.between_blocks)  # noqa: E731
+        drop = lambda y, k: dropout(
+            y, self.hidden_dropout, k, self.layout, self.layout.between_blocks
+        )  # noqa: E731
 
         def attend(h, norm=None):
             if cache is None:

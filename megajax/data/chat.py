@@ -10,6 +10,7 @@ token (all).
 
 Packing (packing.py) puts several conversations in each row.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +32,7 @@ LOSS_ON = ("assistant", "all")
 @dataclasses.dataclass(frozen=True)
 class Conversation:
     messages: tuple
-    where: str          # FILE:LINE, for a message about it
+    where: str  # FILE:LINE, for a message about it
 
 
 def parse_line(line: str, where: str, to_learn: bool = True) -> Conversation:
@@ -45,22 +46,26 @@ def parse_line(line: str, where: str, to_learn: bool = True) -> Conversation:
         raise UserError(f"{where}: a conversation is a JSON object, got {type(record).__name__}")
     if "messages" not in record and "prompt" in record:
         answer = [{"role": "assistant", "content": record.get("completion")}]
-        record = {"messages": [{"role": "user", "content": record["prompt"]}]
-                  + (answer if "completion" in record or to_learn else [])}
+        record = {
+            "messages": [{"role": "user", "content": record["prompt"]}]
+            + (answer if "completion" in record or to_learn else [])
+        }
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise UserError(f"{where}: no \"messages\" list (or \"prompt\" and \"completion\")")
+        raise UserError(f'{where}: no "messages" list (or "prompt" and "completion")')
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             got = m.get("role") if isinstance(m, dict) else m
-            raise UserError(f"{where}: message {i + 1} has no role among {', '.join(ROLES)} "
-                            f"(got {got!r})")
+            raise UserError(
+                f"{where}: message {i + 1} has no role among {', '.join(ROLES)} (got {got!r})"
+            )
         if not isinstance(m.get("content"), str):
-            raise UserError(f"{where}: message {i + 1} ({m['role']}) has no text \"content\"")
+            raise UserError(f'{where}: message {i + 1} ({m["role"]}) has no text "content"')
     if to_learn and not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: the conversation has no assistant turn to learn from")
-    return Conversation(tuple({k: v for k, v in m.items() if v is not None} for m in messages),
-                        where)
+    return Conversation(
+        tuple({k: v for k, v in m.items() if v is not None} for m in messages), where
+    )
 
 
 def read_conversations(spec: str) -> list[Conversation]:
@@ -68,8 +73,9 @@ def read_conversations(spec: str) -> list[Conversation]:
     conversations = []
     for path in text_files(spec):
         lines = text_lines(read_utf8(path))
-        conversations += [parse_line(line, f"{path}:{n}") for n, line in enumerate(lines, 1)
-                          if line.strip()]
+        conversations += [
+            parse_line(line, f"{path}:{n}") for n, line in enumerate(lines, 1) if line.strip()
+        ]
     if not conversations:
         raise UserError(f"chat:{spec} holds no conversation")
     return conversations
@@ -110,7 +116,7 @@ def encode_with_offsets(tokenizer: Tokenizer, text: str) -> tuple[list[int], lis
             ids += list(raw)
             offsets += [(i, i + 1)] * len(raw)
         return ids, offsets
-    ids = tokenizer.encode(text)      # chars: one token a character
+    ids = tokenizer.encode(text)  # chars: one token a character
     return ids, [(i, i + 1) for i in range(len(ids))]
 
 
@@ -128,9 +134,12 @@ def assistant_mask(offsets, spans) -> np.ndarray:
     return mask
 
 
-def encode_conversation(conversation: Conversation, template: ChatTemplate,
-                        tokenizer: Tokenizer, loss_on: str = "assistant"
-                        ) -> tuple[np.ndarray, np.ndarray]:
+def encode_conversation(
+    conversation: Conversation,
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    loss_on: str = "assistant",
+) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, loss mask) of one conversation, int32 and int8."""
     try:
         text, spans = template.render(list(conversation.messages))

@@ -12,6 +12,7 @@ conversation (`ChatTemplate.render`).
 A tokenizer without a template gets PLAIN_TEMPLATE: documented here, and by construction
 trained on consistently.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -31,12 +32,21 @@ from megajax.errors import UserError, first_line
 END_OF_TURN = "<|end|>"
 PLAIN_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ end_of_turn }}"
-    "{% endgeneration %}{% else %}{{ m['content'] }}{{ end_of_turn }}{% endif %}\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ end_of_turn }}{% "
+    "endgeneration %}{% else %}{{ m['content'] }}{{ end_of_turn }}{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
+    "{% endif %}"
+)
 
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                  "mask_token")
+SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 CONFIG_FILE, TEMPLATE_FILE = "tokenizer_config.json", "chat_template.jinja"
 # Kept beside a tokenizer.json (a workdir's copy, an export): special tokens and the template.
 TOKENIZER_EXTRAS = (CONFIG_FILE, TEMPLATE_FILE, "special_tokens_map.json")
@@ -46,16 +56,19 @@ _tracking = contextvars.ContextVar("megajax_generation_spans", default=None)
 
 def _environment():
     """The sandboxed environment of a chat template, with the `generation` tag."""
+
     class Generation(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}`: records the (start, end) characters of what
         its body renders, where the text rendered so far ends."""
+
         tags = {"generation"}
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
             return jinja2.nodes.CallBlock(self.call_method("_span"), [], [], body).set_lineno(
-                lineno)
+                lineno
+            )
 
         def _span(self, caller):
             text = caller()
@@ -66,6 +79,7 @@ def _environment():
 
     class Namespace(jinja2.utils.Namespace):
         """jinja's namespace without underscore names (no way to CPython's internals)."""
+
         def __init__(*args, **kwargs):
             self, args = args[0], args[1:]
             for name in dict(*args, **kwargs):
@@ -85,23 +99,33 @@ def _environment():
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, namespace=Namespace,
-                       strftime_now=lambda f: datetime.datetime.now().strftime(f),
-                       dict=lambda *a, **k: dict(*a, **k))
+    env.globals.update(
+        raise_exception=raise_exception,
+        namespace=Namespace,
+        strftime_now=lambda f: datetime.datetime.now().strftime(f),
+        dict=lambda *a, **k: dict(*a, **k),
+    )
     return env
 
 
 class ChatTemplate:
     """A compiled template and the variables it renders with."""
 
-    def __init__(self, source: str, special_tokens: dict | None = None, origin: str = "",
-                 end_of_turn: str | None = None):
+    def __init__(
+        self,
+        source: str,
+        special_tokens: dict | None = None,
+        origin: str = "",
+        end_of_turn: str | None = None,
+    ):
         self.source, self.origin = source, origin or "the chat template"
         self.variables = dict(special_tokens or {})
         self.variables.setdefault("end_of_turn", end_of_turn or END_OF_TURN)
@@ -127,22 +151,25 @@ class ChatTemplate:
         blocks: list[str] = []
         token = _tracking.set((blocks, spans)) if spans is not None else None
         try:
-            for block in self.compiled.generate(messages=messages,
-                                                add_generation_prompt=add_generation_prompt,
-                                                **self.variables):
+            for block in self.compiled.generate(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.variables
+            ):
                 blocks.append(block)
         except Exception as e:  # noqa: BLE001  a template is the user's code: any error is its
-            what = first_line(e) if isinstance(e, (jinja2.exceptions.TemplateError, TypeError,
-                                                   ValueError, KeyError)) else (
-                f"{type(e).__name__}: {first_line(e)}")
+            what = (
+                first_line(e)
+                if isinstance(e, (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError))
+                else (f"{type(e).__name__}: {first_line(e)}")
+            )
             raise ValueError(f"{self.origin} fails to render it: {what}") from None
         finally:
             if token is not None:
                 _tracking.reset(token)
         return "".join(blocks)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False
-               ) -> tuple[str, list[tuple[int, int]]]:
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = False
+    ) -> tuple[str, list[tuple[int, int]]]:
         """(text, the (start, end) character spans the assistant writes). A template without
         `{% generation %}` is rendered once per assistant turn: the turn's span runs from the end
         of the conversation before it, with the generation prompt, to the end of the
@@ -157,12 +184,13 @@ class ChatTemplate:
             if m.get("role") != "assistant":
                 continue
             before = self._render(messages[:i], True, None)
-            through = self._render(messages[:i + 1], False, None)
+            through = self._render(messages[: i + 1], False, None)
             if not (through.startswith(before) and text.startswith(through)):
                 raise ValueError(
                     f"{self.origin} does not render turns in order (a conversation's start renders "
-                    f"differently alone), so the assistant's tokens cannot be told: mark them "
-                    f"with {{% generation %}}")
+                    "differently alone), so the assistant's tokens cannot be told: mark them with "
+                    "{% generation %}"
+                )
             spans.append((len(before), len(through)))
         return text, spans
 
@@ -199,14 +227,15 @@ def read_template(directory: Path) -> ChatTemplate | None:
     "default" if it names several, or chat_template.jinja), with its special tokens; None if
     it has none."""
     directory = Path(directory)
-    source, origin = _tokenizer_config(directory).get("chat_template"), str(
-        directory / CONFIG_FILE)
-    if isinstance(source, list):   # named templates: [{"name": ..., "template": ...}]
+    source, origin = _tokenizer_config(directory).get("chat_template"), str(directory / CONFIG_FILE)
+    if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
     if not isinstance(source, str) and (directory / TEMPLATE_FILE).is_file():
-        source, origin = (directory / TEMPLATE_FILE).read_text(encoding="utf-8"), str(
-            directory / TEMPLATE_FILE)
+        source, origin = (
+            (directory / TEMPLATE_FILE).read_text(encoding="utf-8"),
+            str(directory / TEMPLATE_FILE),
+        )
     if not isinstance(source, str):
         return None
     return ChatTemplate(source, special_tokens(directory), origin)

@@ -8,6 +8,7 @@ Files are read in their published layouts:
 Each example is encoded as [CLS] A [SEP] B [SEP]; for RACE, A is the article and B the
 question with the option (filling a "_" blank when the question has one), once per option.
 """
+
 from __future__ import annotations
 
 import csv
@@ -27,30 +28,38 @@ from megajax.errors import UserError
 
 MNLI_LABELS = {"contradiction": 0, "entailment": 1, "neutral": 2}
 SPLIT_FILES = {
-    "mnli": {"train": "train.tsv", "dev": "dev_matched.tsv", "dev_matched": "dev_matched.tsv",
-                        "dev_mismatched": "dev_mismatched.tsv"},
-    "qqp": {"train": "train.tsv", "dev": "dev.tsv"}}
+    "mnli": {
+        "train": "train.tsv",
+        "dev": "dev_matched.tsv",
+        "dev_matched": "dev_matched.tsv",
+        "dev_mismatched": "dev_mismatched.tsv",
+    },
+    "qqp": {"train": "train.tsv", "dev": "dev.tsv"},
+}
 
 
 @dataclasses.dataclass
 class Example:
-    first: list[str]      # one text per option (RACE) or a single first sentence
+    first: list[str]  # one text per option (RACE) or a single first sentence
     second: list[str]
     label: int
-    group: str = ""       # RACE: "middle" or "high"
+    group: str = ""  # RACE: "middle" or "high"
 
 
 def read_race(directory: Path, split: str) -> list[Example]:
     root = Path(directory) / split
     if not root.is_dir():
         raise UserError(
-            f"RACE split not found: {root} (expected {directory}/{split}/high and /middle)")
+            f"RACE split not found: {root} (expected {directory}/{split}/high and /middle)"
+        )
     examples = []
     for level in ("middle", "high"):
         for path in sorted((root / level).glob("*")):
             if path.suffix in (".txt", ".json"):
-                examples += [Example([article] * 4, seconds, label, level)
-                             for article, seconds, label in _race_file(path)]
+                examples += [
+                    Example([article] * 4, seconds, label, level)
+                    for article, seconds, label in _race_file(path)
+                ]
     if not examples:
         raise UserError(f"no RACE questions under {root}/middle or {root}/high")
     return examples
@@ -61,25 +70,34 @@ def _race_file(path: Path):
     anything else than RACE's layout is one line naming the file."""
     try:
         doc = json.loads(read_utf8(path))
-        article, questions = doc["article"], list(
-            zip(doc["questions"], doc["options"], doc["answers"], strict=True))
+        article, questions = (
+            doc["article"],
+            list(zip(doc["questions"], doc["options"], doc["answers"], strict=True)),
+        )
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not a RACE JSON file ({e.msg})") from None
     except (KeyError, TypeError, ValueError):
         raise UserError(
-            f"{path}: not a RACE file (an object with \"article\" and equally long lists "
-            f"\"questions\", \"options\" and \"answers\")") from None
+            f'{path}: not a RACE file (an object with "article" and equally long lists '
+            '"questions", "options" and "answers")'
+        ) from None
     for question, options, answer in questions:
         if not isinstance(options, list) or len(options) != 4:
             raise UserError(f"{path}: a RACE question needs 4 options, got {options!r:.60}")
-        if not (isinstance(article, str) and isinstance(question, str)
-                and all(isinstance(o, str) for o in options)
-                and isinstance(answer, str) and answer.strip() in ("A", "B", "C", "D")):
+        if not (
+            isinstance(article, str)
+            and isinstance(question, str)
+            and all(isinstance(o, str) for o in options)
+            and isinstance(answer, str)
+            and answer.strip() in ("A", "B", "C", "D")
+        ):
             raise UserError(
                 f"{path}: a RACE question needs text, 4 text options and an answer A-D, got "
-                f"{answer!r:.20}")
-        seconds = [question.replace("_", o) if "_" in question else f"{question} {o}"
-                   for o in options]
+                f"{answer!r:.20}"
+            )
+        seconds = [
+            question.replace("_", o) if "_" in question else f"{question} {o}" for o in options
+        ]
         yield article, seconds, "ABCD".index(answer.strip())
 
 
@@ -95,13 +113,16 @@ def read_glue(directory: Path, task: str, split: str) -> list[Example]:
     with io.StringIO(read_utf8(path), newline="") as f:
         for row in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE):
             if task == "mnli":
-                a, b, label = row.get("sentence1"), row.get("sentence2"), MNLI_LABELS.get(
-                    row.get("gold_label", ""))
+                a, b, label = (
+                    row.get("sentence1"),
+                    row.get("sentence2"),
+                    MNLI_LABELS.get(row.get("gold_label", "")),
+                )
             else:
                 a, b, dup = row.get("question1"), row.get("question2"), row.get("is_duplicate")
                 label = int(dup) if dup in ("0", "1") else None
             if a is None or b is None or label is None:
-                continue   # GLUE's files have a few malformed rows; the test sets have no labels
+                continue  # GLUE's files have a few malformed rows; the test sets have no labels
             examples.append(Example([a], [b], label))
     if not examples:
         raise UserError(f"{path}: no labelled examples (is it the {task.upper()} layout?)")
@@ -124,8 +145,11 @@ def encode(examples: list[Example], tok: Tokenizer, seq_len: int) -> dict:
     seconds = tok.encode_batch([t for e in examples for t in e.second])
     choices = len(examples[0].first)
     shape = (len(examples), choices, seq_len)
-    out = {"tokens": np.full(shape, specials.pad, np.int32), "types": np.zeros(shape, np.int32),
-           "mask": np.zeros(shape, np.int32)}
+    out = {
+        "tokens": np.full(shape, specials.pad, np.int32),
+        "types": np.zeros(shape, np.int32),
+        "mask": np.zeros(shape, np.int32),
+    }
     k = 0
     for i, e in enumerate(examples):
         for j, first in enumerate(e.first):
@@ -133,7 +157,7 @@ def encode(examples: list[Example], tok: Tokenizer, seq_len: int) -> dict:
             k += 1
             n = len(a) + len(b) + 3
             out["tokens"][i, j, :n] = [specials.cls, *a, specials.sep, *b, specials.sep]
-            out["types"][i, j, len(a) + 2: n] = 1
+            out["types"][i, j, len(a) + 2 : n] = 1
             out["mask"][i, j, :n] = 1
     if choices == 1:
         out = {key: v[:, 0] for key, v in out.items()}
@@ -163,8 +187,12 @@ class ExampleBatches:
     def __call__(self, step: int) -> dict:
         def build(name):
             a = self.arrays[name]
-            return jax.make_array_from_callback((self.batch_size, *a.shape[1:]), self.sharding,
-                                                lambda idx: a[self.indices(step, idx[0])])
+            return jax.make_array_from_callback(
+                (self.batch_size, *a.shape[1:]),
+                self.sharding,
+                lambda idx: a[self.indices(step, idx[0])],
+            )
+
         return {name: build(name) for name in self.arrays}
 
 
@@ -182,7 +210,8 @@ class TaskData:
     def describe(self) -> str:
         return (
             f"{len(self.train['label']):,} {self.task} train examples, {len(self.val['label']):,} "
-            f"validation")
+            "validation"
+        )
 
     def batches(self, split: str, cfg, sharding):
         arrays = self.train if split == "train" else self.val

@@ -14,6 +14,7 @@ checked against each other first, so that a damaged or foreign file is one line 
 than wrong tokens later. Token ids are checked against the
 run's vocabulary as its windows are read (data/tokens.py), as for megajax-prepare's corpora.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +37,7 @@ FLOAT_CODES = {6: "float64", 7: "float32"}
 @dataclasses.dataclass
 class IndexedDataset:
     prefix: Path
-    tokens: np.ndarray            # every sequence's ids in order: the .bin, mapped
+    tokens: np.ndarray  # every sequence's ids in order: the .bin, mapped
     # int64: the token offset where each sequence starts, then the number of tokens
     bounds: np.ndarray
     # int64: the first sequence of each document, then the number of sequences
@@ -53,7 +54,7 @@ class IndexedDataset:
     def sentences(self):
         """Each document as a list of its sequences' ids (BERT: its sentences)."""
         for first, last in zip(self.document_starts[:-1], self.document_starts[1:]):
-            b = self.bounds[first:last + 1]
+            b = self.bounds[first : last + 1]
             yield [self.tokens[x:y] for x, y in zip(b[:-1], b[1:])]
 
 
@@ -71,35 +72,39 @@ def read_indexed(arg: str) -> IndexedDataset:
         if not path.is_file():
             raise UserError(
                 f"{path} not found: megatron:PREFIX reads PREFIX.idx and PREFIX.bin, the files "
-                f"Megatron-LM's tools/preprocess_data.py writes")
+                "Megatron-LM's tools/preprocess_data.py writes"
+            )
     raw = np.memmap(idx, dtype=np.uint8, mode="r") if idx.stat().st_size else np.zeros(0, np.uint8)
     if len(raw) < HEADER.size or bytes(raw[:9]) != MAGIC:
         raise UserError(f"{idx} is not a Megatron-LM index (no MMIDIDX header)")
-    _, version, code, count, bounds = HEADER.unpack(bytes(raw[:HEADER.size]))
+    _, version, code, count, bounds = HEADER.unpack(bytes(raw[: HEADER.size]))
     if version != 1:
         raise UserError(f"{idx} is a version {version} Megatron-LM index; megajax reads version 1")
     if code not in TOKEN_DTYPES:
-        what = (f"holds {FLOAT_CODES[code]} values, not token ids" if code in FLOAT_CODES
-                else f"has unknown dtype code {code}")
+        what = (
+            f"holds {FLOAT_CODES[code]} values, not token ids"
+            if code in FLOAT_CODES
+            else f"has unknown dtype code {code}"
+        )
         raise UserError(f"{idx} {what}")
     tables = HEADER.size + 12 * count + 8 * bounds
     # + an int8 mode per sequence (multimodal)
     if len(raw) not in (tables, tables + count):
         raise UserError(
             f"{idx} should hold {tables:,} bytes for its {count:,} sequences and {bounds:,} "
-            f"document "
-            f"boundaries, has {len(raw):,}: damaged or incomplete")
-    lengths = raw[HEADER.size:HEADER.size + 4 * count].view("<i4")
-    pointers = raw[HEADER.size + 4 * count:HEADER.size + 12 * count].view("<i8")
-    starts = np.asarray(raw[HEADER.size + 12 * count:tables].view("<i8"), np.int64)
+            f"document boundaries, has {len(raw):,}: damaged or incomplete"
+        )
+    lengths = raw[HEADER.size : HEADER.size + 4 * count].view("<i4")
+    pointers = raw[HEADER.size + 4 * count : HEADER.size + 12 * count].view("<i8")
+    starts = np.asarray(raw[HEADER.size + 12 * count : tables].view("<i8"), np.int64)
     dtype = np.dtype(TOKEN_DTYPES[code]).newbyteorder("<")
     bounds = _check_tables(idx, lengths, pointers, starts, dtype.itemsize)
     total = int(bounds[-1])
     if data.stat().st_size != total * dtype.itemsize:
         raise UserError(
             f"{data} should hold {total:,} {dtype.name} tokens ({total * dtype.itemsize:,} bytes) "
-            f"as "
-            f"{idx.name} says, has {data.stat().st_size:,} bytes: damaged, or another dataset's")
+            f"as {idx.name} says, has {data.stat().st_size:,} bytes: damaged, or another dataset's"
+        )
     tokens = np.memmap(data, dtype=dtype, mode="r") if total else np.zeros(0, dtype)
     return IndexedDataset(prefix, tokens, bounds, starts)
 
@@ -112,12 +117,18 @@ def _check_tables(idx: Path, lengths, pointers, starts, itemsize: int) -> np.nda
     bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     if not np.array_equal(pointers, bounds[:-1] * itemsize):
         raise UserError(
-            f"{idx}: its sequence pointers are not its lengths laid back to back: damaged")
-    if len(starts) == 0 or starts[0] != 0 or starts[-1] != len(lengths) or np.any(
-        np.diff(starts) < 0):
+            f"{idx}: its sequence pointers are not its lengths laid back to back: damaged"
+        )
+    if (
+        len(starts) == 0
+        or starts[0] != 0
+        or starts[-1] != len(lengths)
+        or np.any(np.diff(starts) < 0)
+    ):
         raise UserError(
             f"{idx}: its document indices do not run from 0 to its {len(lengths):,} sequences: "
-            f"damaged")
+            "damaged"
+        )
     return bounds
 
 
@@ -131,10 +142,11 @@ def ids_tokenizer(given: Tokenizer | None, spec, source) -> Tokenizer:
     """The tokenizer that made a dataset of ids (the one given, or the spec's): one built from
     the corpus's text cannot be."""
     return fixed_tokenizer(
-        given, spec, f"--tokenizer {spec} is built from the corpus's text, and {source} holds "
-                                        f"token ids: give the tokenizer that made them (hf:PATH, "
-                                        f"tiktoken:gpt2, "
-                                        f"wordpiece:PATH/vocab.txt, ...)")
+        given,
+        spec,
+        f"--tokenizer {spec} is built from the corpus's text, and {source} holds token ids: give "
+        "the tokenizer that made them (hf:PATH, tiktoken:gpt2, wordpiece:PATH/vocab.txt, ...)",
+    )
 
 
 def check_first_ids(ds: IndexedDataset, tok: Tokenizer, source: str, count: int = 1 << 20):
@@ -145,8 +157,8 @@ def check_first_ids(ds: IndexedDataset, tok: Tokenizer, source: str, count: int 
         bad = int(head.min() if head.min() < 0 else head.max())
         raise UserError(
             f"{source} has token id {bad}, outside the {tok.kind} tokenizer's {tok.vocab_size:,} "
-            f"ids: "
-            f"give the tokenizer that made it (--tokenizer)")
+            "ids: give the tokenizer that made it (--tokenizer)"
+        )
 
 
 def sentence_documents(arg: str, tok: Tokenizer, source: str) -> list[list[list[int]]]:
@@ -157,7 +169,8 @@ def sentence_documents(arg: str, tok: Tokenizer, source: str) -> list[list[list[
     if ds.documents and not np.any(np.diff(starts) >= 2):
         raise UserError(
             f"{source} holds one sequence per document (preprocess_data.py without "
-            f"--split-sentences): "
-            f"BERT's sentence pairs need the sentences; preprocess it with --split-sentences")
+            "--split-sentences): BERT's sentence pairs need the sentences; preprocess it with "
+            "--split-sentences"
+        )
     check_first_ids(ds, tok, source, count=len(ds.tokens))
     return [[s.tolist() for s in doc] for doc in ds.sentences()]

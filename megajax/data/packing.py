@@ -8,6 +8,7 @@ and it continues its input's conversation.
 
 Batch `step` is a pure function of (seed, step): rows in a fresh permutation each epoch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from megajax.data.chat import (LOSS_ON, encode_conversation, read_conversations, template_for)
+from megajax.data.chat import LOSS_ON, encode_conversation, read_conversations, template_for
 from megajax.data.chat_template import ChatTemplate
 from megajax.data.prepared import is_prepared, load_conversations
 from megajax.data.tokenizer import Tokenizer, chosen
@@ -27,9 +28,9 @@ OVERFLOW = ("refuse", "truncate")
 
 @dataclasses.dataclass
 class Packed:
-    tokens: np.ndarray       # (rows, length) int32
-    segments: np.ndarray     # (rows, length) int32: 1, 2, ... each conversation, 0 padding
-    mask: np.ndarray         # (rows, length) int8: the tokens the loss may predict
+    tokens: np.ndarray  # (rows, length) int32
+    segments: np.ndarray  # (rows, length) int32: 1, 2, ... each conversation, 0 padding
+    mask: np.ndarray  # (rows, length) int8: the tokens the loss may predict
 
     @property
     def rows(self) -> int:
@@ -52,8 +53,8 @@ def pack(examples: list[tuple[np.ndarray, np.ndarray]], length: int) -> Packed:
         at = 0
         for seg, (ids, mask) in enumerate(row, 1):
             n = len(ids)
-            out.tokens[r, at:at + n], out.segments[r, at:at + n] = ids, seg
-            out.mask[r, at:at + n] = mask
+            out.tokens[r, at : at + n], out.segments[r, at : at + n] = ids, seg
+            out.mask[r, at : at + n] = mask
             at += n
     return out
 
@@ -85,9 +86,10 @@ class ChatData:
         p = self.train
         fill = (p.segments > 0).mean()
         cut = f", {self.truncated} truncated to fit" if self.truncated else ""
-        return (f"{self.conversations:,} conversations packed in {p.rows:,} rows "
-                f"({fill:.0%} filled), {int(target_weights(p.segments, p.mask).sum()):,} "
-                f"target tokens{cut}")
+        return (
+            f"{self.conversations:,} conversations packed in {p.rows:,} rows ({fill:.0%} filled), "
+            f"{int(target_weights(p.segments, p.mask).sum()):,} target tokens{cut}"
+        )
 
     def batches(self, split: str, cfg, sharding):
         t = cfg.train
@@ -95,8 +97,13 @@ class ChatData:
             return PackedBatches(self.train, t.batch_size, t.seed, sharding)
         if self.val is None:
             return None
-        return PackedBatches(self.val, t.batch_size, None, sharding,
-                             num_batches=min(t.eval_batches, -(-self.val.rows // t.batch_size)))
+        return PackedBatches(
+            self.val,
+            t.batch_size,
+            None,
+            sharding,
+            num_batches=min(t.eval_batches, -(-self.val.rows // t.batch_size)),
+        )
 
 
 def load_chat(spec: str, cfg, tokenizer: Tokenizer | None) -> ChatData:
@@ -109,41 +116,47 @@ def load_chat(spec: str, cfg, tokenizer: Tokenizer | None) -> ChatData:
         where = [f"{spec} conversation {i + 1}" for i in range(len(train) + len(val))]
     else:
         conversations = read_conversations(spec)
-        if tokenizer is None:   # chars and wordpiece[:SIZE] build theirs from the rendered text
+        if tokenizer is None:  # chars and wordpiece[:SIZE] build theirs from the rendered text
             plain = ChatTemplate.plain()
-            tokenizer = chosen(None, d.tokenizer, "\n".join(plain.render(list(c.messages))[0]
-                                                            for c in conversations))
+            tokenizer = chosen(
+                None,
+                d.tokenizer,
+                "\n".join(plain.render(list(c.messages))[0] for c in conversations),
+            )
         template = template_for(tokenizer)
-        examples = [encode_conversation(c, template, tokenizer, d.chat_loss)
-                    for c in conversations]
+        examples = [encode_conversation(c, template, tokenizer, d.chat_loss) for c in conversations]
         order = np.random.default_rng([cfg.train.seed, 2]).permutation(len(examples))
         n_val = int(len(examples) * d.val_fraction)
-        train = [examples[i] for i in order[:len(examples) - n_val]]
-        val = [examples[i] for i in order[len(examples) - n_val:]]
+        train = [examples[i] for i in order[: len(examples) - n_val]]
+        val = [examples[i] for i in order[len(examples) - n_val :]]
         where = [conversations[i].where for i in order]
     train, val, long = _fitted(train + val, len(train), where, length, d.chat_overflow)
     packed = pack(train, length)
-    lost = "were truncated away" if long else "are empty"      # why the turns have no target
+    lost = "were truncated away" if long else "are empty"  # why the turns have no target
     if not target_weights(packed.segments, packed.mask).any():
         raise UserError(
             f"chat:{spec} leaves no target token to learn from (the assistant's turns {lost} at "
             f"model.seq_len {cfg.model.seq_len}): raise model.seq_len, or set data.chat_loss = "
-            f"\"all\"")
+            '"all"'
+        )
     held_out = pack(val, length) if val else None
-    hold_none = ("megajax-prepare --val-fraction 0" if is_prepared(Path(spec))
-                 else "data.val_fraction = 0")
+    hold_none = (
+        "megajax-prepare --val-fraction 0" if is_prepared(Path(spec)) else "data.val_fraction = 0"
+    )
     if held_out is not None and not target_weights(held_out.segments, held_out.mask).any():
         # a validation loss over no target would read 0 (perplexity 1): no number at all
         raise UserError(
             f"chat:{spec}'s {len(val)} held-out conversation(s) keep no target token at "
             f"model.seq_len {cfg.model.seq_len} (their assistant turns {lost}): raise "
-            f"model.seq_len, or hold none out ({hold_none})")
+            f"model.seq_len, or hold none out ({hold_none})"
+        )
     # what train.py's sample answers: the first held-out (else trained) conversation with a
     # target, up to its first one
     ids, mask = next(e for e in val + train if e[1][1:].any())
-    sample = ids[:int(np.argmax(mask[1:] > 0)) + 1].tolist()
-    return ChatData(tokenizer, template_for(tokenizer), packed, held_out,
-                    len(train) + len(val), long, sample)
+    sample = ids[: int(np.argmax(mask[1:] > 0)) + 1].tolist()
+    return ChatData(
+        tokenizer, template_for(tokenizer), packed, held_out, len(train) + len(val), long, sample
+    )
 
 
 def _fitted(examples, n_train: int, where: list[str], length: int, overflow: str):
@@ -152,8 +165,9 @@ def _fitted(examples, n_train: int, where: list[str], length: int, overflow: str
     if long and overflow == "refuse":
         raise UserError(
             f"{len(long)} conversation(s) longer than model.seq_len + 1 = {length} tokens (first: "
-            f"{long[0][0]}, {long[0][1]} tokens): raise model.seq_len, or set "
-            f"data.chat_overflow = \"truncate\"")
+            f"{long[0][0]}, {long[0][1]} tokens): raise model.seq_len, or set data.chat_overflow = "
+            '"truncate"'
+        )
     examples = [(ids[:length], mask[:length]) for ids, mask in examples]
     return examples[:n_train], examples[n_train:], len(long)
 
@@ -163,8 +177,14 @@ class PackedBatches:
     Training (a seed): rows in a permutation per epoch drawn from (seed, epoch). Validation
     (no seed): `num_batches` fixed batches over the rows in order."""
 
-    def __init__(self, packed: Packed, batch_size: int, seed: int | None, sharding,
-                 num_batches: int | None = None):
+    def __init__(
+        self,
+        packed: Packed,
+        batch_size: int,
+        seed: int | None,
+        sharding,
+        num_batches: int | None = None,
+    ):
         self.packed, self.batch_size, self.seed, self.sharding = packed, batch_size, seed, sharding
         self.num_batches = num_batches
 
@@ -173,23 +193,31 @@ class PackedBatches:
         i = step * self.batch_size + np.arange(self.batch_size)
         if self.seed is None:
             return i % n
-        epochs = {e: np.random.default_rng([self.seed, 3, e]).permutation(n)
-                  for e in set((i // n).tolist())}
+        epochs = {
+            e: np.random.default_rng([self.seed, 3, e]).permutation(n)
+            for e in set((i // n).tolist())
+        }
         return np.array([epochs[e][r] for e, r in zip((i // n).tolist(), (i % n).tolist())])
 
     def rows(self, step: int, row_slice: slice) -> dict:
         ids = self.row_ids(step)[row_slice]
         p = self.packed
-        return {"tokens": p.tokens[ids], "segments": p.segments[ids],
-                "loss_mask": target_weights(p.segments[ids], p.mask[ids])}
+        return {
+            "tokens": p.tokens[ids],
+            "segments": p.segments[ids],
+            "loss_mask": target_weights(p.segments[ids], p.mask[ids]),
+        }
 
     def __call__(self, step: int) -> dict:
         """The global batch for `step`, each process filling only its rows."""
         length = self.packed.tokens.shape[1]
         shapes = {"tokens": length, "segments": length, "loss_mask": length - 1}
-        return {k: jax.make_array_from_callback((self.batch_size, n), self.sharding,
-                                                lambda idx, k=k: self.rows(step, idx[0])[k])
-                for k, n in shapes.items()}
+        return {
+            k: jax.make_array_from_callback(
+                (self.batch_size, n), self.sharding, lambda idx, k=k: self.rows(step, idx[0])[k]
+            )
+            for k, n in shapes.items()
+        }
 
 
 __all__ = ["LOSS_ON", "OVERFLOW", "ChatData", "Packed", "PackedBatches", "load_chat", "pack"]

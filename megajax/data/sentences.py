@@ -3,6 +3,7 @@ megajax-prepare can fork safely): paragraphs and sentences, and the packing of c
 sentences into (A, B) segment pairs (ALBERT/Megatron). megajax/data/bert_pretrain.py lays the
 pairs out as batches.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,7 @@ from megajax.data.tokenizer import Tokenizer
 from megajax.errors import UserError
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-SHORT_SEQ_PROB = 0.1   # share of chunks with a shorter random target length, as in BERT
+SHORT_SEQ_PROB = 0.1  # share of chunks with a shorter random target length, as in BERT
 
 
 def split_documents(text: str) -> list[list[str]]:
@@ -40,9 +41,10 @@ class Specials:
         ids = {t: tok.token_id(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]")}
         missing = [t for t, i in ids.items() if i is None]
         if missing:
-            raise UserError(f"BERT needs a tokenizer with {', '.join(missing)} "
-                            f"(use --tokenizer wordpiece:PATH/vocab.txt, or wordpiece to train "
-                            f"one)")
+            raise UserError(
+                f"BERT needs a tokenizer with {', '.join(missing)} (use --tokenizer "
+                "wordpiece:PATH/vocab.txt, or wordpiece to train one)"
+            )
         return cls(ids["[CLS]"], ids["[SEP]"], ids["[MASK]"], ids["[PAD]"])
 
 
@@ -51,13 +53,15 @@ def pair_room(seq_len: int) -> int:
     UserError naming the smallest seq_len that works."""
     if seq_len < 5:
         raise UserError(
-            f"BERT's sentence pairs ([CLS] A [SEP] B [SEP]) need model.seq_len of at least 5, "
-            f"got {seq_len}")
+            "BERT's sentence pairs ([CLS] A [SEP] B [SEP]) need model.seq_len of at least 5, got "
+            f"{seq_len}"
+        )
     return seq_len - 3
 
 
-def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng=None) -> tuple[list[int],
-                                                                                  list[int]]:
+def truncate_pair(
+    a: list[int], b: list[int], max_tokens: int, rng=None
+) -> tuple[list[int], list[int]]:
     """BERT's truncate_seq_pair: drop tokens from the longer segment, at a random end when
     pretraining (`rng`), from its end when fine-tuning."""
     a, b = list(a), list(b)
@@ -67,8 +71,9 @@ def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng=None) -> tupl
     return a, b
 
 
-def make_pairs(docs: list[list[list[int]]], seq_len: int,
-               seed: int) -> list[tuple[list[int], list[int]]]:
+def make_pairs(
+    docs: list[list[list[int]]], seq_len: int, seed: int
+) -> list[tuple[list[int], list[int]]]:
     """(A, B) segment pairs of consecutive text, each fitting [CLS] A [SEP] B [SEP] in seq_len."""
     return list(iter_pairs(docs, seq_len, seed))
 
@@ -80,8 +85,9 @@ def iter_pairs(docs, seq_len: int, seed: int):
     max_tokens = pair_room(seq_len)
 
     def target():
-        return max_tokens if rng.random() >= SHORT_SEQ_PROB else int(
-            rng.integers(2, max_tokens + 1))
+        return (
+            max_tokens if rng.random() >= SHORT_SEQ_PROB else int(rng.integers(2, max_tokens + 1))
+        )
 
     for doc in docs:
         chunk, length, goal = [], 0, target()
@@ -95,7 +101,7 @@ def iter_pairs(docs, seq_len: int, seed: int):
                         cut = int(rng.integers(1, len(chunk)))
                         a = [t for s in chunk[:cut] for t in s]
                         b = [t for s in chunk[cut:] for t in s]
-                    else:   # one long sentence: cut it inside
+                    else:  # one long sentence: cut it inside
                         cut = int(rng.integers(1, len(chunk[0])))
                         a, b = chunk[0][:cut], chunk[0][cut:]
                     yield truncate_pair(a, b, max_tokens, rng)

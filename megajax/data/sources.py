@@ -4,6 +4,7 @@
   tfds:NAME[/CONFIG]   a TFDS dataset through tfds.data_source (ArrayRecord, no TensorFlow)
 (`bin:PATH` token files are read in megajax/data/tokens.py.)
 """
+
 from __future__ import annotations
 
 import glob
@@ -54,7 +55,9 @@ def text_files(spec: str) -> list[Path]:
                     raise UserError(f"data file not found: {p}")
                 raise UserError(
                     f"data file {p} is a directory: give its files (a glob such as {p}/*.txt)"
-                    if p.is_dir() else f"data file {p} is not a regular file")
+                    if p.is_dir()
+                    else f"data file {p} is not a regular file"
+                )
             files.append(p)
     return distinct(files)
 
@@ -79,7 +82,8 @@ def read_utf8(path: Path) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise UserError(
-            f"{path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+            f"{path} is not UTF-8 text (byte {e.start}: {data[e.start : e.start + 1]!r})"
+        ) from None
 
 
 def read_text(spec: str) -> str:
@@ -94,8 +98,8 @@ def _tfds_source(spec: str, split: str):
         import tensorflow_datasets as tfds
     except ImportError:
         raise UserError(
-            "tfds: sources need tensorflow-datasets (pip install tensorflow-datasets "
-            "array_record)") from None
+            "tfds: sources need tensorflow-datasets (pip install tensorflow-datasets array_record)"
+        ) from None
     try:
         return tfds.data_source(spec, split=split)
     except Exception as e:
@@ -112,8 +116,11 @@ def tfds_texts(spec: str, split: str, start: int = 0, stop: int | None = None) -
     texts = []
     for i in range(start, len(source) if stop is None else min(stop, len(source))):
         record = source[i]
-        value = next((v for v in record.values() if isinstance(v, (str, bytes))), None) \
-            if isinstance(record, dict) else record
+        value = (
+            next((v for v in record.values() if isinstance(v, (str, bytes))), None)
+            if isinstance(record, dict)
+            else record
+        )
         if value is None:
             raise UserError(f"tfds:{spec} has no text feature")
         texts.append(value.decode("utf-8", "replace") if isinstance(value, bytes) else value)
@@ -129,7 +136,12 @@ def source_text(source: str | DataSpec) -> str:
         return read_text(spec.arg)
     if spec.kind == "tfds":
         return "\n\n".join(tfds_texts(spec.arg, "train"))
-    hint = ("; token files keep no sentence boundaries: BERT reads pairs:DIR, made by "
-            "megajax-prepare --pairs" if spec.kind == "bin" else "")
+    hint = (
+        "; token files keep no sentence boundaries: BERT reads pairs:DIR, made by megajax-prepare "
+        "--pairs"
+        if spec.kind == "bin"
+        else ""
+    )
     raise UserError(
-        f"data source '{source}' has no text (use builtin, text:PATH or tfds:NAME{hint})")
+        f"data source '{source}' has no text (use builtin, text:PATH or tfds:NAME{hint})"
+    )

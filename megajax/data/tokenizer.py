@@ -2,6 +2,7 @@
 
 Each is saved into the workdir (`tokenizer.json`), so evaluation and sampling need no flags.
 """
+
 from __future__ import annotations
 
 import json
@@ -114,11 +115,18 @@ class HFTokenizer(Tokenizer):
         try:
             self.tok = tokenizers.Tokenizer.from_file(str(self.path))
         except Exception as e:  # noqa: BLE001  (the tokenizers package raises its own Exception)
-            raise UserError(f"{self.path} is not a Hugging Face tokenizer.json "
-                            f"({first_line(e, 120)})") from None
+            raise UserError(
+                f"{self.path} is not a Hugging Face tokenizer.json ({first_line(e, 120)})"
+            ) from None
         named = special_tokens(self.path.parent)
-        for token in (named.get("eos_token"), "<|endoftext|>", "<|end_of_text|>", "</s>", "[SEP]",
-                      "<eos>"):
+        for token in (
+            named.get("eos_token"),
+            "<|endoftext|>",
+            "<|end_of_text|>",
+            "</s>",
+            "[SEP]",
+            "<eos>",
+        ):
             if token is not None and (i := self.tok.token_to_id(token)) is not None:
                 self.eos_id = i
                 break
@@ -151,7 +159,7 @@ class HFTokenizer(Tokenizer):
 
     def save(self, workdir):
         write_atomic(Path(workdir) / HF_FILE, self.path.read_bytes())
-        for name in TOKENIZER_EXTRAS:      # its special tokens and chat template go with it
+        for name in TOKENIZER_EXTRAS:  # its special tokens and chat template go with it
             if (self.path.parent / name).is_file() and Path(workdir) != self.path.parent:
                 write_atomic(Path(workdir) / name, (self.path.parent / name).read_bytes())
         write_atomic(Path(workdir) / FILE, json.dumps({"kind": "hf", "file": HF_FILE}) + "\n")
@@ -174,7 +182,8 @@ class WordPieceTokenizer(HFTokenizer):
             raise UserError(f"the WordPiece vocabulary lacks {', '.join(missing)}")
         self.vocab, self.lowercase = list(vocab), lowercase
         self.tok = tokenizers.Tokenizer(
-            models.WordPiece({t: i for i, t in enumerate(self.vocab)}, unk_token="[UNK]"))
+            models.WordPiece({t: i for i, t in enumerate(self.vocab)}, unk_token="[UNK]")
+        )
         self.tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
         self.tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         self.tok.decoder = decoders.WordPiece()
@@ -191,15 +200,18 @@ class WordPieceTokenizer(HFTokenizer):
         return cls(vocab, lowercase)
 
     @classmethod
-    def train(cls, text: str, vocab_size: int = 8000,
-              lowercase: bool = True) -> "WordPieceTokenizer":
+    def train(
+        cls, text: str, vocab_size: int = 8000, lowercase: bool = True
+    ) -> "WordPieceTokenizer":
         """A vocabulary trained on `text`, reproducibly (megajax/wordpiece.py)."""
         return cls(train_vocab(text, vocab_size, BERT_SPECIALS, lowercase), lowercase)
 
     def save(self, workdir):
         write_atomic(Path(workdir) / VOCAB_FILE, "\n".join(self.vocab) + "\n")
-        write_atomic(Path(workdir) / FILE, json.dumps({"kind": self.kind, "file": VOCAB_FILE,
-                                                      "lowercase": self.lowercase}) + "\n")
+        write_atomic(
+            Path(workdir) / FILE,
+            json.dumps({"kind": self.kind, "file": VOCAB_FILE, "lowercase": self.lowercase}) + "\n",
+        )
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -212,14 +224,16 @@ class TiktokenTokenizer(Tokenizer):
         if encoding is None:
             if name not in (known := tiktoken.list_encoding_names()):
                 raise UserError(
-                    f"unknown tiktoken encoding '{name}' (tiktoken has {', '.join(known)})")
+                    f"unknown tiktoken encoding '{name}' (tiktoken has {', '.join(known)})"
+                )
             try:
                 encoding = tiktoken.get_encoding(name)
             # No network: requests' errors, or tiktoken's own.
             except Exception as e:  # noqa: BLE001
-                raise UserError(f"tiktoken encoding '{name}' is not available offline "
-                                f"(put its files in TIKTOKEN_CACHE_DIR): "
-                                f"{type(e).__name__}") from None
+                raise UserError(
+                    f"tiktoken encoding '{name}' is not available offline (put its files in "
+                    f"TIKTOKEN_CACHE_DIR): {type(e).__name__}"
+                ) from None
         self.enc = encoding
         self.eos_id = getattr(encoding, "eot_token", None)
 
@@ -242,7 +256,8 @@ def _wordpiece(arg: str, corpus_text: str | None) -> Tokenizer:
         return WordPieceTokenizer.from_file(Path(arg))
     if int(arg or 8000) < len(BERT_SPECIALS):
         raise UserError(
-            f"wordpiece:SIZE must be at least {len(BERT_SPECIALS)}, its special tokens (got {arg})")
+            f"wordpiece:SIZE must be at least {len(BERT_SPECIALS)}, its special tokens (got {arg})"
+        )
     if corpus_text is None:
         raise UserError("training a WordPiece vocabulary needs the training text")
     return WordPieceTokenizer.train(corpus_text, int(arg or 8000))
@@ -259,8 +274,9 @@ MAKERS = {
     "bytes": lambda arg, text: ByteTokenizer(),
     "chars": _chars,
     # a tokenizer.json, or a Hugging Face model directory holding one
-    "hf": lambda arg, text: HFTokenizer(Path(arg) / "tokenizer.json" if Path(arg).is_dir()
-                                        else Path(arg)),
+    "hf": lambda arg, text: HFTokenizer(
+        Path(arg) / "tokenizer.json" if Path(arg).is_dir() else Path(arg)
+    ),
     "tiktoken": lambda arg, text: TiktokenTokenizer(arg or "gpt2"),
     "wordpiece": _wordpiece,
 }
@@ -275,12 +291,14 @@ def make_tokenizer(spec: str | TokenizerSpec, corpus_text: str | None = None) ->
     if spec.kind not in MAKERS:
         raise UserError(
             f"unknown tokenizer '{spec}' (use bytes, chars, hf:PATH/tokenizer.json, tiktoken:NAME, "
-            f"wordpiece:PATH/vocab.txt or wordpiece[:SIZE])")
+            "wordpiece:PATH/vocab.txt or wordpiece[:SIZE])"
+        )
     return MAKERS[spec.kind](spec.arg, corpus_text)
 
 
-def chosen(given: Tokenizer | None, spec: str | TokenizerSpec | None,
-           corpus_text: str | None = None) -> Tokenizer:
+def chosen(
+    given: Tokenizer | None, spec: str | TokenizerSpec | None, corpus_text: str | None = None
+) -> Tokenizer:
     """The tokenizer a run uses: the one it was given (its workdir's, a pretrained run's, a
     prepared corpus's, an evaluated model's) wins over the one its spec would make."""
     if given is not None:
@@ -305,7 +323,7 @@ def load_tokenizer(workdir: Path, what: str = "a megajax workdir") -> Tokenizer:
         raise UserError(f"no {FILE} in {workdir}: is it {what}?")
     try:
         return _from_spec(json.loads(path.read_text(encoding="utf-8")), Path(workdir))
-    except (KeyError, TypeError, ValueError, AttributeError):   # JSON's, UTF-8's: ValueErrors
+    except (KeyError, TypeError, ValueError, AttributeError):  # JSON's, UTF-8's: ValueErrors
         raise UserError(f"{path} is damaged (not a megajax tokenizer description)") from None
 
 
@@ -317,8 +335,12 @@ def _from_spec(spec: dict, workdir: Path) -> Tokenizer:
         return ByteTokenizer()
     if kind == "chars":
         chars = spec["chars"]
-        if not (isinstance(chars, list) and all(isinstance(c, str) and len(c) == 1 for c in chars)
-                and len(set(chars)) == len(chars) and chars):
+        if not (
+            isinstance(chars, list)
+            and all(isinstance(c, str) and len(c) == 1 for c in chars)
+            and len(set(chars)) == len(chars)
+            and chars
+        ):
             raise ValueError("chars: not a list of distinct characters")
         return CharTokenizer(chars)
     if kind == "hf":
@@ -328,8 +350,9 @@ def _from_spec(spec: dict, workdir: Path) -> Tokenizer:
             raise TypeError("name: not a string")
         return TiktokenTokenizer(spec["name"])
     if kind == "wordpiece":
-        return WordPieceTokenizer.from_file(workdir / _file_name(spec),
-                                            bool(spec.get("lowercase", True)))
+        return WordPieceTokenizer.from_file(
+            workdir / _file_name(spec), bool(spec.get("lowercase", True))
+        )
     raise UserError(f"{workdir / FILE}: unknown tokenizer kind {kind!r}")
 
 

@@ -9,6 +9,7 @@ Training batch `step` is a pure function of (seed, step): a resumed run sees exa
 batches of an uninterrupted one. Validation sweeps fixed, non-overlapping windows spread over
 the held-out split. Each process materialises only the rows its devices own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +35,7 @@ class TokenData:
     vocab_size: int = 0
     # from a megajax-prepare directory: split and tokenizer already checked
     prepared: bool = False
-    source: str = ""             # where the ids were read from, for a message about a damaged file
+    source: str = ""  # where the ids were read from, for a message about a damaged file
 
     def __post_init__(self):
         self.vocab_size = self.vocab_size or self.tokenizer.vocab_size
@@ -46,24 +47,37 @@ class TokenData:
         """GPT batches of a split (None for a validation split too short for one sequence)."""
         t, s = cfg.train, cfg.model.seq_len
         if split == "train":
-            return Batches(self.train, s, t.batch_size, t.seed, sharding,
-                           vocab_size=self.vocab_size, source=self.source)
+            return Batches(
+                self.train,
+                s,
+                t.batch_size,
+                t.seed,
+                sharding,
+                vocab_size=self.vocab_size,
+                source=self.source,
+            )
         if len(self.val) < s + 2:
             return None
-        return EvalWindows(self.val, s, t.batch_size, t.eval_batches, sharding, self.vocab_size,
-                           self.source)
+        return EvalWindows(
+            self.val, s, t.batch_size, t.eval_batches, sharding, self.vocab_size, self.source
+        )
 
 
-def load_tokens(source: str | DataSpec, tokenizer_spec: str | TokenizerSpec | None = None,
-                val_fraction: float = 0.1,
-                bin_dtype: str = "uint16", tokenizer: Tokenizer | None = None) -> TokenData:
+def load_tokens(
+    source: str | DataSpec,
+    tokenizer_spec: str | TokenizerSpec | None = None,
+    val_fraction: float = 0.1,
+    bin_dtype: str = "uint16",
+    tokenizer: Tokenizer | None = None,
+) -> TokenData:
     """Tokenize `source` with `tokenizer` (or else the one `tokenizer_spec` makes) and hold out
     the last `val_fraction` of it for validation (a source with its own splits keeps them)."""
     spec = DataSpec.of(source)
     if spec.kind not in SOURCES:
         if spec.kind == "pairs":
-            raise UserError(f"data source '{source}' holds BERT sentence pairs, for model.kind = "
-                            f"bert")
+            raise UserError(
+                f"data source '{source}' holds BERT sentence pairs, for model.kind = bert"
+            )
         *most, last = SOURCE_FORMS.values()
         raise UserError(f"unknown data source '{source}' (use {', '.join(most)} or {last})")
     return SOURCES[spec.kind](spec, tokenizer, tokenizer_spec, val_fraction, bin_dtype)
@@ -78,7 +92,8 @@ def _bin(spec: DataSpec, given, tokenizer_spec, val_fraction: float, bin_dtype: 
     if path.is_dir():
         raise UserError(
             f"{path} is a directory without meta.json, not a corpus prepared by megajax-prepare "
-            f"(bin: takes one of those, or a file of tokens)")
+            "(bin: takes one of those, or a file of tokens)"
+        )
     if not path.is_file():
         raise UserError(f"data file not found: {path}")
     if path.stat().st_size == 0:
@@ -86,17 +101,22 @@ def _bin(spec: DataSpec, given, tokenizer_spec, val_fraction: float, bin_dtype: 
     width = np.dtype(bin_dtype).itemsize
     if path.stat().st_size % width:
         raise UserError(
-            f"{path} has {path.stat().st_size} bytes, not a whole number of {bin_dtype} "
-            f"tokens (is data.bin_dtype right?)")
+            f"{path} has {path.stat().st_size} bytes, not a whole number of {bin_dtype} tokens (is "
+            "data.bin_dtype right?)"
+        )
     tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
     # ids need no vocabulary built from text: a chars spec reads them as bytes would
-    by_ids = ("bytes" if tokenizer_spec is not None
-              and TokenizerSpec.of(tokenizer_spec).kind == "chars" else tokenizer_spec)
+    by_ids = (
+        "bytes"
+        if tokenizer_spec is not None and TokenizerSpec.of(tokenizer_spec).kind == "chars"
+        else tokenizer_spec
+    )
     return dataclasses.replace(_split(tokens, val_fraction, chosen(given, by_ids)), source=spec.arg)
 
 
-def _megatron(spec: DataSpec, given, tokenizer_spec, val_fraction: float,
-              bin_dtype: str) -> TokenData:
+def _megatron(
+    spec: DataSpec, given, tokenizer_spec, val_fraction: float, bin_dtype: str
+) -> TokenData:
     ds = read_indexed(spec.arg)
     tok = ids_tokenizer(given, tokenizer_spec, spec)
     check_first_ids(ds, tok, str(spec))
@@ -137,18 +157,29 @@ def _encode(tok: Tokenizer, text: str) -> np.ndarray:
 
 def _split(tokens: np.ndarray, val_fraction: float, tok: Tokenizer) -> TokenData:
     n_val = int(len(tokens) * val_fraction)
-    return TokenData(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], tok)
+    return TokenData(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :], tok)
 
 
 class Batches:
     """Random windows of seq_len + 1 tokens; row r of batch `step` depends only on (seed, step,
     r)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, sharding,
-                 name="train", vocab_size: int | None = None, source: str = ""):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        sharding,
+        name="train",
+        vocab_size: int | None = None,
+        source: str = "",
+    ):
         if len(tokens) < seq_len + 2:
-            raise UserError(f"the {name} split has {len(tokens)} tokens, fewer than one sequence "
-                            f"of {seq_len + 1}; use more data or a smaller model.seq_len")
+            raise UserError(
+                f"the {name} split has {len(tokens)} tokens, fewer than one sequence of "
+                f"{seq_len + 1}; use more data or a smaller model.seq_len"
+            )
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.seed, self.sharding, self.vocab_size = seed, sharding, vocab_size
         self.where = f"{source + ': ' if source else ''}the {name} split"
@@ -160,7 +191,7 @@ class Batches:
 
     def rows(self, step: int, row_slice: slice) -> np.ndarray:
         starts = self.starts(step)[row_slice]
-        rows = [np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts]
+        rows = [np.asarray(self.tokens[s : s + self.seq_len + 1]) for s in starts]
         # a memory-mapped file is only read here: checked as it is read
         if self.vocab_size is not None:
             for s, row in zip(starts, rows):
@@ -170,8 +201,9 @@ class Batches:
     def __call__(self, step: int) -> jax.Array:
         """The global (batch, seq_len + 1) array for `step`, each process filling only its rows."""
         shape = (self.batch_size, self.seq_len + 1)
-        return jax.make_array_from_callback(shape, self.sharding,
-                                            lambda idx: self.rows(step, idx[0]))
+        return jax.make_array_from_callback(
+            shape, self.sharding, lambda idx: self.rows(step, idx[0])
+        )
 
 
 class EvalWindows(Batches):
@@ -185,8 +217,16 @@ class EvalWindows(Batches):
     batch_size windows that would not fill a batch), and the mean is the split's own loss.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int,
-                 sharding, vocab_size: int | None = None, source: str = ""):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        max_batches: int,
+        sharding,
+        vocab_size: int | None = None,
+        source: str = "",
+    ):
         super().__init__(tokens, seq_len, batch_size, 0, sharding, "val", vocab_size, source)
         n_windows = (len(tokens) - 1) // seq_len
         self.num_batches = max(1, min(max_batches, n_windows // batch_size))
@@ -197,5 +237,9 @@ class EvalWindows(Batches):
         count = self.num_batches * self.batch_size
         # (made per batch: a batch's worth of memory, however many)
         first = step * self.batch_size
-        return np.arange(first, min(first + self.batch_size, count),
-                         dtype=np.int64) * self.n_windows // count * self.seq_len
+        return (
+            np.arange(first, min(first + self.batch_size, count), dtype=np.int64)
+            * self.n_windows
+            // count
+            * self.seq_len
+        )

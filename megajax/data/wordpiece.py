@@ -8,6 +8,7 @@ character and `##`-prefixed continuation characters, the most frequent adjacent 
 first) with every tie broken by the tokens' text. Text is normalised and split into words by
 the `tokenizers` BERT normaliser and pre-tokenizer, as the trained vocabulary will be used.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -62,8 +63,9 @@ def _merge_everywhere(pair, new: int, words, freq, pair_count, where) -> set:
     return changed
 
 
-def train_vocab(text: str, vocab_size: int, specials: tuple[str, ...],
-                lowercase: bool = True) -> list[str]:
+def train_vocab(
+    text: str, vocab_size: int, specials: tuple[str, ...], lowercase: bool = True
+) -> list[str]:
     """specials, then every character, then `##` + every continuation character (each sorted),
     then merged tokens in the order they were made, until vocab_size tokens or no pair is left."""
     counts = word_counts(text, lowercase)
@@ -81,20 +83,20 @@ def train_vocab(text: str, vocab_size: int, specials: tuple[str, ...],
             pair_count[p] += f
             where[p].add(n)
 
-    def entry(p):   # most frequent first, then by the tokens' text
+    def entry(p):  # most frequent first, then by the tokens' text
         return (-pair_count[p], vocab[p[0]], vocab[p[1]], p)
 
     heap = [entry(p) for p in pair_count]
     heapq.heapify(heap)
-    shown = Progress(unit="token")       # a bar on a terminal: large vocabularies take minutes
+    shown = Progress(unit="token")  # a bar on a terminal: large vocabularies take minutes
     while len(vocab) < vocab_size and heap:
         if len(vocab) % 256 == 0:
             shown.advance(len(vocab), vocab_size)
         neg, _, _, pair = heapq.heappop(heap)
         if pair_count.get(pair, 0) != -neg or neg == 0:
-            continue        # a stale entry: this pair's count changed since it was pushed
+            continue  # a stale entry: this pair's count changed since it was pushed
         a, b = pair
-        merged = vocab[a] + vocab[b][len(PREFIX):]
+        merged = vocab[a] + vocab[b][len(PREFIX) :]
         if merged not in index:
             index[merged] = len(vocab)
             vocab.append(merged)

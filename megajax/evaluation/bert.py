@@ -1,5 +1,6 @@
 """Evaluating BERT: a pretrained model's masked-LM and sentence-order figures over every pair
 of a text, and a fine-tuned model's accuracy on a RACE / MNLI / QQP split."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,11 +25,14 @@ def evaluate_pretraining(model, pairs, cfg, specials, tokenizer, batch_size: int
     outputs = jax.jit(lambda m, batch: m.pretrain_outputs(batch))
     sums = dict(mlm_loss=0.0, mlm_hits=0.0, masked=0.0, sop_loss=0.0, sop_hits=0.0)
     for idx, real in padded_batches(len(pairs), batch_size, model.layout.dp):
-        examples = [builder.encode(pairs[i], np.random.default_rng([cfg.train.seed, 2, int(i)]))
-                    for i in idx]
+        examples = [
+            builder.encode(pairs[i], np.random.default_rng([cfg.train.seed, 2, int(i)]))
+            for i in idx
+        ]
         batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
         out = jax.device_get(
-            outputs(model, {k: jax.device_put(v, sharding) for k, v in batch.items()}))
+            outputs(model, {k: jax.device_put(v, sharding) for k, v in batch.items()})
+        )
         w = batch["mlm_weights"] * real[:, None]
         sums["mlm_loss"] += float((out["mlm_losses"] * w).sum())
         sums["mlm_hits"] += float((out["mlm_hits"] * w).sum())
@@ -38,10 +42,14 @@ def evaluate_pretraining(model, pairs, cfg, specials, tokenizer, batch_size: int
     n = len(pairs)
     if not sums["masked"]:
         raise UserError(f"the {n} pair(s) mask no token: no MLM loss to report")
-    return {"pairs": n, "masked_tokens": int(sums["masked"]),
-            "mlm_loss": sums["mlm_loss"] / sums["masked"],
-            "mlm_accuracy": sums["mlm_hits"] / sums["masked"],
-            "sop_loss": sums["sop_loss"] / n, "sop_accuracy": sums["sop_hits"] / n}
+    return {
+        "pairs": n,
+        "masked_tokens": int(sums["masked"]),
+        "mlm_loss": sums["mlm_loss"] / sums["masked"],
+        "mlm_accuracy": sums["mlm_hits"] / sums["masked"],
+        "sop_loss": sums["sop_loss"] / n,
+        "sop_accuracy": sums["sop_hits"] / n,
+    }
 
 
 def predict(model, arrays: dict, batch_size: int) -> np.ndarray:
@@ -60,14 +68,19 @@ def predict(model, arrays: dict, batch_size: int) -> np.ndarray:
     return np.concatenate(preds)
 
 
-def evaluate_task(model, task: str, directory: Path, split: str, tok: Tokenizer,
-                  batch_size: int = 16) -> dict:
+def evaluate_task(
+    model, task: str, directory: Path, split: str, tok: Tokenizer, batch_size: int = 16
+) -> dict:
     """Accuracy on a split (RACE: also by middle/high school level)."""
     examples = read_task(task, Path(directory), split)
     arrays = encode(examples, tok, model.cfg.seq_len)
     correct = predict(model, arrays, batch_size) == arrays["label"]
-    result = {"task": task, "split": split, "examples": len(examples),
-              "accuracy": float(correct.mean())}
+    result = {
+        "task": task,
+        "split": split,
+        "examples": len(examples),
+        "accuracy": float(correct.mean()),
+    }
     if task == "race":
         for level in ("middle", "high"):
             sel = np.array([e.group == level for e in examples])

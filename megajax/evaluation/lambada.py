@@ -1,5 +1,6 @@
 """LAMBADA: a passage counts as correct only if every token of its last word is the argmax
 given the passage before it (teacher forcing), as Megatron-LM evaluates it."""
+
 from __future__ import annotations
 
 import json
@@ -27,10 +28,11 @@ def lambada_examples(path: Path, tokenizer: Tokenizer, seq_len: int):
         try:
             text = json.loads(line)["text"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{path}:{n}: expected a JSON object with a \"text\" field") from None
+            raise UserError(f'{path}:{n}: expected a JSON object with a "text" field') from None
         if not isinstance(text, str) or len(text.split()) < 2:
             raise UserError(
-                f"{path}:{n}: \"text\" must be a passage of at least two words, got {text!r:.60}")
+                f'{path}:{n}: "text" must be a passage of at least two words, got {text!r:.60}'
+            )
         text = text.strip()
         *context, word = text.rsplit(None, 1)
         context = context[0] if context else ""
@@ -42,15 +44,16 @@ def lambada_examples(path: Path, tokenizer: Tokenizer, seq_len: int):
     return examples
 
 
-def evaluate_lambada(model, tokenizer: Tokenizer, path: Path, batch_size: int = 8,
-                     progress=None) -> dict:
+def evaluate_lambada(
+    model, tokenizer: Tokenizer, path: Path, batch_size: int = 8, progress=None
+) -> dict:
     """Accuracy over the passages, and the mean loss of the target tokens."""
     examples = lambada_examples(path, tokenizer, model.cfg.seq_len)
     rows = []
     for ctx, tgt in examples:
         t = np.asarray(ctx + tgt, np.int32)
         mask = np.zeros(len(t) - 1, bool)
-        mask[len(ctx) - 1:] = True
+        mask[len(ctx) - 1 :] = True
         rows.append((t, mask))
     scored = score_windows(model, rows, batch_size, progress)
     correct = []
@@ -58,6 +61,11 @@ def evaluate_lambada(model, tokenizer: Tokenizer, path: Path, batch_size: int = 
         idx = np.nonzero(mask)[0]
         correct.append(bool(np.all(argmax[idx] == t[idx + 1])))
     loss = sum(s[0] for s in scored) / sum(s[1] for s in scored)
-    return {"accuracy": float(np.mean(correct)), "correct": int(np.sum(correct)),
-            "passages": len(rows),
-            "mean_target_loss": loss, "per_passage_correct": correct, "file": str(path)}
+    return {
+        "accuracy": float(np.mean(correct)),
+        "correct": int(np.sum(correct)),
+        "passages": len(rows),
+        "mean_target_loss": loss,
+        "per_passage_correct": correct,
+        "file": str(path),
+    }

@@ -1,6 +1,7 @@
 """Scoring token windows with a GPT, as the paper evaluates: overlapping windows, each
 target scored once with as much context as fits. Everything runs on the mesh the model was
 loaded on, whatever mesh trained it; batches are padded to split over its data axis."""
+
 from __future__ import annotations
 
 import math
@@ -42,6 +43,7 @@ def _forward_fn(model):
     def losses_and_argmax(m, tokens, targets):
         logits = m(tokens)
         return m.token_losses(tokens, targets), jnp.argmax(logits, -1).astype(jnp.int32)
+
     return losses_and_argmax
 
 
@@ -55,29 +57,42 @@ def score_windows(model, rows: list[tuple[np.ndarray, np.ndarray]], batch_size: 
     for idx, real in padded_batches(len(rows), batch_size, model.layout.dp):
         toks = np.zeros((len(idx), seq_len + 1), np.int32)
         for j, i in enumerate(idx):
-            toks[j, :len(rows[i][0])] = rows[i][0]
+            toks[j, : len(rows[i][0])] = rows[i][0]
         losses, argmax = jax.device_get(fn(model, toks[:, :-1], toks[:, 1:]))
         for j in np.flatnonzero(real):
             mask = np.zeros(seq_len, bool)
-            mask[:len(rows[idx[j]][1])] = rows[idx[j]][1]
-            out.append((float(losses[j][mask].astype(np.float64).sum()), int(mask.sum()), losses[j],
-                        argmax[j]))
+            mask[: len(rows[idx[j]][1])] = rows[idx[j]][1]
+            out.append(
+                (
+                    float(losses[j][mask].astype(np.float64).sum()),
+                    int(mask.sum()),
+                    losses[j],
+                    argmax[j],
+                )
+            )
         if progress:
             progress(len(out), len(rows))
     return out
 
 
-def perplexity_of_tokens(model, tokens: np.ndarray, stride: int, batch_size: int,
-                         progress=None) -> dict:
+def perplexity_of_tokens(
+    model, tokens: np.ndarray, stride: int, batch_size: int, progress=None
+) -> dict:
     seq_len = model.cfg.seq_len
     rows = []
     for start, first in stride_windows(len(tokens), seq_len, stride):
-        t = np.asarray(tokens[start:start + seq_len + 1], np.int32)
+        t = np.asarray(tokens[start : start + seq_len + 1], np.int32)
         mask = np.zeros(len(t) - 1, bool)
-        mask[first - start:] = True
+        mask[first - start :] = True
         rows.append((t, mask))
     scored = score_windows(model, rows, batch_size, progress)
     total = sum(s[0] for s in scored)
     count = sum(s[1] for s in scored)
-    return {"loss_sum": total, "tokens": count, "loss": total / count,
-            "ppl": perplexity(total / count), "windows": len(rows), "stride": stride}
+    return {
+        "loss_sum": total,
+        "tokens": count,
+        "loss": total / count,
+        "ppl": perplexity(total / count),
+        "windows": len(rows),
+        "stride": stride,
+    }

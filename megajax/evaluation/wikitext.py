@@ -1,5 +1,6 @@
 """WikiText perplexity as the paper reports it: the detokenized text scored with overlapping
 windows, and the perplexity adjusted to the original word-level token count."""
+
 from __future__ import annotations
 
 import re
@@ -38,8 +39,9 @@ def original_token_count(raw: str) -> int:
     return len(raw.strip().split(" "))
 
 
-def evaluate_wikitext(model, tokenizer: Tokenizer, path: Path, stride: int = 32,
-                      batch_size: int = 8, progress=None) -> dict:
+def evaluate_wikitext(
+    model, tokenizer: Tokenizer, path: Path, stride: int = 32, batch_size: int = 8, progress=None
+) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"WikiText file not found: {path}")
@@ -51,6 +53,12 @@ def evaluate_wikitext(model, tokenizer: Tokenizer, path: Path, stride: int = 32,
     r = perplexity_of_tokens(model, tokens, stride, batch_size, progress)
     # The paper divides by T_o; Megatron-LM's evaluation script by T_o - 1 (it counts the
     # predictions, one fewer than the words): both, so either kind of figure can be compared.
-    r.update({"original_tokens": t_o, "adjusted_ppl": perplexity(r["loss_sum"] / t_o),
-              "adjusted_ppl_megatron": perplexity(r["loss_sum"] / (t_o - 1)), "file": str(path)})
+    r.update(
+        {
+            "original_tokens": t_o,
+            "adjusted_ppl": perplexity(r["loss_sum"] / t_o),
+            "adjusted_ppl_megatron": perplexity(r["loss_sum"] / (t_o - 1)),
+            "file": str(path),
+        }
+    )
     return r

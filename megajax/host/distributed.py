@@ -4,6 +4,7 @@ One process per host (or per GPU); every process runs the same program over the 
 and feeds only its own rows of each batch. On the CPU, collectives between processes go
 through gloo, so several processes on one machine can try this out.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,8 +21,14 @@ from jax.experimental import multihost_utils
 from megajax.errors import UserError, first_line
 
 # Environment variables by which JAX's cluster detection recognises a multi-process launch.
-_CLUSTER_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JAX_COORDINATOR_ADDRESS",
-                "MEGASCALE_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
+_CLUSTER_ENV = (
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "JAX_COORDINATOR_ADDRESS",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+    "TPU_WORKER_HOSTNAMES",
+)
 
 
 def on_cluster() -> bool:
@@ -32,25 +39,31 @@ def on_cluster() -> bool:
     return False
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, heartbeat_timeout_s: int = 60) -> bool:
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    heartbeat_timeout_s: int = 60,
+) -> bool:
     """Start jax.distributed when asked (or when a cluster launcher is detected). Returns whether
     it did.
 
     A process that loses a peer learns it from the coordination service's heartbeat within
     about `heartbeat_timeout_s` seconds, or at once from a failed collective, and exits.
     """
-    if heartbeat_timeout_s < 1:    # refused also where unused, as every other mistaken argument is
+    if heartbeat_timeout_s < 1:  # refused also where unused, as every other mistaken argument is
         raise UserError(f"--heartbeat-timeout must be at least 1 second, got {heartbeat_timeout_s}")
     explicit = any(v is not None for v in (coordinator, num_processes, process_id))
     if not explicit and not on_cluster():
         return False
     if explicit and None in (coordinator, num_processes, process_id):
         raise UserError("--coordinator, --num-processes and --process-id go together")
-    if explicit and not (coordinator.rpartition(":")[0]
-                         and coordinator.rpartition(":")[2].isdigit()):
+    if explicit and not (
+        coordinator.rpartition(":")[0] and coordinator.rpartition(":")[2].isdigit()
+    ):
         raise UserError(
-            f"--coordinator must be HOST:PORT (e.g. 127.0.0.1:1234), got '{coordinator}'")
+            f"--coordinator must be HOST:PORT (e.g. 127.0.0.1:1234), got '{coordinator}'"
+        )
     if explicit and num_processes < 1:
         raise UserError(f"--num-processes must be at least 1, got {num_processes}")
     if explicit and not 0 <= process_id < num_processes:
@@ -68,9 +81,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     try:
         # The runtime's own check gets three times the time: it aborts from C++, so the Watchdog
         # below, which says the same in one line, must come first.
-        jax.distributed.initialize(coordinator, num_processes, process_id,
-                                   heartbeat_timeout_seconds=3 * heartbeat_timeout_s,
-                                   initialization_timeout=timeout)
+        jax.distributed.initialize(
+            coordinator,
+            num_processes,
+            process_id,
+            heartbeat_timeout_seconds=3 * heartbeat_timeout_s,
+            initialization_timeout=timeout,
+        )
     except Exception as e:  # unreachable coordinator, timeouts
         raise UserError(f"jax.distributed.initialize failed: {first_line(e)}") from None
     finally:
@@ -88,9 +105,10 @@ def native_stdout_to_devnull():
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.close(null)
-    stream = os.fdopen(copy, "w", buffering=1, encoding=sys.stdout.encoding or "utf-8",
-                       errors="backslashreplace")
-    if hasattr(sys.stdout, "_stream"):      # cli.common's guard around a closed pipe
+    stream = os.fdopen(
+        copy, "w", buffering=1, encoding=sys.stdout.encoding or "utf-8", errors="backslashreplace"
+    )
+    if hasattr(sys.stdout, "_stream"):  # cli.common's guard around a closed pipe
         sys.stdout._stream = stream
     else:
         sys.stdout = stream
@@ -99,12 +117,14 @@ def native_stdout_to_devnull():
 def _give_up_waiting(timeout: int, num_processes):
     print(
         f"error: not all {num_processes or ''} processes joined within {timeout} s (is every "
-        f"process "
-        f"started, with the same --coordinator?)", file=sys.stderr, flush=True)
+        "process started, with the same --coordinator?)",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(2)
 
 
-_HEARTBEAT_S: int | None = None   # the runtime's heartbeat timeout, once initialize() started it
+_HEARTBEAT_S: int | None = None  # the runtime's heartbeat timeout, once initialize() started it
 
 
 def bound_shutdown(status: int):
@@ -116,10 +136,9 @@ def bound_shutdown(status: int):
         # Said now: once the shutdown has begun, JAX no longer answers questions about processes.
         line = (
             f"warning: process {jax.process_index()} of {jax.process_count()}: the other processes "
-            f"did not "
-            f"reach the shutdown within {2 * _HEARTBEAT_S} s (one probably ended without it); "
-            f"leaving with "
-            f"the run's status {status}")
+            f"did not reach the shutdown within {2 * _HEARTBEAT_S} s (one probably ended without "
+            f"it); leaving with the run's status {status}"
+        )
         timer = threading.Timer(2 * _HEARTBEAT_S, _stuck_at_shutdown, (line, status))
         timer.daemon = True
         timer.start()
@@ -152,7 +171,7 @@ class Watchdog:
 
     def beat(self):
         now = time.monotonic()
-        if self.beats:     # the first interval holds one-off start-up work
+        if self.beats:  # the first interval holds one-off start-up work
             self.slowest = max(self.slowest, now - self.last)
         self.last, self.beats = now, self.beats + 1
 
@@ -162,10 +181,11 @@ class Watchdog:
             if stalled > self.limit and stalled > 5 * self.slowest:
                 print(
                     f"error: process {jax.process_index()} of {jax.process_count()}: no progress "
-                    f"for "
-                    f"{stalled:.0f} s, waiting on the other processes: one has probably frozen or "
-                    f"died "
-                    f"(completed checkpoints are intact)", file=sys.stderr, flush=True)
+                    f"for {stalled:.0f} s, waiting on the other processes: one has probably frozen "
+                    "or died (completed checkpoints are intact)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(1)
 
     def __exit__(self, *exc):
@@ -197,8 +217,15 @@ def check_same_run(settings: dict):
     flat = _flatten(settings)
     keys = sorted(flat)
     digest = np.asarray(
-        [int.from_bytes(hashlib.sha256(json.dumps(flat[k], default=str).encode()).digest()[:4],
-                                        "little") & 0x7FFFFFFF for k in keys], np.int32)
+        [
+            int.from_bytes(
+                hashlib.sha256(json.dumps(flat[k], default=str).encode()).digest()[:4], "little"
+            )
+            & 0x7FFFFFFF
+            for k in keys
+        ],
+        np.int32,
+    )
     sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(keys)))).ravel()
     if len(set(sizes.tolist())) > 1:
         raise UserError(f"the processes run different megajax versions ({sizes.tolist()} settings)")
@@ -208,7 +235,8 @@ def check_same_run(settings: dict):
         if differ:
             raise UserError(
                 f"process {differ[0]} has a different {key} than process 0 (this one's: "
-                f"{flat[key]!r}); start every process with the same command")
+                f"{flat[key]!r}); start every process with the same command"
+            )
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -226,4 +254,5 @@ def describe() -> str:
         return ""
     return (
         f"process {jax.process_index()}/{jax.process_count()}, {jax.local_device_count()} local "
-        f"devices")
+        "devices"
+    )

@@ -31,14 +31,18 @@ notebook or your own script, start Python with them set:
 The cost: up to 1 GiB freed in large blocks stays with the process instead of going back to the
 OS. MEGAJAX_MALLOC_TUNING=0 turns the restart off.
 """
+
 from __future__ import annotations
 
 import os
 import platform
 import sys
 
-MALLOC_TUNABLES = {"glibc.malloc.mmap_threshold": "1073741824",
-                   "glibc.malloc.trim_threshold": "1073741824", "glibc.malloc.hugetlb": "1"}
+MALLOC_TUNABLES = {
+    "glibc.malloc.mmap_threshold": "1073741824",
+    "glibc.malloc.trim_threshold": "1073741824",
+    "glibc.malloc.hugetlb": "1",
+}
 
 
 def tuned_env(env: dict) -> dict | None:

@@ -1,4 +1,5 @@
 """SIGTERM and Ctrl-C during a training run."""
+
 from __future__ import annotations
 
 import signal
@@ -16,10 +17,11 @@ def _stop_signals() -> tuple:
     something else handles is left as it is."""
     optional = (getattr(signal, name, None) for name in ("SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU"))
     return (signal.SIGTERM, signal.SIGINT) + tuple(
-        sig for sig in optional if sig is not None and signal.getsignal(sig) is signal.SIG_DFL)
+        sig for sig in optional if sig is not None and signal.getsignal(sig) is signal.SIG_DFL
+    )
 
 
-STOP_SIGNALS = _stop_signals()   # what every megajax program answers with a stop
+STOP_SIGNALS = _stop_signals()  # what every megajax program answers with a stop
 
 
 class StopRequested:
@@ -66,8 +68,11 @@ class StopRequested:
                 exit_now(f"error: {self._startup_stopped()}", 2)
             raise self._startup_stopped()
         if self.requested is not None and not self.sampling:
-            print(f"{name}: already stopping; the checkpoint is being written", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{name}: already stopping; the checkpoint is being written",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         self.requested = self.requested or name
 
@@ -78,7 +83,7 @@ class StopRequested:
         return UserError(f"{self.requested} during start-up: stopped before training any step")
 
     def start_training(self):
-        if self.requested is not None:     # its exception was swallowed (see above)
+        if self.requested is not None:  # its exception was swallowed (see above)
             raise self._startup_stopped()
         self.training = True
 

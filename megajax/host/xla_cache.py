@@ -9,11 +9,12 @@ while the freshly compiled one is right every time. jaxlib 0.11 and later run it
 compile). On the affected versions megajax keeps every CPU program with a collective-permute out
 of the cache, read and write: those compile each run, every other program is cached as usual.
 """
+
 from __future__ import annotations
 
 from importlib import metadata
 
-AFFECTED = ((0, 10), (0, 11))   # jaxlib versions [from, to)
+AFFECTED = ((0, 10), (0, 11))  # jaxlib versions [from, to)
 _MARK = "_megajax_cache_guard"
 
 
@@ -39,7 +40,8 @@ def install() -> None:
 
     def cache_key(options, backend, computation, devices, override_fdo_profile=None):
         if backend.platform == "cpu" and "collective_permute" in computation.operation.get_asm(
-                large_elements_limit=16):
+            large_elements_limit=16
+        ):
             return None
         return original(options, backend, computation, devices, override_fdo_profile)
 

@@ -18,8 +18,8 @@ output layer and the loss (pretraining only). With sequence parallelism the head
 their rows ([CLS] and the masked positions) out of the sequence shards: one all-reduce of
 b·r·h instead of GPT's all-gather of the whole sequence.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +28,9 @@ from flax import nnx
 
 from megajax.core import sharding as S
 from megajax.core.layers import ReplicatedLinear, VocabParallelEmbedding, dropout, param
-from megajax.core.norms import LayerNorm
 from megajax.core.loss import vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
+from megajax.core.norms import LayerNorm
 from megajax.core.precision import Precision
 from megajax.core.stack import LayerStack
 from megajax.models.inputs import check_ids
@@ -45,8 +45,9 @@ class BERT(nnx.Module):
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
         h, std = cfg.hidden, cfg.init_std
         dense = dict(layout=layout, precision=precision, std=std, rngs=rngs)
-        self.embed = VocabParallelEmbedding(cfg.vocab_rows(layout.tp), h, drawn=cfg.padded_vocab,
-                                            **dense)
+        self.embed = VocabParallelEmbedding(
+            cfg.vocab_rows(layout.tp), h, drawn=cfg.padded_vocab, **dense
+        )
         normal = nnx.initializers.normal(std)
         self.pos = param(normal, S.REPLICATED_2D, rngs.params(), (cfg.seq_len, h))
         self.types = param(normal, S.REPLICATED_2D, rngs.params(), (TYPE_VOCAB, h))
@@ -59,8 +60,9 @@ class BERT(nnx.Module):
         if cfg.task == "pretrain":
             self.mlm_dense = ReplicatedLinear(h, h, **dense)
             self.mlm_ln = LayerNorm(h, cfg.ln_eps)
-            self.mlm_bias = param(nnx.initializers.zeros, S.VOCAB_BIAS, rngs.params(),
-                                  (cfg.vocab_rows(layout.tp),))
+            self.mlm_bias = param(
+                nnx.initializers.zeros, S.VOCAB_BIAS, rngs.params(), (cfg.vocab_rows(layout.tp),)
+            )
             self.sop = ReplicatedLinear(h, 2, **dense)
         else:
             self.classifier = ReplicatedLinear(h, NUM_CLASSES[cfg.task], **dense)
@@ -74,14 +76,18 @@ class BERT(nnx.Module):
         check_ids("token types", types, TYPE_VOCAB, tokens.shape)
         if tuple(mask.shape) != tuple(tokens.shape):
             raise ValueError(
-                f"the padding mask must have the token ids' shape {tuple(tokens.shape)}, "
-                f"got {tuple(mask.shape)}")
+                f"the padding mask must have the token ids' shape {tuple(tokens.shape)}, got "
+                f"{tuple(mask.shape)}"
+            )
         positions = jnp.arange(tokens.shape[1])
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
         # A gather, as in GPT, not a slice: with sequence parallelism a slice's gradient is sharded
         # over "model" and XLA all-gathers the position table in the optimizer update instead.
-        x = (self.embed(tokens) + jnp.take(self.pos[...], positions, axis=0).astype(self.dtype)
-             + jnp.take(self.types[...], types, axis=0).astype(self.dtype))
+        x = (
+            self.embed(tokens)
+            + jnp.take(self.pos[...], positions, axis=0).astype(self.dtype)
+            + jnp.take(self.types[...], types, axis=0).astype(self.dtype)
+        )
         x = self.layout.constrain(x, self.layout.between_blocks)
         if self.cfg.ln_placement == "post":
             x = self.ln_embed(x)
@@ -122,18 +128,32 @@ class BERT(nnx.Module):
         cls = jnp.zeros_like(batch["mlm_positions"][:, :1])
         rows = self.head_rows(h, jnp.concatenate([cls, batch["mlm_positions"]], axis=1))
         mlm_losses, mlm_hits = vocab_parallel_cross_entropy(
-            self.mlm_head(rows[:, 1:]), batch["mlm_ids"], self.layout, self.cfg.vocab_size,
-            with_accuracy=True)
+            self.mlm_head(rows[:, 1:]),
+            batch["mlm_ids"],
+            self.layout,
+            self.cfg.vocab_size,
+            with_accuracy=True,
+        )
         # replicated over "model": no collective but the data-axis means
         with jax.named_scope("sop_loss"):
-            pooled = dropout(self.pool(rows[:, 0]), self.cfg.hidden_dropout, k_pool, self.layout,
-                             S.P(S.DATA, None))
+            pooled = dropout(
+                self.pool(rows[:, 0]),
+                self.cfg.hidden_dropout,
+                k_pool,
+                self.layout,
+                S.P(S.DATA, None),
+            )
             sop_logits = self.sop(pooled).astype(jnp.float32)
-            sop_losses = optax.softmax_cross_entropy_with_integer_labels(sop_logits,
-                                                                         batch["sop_label"])
+            sop_losses = optax.softmax_cross_entropy_with_integer_labels(
+                sop_logits, batch["sop_label"]
+            )
             sop_hits = sop_logits.argmax(-1) == batch["sop_label"]
-        return {"mlm_losses": mlm_losses, "mlm_hits": mlm_hits, "sop_losses": sop_losses,
-                "sop_hits": sop_hits}
+        return {
+            "mlm_losses": mlm_losses,
+            "mlm_hits": mlm_hits,
+            "sop_losses": sop_losses,
+            "sop_hits": sop_hits,
+        }
 
     def pretrain_objective(self, batch, key):
         out = self.pretrain_outputs(batch, key)
@@ -146,19 +166,25 @@ class BERT(nnx.Module):
             rows = self.layout.global_sum(out["sop_losses"].size)
             sop_loss, sop_acc = out["sop_losses"].sum() / rows, out["sop_hits"].sum() / rows
         loss = mlm_loss + sop_loss
-        return loss, {"loss": loss, "mlm_loss": mlm_loss, "sop_loss": sop_loss,
-                      "mlm_accuracy": mlm_acc, "sop_accuracy": sop_acc}
+        return loss, {
+            "loss": loss,
+            "mlm_loss": mlm_loss,
+            "sop_loss": sop_loss,
+            "mlm_accuracy": mlm_acc,
+            "sop_accuracy": sop_acc,
+        }
 
     # -- fine-tuning heads -------------------------------------------------------------------
     def class_logits(self, batch, *, key=None):
         """(b, classes) for pair classification, (b, 4) option scores for multiple choice."""
         tokens = batch["tokens"]
-        lead = tokens.shape[:-1]                       # (b,) or (b, choices)
-        flat = lambda x: x.reshape(-1, x.shape[-1])   # noqa: E731  options become rows
+        lead = tokens.shape[:-1]  # (b,) or (b, choices)
+        flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731  options become rows
         k_enc, k_pool = jax.random.split(key) if key is not None else (None, None)
         h = self.hidden_states(flat(tokens), flat(batch["types"]), flat(batch["mask"]), key=k_enc)
-        pooled = dropout(self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout,
-                         S.P(S.DATA, None))
+        pooled = dropout(
+            self.pooled(h), self.cfg.hidden_dropout, k_pool, self.layout, S.P(S.DATA, None)
+        )
         logits = self.classifier(pooled).astype(jnp.float32)
         return logits.reshape(lead) if len(lead) == 2 else logits
 
@@ -166,8 +192,9 @@ class BERT(nnx.Module):
         logits = self.class_logits(batch, key=key)
         with jax.named_scope("class_loss"):
             rows = self.layout.global_sum(batch["label"].size)
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                                   batch["label"]).sum() / rows
+            loss = (
+                optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).sum() / rows
+            )
             accuracy = (logits.argmax(-1) == batch["label"]).sum() / rows
         return loss, {"loss": loss, "accuracy": accuracy}
 

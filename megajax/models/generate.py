@@ -1,4 +1,5 @@
 """Autoregressive sampling with a KV cache split over the model axis like the heads."""
+
 from __future__ import annotations
 
 import functools
@@ -57,19 +58,24 @@ def _checked(model, prompt_tokens, max_new_tokens, temperature, top_k):
     prompt = np.atleast_2d(np.asarray(prompt_tokens))
     if prompt.ndim != 2 or prompt.dtype.kind not in "iu" or prompt.shape[1] == 0:
         raise ValueError(
-            f"the prompt must be token ids, (t,) or (b, t) integers with t >= 1, got "
-            f"{prompt.dtype} "
-            f"{prompt.shape}")
+            "the prompt must be token ids, (t,) or (b, t) integers with t >= 1, got "
+            f"{prompt.dtype} {prompt.shape}"
+        )
     if prompt.min() < 0 or prompt.max() >= model.cfg.vocab_size:
         raise ValueError(
-            f"prompt ids must lie in [0, {model.cfg.vocab_size}), the model's vocabulary; "
-            f"got {prompt.min()}..{prompt.max()}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens,
-                                                          (int, np.integer)) or max_new_tokens < 0:
+            f"prompt ids must lie in [0, {model.cfg.vocab_size}), the model's vocabulary; got "
+            f"{prompt.min()}..{prompt.max()}"
+        )
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, (int, np.integer))
+        or max_new_tokens < 0
+    ):
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if not np.isfinite(temperature) or temperature < 0:
         raise ValueError(
-            f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+            f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
+        )
     if top_k is not None and top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 or None: no top-k), got {top_k}")
     return prompt.astype(np.int32), min(top_k, model.cfg.vocab_size) if top_k else None
@@ -85,9 +91,17 @@ def _for_decoding(model):
     return ModelDef(abstract_model(model.cfg, layout)).bind(ModelDef(model).params(model))
 
 
-def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, rng=None, eos_id: int | None = None, stopped=None,
-             emit=None) -> np.ndarray:
+def generate(
+    model,
+    prompt_tokens,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    rng=None,
+    eos_id: int | None = None,
+    stopped=None,
+    emit=None,
+) -> np.ndarray:
     """Continue each row of `prompt_tokens` (b, t), equal-length prompts, by `max_new_tokens`.
 
     The prompt fills the cache in one pass, then each new token costs one position's worth of
@@ -107,11 +121,11 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
     # room in the cache for the first new token; a context of 1 keeps one prompt token
     if t >= ctx:
         keep = max(ctx - 1, 1)
-        prompt, t = prompt[:, t - keep:], keep
+        prompt, t = prompt[:, t - keep :], keep
     prompt = prompt[padded_rows(rows, model.layout.dp)]
     b = prompt.shape[0]
     rng = jax.random.key(0) if rng is None else rng
-    cache = model.init_cache(b, min(ctx, t + max_new_tokens))   # no longer than the sample needs
+    cache = model.init_cache(b, min(ctx, t + max_new_tokens))  # no longer than the sample needs
     tok, cache = _prefill(model, prompt, cache, jax.random.fold_in(rng, 0), temperature, top_k)
     out = [np.asarray(tok)]
     emit = emit or (lambda tokens: None)
@@ -134,5 +148,5 @@ def generate(model, prompt_tokens, max_new_tokens: int, temperature: float = 1.0
         out.append(tok)
         emit(tok[:rows])
         # the window is all it reads
-        seq = np.concatenate([seq[:, 1 - ctx:], tok[:, None]], axis=1)
+        seq = np.concatenate([seq[:, 1 - ctx :], tok[:, None]], axis=1)
     return np.stack(out, axis=1)[:rows]

@@ -2,6 +2,7 @@
 logits and the fused cross-entropy. The decoders of today are GPTs of other fields: RMSNorm,
 rotary positions (no position table), SwiGLU, grouped-query attention and an untied output
 layer (model_config.py); Llama, Mistral and Qwen2 checkpoints import into this class."""
+
 from __future__ import annotations
 
 import jax
@@ -12,9 +13,9 @@ from megajax.config import ModelConfig
 from megajax.core import sharding as S
 from megajax.core.attention import stored_kv_heads
 from megajax.core.layers import VocabParallelEmbedding, dropout, param
-from megajax.core.norms import norm
 from megajax.core.loss import mask_padded_vocab, vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
+from megajax.core.norms import norm
 from megajax.core.ops import segment_positions
 from megajax.core.precision import Precision
 from megajax.core.stack import LayerStack
@@ -28,15 +29,33 @@ class GPT(nnx.Module):
         precision = Precision.of(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
         rows = dict(rows=cfg.vocab_rows(layout.tp), drawn=cfg.padded_vocab)
-        self.embed = VocabParallelEmbedding(**rows, dim=cfg.hidden, layout=layout,
-                                            precision=precision, std=cfg.init_std, rngs=rngs)
-        self.pos = param(nnx.initializers.normal(cfg.init_std), S.REPLICATED_2D, rngs.params(),
-                         (cfg.seq_len, cfg.hidden)) if cfg.positions == "learned" else None
+        self.embed = VocabParallelEmbedding(
+            **rows, dim=cfg.hidden, layout=layout, precision=precision, std=cfg.init_std, rngs=rngs
+        )
+        self.pos = (
+            param(
+                nnx.initializers.normal(cfg.init_std),
+                S.REPLICATED_2D,
+                rngs.params(),
+                (cfg.seq_len, cfg.hidden),
+            )
+            if cfg.positions == "learned"
+            else None
+        )
         self.layers = LayerStack(cfg, layout, precision, rngs, causal=True)
         self.ln_f = norm(cfg, layout)
-        self.head = None if cfg.tie_embeddings else VocabParallelEmbedding(
-            **rows, dim=cfg.hidden, layout=layout, precision=precision, std=cfg.init_std,
-            rngs=rngs)
+        self.head = (
+            None
+            if cfg.tie_embeddings
+            else VocabParallelEmbedding(
+                **rows,
+                dim=cfg.hidden,
+                layout=layout,
+                precision=precision,
+                std=cfg.init_std,
+                rngs=rngs,
+            )
+        )
 
     @property
     def output_layer(self) -> VocabParallelEmbedding:
@@ -56,7 +75,7 @@ class GPT(nnx.Module):
         s = tokens.shape[1]
         k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
         x = self.embed(tokens)
-        if self.pos is not None:    # rotary positions are applied in each attention block instead
+        if self.pos is not None:  # rotary positions are applied in each attention block instead
             positions = jnp.arange(s) if pos is None else pos + jnp.arange(s)
             if segments is not None:
                 positions = segment_positions(segments)
@@ -76,29 +95,38 @@ class GPT(nnx.Module):
         keeps its key/value heads only, or on a model axis larger than their count each
         device's copy: stored_kv_heads)."""
         c = self.cfg
-        shape = (c.num_layers, batch, stored_kv_heads(c, self.layout.tp), max_len or c.seq_len,
-                 c.head_dim)
+        shape = (
+            c.num_layers,
+            batch,
+            stored_kv_heads(c, self.layout.tp),
+            max_len or c.seq_len,
+            c.head_dim,
+        )
         spec = S.P(None, *S.KV_CACHE)
-        make = jax.jit(lambda: jnp.zeros(shape, self.dtype),
-                       out_shardings=self.layout.sharding(spec))
+        make = jax.jit(
+            lambda: jnp.zeros(shape, self.dtype), out_shardings=self.layout.sharding(spec)
+        )
         return make(), make()
 
     def decode(self, tokens, cache, pos):
         """Logits (b, s, vocab) for tokens at positions pos.. given the cache, and the new cache."""
         h, cache = self.hidden_states(tokens, cache=cache, pos=pos)
-        return mask_padded_vocab(self.output_layer.attend(h, self.layout.sequence_parallel),
-                                 self.cfg.vocab_size), cache
+        return mask_padded_vocab(
+            self.output_layer.attend(h, self.layout.sequence_parallel), self.cfg.vocab_size
+        ), cache
 
     def __call__(self, tokens, *, key=None):
         """Logits over the real vocabulary (padding columns masked), split over "model"."""
-        logits = self.output_layer.attend(self.hidden_states(tokens, key=key),
-                                          self.layout.sequence_parallel)
+        logits = self.output_layer.attend(
+            self.hidden_states(tokens, key=key), self.layout.sequence_parallel
+        )
         return mask_padded_vocab(logits, self.cfg.vocab_size)
 
     def token_losses(self, tokens, targets, *, key=None, segments=None):
         """(b, s) per-token cross-entropy through the fused vocab-parallel loss."""
-        logits = self.output_layer.attend(self.hidden_states(tokens, key=key, segments=segments),
-                                          self.layout.sequence_parallel)
+        logits = self.output_layer.attend(
+            self.hidden_states(tokens, key=key, segments=segments), self.layout.sequence_parallel
+        )
         return vocab_parallel_cross_entropy(logits, targets, self.layout, self.cfg.vocab_size)
 
     def loss(self, tokens, targets, *, key=None, weights=None, segments=None):
@@ -120,6 +148,11 @@ class GPT(nnx.Module):
             loss = self.loss(batch[:, :-1], batch[:, 1:], key=key)
             return loss, {"loss": loss}
         tokens = batch["tokens"]
-        loss = self.loss(tokens[:, :-1], tokens[:, 1:], key=key, weights=batch["loss_mask"],
-                         segments=batch["segments"][:, :-1])
+        loss = self.loss(
+            tokens[:, :-1],
+            tokens[:, 1:],
+            key=key,
+            weights=batch["loss_mask"],
+            segments=batch["segments"][:, :-1],
+        )
         return loss, {"loss": loss}

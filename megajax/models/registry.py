@@ -3,6 +3,7 @@
 `init_model` builds a model directly into its shardings: each device only ever materialises
 its own slices, and the same seed gives the same global weights on every mesh.
 """
+
 from __future__ import annotations
 
 import jax
@@ -30,8 +31,11 @@ def abstract_model(cfg: ModelConfig, layout: S.Layout | None = None):
 
 def param_specs(model_or_state):
     """PartitionSpecs of every parameter, read from the NNX sharding metadata."""
-    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state,
-                                                                                   nnx.Param)
+    state = (
+        model_or_state
+        if isinstance(model_or_state, nnx.State)
+        else nnx.state(model_or_state, nnx.Param)
+    )
     return nnx.get_partition_spec(state)
 
 
@@ -48,8 +52,9 @@ def init_model(cfg: ModelConfig, mesh, seed: int = 0, param_shardings: dict | No
     shardings = S.param_shardings(mesh, nnx.get_partition_spec(abs_state))
     if param_shardings is not None:
         shardings = jax.tree.map(lambda x: x, shardings)
-        nnx.replace_by_pure_dict(shardings,
-                                 _unstringify(param_shardings, nnx.to_pure_dict(shardings)))
+        nnx.replace_by_pure_dict(
+            shardings, _unstringify(param_shardings, nnx.to_pure_dict(shardings))
+        )
 
     @jax.jit
     def create():
@@ -65,6 +70,7 @@ def init_model(cfg: ModelConfig, mesh, seed: int = 0, param_shardings: dict | No
 # --- Parameters as a plain nested dict --------------------------------------------------
 # optax, orbax and the train step work on plain dicts of arrays (string keys); the NNX
 # graph definition and a template state turn them back into a module inside the step.
+
 
 def params_dict(tree):
     """A pure dict of an NNX state (nnx.to_pure_dict) with string keys: the params dict form."""
@@ -87,8 +93,9 @@ class ModelDef:
 
     def __init__(self, model):
         self.graphdef, params_state, self.rest = nnx.split(model, nnx.Param, ...)
-        self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                      params_state)
+        self._template = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state
+        )
         self.cfg = model.cfg
         self.layout = model.layout
 
@@ -96,14 +103,20 @@ class ModelDef:
         return params_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
     def abstract_params(self) -> dict:
-        return params_dict(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                       nnx.to_pure_dict(self._template)))
+        return params_dict(
+            jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(self._template)
+            )
+        )
 
     def abstract_sharded_params(self, shardings) -> dict:
         """ShapeDtypeStructs carrying the given shardings: a restore or compile target, nothing
         allocated."""
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            self.abstract_params(), shardings)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            self.abstract_params(),
+            shardings,
+        )
 
     def specs(self) -> dict:
         return params_dict(nnx.to_pure_dict(nnx.get_partition_spec(self._template)))

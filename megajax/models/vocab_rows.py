@@ -9,6 +9,7 @@ vocab_rows`. Here the trees of weights and optimizer state move between the two:
 after a checkpoint is read, `for_checkpoint` before one is written. On a mesh that divides the
 padded vocabulary both are the identity.
 """
+
 from __future__ import annotations
 
 import jax
@@ -35,12 +36,15 @@ def checkpoint_target(abstract, padded_vocab: int):
     """An abstract tree (ShapeDtypeStructs with this mesh's shardings) as the checkpoint holds
     it: the vocabulary leaves with padded_vocab rows, read whole along the vocabulary (a model
     axis that does not divide the rows cannot split them)."""
+
     def leaf(path, x):
         if not is_vocab_leaf(path) or x.shape[0] == padded_vocab:
             return x
         spec = P(None, *x.sharding.spec[1:])
-        return jax.ShapeDtypeStruct((padded_vocab, *x.shape[1:]), x.dtype,
-                                    sharding=NamedSharding(x.sharding.mesh, spec))
+        return jax.ShapeDtypeStruct(
+            (padded_vocab, *x.shape[1:]), x.dtype, sharding=NamedSharding(x.sharding.mesh, spec)
+        )
+
     return jax.tree_util.tree_map_with_path(leaf, abstract)
 
 
@@ -49,9 +53,12 @@ def for_mesh(tree, abstract):
     rows (and shardings) of `abstract`: the zeros padding is never a token."""
     if not _differs(tree, abstract):
         return tree
-    return jax.jit(lambda t: jax.tree_util.tree_map_with_path(
-        lambda p, x, a: _resized(x, a.shape[0]) if is_vocab_leaf(p) else x, t, abstract),
-        out_shardings=jax.tree.map(lambda a: a.sharding, abstract))(tree)
+    return jax.jit(
+        lambda t: jax.tree_util.tree_map_with_path(
+            lambda p, x, a: _resized(x, a.shape[0]) if is_vocab_leaf(p) else x, t, abstract
+        ),
+        out_shardings=jax.tree.map(lambda a: a.sharding, abstract),
+    )(tree)
 
 
 def for_checkpoint(tree, padded_vocab: int):
@@ -64,14 +71,20 @@ def for_checkpoint(tree, padded_vocab: int):
         if not is_vocab_leaf(p) or x.shape[0] == padded_vocab:
             return x.sharding
         return NamedSharding(x.sharding.mesh, P(None, *x.sharding.spec[1:]))
-    return jax.jit(lambda t: jax.tree_util.tree_map_with_path(
-        lambda p, x: _resized(x, padded_vocab) if is_vocab_leaf(p) else x, t),
-        out_shardings=jax.tree_util.tree_map_with_path(sharding, tree))(tree)
+
+    return jax.jit(
+        lambda t: jax.tree_util.tree_map_with_path(
+            lambda p, x: _resized(x, padded_vocab) if is_vocab_leaf(p) else x, t
+        ),
+        out_shardings=jax.tree_util.tree_map_with_path(sharding, tree),
+    )(tree)
 
 
 def _differs(tree, abstract, padded_vocab: int | None = None) -> bool:
     """Whether a vocabulary leaf of `tree` has other rows than `abstract`'s (or padded_vocab)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    wanted = (jax.tree.leaves(abstract) if abstract is not None else [None] * len(leaves))
-    return any(is_vocab_leaf(p) and x.shape[0] != (padded_vocab if a is None else a.shape[0])
-               for (p, x), a in zip(leaves, wanted))
+    wanted = jax.tree.leaves(abstract) if abstract is not None else [None] * len(leaves)
+    return any(
+        is_vocab_leaf(p) and x.shape[0] != (padded_vocab if a is None else a.shape[0])
+        for (p, x), a in zip(leaves, wanted)
+    )

@@ -10,6 +10,7 @@ fits first. Nothing is compiled or allocated; `megajax-plan` / `python -m megaja
     measured.py   the GPU runs the stack is fitted on
 (the accelerators, and a user's TOML of one: megajax/hardware.py)
 """
+
 from megajax.hardware import BUILTIN, Hardware, load_hardware, pick_hardware
 from megajax.plan.search import Plan, plan
 

@@ -1,4 +1,5 @@
 """python -m megajax.plan: the planner's command line (megajax/cli/plan.py)."""
+
 import sys
 
 from megajax.cli.plan import plan_command

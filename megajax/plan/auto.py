@@ -2,6 +2,7 @@
 otherwise (the model too big for a device, or a batch that does not split over every device)
 the fastest mesh (data, pipeline stages, model) that megajax-plan predicts to fit, with the
 run's own options. When none does, every device on "data", and the run's own checks say why."""
+
 from __future__ import annotations
 
 import jax
@@ -28,8 +29,9 @@ def _runs_on(cfg: Config, mesh: MeshShape) -> bool:
     return True
 
 
-def auto_mesh(cfg: Config, devices: int, device_bytes: int | None, backend: str,
-              device_kind: str = "") -> tuple[MeshShape, str | None]:
+def auto_mesh(
+    cfg: Config, devices: int, device_bytes: int | None, backend: str, device_kind: str = ""
+) -> tuple[MeshShape, str | None]:
     """(the mesh `--mesh auto` runs, a line saying why when it is not every device on "data",
     else None)."""
     kind = "cpu" if backend == "cpu" else "gpu"
@@ -40,18 +42,24 @@ def auto_mesh(cfg: Config, devices: int, device_bytes: int | None, backend: str,
     if flat_need is not None and flat_need <= device_bytes:
         return flat, None
     hw = for_device(device_kind) or BUILTIN[RANKED_AS]
-    fitting = [(evaluate(cfg, mesh, hw).step_seconds, mesh.model, mesh.pipe, mesh)
-               for mesh in meshes(cfg, devices)
-               if _runs_on(cfg, mesh) and memory_bytes(cfg, mesh, kind)["total"] <= device_bytes]
+    fitting = [
+        (evaluate(cfg, mesh, hw).step_seconds, mesh.model, mesh.pipe, mesh)
+        for mesh in meshes(cfg, devices)
+        if _runs_on(cfg, mesh) and memory_bytes(cfg, mesh, kind)["total"] <= device_bytes
+    ]
     if not fitting:
-        return flat, None       # the run's own check says what does not fit, and why
+        return flat, None  # the run's own check says what does not fit, and why
     mesh = min(fitting, key=lambda f: f[:3])[3]
-    flat_line = ("the batch does not split over every device on the data axis"
-                 if flat_need is None else
-                 f"every device on the data axis would need about {flat_need / 2**30:,.1f} GiB "
-                 f"per device, and a device has {device_bytes / 2**30:,.1f} GiB")
-    return mesh, (f"--mesh auto: {flat_line}; running {mesh}, the fastest mesh megajax-plan "
-                  f"predicts to fit with this run's options")
+    flat_line = (
+        "the batch does not split over every device on the data axis"
+        if flat_need is None
+        else f"every device on the data axis would need about {flat_need / 2**30:,.1f} GiB per "
+        f"device, and a device has {device_bytes / 2**30:,.1f} GiB"
+    )
+    return mesh, (
+        f"--mesh auto: {flat_line}; running {mesh}, the fastest mesh megajax-plan predicts to fit "
+        "with this run's options"
+    )
 
 
 def resolve_mesh(spec: str | None, run_config, devices=None) -> tuple[MeshShape, str | None]:
@@ -65,6 +73,11 @@ def resolve_mesh(spec: str | None, run_config, devices=None) -> tuple[MeshShape,
     try:
         cfg = run_config().validate()
     except UserError:
-        return MeshShape(data=len(devices)), None   # the run's own checks report it, in order
-    return auto_mesh(cfg, len(devices), memory.device_memory_bytes(), jax.default_backend(),
-                     devices[0].device_kind)
+        return MeshShape(data=len(devices)), None  # the run's own checks report it, in order
+    return auto_mesh(
+        cfg,
+        len(devices),
+        memory.device_memory_bytes(),
+        jax.default_backend(),
+        devices[0].device_kind,
+    )

@@ -27,6 +27,7 @@ the dry run's compiled peak at several points, in float32. (XLA:CPU of jax 0.10 
 16-bit activations in float32 and keeps a 16-bit copy of the stacked checkpoints too; jax
 0.12's keeps them 16-bit, as accelerators do, and as modelled here.)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,7 +47,7 @@ from megajax.mesh_shape import MeshShape
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.tasks import task_for
 
-ADAM_MOMENTS = 2          # float32 first and second moments per parameter
+ADAM_MOMENTS = 2  # float32 first and second moments per parameter
 BACKENDS = ("gpu", "cpu")
 # optax's int32 step counts (Adam's and the schedule's); the loss scale's four scalars
 OPTIMIZER_COUNTERS = 8 + 16
@@ -56,7 +57,7 @@ OPTIMIZER_COUNTERS = 8 + 16
 class Weight:
     shape: tuple[int, ...]
     spec: P
-    stacked: bool         # the scanned layers' stacked weights
+    stacked: bool  # the scanned layers' stacked weights
     # kernels and LayerNorm scales: the backward pass reads them (FSDP gathers again)
     read_backward: bool
 
@@ -80,7 +81,8 @@ def _read_weights(model_cfg: ModelConfig) -> tuple[Weight, ...]:
     for (path, x), spec in zip(shapes, specs):
         keys = path_keys(path)
         out.append(
-            Weight(tuple(x.shape), spec, keys[0] == "layers", keys[-1] in ("kernel", "scale")))
+            Weight(tuple(x.shape), spec, keys[0] == "layers", keys[-1] in ("kernel", "scale"))
+        )
     return tuple(out)
 
 
@@ -95,14 +97,15 @@ def shard_elements(shape, spec, mesh: MeshShape) -> int:
 @dataclasses.dataclass
 class StateSplit:
     """Elements of one device's model shard of the parameters, by how the data axis treats them."""
-    model_shard: int = 0      # all of them (G in the audit's data-axis forms)
-    split: int = 0            # those ZeRO/FSDP split over "data" (a dimension divides)
-    whole: int = 0            # those no dimension of which divides: all-reduced whole
-    layers: int = 0           # split and in the stacked layers (FSDP gathers them per layer)
-    layers_read: int = 0      # of those, what the backward pass reads (FSDP gathers them again)
-    params_local: int = 0     # elements of parameters a device stores (FSDP: its data slice)
+
+    model_shard: int = 0  # all of them (G in the audit's data-axis forms)
+    split: int = 0  # those ZeRO/FSDP split over "data" (a dimension divides)
+    whole: int = 0  # those no dimension of which divides: all-reduced whole
+    layers: int = 0  # split and in the stacked layers (FSDP gathers them per layer)
+    layers_read: int = 0  # of those, what the backward pass reads (FSDP gathers them again)
+    params_local: int = 0  # elements of parameters a device stores (FSDP: its data slice)
     optimizer_local: int = 0  # elements of each Adam moment a device stores (ZeRO: its data slice)
-    nonlayer_shard: int = 0   # model-shard elements outside the stacked layers
+    nonlayer_shard: int = 0  # model-shard elements outside the stacked layers
 
 
 def state_split(cfg: Config, mesh: MeshShape) -> StateSplit:
@@ -116,10 +119,18 @@ def state_split(cfg: Config, mesh: MeshShape) -> StateSplit:
     for w in weights(cfg.model):
         local = shard_elements(w.shape, w.spec, model_only) // (pp if w.stacked else 1)
         # (FSDP gathers a layer at a time, and stages split the layers: never their axis)
-        split = data_sharded_spec(w.shape, w.spec, mesh.data, mesh.model,
-                                  skip_leading=w.stacked and (fsdp or pp > 1)) if zero else None
-        sliced = local if split is None else shard_elements(w.shape, split, mesh) // (
-            pp if w.stacked else 1)
+        split = (
+            data_sharded_spec(
+                w.shape, w.spec, mesh.data, mesh.model, skip_leading=w.stacked and (fsdp or pp > 1)
+            )
+            if zero
+            else None
+        )
+        sliced = (
+            local
+            if split is None
+            else shard_elements(w.shape, split, mesh) // (pp if w.stacked else 1)
+        )
         out.model_shard += local
         out.params_local += sliced if fsdp else local
         out.optimizer_local += sliced
@@ -154,29 +165,41 @@ def logit_bytes(cfg: Config, backend: str = "gpu") -> int:
 def rows_per_microbatch(cfg: Config, mesh: MeshShape) -> int:
     """Sequences one data shard runs per microbatch (each RACE option is one)."""
     t = cfg.train
-    return (mesh.rows_per_microbatch(t.batch_size, t.microbatches)
-            * task_for(cfg).sequences_per_example)
+    return (
+        mesh.rows_per_microbatch(t.batch_size, t.microbatches) * task_for(cfg).sequences_per_example
+    )
 
 
 def _layer_shape(cfg: Config, mesh: MeshShape, backend: str) -> dict:
     """activation_bytes_per_layer's arguments for one device and microbatch."""
     m, tp = cfg.model, mesh.model
-    return dict(b=rows_per_microbatch(cfg, mesh), s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=tp,
-                ffn=m.ffn, sequence_parallel=m.sequence_parallel, dtype=activation_dtype(cfg),
-                hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
-                recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
-                head_dim=m.head_dim,
-                kv_heads=stored_kv_heads(m, tp),
-                gated=m.mlp == "swiglu", rms_norm=m.norm == "rmsnorm",
-                # cuDNN's flash attention, on GPUs (on the CPU "fused" is XLA's, which keeps its
-                # scores)
-                fused_attention=backend != "cpu" and fused_attention(m, on="gpu"))
+    return dict(
+        b=rows_per_microbatch(cfg, mesh),
+        s=m.seq_len,
+        h=m.hidden,
+        heads=m.num_heads,
+        tp=tp,
+        ffn=m.ffn,
+        sequence_parallel=m.sequence_parallel,
+        dtype=activation_dtype(cfg),
+        hidden_dropout=m.hidden_dropout > 0,
+        attention_dropout=m.attention_dropout > 0,
+        recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
+        head_dim=m.head_dim,
+        kv_heads=stored_kv_heads(m, tp),
+        gated=m.mlp == "swiglu",
+        rms_norm=m.norm == "rmsnorm",
+        # cuDNN's flash attention, on GPUs (on the CPU "fused" is XLA's, which keeps its
+        # scores)
+        fused_attention=backend != "cpu" and fused_attention(m, on="gpu"),
+    )
 
 
 def kept_activation_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> int:
     """What the backward pass keeps, for every layer, for one microbatch."""
-    return cfg.model.num_layers * activation_bytes_per_layer(remat=cfg.model.remat,
-                                                             **_layer_shape(cfg, mesh, backend))
+    return cfg.model.num_layers * activation_bytes_per_layer(
+        remat=cfg.model.remat, **_layer_shape(cfg, mesh, backend)
+    )
 
 
 def memory_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> dict:
@@ -195,26 +218,30 @@ def memory_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> dict:
     # masks come from): full remat's, and any pipeline's backward tick, whose stage holds one
     # microbatch's activations only, so this transient is no longer small beside them.
     if m.remat == "full" or pp > 1:
-        random_bits = 4 * (b * m.num_heads // tp * s * s * (m.attention_dropout > 0)
-                           + 2 * b * s * h * (m.hidden_dropout > 0))
+        random_bits = 4 * (
+            b * m.num_heads // tp * s * s * (m.attention_dropout > 0)
+            + 2 * b * s * h * (m.hidden_dropout > 0)
+        )
         working = activation_bytes_per_layer(remat="none", **kw) + random_bits
     logits = logit_bytes(cfg, backend) * b * task.head_rows(cfg) * m.padded_vocab // tp
     gathered = 0
     if t.shard_params and dp > 1:
         gathered = 4 * (st.layers // (L // pp) + st.nonlayer_shard)
-        if pp > 1:     # a pipeline sums those weights' gradients whole over its ticks
+        if pp > 1:  # a pipeline sums those weights' gradients whole over its ticks
             gathered += 4 * st.nonlayer_shard
     kept = kept_activation_bytes(cfg, mesh, backend)
     if pp > 1:
         slots = pipeline_slots(cfg, mesh)
         boundary = b * s * h // (tp if m.sequence_parallel else 1) * DTYPE_BYTES[kw["dtype"]]
-        working += kept // pp        # the backward tick's stage, one microbatch
+        working += kept // pp  # the backward tick's stage, one microbatch
         kept = slots * boundary
-    out = {"params": 4 * st.params_local,
-           "gradients": 4 * gradient_copies(cfg, backend) * st.params_local,
-           "optimizer": 4 * ADAM_MOMENTS * st.optimizer_local + OPTIMIZER_COUNTERS,
-           "activations": kept,
-           "working": max(working, logits) + gathered}
+    out = {
+        "params": 4 * st.params_local,
+        "gradients": 4 * gradient_copies(cfg, backend) * st.params_local,
+        "optimizer": 4 * ADAM_MOMENTS * st.optimizer_local + OPTIMIZER_COUNTERS,
+        "activations": kept,
+        "working": max(working, logits) + gathered,
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -227,7 +254,7 @@ def pipeline_slots(cfg: Config, mesh: MeshShape) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _slots(schedule: str, pp: int, micro: int, chunks: int) -> int:
-    if schedule != "interleaved":      # the tables' closed forms (tests/test_plan.py)
+    if schedule != "interleaved":  # the tables' closed forms (tests/test_plan.py)
         return (micro if schedule == "gpipe" else min(pp, micro)) + 1
     table = schedules.build(schedule, pp, micro, chunks)
     return table.act_slots + table.grad_slots
@@ -239,8 +266,7 @@ def _slots(schedule: str, pp: int, micro: int, chunks: int) -> int:
 FAR_TOO_BIG = 4.0
 
 
-def far_too_big(cfg: Config, mesh: MeshShape, backend: str,
-                device_bytes: int | None) -> str | None:
+def far_too_big(cfg: Config, mesh: MeshShape, backend: str, device_bytes: int | None) -> str | None:
     """A line refusing a step the planner predicts to need FAR_TOO_BIG times what a device has,
     or None (then the compiled step's own figure decides)."""
     if not device_bytes:
@@ -249,8 +275,10 @@ def far_too_big(cfg: Config, mesh: MeshShape, backend: str,
     if need["total"] <= FAR_TOO_BIG * device_bytes:
         return None
     parts = ", ".join(f"{k} {v / 2**30:,.1f}" for k, v in need.items() if k != "total" and v)
-    return (f"the train step would need about {need['total'] / 2**30:,.0f} GiB per device (the "
-            f"planner's figure, GiB: {parts}), {need['total'] / device_bytes:,.0f} times the "
-            f"{device_bytes / 2**30:,.1f} GiB a device has here: refused before compiling. Lower "
-            f"train.batch_size or model.seq_len, raise train.microbatches, set model.remat, or "
-            f"use a larger model axis (megajax-plan finds a way to run it)")
+    return (
+        f"the train step would need about {need['total'] / 2**30:,.0f} GiB per device (the "
+        f"planner's figure, GiB: {parts}), {need['total'] / device_bytes:,.0f} times the "
+        f"{device_bytes / 2**30:,.1f} GiB a device has here: refused before compiling. Lower "
+        "train.batch_size or model.seq_len, raise train.microbatches, set model.remat, or use a "
+        "larger model axis (megajax-plan finds a way to run it)"
+    )

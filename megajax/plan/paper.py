@@ -5,22 +5,27 @@ model-parallel group, fp16, full recomputation; weak scaling of 1.2B / 2.5B / 4.
 and strong scaling of the 1.2B model on 1 / 2 / 4 / 8 GPUs. Megatron-LM 2019 all-reduced fp16
 gradients, once per step, after the backward pass.
 """
+
 from __future__ import annotations
 
 from megajax.config import Config, load_config
-from megajax.plan import timing
 from megajax.hardware import BUILTIN
+from megajax.mesh_shape import MeshShape
+from megajax.plan import timing
 from megajax.plan.memory import state_split
 from megajax.plan.timing import step_time
 from megajax.plan.volumes import step_flops
-from megajax.mesh_shape import MeshShape
 
 CONFIGS = ("gpt2_1.2b", "gpt2_2.5b", "gpt2_4.2b", "gpt2_8.3b")
 MODEL_PARALLEL = (1, 2, 4, 8)
 DATA_PARALLEL = 64
 # The paper's figures, in percent (weak scaling) and times faster than one GPU (strong scaling).
-PAPER = {"model_parallel": (100, 95, 82, 77), "model_and_data_parallel": (96, 83, 79, 74),
-         "strong_scaling": (1.0, 1.64, 2.34, 2.98), "baseline_tflops": 39.0}
+PAPER = {
+    "model_parallel": (100, 95, 82, 77),
+    "model_and_data_parallel": (96, 83, 79, 74),
+    "strong_scaling": (1.0, 1.64, 2.34, 2.98),
+    "baseline_tflops": 39.0,
+}
 # What calibrates the two constants of megajax/plan/timing.py; everything else is predicted.
 CALIBRATED_ON = ("baseline_tflops", "model_parallel[8.3B]")
 PAPER_GRADIENT_BYTES = 2
@@ -28,8 +33,15 @@ PAPER_GRADIENT_BYTES = 2
 
 def study_config(name: str, mesh: MeshShape) -> Config:
     """The study's runs: 8 sequences per data replica."""
-    return load_config(name, ["model.remat=full", "model.compute_dtype=bfloat16",
-                              f"train.batch_size={8 * mesh.data}", "train.microbatches=1"])
+    return load_config(
+        name,
+        [
+            "model.remat=full",
+            "model.compute_dtype=bfloat16",
+            f"train.batch_size={8 * mesh.data}",
+            "train.microbatches=1",
+        ],
+    )
 
 
 def tflops_per_gpu(name: str, mesh: MeshShape) -> float:
@@ -41,36 +53,53 @@ def tflops_per_gpu(name: str, mesh: MeshShape) -> float:
 def scaling_study() -> dict:
     """The planner's version of every figure in PAPER."""
     base = tflops_per_gpu(CONFIGS[0], MeshShape())
-    mp = tuple(100 * tflops_per_gpu(c, MeshShape(model=t)) / base
-               for c, t in zip(CONFIGS, MODEL_PARALLEL))
-    mdp = tuple(100 * tflops_per_gpu(c, MeshShape(data=DATA_PARALLEL, model=t)) / base
-                for c, t in zip(CONFIGS, MODEL_PARALLEL))
+    mp = tuple(
+        100 * tflops_per_gpu(c, MeshShape(model=t)) / base for c, t in zip(CONFIGS, MODEL_PARALLEL)
+    )
+    mdp = tuple(
+        100 * tflops_per_gpu(c, MeshShape(data=DATA_PARALLEL, model=t)) / base
+        for c, t in zip(CONFIGS, MODEL_PARALLEL)
+    )
     cfg = study_config(CONFIGS[0], MeshShape())
     one = step_time(cfg, MeshShape(), BUILTIN["v100-dgx2h"]).seconds
-    strong = tuple(one / step_time(cfg, MeshShape(model=t), BUILTIN["v100-dgx2h"]).seconds
-                   for t in MODEL_PARALLEL)
-    return {"model_parallel": mp, "model_and_data_parallel": mdp, "strong_scaling": strong,
-            "baseline_tflops": base}
+    strong = tuple(
+        one / step_time(cfg, MeshShape(model=t), BUILTIN["v100-dgx2h"]).seconds
+        for t in MODEL_PARALLEL
+    )
+    return {
+        "model_parallel": mp,
+        "model_and_data_parallel": mdp,
+        "strong_scaling": strong,
+        "baseline_tflops": base,
+    }
 
 
 def table(study: dict | None = None) -> str:
     """Markdown: the paper's figures next to the planner's."""
     study = study or scaling_study()
-    rows = ["| figure | GPUs | paper | planner |", "| --- | --- | --- | --- |",
-            f"| 1.2B on one V100, TFLOP/s | 1 | {PAPER['baseline_tflops']:.0f} | "
-            f"{study['baseline_tflops']:.1f} (calibrated) |"]
+    rows = [
+        "| figure | GPUs | paper | planner |",
+        "| --- | --- | --- | --- |",
+        f"| 1.2B on one V100, TFLOP/s | 1 | {PAPER['baseline_tflops']:.0f} | "
+        f"{study['baseline_tflops']:.1f} (calibrated) |",
+    ]
     for i, (c, t) in enumerate(zip(CONFIGS, MODEL_PARALLEL)):
         note = " (calibrated)" if c == "gpt2_8.3b" else ""
-        rows.append(f"| weak scaling, {c.removeprefix('gpt2_').upper()}, model parallel | {t} | "
-                    f"{PAPER['model_parallel'][i]}% | {study['model_parallel'][i]:.0f}%{note} |")
+        rows.append(
+            f"| weak scaling, {c.removeprefix('gpt2_').upper()}, model parallel | {t} | "
+            f"{PAPER['model_parallel'][i]}% | {study['model_parallel'][i]:.0f}%{note} |"
+        )
     for i, (c, t) in enumerate(zip(CONFIGS, MODEL_PARALLEL)):
         rows.append(
             f"| weak scaling, {c.removeprefix('gpt2_').upper()}, model + 64-way data parallel | "
             f"{64 * t} | {PAPER['model_and_data_parallel'][i]}% | "
-            f"{study['model_and_data_parallel'][i]:.0f}% |")
+            f"{study['model_and_data_parallel'][i]:.0f}% |"
+        )
     for i, t in enumerate(MODEL_PARALLEL):
-        rows.append(f"| strong scaling, 1.2B, speedup | {t} | {PAPER['strong_scaling'][i]:.2f} | "
-                    f"{study['strong_scaling'][i]:.2f} |")
+        rows.append(
+            f"| strong scaling, 1.2B, speedup | {t} | {PAPER['strong_scaling'][i]:.2f} | "
+            f"{study['strong_scaling'][i]:.2f} |"
+        )
     return "\n".join(rows)
 
 
@@ -100,14 +129,19 @@ def node_bandwidth_windows(tolerance: float = 5.0) -> dict[str, dict[str, float]
 
         # seconds the 64-way step may take beyond the model-parallel one
         def extra(percent):
-            return (flops / (percent / 100 * tflops)
-                    - flops / (PAPER["model_parallel"][i] / 100 * tflops))
+            return flops / (percent / 100 * tflops) - flops / (
+                PAPER["model_parallel"][i] / 100 * tflops
+            )
 
         figure = PAPER["model_and_data_parallel"][i]
         longest, shortest = extra(figure - tolerance), extra(figure + tolerance)
-        out[name] = {"node_bytes": ring, "node_bytes_lower": lower, "implied": ring / extra(figure),
-                     "low": ring / longest,
-                     "high": ring / shortest if shortest > 0 else float("inf")}
+        out[name] = {
+            "node_bytes": ring,
+            "node_bytes_lower": lower,
+            "implied": ring / extra(figure),
+            "low": ring / longest,
+            "high": ring / shortest if shortest > 0 else float("inf"),
+        }
     return out
 
 
@@ -117,15 +151,19 @@ def windows_table(windows: dict | None = None) -> str:
     gb = 1e9
     rows = [
         "| 64-way data parallel | GPUs | each node's all-reduce traffic per step | node bandwidth "
-        "the paper's "
-        "figure implies | bandwidths within 5 points |", "| --- | --- | --- | --- | --- |"]
+        "the paper's figure implies | bandwidths within 5 points |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for (name, w), tp in zip(windows.items(), MODEL_PARALLEL):
-        span = (f"at least {w['low'] / gb:.0f}" if w["high"] == float("inf")
-                else f"{w['low'] / gb:.0f} to {w['high'] / gb:.0f}")
+        span = (
+            f"at least {w['low'] / gb:.0f}"
+            if w["high"] == float("inf")
+            else f"{w['low'] / gb:.0f} to {w['high'] / gb:.0f}"
+        )
         rows.append(
             f"| {name.removeprefix('gpt2_').upper()} | {DATA_PARALLEL * tp} | "
-            f"{w['node_bytes'] / gb:.1f} GB | "
-            f"{w['implied'] / gb:.0f} GB/s | {span} GB/s |")
+            f"{w['node_bytes'] / gb:.1f} GB | {w['implied'] / gb:.0f} GB/s | {span} GB/s |"
+        )
     return "\n".join(rows)
 
 
@@ -141,15 +179,18 @@ def calibrate() -> tuple[float, float]:
     """(MATMUL_EFFICIENCY, LAYER_OVERHEAD_SECONDS) that reproduce CALIBRATED_ON: for each
     candidate overhead the efficiency that gives the 1.2B model's 39 TFLOP/s, bisected on the
     8.3B model's 77% on 8 GPUs."""
+
     def baseline_gap(eff):
         timing.MATMUL_EFFICIENCY = eff
         return tflops_per_gpu(CONFIGS[0], MeshShape()) - PAPER["baseline_tflops"]
 
-    def weak_scaling_gap(overhead):    # falls as the overhead grows: negated for the bisection
+    def weak_scaling_gap(overhead):  # falls as the overhead grows: negated for the bisection
         timing.LAYER_OVERHEAD_SECONDS = overhead
         timing.MATMUL_EFFICIENCY = bisect(baseline_gap, 0.05, 1.0, steps=25)
-        return (PAPER["model_parallel"][3]
-                - 100 * tflops_per_gpu(CONFIGS[3], MeshShape(model=8)) / PAPER["baseline_tflops"])
+        return (
+            PAPER["model_parallel"][3]
+            - 100 * tflops_per_gpu(CONFIGS[3], MeshShape(model=8)) / PAPER["baseline_tflops"]
+        )
 
     saved = timing.MATMUL_EFFICIENCY, timing.LAYER_OVERHEAD_SECONDS
     try:

@@ -13,6 +13,7 @@ predictions. (A second, the 2019 stack's fixed cost per layer, fitted on the 1T 
 out at zero: it would slow the small models' many narrow layers, and the table shows them
 no slower, so the 2021 stack has none.)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,11 +21,11 @@ import dataclasses
 from megajax.analytic import paper_flops
 from megajax.config import Config, ModelConfig, TrainConfig
 from megajax.hardware import BUILTIN, Hardware
+from megajax.mesh_shape import MeshShape
 from megajax.plan import timing
 from megajax.plan.paper import bisect
 from megajax.plan.timing import step_time
 from megajax.plan.volumes import step_shape
-from megajax.mesh_shape import MeshShape
 
 # Megatron-LM's all-reduce of fp16 gradients over the data axis
 PAPER_GRADIENT_BYTES = 2
@@ -40,8 +41,8 @@ class Row:
     pp: int
     gpus: int
     batch: int
-    tflops: float          # achieved per GPU, the paper's count (recomputation included)
-    percent: int           # of the A100's 312 TFLOP/s
+    tflops: float  # achieved per GPU, the paper's count (recomputation included)
+    percent: int  # of the A100's 312 TFLOP/s
 
     @property
     def dp(self) -> int:
@@ -69,14 +70,24 @@ CALIBRATED_ON = (1.7,)
 
 def selene() -> Hardware:
     """The paper's cluster: the built-in DGX A100 with the 2021 Megatron-LM's constants."""
-    return dataclasses.replace(BUILTIN["a100-80g"], name="a100-selene", stack="megatron-2021",
-                               device_kinds=())
+    return dataclasses.replace(
+        BUILTIN["a100-80g"], name="a100-selene", stack="megatron-2021", device_kinds=()
+    )
 
 
 def row_config(row: Row) -> Config:
-    model = ModelConfig(num_layers=row.layers, hidden=row.hidden, num_heads=row.heads,
-                        seq_len=2048, vocab_size=51200, vocab_multiple=128, remat="full",
-                        compute_dtype="bfloat16", hidden_dropout=0.1, attention_dropout=0.1)
+    model = ModelConfig(
+        num_layers=row.layers,
+        hidden=row.hidden,
+        num_heads=row.heads,
+        seq_len=2048,
+        vocab_size=51200,
+        vocab_multiple=128,
+        remat="full",
+        compute_dtype="bfloat16",
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )
     train = TrainConfig(batch_size=row.batch, microbatches=row.batch // row.dp)
     return Config(model=model, train=train).validate()
 
@@ -94,13 +105,16 @@ def predicted_percent(row: Row) -> float:
 
 def table() -> str:
     """Markdown: the paper's Table 1 next to the planner's prediction of each row."""
-    out = ["| parameters | t | p | GPUs | batch | paper TFLOP/s (% of peak) | planner |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = [
+        "| parameters | t | p | GPUs | batch | paper TFLOP/s (% of peak) | planner |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in TABLE_1:
         note = " (calibrated)" if r.billions in CALIBRATED_ON else ""
-        out.append(f"| {r.billions:g}B | {r.tp} | {r.pp} | {r.gpus:,} | {r.batch:,} | "
-                   f"{r.tflops:.0f} ({r.percent}%) | {predicted_tflops(r):.0f} "
-                   f"({predicted_percent(r):.0f}%){note} |")
+        out.append(
+            f"| {r.billions:g}B | {r.tp} | {r.pp} | {r.gpus:,} | {r.batch:,} | {r.tflops:.0f} "
+            f"({r.percent}%) | {predicted_tflops(r):.0f} ({predicted_percent(r):.0f}%){note} |"
+        )
     return "\n".join(out)
 
 

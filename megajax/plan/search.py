@@ -2,6 +2,7 @@
 and model, the model axis dividing heads, hidden and ffn, the stages the layers), microbatch
 sizes for the config's global batch, recomputation, sequence parallelism and the data axis's
 scheme (plain, ZeRO-1, FSDP). The fastest plan that fits comes first."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,11 @@ from megajax.plan.memory import memory_bytes
 from megajax.plan.timing import axis_links, step_time
 from megajax.plan.volumes import step_flops
 
-SCHEMES = {"plain": {}, "zero": {"train.shard_optimizer": True},
-           "fsdp": {"train.shard_params": True}}
+SCHEMES = {
+    "plain": {},
+    "zero": {"train.shard_optimizer": True},
+    "fsdp": {"train.shard_params": True},
+}
 
 
 @dataclasses.dataclass
@@ -27,12 +31,12 @@ class Plan:
     remat: str
     sequence_parallel: bool
     scheme: str
-    memory: dict                 # bytes per device by kind, and "total"
+    memory: dict  # bytes per device by kind, and "total"
     device_bytes: float
-    seconds: dict                # step time by part
+    seconds: dict  # step time by part
     tokens_per_s: float
-    tflops_per_device: float     # the FLOPs the paper counts (recomputation included) per second
-    mfu: float                   # model FLOPs (no recomputation) per second over the peak
+    tflops_per_device: float  # the FLOPs the paper counts (recomputation included) per second
+    mfu: float  # model FLOPs (no recomputation) per second over the peak
     scaling_efficiency: float = 0.0
     links: dict = dataclasses.field(default_factory=dict)
     layer_programs: bool = False  # train.layer_programs (as the config asks: not searched)
@@ -60,23 +64,38 @@ class Plan:
 
     @property
     def options(self) -> dict:
-        return {"microbatches": self.microbatches, "remat": self.remat,
-                "sequence_parallel": self.sequence_parallel, "data_scheme": self.scheme,
-                "layer_programs": self.layer_programs}
+        return {
+            "microbatches": self.microbatches,
+            "remat": self.remat,
+            "sequence_parallel": self.sequence_parallel,
+            "data_scheme": self.scheme,
+            "layer_programs": self.layer_programs,
+        }
 
     def to_json(self) -> dict:
-        return {"mesh": str(self.mesh), "options": self.options, "fits": self.fits,
-                "memory_bytes": self.memory, "device_bytes": self.device_bytes,
-                "step_seconds": {**self.seconds, "total": self.step_seconds}, "links": self.links,
-                "tokens_per_s": self.tokens_per_s, "tflops_per_device": self.tflops_per_device,
-                "mfu": self.mfu, "scaling_efficiency": self.scaling_efficiency}
+        return {
+            "mesh": str(self.mesh),
+            "options": self.options,
+            "fits": self.fits,
+            "memory_bytes": self.memory,
+            "device_bytes": self.device_bytes,
+            "step_seconds": {**self.seconds, "total": self.step_seconds},
+            "links": self.links,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "scaling_efficiency": self.scaling_efficiency,
+        }
 
 
 def model_sizes(cfg: Config, devices: int) -> list[int]:
     m = cfg.model
     # t divides the heads: O(heads)
-    return [t for t in range(1, min(devices, m.num_heads) + 1) if devices % t == 0
-            and all(x % t == 0 for x in (m.num_heads, m.hidden, m.ffn))]
+    return [
+        t
+        for t in range(1, min(devices, m.num_heads) + 1)
+        if devices % t == 0 and all(x % t == 0 for x in (m.num_heads, m.hidden, m.ffn))
+    ]
 
 
 def meshes(cfg: Config, devices: int, pipelines: bool = True) -> list[MeshShape]:
@@ -84,10 +103,12 @@ def meshes(cfg: Config, devices: int, pipelines: bool = True) -> list[MeshShape]
     pipeline stages dividing the layers and the devices left (`pipelines`: whether stages are
     considered; a pipeline runs with a scanned stack: core/mesh.py's rules)."""
     staged = pipelines and cfg.model.scan_layers and not cfg.train.layer_programs
-    return [MeshShape(data=devices // tp // p, pipe=p, model=tp)
-            for tp in model_sizes(cfg, devices)
-            for p in range(1, (cfg.model.num_layers if staged else 1) + 1)
-            if cfg.model.num_layers % p == 0 and (devices // tp) % p == 0]
+    return [
+        MeshShape(data=devices // tp // p, pipe=p, model=tp)
+        for tp in model_sizes(cfg, devices)
+        for p in range(1, (cfg.model.num_layers if staged else 1) + 1)
+        if cfg.model.num_layers % p == 0 and (devices // tp) % p == 0
+    ]
 
 
 def candidates(cfg: Config, devices: int, schemes=tuple(SCHEMES), pipelines: bool = True):
@@ -102,10 +123,12 @@ def candidates(cfg: Config, devices: int, schemes=tuple(SCHEMES), pipelines: boo
             continue
         per_shard = batch // mesh.data
         for rows in (r for r in range(1, per_shard + 1) if per_shard % r == 0):
-            for remat, sp, scheme in itertools.product(("none", "selective", "full"),
-                                                       (False, True), schemes):
-                if ((sp and (mesh.model == 1 or cfg.model.seq_len % mesh.model))
-                        or (scheme != "plain" and mesh.data == 1)):
+            for remat, sp, scheme in itertools.product(
+                ("none", "selective", "full"), (False, True), schemes
+            ):
+                if (sp and (mesh.model == 1 or cfg.model.seq_len % mesh.model)) or (
+                    scheme != "plain" and mesh.data == 1
+                ):
                     continue
                 yield mesh, per_shard // rows, remat, sp, scheme
 
@@ -117,17 +140,26 @@ def evaluate(cfg: Config, mesh: MeshShape, hw: Hardware, gradient_bytes: int = 4
     seconds = step_time(cfg, mesh, hw, gradient_bytes).parts
     total = sum(seconds.values())
     n = mesh.devices
-    return Plan(mesh, t.microbatches, m.remat, m.sequence_parallel, scheme,
-                memory_bytes(cfg, mesh),
-                hw.memory_bytes, seconds, t.batch_size * m.seq_len / total,
-                step_flops(cfg) / n / total / 1e12,
-                step_flops(cfg, remat="none") / n / total / hw.peak_flops,
-                links={axis: link for axis, (_, _, link) in axis_links(mesh, hw).items()},
-                layer_programs=t.layer_programs)
+    return Plan(
+        mesh,
+        t.microbatches,
+        m.remat,
+        m.sequence_parallel,
+        scheme,
+        memory_bytes(cfg, mesh),
+        hw.memory_bytes,
+        seconds,
+        t.batch_size * m.seq_len / total,
+        step_flops(cfg) / n / total / 1e12,
+        step_flops(cfg, remat="none") / n / total / hw.peak_flops,
+        links={axis: link for axis, (_, _, link) in axis_links(mesh, hw).items()},
+        layer_programs=t.layer_programs,
+    )
 
 
-def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = None,
-          schemes=tuple(SCHEMES)) -> list[Plan]:
+def plans(
+    cfg: Config, devices: int, hw: Hardware, baseline: Config | None = None, schemes=tuple(SCHEMES)
+) -> list[Plan]:
     """Every valid plan, the fastest that fits first, then those that do not fit, least over first.
     `schemes`: the data-parallel schemes to consider (plain, zero, fsdp)."""
     if isinstance(devices, bool) or not isinstance(devices, numbers.Integral) or devices < 1:
@@ -136,44 +168,64 @@ def plans(cfg: Config, devices: int, hw: Hardware, baseline: Config | None = Non
     if unknown or not schemes:
         raise UserError(
             f"unknown data-parallel scheme(s) {', '.join(unknown) or '(none)'}: use "
-            f"{', '.join(SCHEMES)}")
+            f"{', '.join(SCHEMES)}"
+        )
     if cfg.train.layer_programs and "plain" not in schemes:
         raise UserError(
             "train.layer_programs works with plain data parallelism only: plan it with --schemes "
-            "plain")
+            "plain"
+        )
     found = []
-    for mesh, mb, remat, sp, scheme in candidates(cfg, devices, schemes,
-                                                  hw.stack != "megatron-2019"):
+    for mesh, mb, remat, sp, scheme in candidates(
+        cfg, devices, schemes, hw.stack != "megatron-2019"
+    ):
         c = with_values(
-            cfg, {"train.microbatches": mb, "model.remat": remat, "model.sequence_parallel": sp,
-                  **SCHEMES[scheme]})
+            cfg,
+            {
+                "train.microbatches": mb,
+                "model.remat": remat,
+                "model.sequence_parallel": sp,
+                **SCHEMES[scheme],
+            },
+        )
         found.append(evaluate(c, mesh, hw))
     if not found:
         raise UserError(
             f"no mesh of {devices} devices fits {cfg.name}: the model axis must divide heads "
             f"({cfg.model.num_heads}), hidden and ffn, and the data axis the global batch "
-            f"({cfg.train.batch_size})")
+            f"({cfg.train.batch_size})"
+        )
     reference = best_single_device(baseline or cfg, hw)
     for p in found:
         # model FLOP/s per device, recomputation aside
         p.scaling_efficiency = p.mfu / reference.mfu
-    return sorted(found,
-                  key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory["total"]))
+    return sorted(
+        found, key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory["total"])
+    )
 
 
 def best_single_device(cfg: Config, hw: Hardware) -> Plan:
     """The reference for scaling efficiency: the config on one device, its fastest plan that
     fits, or when none does its fastest plan as if the device's memory were unlimited."""
-    one = [evaluate(with_values(cfg, {"train.microbatches": mb, "model.remat": remat}),
-                    MeshShape(), hw)
-           for _, mb, remat, _, _ in candidates(
-               with_values(cfg, {"model.sequence_parallel": False}), 1)]
+    one = [
+        evaluate(
+            with_values(cfg, {"train.microbatches": mb, "model.remat": remat}), MeshShape(), hw
+        )
+        for _, mb, remat, _, _ in candidates(
+            with_values(cfg, {"model.sequence_parallel": False}), 1
+        )
+    ]
     return sorted(one, key=lambda p: (not p.fits, -p.tokens_per_s))[0]
 
 
-def plan(config: str | Config, devices: int, hardware: Hardware | str,
-         overrides: list[str] | None = None,
-         baseline: str | Config | None = None, schemes=tuple(SCHEMES)) -> list[Plan]:
+def plan(
+    config: str | Config,
+    devices: int,
+    hardware: Hardware | str,
+    overrides: list[str] | None = None,
+    baseline: str | Config | None = None,
+    schemes=tuple(SCHEMES),
+) -> list[Plan]:
     """The Python API: the plans for a config name (or Config) on `devices` of `hardware` (a
     Hardware or a name / TOML path), best first."""
     cfg = load_config(config, overrides) if isinstance(config, str) else config.validate()

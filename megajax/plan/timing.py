@@ -26,6 +26,7 @@ What runs on the hardware (its `stack`) sets three constants:
                             keeps its scores on chip (no element-wise passes over them).
 Every other constant is counted from megajax's layer or taken from the hardware.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,16 +37,20 @@ from megajax.config import Config
 from megajax.core.attention import fused_attention
 from megajax.hardware import Hardware
 from megajax.mesh_shape import MeshShape
-from megajax.plan.memory import (activation_dtype, kept_activation_bytes, rows_per_microbatch,
-                                 state_split)
+from megajax.plan.memory import (
+    activation_dtype,
+    kept_activation_bytes,
+    rows_per_microbatch,
+    state_split,
+)
 from megajax.plan.volumes import data_axis_sent, head_matmul, layer_matmuls, model_axis_elements
 
-MATMUL_EFFICIENCY = 0.5407        # calibrated: gpt2_1.2b on one V100, 39 TFLOP/s
+MATMUL_EFFICIENCY = 0.5407  # calibrated: gpt2_1.2b on one V100, 39 TFLOP/s
 # calibrated: gpt2_8.3b on 8 V100s, 77% of the 1.2B model's FLOP/s per GPU
 LAYER_OVERHEAD_SECONDS = 7.72e-3
 # calibrated: Narayanan et al. 2021's Table 1 on A100s, its 1.7B row (megajax/plan/paper2021.py)
 MATMUL_EFFICIENCY_2021 = 0.7487
-LAYER_OVERHEAD_SECONDS_2021 = 0.0   # none: fitted on the 1T row it comes out at zero
+LAYER_OVERHEAD_SECONDS_2021 = 0.0  # none: fitted on the 1T row it comes out at zero
 # calibrated: gpt2_1.2b on one H200, 320.1 ms (megajax/plan/measured.py)
 XLA_MATMUL_EFFICIENCY = 0.6656
 # A scan's kept activations: its stacked buffers zero-filled (a write), each layer's slice
@@ -63,7 +68,7 @@ LINK_EFFICIENCY = 1.0
 # bias-dropout-residual adds (two reads, a write, a mask); on the b·s·ffn/t MLP activations
 # bias and GeLU (read, write); on the b·heads/t·s² scores scale, mask, softmax, dropout.
 HIDDEN_PASSES, FFN_PASSES, SCORE_PASSES = 2 * 2 + 2 * 3.5, 2, 5
-BACKWARD_PASSES = 2               # the backward pass moves twice the forward's bytes
+BACKWARD_PASSES = 2  # the backward pass moves twice the forward's bytes
 # Adam: read params, gradient, two moments; write params, two moments (float32)
 OPTIMIZER_BYTES_PER_PARAM = 28
 # megajax's stack: each microbatch reads every float32 weight in its forward and backward passes
@@ -75,11 +80,11 @@ WEIGHT_BYTES_PER_PARAM, ACCUMULATE_BYTES_PER_PARAM = 12, 8
 
 class Stack(NamedTuple):
     matmul_efficiency: float
-    layer_overhead_seconds: float     # per layer and microbatch
-    scan_copy_passes: int             # over a scanned stack's kept activations
-    weight_bytes: int                 # per parameter and microbatch (without accumulation)
-    accumulate_bytes: int             # per parameter and microbatch, with accumulation
-    flash_attention: bool             # cuDNN's, where the model asks for the fused core
+    layer_overhead_seconds: float  # per layer and microbatch
+    scan_copy_passes: int  # over a scanned stack's kept activations
+    weight_bytes: int  # per parameter and microbatch (without accumulation)
+    accumulate_bytes: int  # per parameter and microbatch, with accumulation
+    flash_attention: bool  # cuDNN's, where the model asks for the fused core
     # a pipeline's backward tick recomputes its stage's forward (megajax/training/pipeline.py)
     stage_recompute: bool = False
 
@@ -91,13 +96,21 @@ def stack_constants(hw: Hardware) -> Stack:
         return Stack(MATMUL_EFFICIENCY, LAYER_OVERHEAD_SECONDS, 0, 0, 0, False)
     if hw.stack == "megatron-2021":
         return Stack(MATMUL_EFFICIENCY_2021, LAYER_OVERHEAD_SECONDS_2021, 0, 0, 0, False)
-    return Stack(XLA_MATMUL_EFFICIENCY, 0.0, SCAN_COPY_PASSES, WEIGHT_BYTES_PER_PARAM,
-                 ACCUMULATE_BYTES_PER_PARAM, True, stage_recompute=True)
+    return Stack(
+        XLA_MATMUL_EFFICIENCY,
+        0.0,
+        SCAN_COPY_PASSES,
+        WEIGHT_BYTES_PER_PARAM,
+        ACCUMULATE_BYTES_PER_PARAM,
+        True,
+        stage_recompute=True,
+    )
 
 
 def matmul_seconds(mm: Matmul, hw: Hardware) -> float:
     eff = stack_constants(hw).matmul_efficiency / (
-        (1 + HALF_EFFICIENCY_DIM / mm.inner) * (1 + HALF_EFFICIENCY_DIM / mm.cols))
+        (1 + HALF_EFFICIENCY_DIM / mm.inner) * (1 + HALF_EFFICIENCY_DIM / mm.cols)
+    )
     return mm.flops / (hw.peak_flops * eff)
 
 
@@ -126,7 +139,7 @@ def compute_seconds(cfg: Config, mesh: MeshShape, hw: Hardware) -> dict[str, flo
     act = DTYPE_BYTES[activation_dtype(cfg)]
     b, s, h = rows_per_microbatch(cfg, mesh), m.seq_len, m.hidden
     stream = b * s * h // (tp if m.sequence_parallel else 1)
-    on_chip = stack.flash_attention and fused_attention(m, on="gpu")     # scores never reach memory
+    on_chip = stack.flash_attention and fused_attention(m, on="gpu")  # scores never reach memory
     scores = 0 if on_chip else b * m.num_heads // tp * s * s
     forward = HIDDEN_PASSES * stream + FFN_PASSES * b * s * m.ffn // tp + SCORE_PASSES * scores
     total = forward * (passes - 2 + BACKWARD_PASSES)
@@ -135,25 +148,39 @@ def compute_seconds(cfg: Config, mesh: MeshShape, hw: Hardware) -> dict[str, flo
     elementwise = ticks * layers * total * act / hw.hbm_bandwidth
     # the layer programs keep them in buffers of their own
     if m.scan_layers and not cfg.train.layer_programs:
-        elementwise += ticks * stack.scan_copy_passes * kept_activation_bytes(
-            cfg, mesh) // pp / hw.hbm_bandwidth
+        elementwise += (
+            ticks
+            * stack.scan_copy_passes
+            * kept_activation_bytes(cfg, mesh)
+            // pp
+            / hw.hbm_bandwidth
+        )
     local = state_split(cfg, mesh)
     per_param = stack.weight_bytes + (stack.accumulate_bytes if mb > 1 else 0)
     elementwise += ticks * per_param * local.model_shard / hw.hbm_bandwidth
     optimizer = OPTIMIZER_BYTES_PER_PARAM * local.optimizer_local / hw.hbm_bandwidth
     overhead = ticks * layers * stack.layer_overhead_seconds
-    return {"matmuls": matmuls, "elementwise": elementwise, "optimizer": optimizer,
-            "overhead": overhead}
+    return {
+        "matmuls": matmuls,
+        "elementwise": elementwise,
+        "optimizer": optimizer,
+        "overhead": overhead,
+    }
 
 
-def ring_seconds(kind: str, elements: float, nbytes: int, n: int, bandwidth: float, latency: float,
-                 calls: int) -> float:
+def ring_seconds(
+    kind: str, elements: float, nbytes: int, n: int, bandwidth: float, latency: float, calls: int
+) -> float:
     """A ring collective over n devices: an all-reduce sends 2 (n-1)/n of its elements, an
     all-gather (n-1)/n of its result, a reduce-scatter (n-1) times its result."""
     if n == 1 or elements == 0:
         return 0.0
-    factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1,
-              "sent": 1.0}[kind]
+    factor = {
+        "all-reduce": 2 * (n - 1) / n,
+        "all-gather": (n - 1) / n,
+        "reduce-scatter": n - 1,
+        "sent": 1.0,
+    }[kind]
     steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
     return factor * elements * nbytes / (bandwidth * LINK_EFFICIENCY) + calls * steps * latency
 
@@ -171,17 +198,19 @@ def axis_links(mesh: MeshShape, hw: Hardware) -> dict[str, tuple[float, float, s
     if dp * tp <= g:
         data = intra
     else:
-        per_node = max(1, g // tp)          # devices of one data group in a node
+        per_node = max(1, g // tp)  # devices of one data group in a node
         data = (inter_share * per_node, hw.inter_node_latency, "inter-node")
     links = {"model": model, "data": data}
     if pp > 1:
-        links["pipe"] = intra if dp * tp * pp <= g else (inter_share, hw.inter_node_latency,
-                                                        "inter-node")
+        links["pipe"] = (
+            intra if dp * tp * pp <= g else (inter_share, hw.inter_node_latency, "inter-node")
+        )
     return links
 
 
-def communication_seconds(cfg: Config, mesh: MeshShape, hw: Hardware,
-                          gradient_bytes: int = 4) -> dict[str, float]:
+def communication_seconds(
+    cfg: Config, mesh: MeshShape, hw: Hardware, gradient_bytes: int = 4
+) -> dict[str, float]:
     """Per device and step: the model axis's activation collectives (in the compute dtype), the
     data axis's gradient and parameter traffic (float32 in megajax: `gradient_bytes`) and the
     pipeline's sends (each tick one forward and one back, a microbatch's stage boundary split
@@ -194,12 +223,15 @@ def communication_seconds(cfg: Config, mesh: MeshShape, hw: Hardware,
     # a stage's share of the step's model-axis traffic, for each of its ticks
     share = pipeline_ticks(cfg, mesh) / mb / pp
     calls = share * (mb * (4 + recompute_passes(m.remat)) * m.num_layers + 2 * mb)
-    model = sum(ring_seconds(kind, share * e, act, tp, bw, lat, calls)
-                for kind, e in model_axis_elements(cfg, mesh).items())
+    model = sum(
+        ring_seconds(kind, share * e, act, tp, bw, lat, calls)
+        for kind, e in model_axis_elements(cfg, mesh).items()
+    )
     bw, lat, _ = links["data"]
     sent = data_axis_sent(cfg, mesh, once_per_step=hw.stack != "megajax")
-    data = ring_seconds("sent", sent["gradients"] + sent["regather"], gradient_bytes, dp, bw, lat,
-                        1)
+    data = ring_seconds(
+        "sent", sent["gradients"] + sent["regather"], gradient_bytes, dp, bw, lat, 1
+    )
     data += ring_seconds("sent", sent["params"], 4, dp, bw, lat, 1)
     out = {"model_axis": model, "data_axis": data}
     if pp > 1:
@@ -219,5 +251,6 @@ class StepTime:
 
 
 def step_time(cfg: Config, mesh: MeshShape, hw: Hardware, gradient_bytes: int = 4) -> StepTime:
-    return StepTime({**compute_seconds(cfg, mesh, hw),
-                     **communication_seconds(cfg, mesh, hw, gradient_bytes)})
+    return StepTime(
+        {**compute_seconds(cfg, mesh, hw), **communication_seconds(cfg, mesh, hw, gradient_bytes)}
+    )

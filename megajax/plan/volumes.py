@@ -3,6 +3,7 @@ config on a mesh. Plain data parallelism is counted as GSPMD compiles it, all-re
 the gradients once per microbatch, not at the audit's minimum of once per step;
 tests/test_plan.py checks every form against what the audit reads from compiled steps.
 """
+
 from __future__ import annotations
 
 from megajax import analytic
@@ -44,8 +45,16 @@ def data_axis_sent(cfg: Config, mesh: MeshShape, once_per_step: bool = False) ->
     all-reduces the accumulated gradients once (Megatron-LM), not once per microbatch."""
     t, st = cfg.train, state_split(cfg, mesh)
     scheme = "fsdp" if t.shard_params else "zero" if t.shard_optimizer else "plain"
-    sent = analytic.data_axis_minimum(scheme, mesh.data, t.microbatches, st.split, st.whole,
-                                      st.layers, st.layers_read, outside_once=mesh.pipelined)
+    sent = analytic.data_axis_minimum(
+        scheme,
+        mesh.data,
+        t.microbatches,
+        st.split,
+        st.whole,
+        st.layers,
+        st.layers_read,
+        outside_once=mesh.pipelined,
+    )
     if scheme == "plain" and not once_per_step:
         sent["gradients"] *= t.microbatches
     return sent

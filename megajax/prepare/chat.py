@@ -12,6 +12,7 @@ model.seq_len). Files, all memory-mapped (data/prepared.py reads them):
     DIR/{train,val}.mask.npy     int8: 1 where the loss may predict the token
     DIR/{train,val}.lengths.npy  int32: each conversation's length
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,13 @@ from megajax.data.chat import encode_conversation, parse_line, template_for
 from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import UserError
 from megajax.files import WorkdirLock, text_lines, write_atomic
-from megajax.prepare.corpus import (_fixed_tokenizer, _npy_bytes, _readable,
-                                    _start_or_resume, publish)
+from megajax.prepare.corpus import (
+    _fixed_tokenizer,
+    _npy_bytes,
+    _readable,
+    _start_or_resume,
+    publish,
+)
 from megajax.prepare.pool import WorkerPool
 from megajax.prepare.units import describe_source, expand_inputs, plan_units
 
@@ -53,19 +59,23 @@ def _run_unit(job: tuple) -> tuple[int, int]:
     try:
         text = data.decode("utf-8-sig" if unit["start"] == 0 else "utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"{unit['source']} is not UTF-8 text (byte {unit['start'] + e.start})"
-                        ) from None
+        raise UserError(
+            f"{unit['source']} is not UTF-8 text (byte {unit['start'] + e.start})"
+        ) from None
     ids, masks = [], []
     for n, line in enumerate(text_lines(text), first_line):
         if line.strip():
             conversation = parse_line(line, f"{unit['source']}:{n}")
-            a, m = encode_conversation(conversation, _WORKER["template"], _WORKER["tok"],
-                                       _WORKER["loss_on"])
+            a, m = encode_conversation(
+                conversation, _WORKER["template"], _WORKER["tok"], _WORKER["loss_on"]
+            )
             ids.append(a)
             masks.append(m)
-    arrays = {"ids": np.concatenate(ids or [np.zeros(0, np.int32)]).astype(_WORKER["dtype"]),
-              "mask": np.concatenate(masks or [np.zeros(0, np.int8)]),
-              "lengths": np.asarray([len(a) for a in ids], np.int32)}
+    arrays = {
+        "ids": np.concatenate(ids or [np.zeros(0, np.int32)]).astype(_WORKER["dtype"]),
+        "mask": np.concatenate(masks or [np.zeros(0, np.int8)]),
+        "lengths": np.asarray([len(a) for a in ids], np.int32),
+    }
     write_atomic(Path(units_dir) / f"{i}.npz", _npy_bytes(np.savez, **arrays))
     return i, len(ids)
 
@@ -85,8 +95,15 @@ def _first_lines(units) -> list[int]:
     return out
 
 
-def prepare_chat(inputs: list[str], out, tokenizer: str, val_fraction: float,
-                 loss_on: str = "assistant", workers: int | None = None, say=print) -> dict:
+def prepare_chat(
+    inputs: list[str],
+    out,
+    tokenizer: str,
+    val_fraction: float,
+    loss_on: str = "assistant",
+    workers: int | None = None,
+    say=print,
+) -> dict:
     out = Path(out)
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"--val-fraction must be in [0, 1), got {val_fraction}")
@@ -96,40 +113,60 @@ def prepare_chat(inputs: list[str], out, tokenizer: str, val_fraction: float,
     tok = _fixed_tokenizer(tokenizer)
     settings = {"tokenizer": tokenizer, "val_fraction": val_fraction, "chat_loss": loss_on}
     units = plan_units(sources)
-    record = {"sources": sources, "settings": settings, "tokenizer": P.tokenizer_fingerprint(tok),
-              "units": [dataclasses.asdict(u) for u in units]}
-    with WorkdirLock(out, busy=f"another megajax process holds {out}; wait for it to finish, or "
-                               f"choose another --out", what="the corpus directory"):
+    record = {
+        "sources": sources,
+        "settings": settings,
+        "tokenizer": P.tokenizer_fingerprint(tok),
+        "units": [dataclasses.asdict(u) for u in units],
+    }
+    with WorkdirLock(
+        out,
+        busy=f"another megajax process holds {out}; wait for it to finish, or choose another --out",
+        what="the corpus directory",
+    ):
         if P.is_prepared(out):
             meta = P.read_meta(out, P.CHAT_FORMAT)
             if meta.get("plan") == sources and meta.get("settings") == settings:
                 say(f"{out} is already prepared from these conversations: nothing to do")
                 return meta
-            raise UserError(f"{out} already holds a prepared corpus of other sources or settings: "
-                            f"choose a new --out")
+            raise UserError(
+                f"{out} already holds a prepared corpus of other sources or settings: choose a new "
+                "--out"
+            )
         partial = _start_or_resume(out, record)
-        tok.save(partial)       # with its chat template: the workers render with it
+        tok.save(partial)  # with its chat template: the workers render with it
         dtype = P.token_dtype(tok.vocab_size)
         t0 = time.perf_counter()
         try:
             _tokenize(partial, units, loss_on, dtype, workers or os.cpu_count() or 1, say)
             splits = _assemble(partial, len(units), val_fraction)
-        except UserError:       # bad input: this plan can never finish
+        except UserError:  # bad input: this plan can never finish
             shutil.rmtree(partial, ignore_errors=True)
             raise
-        meta = {"format": P.CHAT_FORMAT, "version": P.VERSION, "dtype": dtype,
-                "tokenizer": {"kind": tok.kind, "spec": tokenizer,
-                              "fingerprint": P.tokenizer_fingerprint(tok)},
-                "plan": sources, "settings": settings, "splits": splits,
-                "seconds": round(time.perf_counter() - t0, 3)}
+        meta = {
+            "format": P.CHAT_FORMAT,
+            "version": P.VERSION,
+            "dtype": dtype,
+            "tokenizer": {
+                "kind": tok.kind,
+                "spec": tokenizer,
+                "fingerprint": P.tokenizer_fingerprint(tok),
+            },
+            "plan": sources,
+            "settings": settings,
+            "splits": splits,
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
         return publish(partial, out, meta)
 
 
 def _tokenize(partial: Path, units, loss_on: str, dtype: str, workers: int, say):
     units_dir = partial / "units"
-    todo = [(i, dataclasses.asdict(u), line, str(units_dir))
-            for i, (u, line) in enumerate(zip(units, _first_lines(units)))
-            if not _readable(units_dir / f"{i}.npz")]
+    todo = [
+        (i, dataclasses.asdict(u), line, str(units_dir))
+        for i, (u, line) in enumerate(zip(units, _first_lines(units)))
+        if not _readable(units_dir / f"{i}.npz")
+    ]
     if len(todo) < len(units):
         say(f"resuming: {len(units) - len(todo)} of {len(units)} units already tokenized")
     init = (str(partial), loss_on, dtype)
@@ -156,11 +193,15 @@ def _assemble(partial: Path, n_units: int, val_fraction: float) -> dict:
     n_train = n - int(n * val_fraction)
     cut = int(parts["lengths"][:n_train].sum())
     splits = {}
-    for name, (rows, tokens) in {"train": (slice(0, n_train), slice(0, cut)),
-                                 "val": (slice(n_train, n), slice(cut, None))}.items():
+    for name, (rows, tokens) in {
+        "train": (slice(0, n_train), slice(0, cut)),
+        "val": (slice(n_train, n), slice(cut, None)),
+    }.items():
         for k in FIELDS:
             array = parts[k][rows if k == "lengths" else tokens]
             write_atomic(partial / f"{name}.{k}.npy", _npy_bytes(np.save, array))
-        splits[name] = {"conversations": len(parts["lengths"][rows]),
-                        "tokens": int(parts["lengths"][rows].sum())}
+        splits[name] = {
+            "conversations": len(parts["lengths"][rows]),
+            "tokens": int(parts["lengths"][rows].sum()),
+        }
     return splits

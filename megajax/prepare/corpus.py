@@ -6,6 +6,7 @@ written atomically to DIR/.partial/; an interrupted run started again with the s
 settings keeps the finished units and does the rest; a finished one (meta.json present) is
 not redone. The splits are assembled from the units in order, and meta.json is written last.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +41,7 @@ class Settings:
     text_field: str = "text"
     # > 0: BERT sentence pairs for this model.seq_len (megajax/prepare/pairs.py)
     pairs_seq_len: int = 0
-    seed: int = 0                 # pairs: the train.seed whose draws shape them, as in memory
+    seed: int = 0  # pairs: the train.seed whose draws shape them, as in memory
 
 
 def _separator(tok: Tokenizer) -> list[int]:
@@ -48,11 +49,15 @@ def _separator(tok: Tokenizer) -> list[int]:
     return [tok.eos_id] if tok.eos_id is not None else tok.encode("\n\n")
 
 
-def _plan_record(sources: list[dict], settings: Settings, tok: Tokenizer,
-                 units: list[Unit]) -> dict:
-    return {"sources": sources, "settings": dataclasses.asdict(settings),
-            "tokenizer": P.tokenizer_fingerprint(tok),
-            "units": [dataclasses.asdict(u) for u in units]}
+def _plan_record(
+    sources: list[dict], settings: Settings, tok: Tokenizer, units: list[Unit]
+) -> dict:
+    return {
+        "sources": sources,
+        "settings": dataclasses.asdict(settings),
+        "tokenizer": P.tokenizer_fingerprint(tok),
+        "units": [dataclasses.asdict(u) for u in units],
+    }
 
 
 def _start_or_resume(out: Path, record: dict) -> Path:
@@ -63,17 +68,19 @@ def _start_or_resume(out: Path, record: dict) -> Path:
     if plan_file.is_file():
         try:
             same = json.loads(plan_file.read_text()) == record
-        except (OSError, ValueError):          # unreadable, not UTF-8, not JSON: not this plan
+        except (OSError, ValueError):  # unreadable, not UTF-8, not JSON: not this plan
             same = False
         if not same:
             raise UserError(
                 f"{out} holds an unfinished preparation of other sources or settings (or a damaged "
-                f"{plan_file.name}): finish it with its own command, or remove {partial}")
+                f"{plan_file.name}): finish it with its own command, or remove {partial}"
+            )
         return partial
     if out.exists() and any(p.name != PARTIAL for p in out.iterdir()):
         raise UserError(
             f"{out} already exists and is not empty: choose a new --out (megajax does not "
-            f"overwrite it)")
+            "overwrite it)"
+        )
     (partial / "units").mkdir(parents=True, exist_ok=True)
     write_atomic(plan_file, json.dumps(record) + "\n")
     return partial
@@ -86,15 +93,24 @@ _WORKER: dict = {}
 def _init_worker(tokenizer_dir: str, separator: list[int], text_field: str, dtype: str):
     # one thread per process: the pool is the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tok=load_tokenizer(Path(tokenizer_dir)), separator=separator,
-                   text_field=text_field, dtype=dtype)
+    _WORKER.update(
+        tok=load_tokenizer(Path(tokenizer_dir)),
+        separator=separator,
+        text_field=text_field,
+        dtype=dtype,
+    )
 
 
 def _run_unit(job: tuple[int, dict, str]) -> tuple[int, int, int]:
     """Tokenize unit i into units/i.npy (atomically); (i, tokens, documents)."""
     i, unit, units_dir = job
-    ids, docs = tokenize_unit(Unit(**unit), _WORKER["tok"], _WORKER["separator"],
-                              _WORKER["text_field"], np.dtype(_WORKER["dtype"]))
+    ids, docs = tokenize_unit(
+        Unit(**unit),
+        _WORKER["tok"],
+        _WORKER["separator"],
+        _WORKER["text_field"],
+        np.dtype(_WORKER["dtype"]),
+    )
     write_atomic(Path(units_dir) / f"{i}.docs", str(docs))
     # the unit counts as done once this exists
     write_atomic(Path(units_dir) / f"{i}.npy", _npy_bytes(np.save, ids))
@@ -105,7 +121,7 @@ def _readable(unit: Path, docs: Path | None = None) -> bool:
     """Whether a finished unit reads back: its files are written atomically, so one that does
     not was damaged since, and is simply tokenized again."""
     try:
-        loaded = np.load(unit, mmap_mode="r")       # .npy: mapped; .npz: its zip directory read
+        loaded = np.load(unit, mmap_mode="r")  # .npy: mapped; .npz: its zip directory read
         if isinstance(loaded, np.lib.npyio.NpzFile):
             loaded.close()
         elif loaded.ndim != 1:
@@ -134,8 +150,9 @@ def _run_pairs_unit(job: tuple[int, list, str]) -> int:
     return int(arrays["lengths"].size)
 
 
-def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings, dtype: str,
-                          workers: int, say) -> list[Path]:
+def _tokenize_pairs_units(
+    partial: Path, sources: list[dict], settings: Settings, dtype: str, workers: int, say
+) -> list[Path]:
     """Tokenize the sentence units, a few per worker at a time (the corpus is never held whole)."""
     units_dir = partial / "units"
     done = {int(f.stem) for f in units_dir.glob("*.npz") if f.stem.isdigit() and _readable(f)}
@@ -154,11 +171,13 @@ def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings
                 batch.append((k, docs, str(units_dir)))
             if len(batch) >= 2 * workers:
                 bar.update(
-                    sum(pool.map(_run_pairs_unit, batch) if pool else map(_run_pairs_unit, batch)))
+                    sum(pool.map(_run_pairs_unit, batch) if pool else map(_run_pairs_unit, batch))
+                )
                 batch = []
         if batch:
             bar.update(
-                sum(pool.map(_run_pairs_unit, batch) if pool else map(_run_pairs_unit, batch)))
+                sum(pool.map(_run_pairs_unit, batch) if pool else map(_run_pairs_unit, batch))
+            )
     finally:
         if pool is not None:
             pool.close()
@@ -166,16 +185,24 @@ def _tokenize_pairs_units(partial: Path, sources: list[dict], settings: Settings
     return [units_dir / f"{k}.npz" for k in range(total)]
 
 
-def _tokenize_all(partial: Path, units: list[Unit], separator, settings: Settings, dtype: str,
-                  workers: int, say) -> None:
+def _tokenize_all(
+    partial: Path, units: list[Unit], separator, settings: Settings, dtype: str, workers: int, say
+) -> None:
     units_dir = partial / "units"
-    todo = [(i, dataclasses.asdict(u), str(units_dir)) for i, u in enumerate(units)
-            if not _readable(units_dir / f"{i}.npy", units_dir / f"{i}.docs")]
+    todo = [
+        (i, dataclasses.asdict(u), str(units_dir))
+        for i, u in enumerate(units)
+        if not _readable(units_dir / f"{i}.npy", units_dir / f"{i}.docs")
+    ]
     if len(todo) < len(units):
         say(f"resuming: {len(units) - len(todo)} of {len(units)} units already tokenized")
     sizes = {i: u.stop - u.start for i, u in enumerate(units)}
-    bar = tqdm(total=sum(sizes[i] for i, *_ in todo), unit="B", unit_scale=True,
-               disable=not sys.stderr.isatty())
+    bar = tqdm(
+        total=sum(sizes[i] for i, *_ in todo),
+        unit="B",
+        unit_scale=True,
+        disable=not sys.stderr.isatty(),
+    )
     # the tokenizer was saved in partial
     init = (str(partial), separator, settings.text_field, dtype)
     if workers <= 1 or len(todo) <= 1:
@@ -195,15 +222,16 @@ def _assemble(partial: Path, n_units: int, val_fraction: float) -> dict:
     val_fraction of the tokens: cut at the unit boundary ending a document nearest to
     (1 - val_fraction) of them, or inside the tokens when none is near (a few large documents)."""
     units_dir = partial / "units"
-    load = lambda i: np.load(units_dir / f"{i}.npy", mmap_mode="r")   # noqa: E731
+    load = lambda i: np.load(units_dir / f"{i}.npy", mmap_mode="r")  # noqa: E731
     lengths = [int(load(i).shape[0]) for i in range(n_units)]
     docs = [int((units_dir / f"{i}.docs").read_text()) for i in range(n_units)]
     total = sum(lengths)
     if total == 0:
         raise UserError("the inputs hold no text (every document is empty): nothing to prepare")
     ends = np.cumsum(lengths)
-    train_tokens = P.held_out_cut([ends[i] for i in range(n_units - 1) if docs[i]], total,
-                                  val_fraction)
+    train_tokens = P.held_out_cut(
+        [ends[i] for i in range(n_units - 1) if docs[i]], total, val_fraction
+    )
     counts = {"train": [0, 0], "val": [0, 0]}
     paths = {name: partial / P.SPLIT_FILES[name] for name in counts}
     with open(paths["train"], "wb") as train, open(paths["val"], "wb") as val:
@@ -220,12 +248,15 @@ def _assemble(partial: Path, n_units: int, val_fraction: float) -> dict:
         for f, path in ((train, paths["train"]), (val, paths["val"])):
             with naming(path):
                 os.fsync(f.fileno())
-    splits = {name: {"file": P.SPLIT_FILES[name], "tokens": c[0], "documents": c[1]}
-              for name, c in counts.items()}
+    splits = {
+        name: {"file": P.SPLIT_FILES[name], "tokens": c[0], "documents": c[1]}
+        for name, c in counts.items()
+    }
     # No document ends near the goal (a corpus of one or a few long documents): the cut is inside
     # one.
-    splits["val"]["starts_inside_a_document"] = bool(0 < train_tokens < total
-                                                     and train_tokens not in set(ends.tolist()))
+    splits["val"]["starts_inside_a_document"] = bool(
+        0 < train_tokens < total and train_tokens not in set(ends.tolist())
+    )
     return splits
 
 
@@ -242,14 +273,17 @@ def _fixed_tokenizer(spec: str) -> Tokenizer:
     if Path(spec).is_dir():
         return load_tokenizer(Path(spec))
     return fixed_tokenizer(
-        None, spec, f"--tokenizer {spec} is made from the corpus, which megajax-prepare reads in "
-                                       f"parts: give a fixed one (bytes, hf:PATH, tiktoken:NAME, "
-                                       f"wordpiece:PATH/"
-                                       f"vocab.txt) or a workdir whose tokenizer to use")
+        None,
+        spec,
+        f"--tokenizer {spec} is made from the corpus, which megajax-prepare reads in parts: give a "
+        "fixed one (bytes, hf:PATH, tiktoken:NAME, wordpiece:PATH/vocab.txt) or a workdir whose "
+        "tokenizer to use",
+    )
 
 
-def prepare(inputs: list[str], out, settings: Settings, workers: int | None = None,
-            say=print) -> dict:
+def prepare(
+    inputs: list[str], out, settings: Settings, workers: int | None = None, say=print
+) -> dict:
     """Prepare (or finish preparing) `inputs` into the directory `out`; returns its meta.json."""
     out = Path(out)
     if not 0.0 <= settings.val_fraction < 1.0:
@@ -259,50 +293,70 @@ def prepare(inputs: list[str], out, settings: Settings, workers: int | None = No
     if settings.pairs_seq_len:
         if settings.pairs_seq_len < 8:
             raise UserError(
-                f"--seq-len must be at least 8 for sentence pairs, got {settings.pairs_seq_len}")
+                f"--seq-len must be at least 8 for sentence pairs, got {settings.pairs_seq_len}"
+            )
         # [CLS], [SEP], [MASK], [PAD]: refused now, not after tokenizing
         Specials.of(tok)
     with WorkdirLock(
-        out, busy=f"another megajax process holds {out} (a megajax-prepare writing it, or a run "
-                              f"training there); wait for it to finish, or choose another --out",
-        what="the corpus directory"):
+        out,
+        busy=f"another megajax process holds {out} (a megajax-prepare writing it, or a run "
+        "training there); wait for it to finish, or choose another --out",
+        what="the corpus directory",
+    ):
         return _prepare_locked(out, sources, tok, settings, workers, say)
 
 
-def _prepare_locked(out: Path, sources: list[dict], tok: Tokenizer, settings: Settings, workers,
-                    say) -> dict:
+def _prepare_locked(
+    out: Path, sources: list[dict], tok: Tokenizer, settings: Settings, workers, say
+) -> dict:
     fmt = P.PAIRS_FORMAT if settings.pairs_seq_len else P.FORMAT
     units = [] if settings.pairs_seq_len else plan_units(sources)
     record = _plan_record(sources, settings, tok, units)
     if P.is_prepared(out):
         meta = P.read_meta(out, fmt)
-        if meta.get("plan") == record["sources"] and meta["tokenizer"]["fingerprint"] == record[
-            "tokenizer"] \
-                and meta.get("settings") == record["settings"]:
+        if (
+            meta.get("plan") == record["sources"]
+            and meta["tokenizer"]["fingerprint"] == record["tokenizer"]
+            and meta.get("settings") == record["settings"]
+        ):
             say(f"{out} is already prepared from these sources: nothing to do")
             return meta
         raise UserError(
             f"{out} already holds a prepared corpus of other sources or settings: choose a new "
-            f"--out")
+            "--out"
+        )
     partial = _start_or_resume(out, record)
     # the workers load it from here, and it ships with DIR
     tok.save(partial)
     dtype = P.token_dtype(tok.vocab_size)
     t0, workers = time.perf_counter(), workers or os.cpu_count() or 1
-    meta = {"format": fmt, "version": P.VERSION, "dtype": dtype,
-            "tokenizer": {"kind": tok.kind, "spec": settings.tokenizer,
-                          "fingerprint": P.tokenizer_fingerprint(tok)},
-            "plan": sources, "settings": dataclasses.asdict(settings)}
+    meta = {
+        "format": fmt,
+        "version": P.VERSION,
+        "dtype": dtype,
+        "tokenizer": {
+            "kind": tok.kind,
+            "spec": settings.tokenizer,
+            "fingerprint": P.tokenizer_fingerprint(tok),
+        },
+        "plan": sources,
+        "settings": dataclasses.asdict(settings),
+    }
     try:
         if settings.pairs_seq_len:
             files = _tokenize_pairs_units(partial, sources, settings, dtype, workers, say)
             counts = pairs.write_pairs(files, partial, settings.pairs_seq_len, settings.seed, dtype)
-            meta.update(counts, seq_len=settings.pairs_seq_len,
-                        val_pairs=int(counts["pairs"] * settings.val_fraction))
+            meta.update(
+                counts,
+                seq_len=settings.pairs_seq_len,
+                val_pairs=int(counts["pairs"] * settings.val_fraction),
+            )
         else:
             _tokenize_all(partial, units, _separator(tok), settings, dtype, workers, say)
-            meta.update(separator=_separator(tok),
-                        splits=_assemble(partial, len(units), settings.val_fraction))
+            meta.update(
+                separator=_separator(tok),
+                splits=_assemble(partial, len(units), settings.val_fraction),
+            )
     # bad input (not UTF-8, a broken jsonl line): this plan can never finish
     except UserError:
         shutil.rmtree(partial, ignore_errors=True)

@@ -7,6 +7,7 @@ way, the sentences are tokenized (in parallel, unit by unit, resumably, as for t
 the same generator packs them into pairs with the same draws. Only the pairs are ever whole:
 in two files, their tokens and an index, which a run maps instead of reading.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,7 @@ def _records(source: dict, text_field: str):
     if source["kind"] == "tfds":
         yield from tfds_texts(*tfds_split(source["source"]))
         return
-    with open(source["source"], encoding="utf-8-sig") as f:   # a byte-order mark is no text
+    with open(source["source"], encoding="utf-8-sig") as f:  # a byte-order mark is no text
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
@@ -57,7 +58,8 @@ def _records(source: dict, text_field: str):
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise UserError(
                         f"{source['source']}: line {n} is not a JSON object with a '{text_field}' "
-                        f"field (--text-field)") from None
+                        "field (--text-field)"
+                    ) from None
 
 
 def units(sources: list[dict], text_field: str):
@@ -78,21 +80,26 @@ def tokenize_documents(docs: list[list[str]], tokenizer, dtype) -> dict:
     """One unit: every sentence's ids, flat, with the sentence lengths and sentences per
     document."""
     ids = tokenizer.encode_batch([s for d in docs for s in d])
-    return {"tokens": np.asarray([t for s in ids for t in s], dtype),
-            "lengths": np.asarray([len(s) for s in ids], np.int64),
-            "sentences": np.asarray([len(d) for d in docs], np.int64)}
+    return {
+        "tokens": np.asarray([t for s in ids for t in s], dtype),
+        "lengths": np.asarray([len(s) for s in ids], np.int64),
+        "sentences": np.asarray([len(d) for d in docs], np.int64),
+    }
 
 
 def _unit_documents(path: Path):
     # each item of an .npz is read (and checksummed) on every access: once here
     with np.load(path) as unit:
-        tokens, lengths, per_document = unit["tokens"].tolist(), unit["lengths"], unit[
-            "sentences"].tolist()
+        tokens, lengths, per_document = (
+            unit["tokens"].tolist(),
+            unit["lengths"],
+            unit["sentences"].tolist(),
+        )
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     sentences = [tokens[a:b] for a, b in zip(bounds, bounds[1:])]
     at = 0
     for n in per_document:
-        yield sentences[at:at + n]
+        yield sentences[at : at + n]
         at += n
 
 
@@ -110,5 +117,6 @@ def write_pairs(unit_files: list[Path], out: Path, seq_len: int, seed: int, dtyp
     if n == 0:
         raise UserError(
             "the corpus has no sentence pairs: BERT pretraining needs paragraphs of at least two "
-            "tokens")
+            "tokens"
+        )
     return {"pairs": n, "tokens": start}

@@ -7,6 +7,7 @@ start failure is kept by the worker and raised by each task it is given, so the 
 that error; a worker that dies breaks the pool (concurrent.futures), which ends the run with one
 line. Either way the finished units are on disk and a rerun resumes from them.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -52,8 +53,9 @@ class WorkerPool:
         # fork is the cheapest start (megajax-prepare itself never imports jax); after JAX has
         # started its threads (a notebook, a test) a fork could inherit a held lock: forkserver.
         context = multiprocessing.get_context("forkserver" if "jax" in sys.modules else "fork")
-        self._executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
-                                             initargs=(initializer, *args))
+        self._executor = ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_start, initargs=(initializer, *args)
+        )
 
     def imap_unordered(self, fn: Callable, jobs: Iterable) -> Iterator:
         futures = {self._executor.submit(_call, fn, job) for job in jobs}
@@ -63,14 +65,14 @@ class WorkerPool:
                 for future in done:
                     yield future.result()
         except BrokenProcessPool:
-            raise UserError("a tokenizing process ended without its result (killed, or out of "
-                            "memory?); the finished units are kept: run the same command again "
-                            "to go on") from None
+            raise UserError(
+                "a tokenizing process ended without its result (killed, or out of memory?); the "
+                "finished units are kept: run the same command again to go on"
+            ) from None
 
     def map(self, fn: Callable, jobs: Iterable) -> list:
         jobs = list(jobs)
-        results = dict(self.imap_unordered(_indexed, [(fn, i, job) for i, job in
-                                                      enumerate(jobs)]))
+        results = dict(self.imap_unordered(_indexed, [(fn, i, job) for i, job in enumerate(jobs)]))
         return [results[i] for i in range(len(jobs))]
 
     def close(self):

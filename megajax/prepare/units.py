@@ -7,6 +7,7 @@ that its parts tokenize in parallel; the end-of-document token follows each docu
 token. The plan is a pure function of the sources (names, sizes, checksums) and the settings,
 so an interrupted preparation can tell whether its finished units still apply.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,8 @@ import numpy as np
 
 from megajax.data.sources import distinct, text_files, tfds_size, tfds_texts
 from megajax.errors import UserError
-from megajax.specs import DataSpec
 from megajax.files import text_lines
+from megajax.specs import DataSpec
 
 UNIT_BYTES = 4 << 20
 TFDS_UNIT_RECORDS = 20_000
@@ -27,9 +28,9 @@ TFDS_UNIT_RECORDS = 20_000
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    source: str          # a file path, or tfds:NAME[:SPLIT]
-    kind: str            # text | jsonl | tfds
-    start: int           # byte offset (files) or record index (tfds)
+    source: str  # a file path, or tfds:NAME[:SPLIT]
+    kind: str  # text | jsonl | tfds
+    start: int  # byte offset (files) or record index (tfds)
     stop: int
     ends_document: bool  # text: the unit holds its file's end
 
@@ -42,9 +43,11 @@ def expand_inputs(inputs: list[str]) -> list[tuple[str, str]]:
         if item.startswith("tfds:"):
             found.append((item, "tfds"))
         else:
-            found += [(str(f), "jsonl" if f.suffix in (".jsonl", ".json") else "text")
-                      for f in text_files(item)]
-    # first spellings
+            found += [
+                (str(f), "jsonl" if f.suffix in (".jsonl", ".json") else "text")
+                for f in text_files(item)
+            ]
+    # each file once, under the first spelling that named it
     files = set(map(str, distinct([Path(s) for s, kind in found if kind != "tfds"])))
     found = [(s, kind) for s, kind in dict.fromkeys(found) if kind == "tfds" or s in files]
     if not found:
@@ -67,8 +70,12 @@ def describe_source(source: str, kind: str) -> dict:
         while block := f.read(1 << 22):
             digest.update(block)
             size += len(block)
-    return {"source": str(Path(source).resolve()), "kind": kind, "bytes": size,
-            "sha256": digest.hexdigest()}
+    return {
+        "source": str(Path(source).resolve()),
+        "kind": kind,
+        "bytes": size,
+        "sha256": digest.hexdigest(),
+    }
 
 
 def _line_cuts(path: str, size: int) -> list[int]:
@@ -89,12 +96,15 @@ def plan_units(sources: list[dict]) -> list[Unit]:
     for s in sources:
         if s["kind"] == "tfds":
             n = tfds_size(*tfds_split(s["source"]))
-            units += [Unit(s["source"], "tfds", i, min(n, i + TFDS_UNIT_RECORDS), True)
-                      for i in range(0, n, TFDS_UNIT_RECORDS)]
+            units += [
+                Unit(s["source"], "tfds", i, min(n, i + TFDS_UNIT_RECORDS), True)
+                for i in range(0, n, TFDS_UNIT_RECORDS)
+            ]
             continue
         cuts = _line_cuts(s["source"], s["bytes"])
-        units += [Unit(s["source"], s["kind"], a, b, b == s["bytes"])
-                  for a, b in zip(cuts, cuts[1:])]
+        units += [
+            Unit(s["source"], s["kind"], a, b, b == s["bytes"]) for a, b in zip(cuts, cuts[1:])
+        ]
     return units
 
 
@@ -105,7 +115,7 @@ def _unit_texts(unit: Unit, text_field: str) -> list[str]:
     with open(unit.source, "rb") as f:
         f.seek(unit.start)
         data = f.read(unit.stop - unit.start)
-    try:   # a file's leading byte-order mark is no text (sources.read_utf8)
+    try:  # a file's leading byte-order mark is no text (sources.read_utf8)
         text = data.decode("utf-8-sig" if unit.start == 0 else "utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{unit.source} is not UTF-8 text (byte {unit.start + e.start})") from None
@@ -121,14 +131,16 @@ def _unit_texts(unit: Unit, text_field: str) -> list[str]:
         except (json.JSONDecodeError, KeyError, TypeError):
             raise UserError(
                 f"{unit.source}: a line near byte {unit.start} (line {n + 1} of its part) is not a "
-                f"JSON object with a '{text_field}' field (--text-field)") from None
+                f"JSON object with a '{text_field}' field (--text-field)"
+            ) from None
         if not isinstance(docs[-1], str):
             raise UserError(f"{unit.source}: field '{text_field}' is not a string")
     return docs
 
 
-def tokenize_unit(unit: Unit, tokenizer, separator: list[int], text_field: str,
-                  dtype) -> tuple[np.ndarray, int]:
+def tokenize_unit(
+    unit: Unit, tokenizer, separator: list[int], text_field: str, dtype
+) -> tuple[np.ndarray, int]:
     """(token ids, documents ended) of one unit: each document's ids, then the separator. An
     empty document (an empty file, a jsonl record's "") is no document: no lone separator."""
     texts = _unit_texts(unit, text_field)

@@ -3,6 +3,7 @@
 Arrays are saved with their shardings and restored straight into the shardings of the
 current mesh, whatever mesh wrote them: no conversion step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,13 @@ class _ReportedSaveFailures(logging.Filter):
     """orbax logs a failed background save with its traceback, from each of its threads, and a
     damaged checkpoint's metadata as it reads it; megajax reports both itself, in one line
     (Checkpoints.failed_save, Checkpoints.restore_newest_intact), so those records are dropped."""
-    MARKS = ("in background save thread", "Save Finalize thread",
-             "_SignalingThread.run() raised an exception", "Failed to read Metadata file")
+
+    MARKS = (
+        "in background save thread",
+        "Save Finalize thread",
+        "_SignalingThread.run() raised an exception",
+        "Failed to read Metadata file",
+    )
 
     def filter(self, record) -> bool:
         return not any(mark in record.getMessage() for mark in self.MARKS)
@@ -50,10 +56,12 @@ def _orbax_threads_reported(previous):
     the failure first. orbax hands the same failure to the waiting save (wait_until_finished),
     which megajax reports in one line; so an exception raised inside orbax's code in a thread
     other than the main one is dropped, and every other goes to `previous`."""
+
     def hook(args):
         frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback is not None else []
         if not any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames):
             previous(args)
+
     hook._megajax = True
     return hook
 
@@ -70,8 +78,9 @@ def _quiet_abandoned_io(workdir: Path):
     asyncio_log = logging.getLogger("asyncio")
     if not any(isinstance(f, _AbandonedIO) and f.root == str(workdir) for f in asyncio_log.filters):
         asyncio_log.addFilter(_AbandonedIO(str(workdir)))
-    warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
-                            category=RuntimeWarning)
+    warnings.filterwarnings(
+        "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
+    )
     previous = sys.unraisablehook
     if getattr(previous, "_megajax", False):
         return
@@ -95,11 +104,12 @@ class _AbandonedIO(logging.Filter):
 
     def filter(self, record) -> bool:
         message = record.getMessage()
-        return not (" exception was never retrieved" in message.split("\n", 1)[0]
-                    and self.root in message)
+        return not (
+            " exception was never retrieved" in message.split("\n", 1)[0] and self.root in message
+        )
 
 
-MAX_RELISTS = 20     # a reader re-lists the steps when the trainer removes the one it reads
+MAX_RELISTS = 20  # a reader re-lists the steps when the trainer removes the one it reads
 
 
 def _first_line(e: Exception) -> str:
@@ -110,38 +120,47 @@ def _first_line(e: Exception) -> str:
     reason = f"{os.strerror(code)}; " if code else ""
     # which prints a method's repr
     line = first_line(e, 1000).split(" See full TensorStore details")[0]
-    return f"{reason}{type(e).__name__}: {line[:160 if code else 200]}"
+    return f"{reason}{type(e).__name__}: {line[: 160 if code else 200]}"
 
 
 def _leaf_paths(tree) -> set[str]:
     """Every array's path, in a form an abstract pytree and orbax's metadata of it share (on
     disk a NamedTuple's fields are dict keys)."""
+
     def name(key) -> str:
         return str(next((getattr(key, a) for a in ("key", "name", "idx") if hasattr(key, a)), key))
+
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
     return {"/".join(name(k) for k in path) for path, _ in leaves}
 
 
 class Checkpoints:
-    def __init__(self, directory: Path, keep: int = 3, async_save: bool = True,
-                 writer: bool = True):
+    def __init__(
+        self, directory: Path, keep: int = 3, async_save: bool = True, writer: bool = True
+    ):
         """`writer`: the run that holds the workdir's lock (it also removes what a killed save
         left half-written); an evaluation reading the workdir passes False and changes nothing."""
         _quiet_orbax()
         self.directory = Path(directory).absolute() / "checkpoints"
         # before any read or write: failures can outrun the except
         _quiet_abandoned_io(self.directory.parent)
-        self.in_flight = None      # the step being written in the background
+        self.in_flight = None  # the step being written in the background
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                                 enable_async_checkpointing=async_save,
-                                                 create=writer, cleanup_tmp_directories=writer),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep,
+                enable_async_checkpointing=async_save,
+                create=writer,
+                cleanup_tmp_directories=writer,
+            ),
             # Named handlers let a fresh manager read what an earlier process wrote.
             # Weights and optimizer state are separate items, so evaluation reads only the weights.
-            item_handlers={"params": ocp.StandardCheckpointHandler(),
-                           "opt_state": ocp.StandardCheckpointHandler(),
-                           "meta": ocp.JsonCheckpointHandler()})
+            item_handlers={
+                "params": ocp.StandardCheckpointHandler(),
+                "opt_state": ocp.StandardCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -154,9 +173,15 @@ class Checkpoints:
         the save before with `failed_save(block=True)` first: orbax finishes it before this one."""
         try:
             self._check_directory()
-            self.manager.save(step, args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-                meta=ocp.args.JsonSave(meta)), force=True)
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(params),
+                    opt_state=ocp.args.StandardSave(opt_state),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
             self.in_flight = step
         except Exception as e:  # noqa: BLE001  (OS errors, orbax's own)
             return step, _first_line(e)
@@ -205,25 +230,37 @@ class Checkpoints:
         would print tracebacks about it."""
         deadline = time.monotonic() + timeout
         for thread in threading.enumerate():
-            if type(
-                thread).__name__ == "_SignalingThread" and thread is not threading.current_thread():
+            if (
+                type(thread).__name__ == "_SignalingThread"
+                and thread is not threading.current_thread()
+            ):
                 # threading's own join: orbax's raises the thread's exception, already reported
                 threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
 
     def check_shapes(self, step: int, abstract_params):
         """Raise UserError naming every parameter whose saved shape differs from the model's."""
         saved = self.manager.item_metadata(step)["params"]
-        want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in
-                jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
-        have = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in
-                jax.tree_util.tree_flatten_with_path(saved)[0]}
-        diffs = [f"{k} {have.get(k)} in the checkpoint vs {v} now" for k, v in want.items()
-                 if have.get(k) != v]
+        want = {
+            jax.tree_util.keystr(p): tuple(x.shape)
+            for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+        }
+        have = {
+            jax.tree_util.keystr(p): tuple(x.shape)
+            for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]
+        }
+        diffs = [
+            f"{k} {have.get(k)} in the checkpoint vs {v} now"
+            for k, v in want.items()
+            if have.get(k) != v
+        ]
         diffs += [f"{k} only in the checkpoint" for k in have if k not in want]
         if diffs:
             more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
-            raise UserError(f"checkpoint step {step} in {self.directory} has another model shape: "
-                            + "; ".join(diffs[:3]) + more)
+            raise UserError(
+                f"checkpoint step {step} in {self.directory} has another model shape: "
+                + "; ".join(diffs[:3])
+                + more
+            )
 
     def restore(self, step: int, abstract_params, abstract_opt_state, legacy: tuple | None = None):
         """(params, optimizer state, meta) of `step`. `legacy`: (the abstract optimizer state an
@@ -238,10 +275,16 @@ class Checkpoints:
             diff = sorted(saved ^ _leaf_paths(abstract_opt_state))
             raise UserError(
                 f"checkpoint step {step} in {self.directory} holds another optimizer's state than "
-                f"this run's ({len(diff)} entries differ, e.g. {diff[0]})")
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params),
-            opt_state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+                f"this run's ({len(diff)} entries differ, e.g. {diff[0]})"
+            )
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_params),
+                opt_state=ocp.args.StandardRestore(target),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
         opt_state = out["opt_state"] if convert is None else convert(out["opt_state"])
         return out["params"], opt_state, out["meta"]
 
@@ -271,13 +314,17 @@ class Checkpoints:
                         break
                     damaged.append(step)
                     where = f"moved to {self.set_aside(step)}" if set_aside else "left in place"
-                    warn(f"warning: checkpoint step {step} cannot be read ({_first_line(e)}); "
-                         f"{where}; trying the one before")
+                    warn(
+                        f"warning: checkpoint step {step} cannot be read ({_first_line(e)}); "
+                        f"{where}; trying the one before"
+                    )
             else:
                 break
         if damaged or steps:
-            raise UserError(f"none of the checkpoints in {self.directory} can be read (steps "
-                            f"{', '.join(map(str, sorted(set(damaged + steps), reverse=True)))})")
+            raise UserError(
+                f"none of the checkpoints in {self.directory} can be read (steps "
+                f"{', '.join(map(str, sorted(set(damaged + steps), reverse=True)))})"
+            )
         return None
 
     def _superseded(self, step: int, listed: list[int]) -> bool:
@@ -285,8 +332,9 @@ class Checkpoints:
         step (its directory lingers, half empty, while it goes) once a newer one is complete."""
         self.manager.reload()
         now = self.all_steps()
-        return (not (self.directory / str(step)).is_dir() or step not in now
-                or max(now) > max(listed))
+        return (
+            not (self.directory / str(step)).is_dir() or step not in now or max(now) > max(listed)
+        )
 
     def set_aside(self, step: int, why: str = "damaged") -> Path:
         """Move a damaged (or diverged) step out of orbax's way, to WORKDIR/WHY/STEP (so that a
@@ -303,8 +351,12 @@ class Checkpoints:
     def restore_params(self, step: int, abstract_params):
         """Only the weights (for evaluation): the optimizer state is not read."""
         self.check_shapes(step, abstract_params)
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore()))
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore()
+            ),
+        )
         return out["params"], out["meta"]
 
     def close(self):

@@ -1,5 +1,6 @@
 """A run's metrics.jsonl (appended by process 0, read back across kills and resumes) and its
 loss-curve picture (megajax-plot)."""
+
 from __future__ import annotations
 
 import io
@@ -41,15 +42,17 @@ def picture_format(out: Path) -> str:
     kinds = FigureCanvasAgg.get_supported_filetypes()
     kind = out.suffix.lower().removeprefix(".") or "png"
     if kind not in kinds:
-        raise UserError(f"{out}: matplotlib writes no '{out.suffix}' picture; end the name in "
-                        + ", ".join(f".{k}" for k in sorted(kinds)))
+        raise UserError(
+            f"{out}: matplotlib writes no '{out.suffix}' picture; end the name in "
+            + ", ".join(f".{k}" for k in sorted(kinds))
+        )
     return kind
 
 
 def plot_workdir(workdir: Path, out: Path | None = None) -> Path:
     """Draw train (and validation) loss against step from WORKDIR/metrics.jsonl into a picture:
     WORKDIR/loss.png, or `out` in the format its suffix names."""
-    import matplotlib   # optional and slow to import: only for the picture
+    import matplotlib  # optional and slow to import: only for the picture
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -77,10 +80,10 @@ def plot_workdir(workdir: Path, out: Path | None = None) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    picture = io.BytesIO()   # drawn in memory: a signal while drawing leaves no file behind
+    picture = io.BytesIO()  # drawn in memory: a signal while drawing leaves no file behind
     try:
         fig.savefig(picture, format=kind)
     finally:
         plt.close(fig)
-    write_atomic(out, picture.getvalue())     # never a half-written picture
+    write_atomic(out, picture.getvalue())  # never a half-written picture
     return out

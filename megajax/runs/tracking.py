@@ -7,6 +7,7 @@ checkpoint it resumed from (TensorBoard's own rule for a restart), so a step the
 past its last checkpoint is not shown twice; W&B resumes the same run (its id kept in
 WORKDIR/wandb/run_id), charted against the run's own step. Only process 0 writes.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ def check_tracker(tracker: str):
         try:
             import wandb  # noqa: F401
         except ImportError:
-            raise UserError("train.tracker = wandb needs the wandb package: "
-                            "pip install 'megajax[wandb]' (or pip install wandb)") from None
+            raise UserError(
+                "train.tracker = wandb needs the wandb package: pip install 'megajax[wandb]' (or "
+                "pip install wandb)"
+            ) from None
 
 
 def scalar_name(key: str) -> str:
@@ -39,24 +42,34 @@ def scalar_name(key: str) -> str:
 
 
 def scalars(record: dict) -> dict[str, float]:
-    return {scalar_name(k): float(v) for k, v in record.items()
-            if k != "step" and isinstance(v, numbers.Real) and not isinstance(v, bool)}
+    return {
+        scalar_name(k): float(v)
+        for k, v in record.items()
+        if k != "step" and isinstance(v, numbers.Real) and not isinstance(v, bool)
+    }
 
 
 class Tracking:
     """TensorBoard (always) and W&B (train.tracker = "wandb") for one run; silent when not
     `enabled` (every process but the first). `start` is the step the run resumes from."""
 
-    def __init__(self, workdir: Path, config: dict, start: int, tracker: str = "tensorboard",
-                 enabled: bool = True):
+    def __init__(
+        self,
+        workdir: Path,
+        config: dict,
+        start: int,
+        tracker: str = "tensorboard",
+        enabled: bool = True,
+    ):
         self.tb = self.wandb = None
         if not enabled:
             return
         from tensorboardX import SummaryWriter
 
         # purge_step: TensorBoard hides what an earlier run wrote from this step on
-        self.tb = SummaryWriter(str(Path(workdir) / TENSORBOARD_DIR),
-                                purge_step=start + 1 if start else None)
+        self.tb = SummaryWriter(
+            str(Path(workdir) / TENSORBOARD_DIR), purge_step=start + 1 if start else None
+        )
         self.tb.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", start)
         self.tb.flush()
         if tracker == "wandb":
@@ -67,7 +80,7 @@ class Tracking:
         if self.tb is not None:
             for name, value in values.items():
                 self.tb.add_scalar(name, value, step)
-            self.tb.flush()     # a kill loses nothing already in metrics.jsonl
+            self.tb.flush()  # a kill loses nothing already in metrics.jsonl
         if self.wandb is not None:
             self.wandb.log({"step": step, **values})
 
@@ -90,11 +103,17 @@ def _wandb_run(workdir: Path, config: dict):
     id_file = where / "run_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else ""
     if not run_id:
-        run_id = secrets.token_hex(4)     # W&B's own ids are 8 such characters
+        run_id = secrets.token_hex(4)  # W&B's own ids are 8 such characters
         write_atomic(id_file, run_id + "\n")
-    run = wandb.init(project=os.environ.get("WANDB_PROJECT", "megajax"), name=workdir.name,
-                     id=run_id, resume="allow", dir=str(workdir), config=config,
-                     settings=wandb.Settings(silent=True))
+    run = wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "megajax"),
+        name=workdir.name,
+        id=run_id,
+        resume="allow",
+        dir=str(workdir),
+        config=config,
+        settings=wandb.Settings(silent=True),
+    )
     # charted against the run's step, so a resumed run's steps may repeat a killed run's last few
     run.define_metric("step")
     for group in ("train/*", "val/*"):

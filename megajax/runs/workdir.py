@@ -13,6 +13,7 @@ Also here: `--init-from`, which takes a run's model shape and weights from anoth
 (a pretrained BERT's encoder for fine-tuning, a GPT's every weight to train it further, or a
 Hugging Face model imported by megajax-convert).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,20 +60,25 @@ def check_layout(workdir: Path, writing: bool = True):
             raise UserError(
                 f"{path} is a {'file' if directory else 'directory'}, where megajax keeps its "
                 f"{'directory' if directory else 'file'} of that name: move it away, or use "
-                f"another --workdir")
+                "another --workdir"
+            )
         if writing and not os.access(path, os.W_OK | (os.X_OK if directory else 0)):
             raise UserError(f"{path} is not writable: make it writable, or use another --workdir")
     # Another program's directory (a Hugging Face model's, a prepared corpus): a run there would
     # replace its config.json, or take its tokenizer.json for the run's own.
     config = Path(workdir) / CONFIG_FILE
-    names = [n for n in FILES + DIRECTORIES if (Path(workdir) / n).exists()
-             and not _left_by_a_start(Path(workdir) / n)]
+    names = [
+        n
+        for n in FILES + DIRECTORIES
+        if (Path(workdir) / n).exists() and not _left_by_a_start(Path(workdir) / n)
+    ]
     if not _megajax_config(config) if config.is_file() else writing and names:
         raise UserError(
             f"{workdir} is not a megajax workdir: it holds another program's files "
             f"({', '.join(names)}); "
             + ("give a new or empty --workdir" if writing else "a Hugging Face model directory?")
-            + " (megajax-convert import makes a workdir of a Hugging Face model)")
+            + " (megajax-convert import makes a workdir of a Hugging Face model)"
+        )
 
 
 def _left_by_a_start(path: Path) -> bool:
@@ -94,9 +100,12 @@ def _megajax_config(path: Path) -> bool:
     try:
         config = json.loads(path.read_bytes())
     except (OSError, ValueError):
-        return True     # unreadable: load_config says why in its own line
-    return (isinstance(config, dict) and isinstance(config.get("model"), dict)
-            and isinstance(config.get("train"), dict))
+        return True  # unreadable: load_config says why in its own line
+    return (
+        isinstance(config, dict)
+        and isinstance(config.get("model"), dict)
+        and isinstance(config.get("train"), dict)
+    )
 
 
 def refuse_run_file(out: Path, may_write: tuple[str, ...] = ()):
@@ -106,14 +115,16 @@ def refuse_run_file(out: Path, may_write: tuple[str, ...] = ()):
     out = Path(os.path.abspath(out))
     for below, parent in zip((out, *out.parents), out.parents):
         if not ((parent / CONFIG_FILE).is_file() and (parent / TOKENIZER_FILE).is_file()):
-            continue    # not a workdir
+            continue  # not a workdir
         if below == out and out.name in FILES and out.name not in may_write:
             raise UserError(
-                f"--out {out} is the {out.name} of the workdir {parent}: give another file")
+                f"--out {out} is the {out.name} of the workdir {parent}: give another file"
+            )
         if below != out and below.name in DIRECTORIES:
             raise UserError(
-                f"--out {out} is inside the {below.name} directory of the workdir {parent}: "
-                f"give another file")
+                f"--out {out} is inside the {below.name} directory of the workdir {parent}: give "
+                "another file"
+            )
 
 
 def write_run_files(cfg: Config, workdir: Path, tokenizer: Tokenizer):
@@ -137,8 +148,8 @@ def run_tokenizer(workdir: Path, pretrained: Path | None) -> Tokenizer | None:
     if has_checkpoints(workdir):
         raise UserError(
             f"{workdir} has checkpoints but no {TOKENIZER_FILE}, which holds the token ids they "
-            f"were "
-            f"trained on: put the file back, or use another --workdir")
+            "were trained on: put the file back, or use another --workdir"
+        )
     return load_tokenizer(pretrained) if pretrained is not None else None
 
 
@@ -156,13 +167,25 @@ def check_same_tokenizer(cfg: Config, workdir: Path):
         if before != cfg.data.tokenizer:
             raise UserError(
                 f"{workdir} was trained with tokenizer '{before}', not '{cfg.data.tokenizer}': "
-                f"resume without --tokenizer (or with '{before}'), or use another --workdir")
+                f"resume without --tokenizer (or with '{before}'), or use another --workdir"
+            )
 
 
 # Fields a fine-tuning run takes from its pretrained workdir: they fix the weights' shapes.
-PRETRAINED_SHAPE = ("kind", "num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len",
-                    "vocab_size",
-                    "vocab_multiple", "ln_placement", "ln_eps", "scan_layers", *ARCHITECTURE)
+PRETRAINED_SHAPE = (
+    "kind",
+    "num_layers",
+    "hidden",
+    "num_heads",
+    "ffn_hidden",
+    "seq_len",
+    "vocab_size",
+    "vocab_multiple",
+    "ln_placement",
+    "ln_eps",
+    "scan_layers",
+    *ARCHITECTURE,
+)
 
 
 def with_pretrained_shape(cfg: Config, workdir: Path | None = None) -> tuple[Config, Path | None]:
@@ -179,12 +202,15 @@ def with_pretrained_shape(cfg: Config, workdir: Path | None = None) -> tuple[Con
     pre = load_config(str(own if resuming else src / CONFIG_FILE))
     if pre.model.kind != cfg.model.kind:
         raise UserError(
-            f"--init-from {src} holds a {pre.model.kind} model; this run trains a {cfg.model.kind}")
+            f"--init-from {src} holds a {pre.model.kind} model; this run trains a {cfg.model.kind}"
+        )
     shape = {name: getattr(pre.model, name) for name in PRETRAINED_SHAPE}
     # The tokenizer is the pretrained one too (run_tokenizer): config.json says so.
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape),
-                               data=dataclasses.replace(cfg.data,
-                                                        tokenizer=pre.data.tokenizer)), src
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, **shape),
+        data=dataclasses.replace(cfg.data, tokenizer=pre.data.tokenizer),
+    ), src
 
 
 def refuse_overridden_shape(cfg: Config, overrides: list[str], workdir: Path | None = None):
@@ -200,7 +226,8 @@ def refuse_overridden_shape(cfg: Config, overrides: list[str], workdir: Path | N
         if asked != kept:
             raise UserError(
                 f"--init-from {cfg.train.init_from} decides {key} ({kept!r}): drop the override "
-                f"{key}={asked!r}")
+                f"{key}={asked!r}"
+            )
 
 
 @dataclasses.dataclass
@@ -220,7 +247,7 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
     if not (workdir / CONFIG_FILE).is_file():
         raise UserError(f"{workdir} is not a megajax workdir (no {CONFIG_FILE})")
     cfg, mesh = load_config(str(workdir / CONFIG_FILE)), as_mesh(mesh)
-    step = None if step is None else int(step)    # "2" from a command line or a file name
+    step = None if step is None else int(step)  # "2" from a command line or a file name
     check_fits(cfg, mesh, batch=False)
     tokenizer = load_tokenizer(workdir)
     ckpts = Checkpoints(workdir, writer=False) if (workdir / CHECKPOINTS).is_dir() else None
@@ -234,10 +261,12 @@ def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
     target = vocab_rows.checkpoint_target(on_mesh, cfg.model.padded_vocab)
     if step is not None:
         params, _ = ckpts.restore_params(step, target)
-    else:   # the newest one that reads back, as train.py resumes
-        found = ckpts.restore_newest_intact(lambda s: ckpts.restore_params(s, target),
-                                            warn=lambda line: print(line, file=sys.stderr),
-                                            set_aside=False)
+    else:  # the newest one that reads back, as train.py resumes
+        found = ckpts.restore_newest_intact(
+            lambda s: ckpts.restore_params(s, target),
+            warn=lambda line: print(line, file=sys.stderr),
+            set_aside=False,
+        )
         # all removed meanwhile (by a run that has since restarted from scratch?)
         if found is None:
             raise UserError(f"no checkpoint in {workdir / CHECKPOINTS}")
@@ -254,7 +283,8 @@ def run_vocab_size(cfg: Config, pretrained: Path | None, tokenizer_vocab: int) -
     if tokenizer_vocab > cfg.model.vocab_size:
         raise UserError(
             f"the tokenizer has {tokenizer_vocab} tokens but the model in {pretrained} only "
-            f"{cfg.model.vocab_size} embedding rows")
+            f"{cfg.model.vocab_size} embedding rows"
+        )
     return cfg.model.vocab_size
 
 
@@ -270,8 +300,7 @@ def init_from_pretrained(trainer, params: dict, src: Path, out=print) -> dict:
         weights = folded(weights, loaded.cfg.model)
         if is_main():
             out(f"--init-from {src}: its LoRA adapters folded into the base weights")
-    pre = {jax.tree_util.keystr(p): x for p, x in
-           jax.tree_util.tree_flatten_with_path(weights)[0]}
+    pre = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(weights)[0]}
     taken, new = set(), set()
 
     def pick(path, x):
@@ -279,15 +308,18 @@ def init_from_pretrained(trainer, params: dict, src: Path, out=print) -> dict:
         top = "LoRA adapters" if "'lora'" in name else name.split("'")[1]
         if name in pre and pre[name].shape != x.shape:
             raise UserError(
-                f"--init-from {src}: {name} is {pre[name].shape} there but {x.shape} in this run")
+                f"--init-from {src}: {name} is {pre[name].shape} there but {x.shape} in this run"
+            )
         if name in pre:
             taken.add(top)
-            return jax.device_put(pre[name], x.sharding)   # this run's sharding (FSDP's split, say)
+            return jax.device_put(pre[name], x.sharding)  # this run's sharding (FSDP's split, say)
         new.add(top)
         return x
 
     params = jax.tree_util.tree_map_with_path(pick, params)
     if is_main():
-        out(f"initialised from {src} (step {loaded.step}): {', '.join(sorted(taken))}; "
-            f"new: {', '.join(sorted(new)) or 'nothing'}")
+        out(
+            f"initialised from {src} (step {loaded.step}): {', '.join(sorted(taken))}; new: "
+            f"{', '.join(sorted(new)) or 'nothing'}"
+        )
     return params

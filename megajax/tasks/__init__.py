@@ -1,6 +1,7 @@
 """The registry of training objectives, keyed by name; `task_for(cfg)` finds a run's task
 from (model.kind, model.task). Each task is in its own module (lm.py, bert.py); the shared
 interface is tasks/base.py."""
+
 from __future__ import annotations
 
 from megajax.config import Config, ConfigError, ModelConfig
@@ -8,8 +9,9 @@ from megajax.tasks.base import Task
 from megajax.tasks.bert import BertPretraining, fine_tuning_tasks
 from megajax.tasks.lm import LanguageModelling
 
-TASKS: dict[str, Task] = {t.name: t
-                          for t in (LanguageModelling(), BertPretraining(), *fine_tuning_tasks())}
+TASKS: dict[str, Task] = {
+    t.name: t for t in (LanguageModelling(), BertPretraining(), *fine_tuning_tasks())
+}
 
 
 def task_for(cfg) -> Task:
@@ -18,7 +20,7 @@ def task_for(cfg) -> Task:
     for task in TASKS.values():
         if (task.kind, task.model_task) == (m.kind, m.task):
             return task
-    raise ConfigError(f"no task for model.kind = \"{m.kind}\", model.task = \"{m.task}\"")
+    raise ConfigError(f'no task for model.kind = "{m.kind}", model.task = "{m.task}"')
 
 
 def param_count(cfg) -> int:
@@ -29,8 +31,13 @@ def param_count(cfg) -> int:
     positions = m.seq_len * m.hidden if m.positions == "learned" else 0
     output_layer = 0 if m.tie_embeddings else m.padded_vocab * m.hidden
     final_norm = (2 if m.norm == "layernorm" else 1) * m.hidden
-    shared = (m.num_layers * (m.layer_params + m.adapter_params) + m.padded_vocab * m.hidden
-              + positions + output_layer + final_norm)
+    shared = (
+        m.num_layers * (m.layer_params + m.adapter_params)
+        + m.padded_vocab * m.hidden
+        + positions
+        + output_layer
+        + final_norm
+    )
     return shared + task_for(cfg).head_params(cfg)
 
 

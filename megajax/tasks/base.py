@@ -5,6 +5,7 @@ the run's task (megajax/tasks/__init__.py: `task_for(cfg)`) instead of switching
 `model.kind` / `model.task`. Adding an objective means a Task here, its model head and its
 data reader.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,17 +19,18 @@ import numpy as np
 class Field:
     """One int32 array of a batch: its shape per example, and the range [low, high) of the
     values a synthetic batch draws (for the GPU bench: speed does not depend on the text)."""
+
     shape: tuple[int, ...]
     low: int = 0
     high: int = 1
 
 
 class Task:
-    name = ""                       # registry key
-    kind = ""                       # model.kind
-    model_task = "pretrain"         # model.task
-    sequences_per_example = 1       # sequences one example feeds the encoder (RACE: its options)
-    sample_after_training = False   # train.py prints a sample at the end
+    name = ""  # registry key
+    kind = ""  # model.kind
+    model_task = "pretrain"  # model.task
+    sequences_per_example = 1  # sequences one example feeds the encoder (RACE: its options)
+    sample_after_training = False  # train.py prints a sample at the end
     # With sequence parallelism: the heads read only their rows of the last hidden states
     # ([CLS] and the masked positions: BERT) rather than the whole gathered sequence (GPT).
     heads_read_rows = False
@@ -44,13 +46,17 @@ class Task:
         """The global batch as ShapeDtypeStructs (every array split over "data" by rows)."""
         return jax.tree.map(
             lambda f: jax.ShapeDtypeStruct((batch_size, *f.shape), np.int32, sharding=sharding),
-            self.batch_fields(cfg), is_leaf=lambda x: isinstance(x, Field))
+            self.batch_fields(cfg),
+            is_leaf=lambda x: isinstance(x, Field),
+        )
 
     def synthetic_batch(self, cfg, batch_size: int, rng: np.random.Generator):
         """Random values of the right shapes and ranges, as numpy arrays."""
         return jax.tree.map(
             lambda f: rng.integers(f.low, f.high, (batch_size, *f.shape)).astype(np.int32),
-            self.batch_fields(cfg), is_leaf=lambda x: isinstance(x, Field))
+            self.batch_fields(cfg),
+            is_leaf=lambda x: isinstance(x, Field),
+        )
 
     # -- data -------------------------------------------------------------------------------
     def load_data(self, cfg, tokenizer=None):

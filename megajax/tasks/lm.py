@@ -1,6 +1,7 @@
 """GPT language modelling: next-token cross-entropy over (b, seq_len + 1) token windows of a
 corpus, or over packed conversations (chat: sources, megajax/data/packing.py), where the loss
 covers the tokens their mask marks."""
+
 from __future__ import annotations
 
 import math
@@ -13,7 +14,7 @@ from megajax.errors import UserError
 from megajax.specs import DataSpec
 from megajax.tasks.base import Field, Task
 
-MAX_UNTOKENIZED_VOCAB = 2 ** 20   # ids an untokenized bin: file may use before it looks misread
+MAX_UNTOKENIZED_VOCAB = 2**20  # ids an untokenized bin: file may use before it looks misread
 
 
 class LanguageModelling(Task):
@@ -27,8 +28,7 @@ class LanguageModelling(Task):
         tokens = Field((s + 1,), 0, cfg.model.vocab_size)
         if not is_chat(cfg):
             return tokens
-        return {"tokens": tokens, "segments": Field((s + 1,), 0, 2),
-                "loss_mask": Field((s,), 0, 2)}
+        return {"tokens": tokens, "segments": Field((s + 1,), 0, 2), "loss_mask": Field((s,), 0, 2)}
 
     def load_data(self, cfg, tokenizer=None):
         d = cfg.data
@@ -68,5 +68,6 @@ def _bin_vocab(data, cfg) -> int:
         raise UserError(
             f"{cfg.data.source} has token id {top}, beyond the {data.tokenizer.kind} tokenizer's "
             f"{vocab:,} ids: give the tokenizer that made it (--tokenizer), or check "
-            f"data.bin_dtype ({cfg.data.bin_dtype})")
+            f"data.bin_dtype ({cfg.data.bin_dtype})"
+        )
     return max(vocab, top + 1, cfg.model.vocab_size)

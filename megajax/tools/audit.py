@@ -3,6 +3,7 @@
 Megatron's claim is that a tensor-parallel transformer layer needs exactly two all-reduces
 over the model axis in the forward pass and two in the backward pass. `audit()` checks it
 from the program XLA compiled (tools/hlo.py reads it) against the analytic minimum."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -81,8 +82,11 @@ class AuditResult:
         counted as they occur, since XLA may merge them with the forward's in an unrolled stack."""
         per = self.model_axis_layer_counts("all-gather")
         bsh = self.batch_local * self.seq_len * self.hidden
-        return self.microbatches * bsh * sum(n for c in per.values() for (_, d), n in c.items()
-                                             if d == "recompute")
+        return (
+            self.microbatches
+            * bsh
+            * sum(n for c in per.values() for (_, d), n in c.items() if d == "recompute")
+        )
 
     @property
     def remat_extra_elements(self) -> int:
@@ -90,8 +94,11 @@ class AuditResult:
 
     @property
     def data_axis_gradient_elements(self) -> int:
-        return sum(c.elements * c.count for c in self.collectives if c.axis == DATA
-                   and c.origin == "gradients")
+        return sum(
+            c.elements * c.count
+            for c in self.collectives
+            if c.axis == DATA and c.origin == "gradients"
+        )
 
     def data_axis_sent(self, origin: str) -> int:
         """Elements each device sends over "data" per step for the collectives of `origin`,
@@ -102,9 +109,13 @@ class AuditResult:
         factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1}
         # over both axes (LoRA's replicated factors) at the data axis's share
         origins = (origin, "adapter_gradients") if origin == "gradients" else (origin,)
-        return round(sum(factor.get(c.kind, 1) * c.elements * c.count / self._stages_counted(c)
-                         for c in self.collectives
-                         if DATA in c.axis.split("+") and c.origin in origins))
+        return round(
+            sum(
+                factor.get(c.kind, 1) * c.elements * c.count / self._stages_counted(c)
+                for c in self.collectives
+                if DATA in c.axis.split("+") and c.origin in origins
+            )
+        )
 
     def _stages_counted(self, c: Collective) -> int:
         """A pipeline's stage actions are counted summed over its stages (tools/hlo.py): a
@@ -120,17 +131,22 @@ class AuditResult:
         """FSDP's gathers of a layer's weights again for the backward pass, counted as found
         (in an unrolled stack XLA may merge them with the forward's, keeping the weights)."""
         n = self.mesh.data
-        return round(sum((n - 1) / n * c.elements * c.count / self._stages_counted(c)
-                         for c in self.collectives
-                         if c.axis == DATA and c.origin == "params" and c.direction == "recompute"))
+        return round(
+            sum(
+                (n - 1) / n * c.elements * c.count / self._stages_counted(c)
+                for c in self.collectives
+                if c.axis == DATA and c.origin == "params" and c.direction == "recompute"
+            )
+        )
 
     @property
     def data_axis_ratio(self) -> float:
         """Gradient and parameter traffic over "data" against the scheme's minimum (with FSDP's
         re-gathers for the backward pass as found)."""
         least = self.data_axis_min + self.data_axis_regathered
-        return sum(self.data_axis_sent(o)
-                   for o in ("gradients", "params")) / least if least else 0.0
+        return (
+            sum(self.data_axis_sent(o) for o in ("gradients", "params")) / least if least else 0.0
+        )
 
     def data_axis_line(self) -> str:
         """Data parallelism's traffic against the minimum of its scheme (`data_axis_minimum`)."""
@@ -138,35 +154,51 @@ class AuditResult:
         least = round(self.data_axis_min)
         head = "data-axis elements sent per step and device (ring algorithms): "
         if self.data_scheme == "plain":
-            return (head + f"gradients {grads:,} = {self.data_axis_ratio:.3f} x the minimum "
-                    f"{least:,} (each gradient shard all-reduced once per step; GSPMD reduces "
-                    f"once per microbatch, here {self.microbatches}, and the tied embedding's "
-                    f"two contributions apart; train.shard_optimizer reduces once per step)")
+            return (
+                head + f"gradients {grads:,} = {self.data_axis_ratio:.3f} x the minimum {least:,} "
+                "(each gradient shard all-reduced once per step; GSPMD reduces once per "
+                f"microbatch, here {self.microbatches}, and the tied embedding's two contributions "
+                "apart; train.shard_optimizer reduces once per step)"
+            )
         if self.data_scheme == "zero":
-            what = ("ZeRO-1: one reduce-scatter of the accumulated gradients and one all-gather "
-                    "of the updated parameters per step, the bytes of one all-reduce")
+            what = (
+                "ZeRO-1: one reduce-scatter of the accumulated gradients and one all-gather of "
+                "the updated parameters per step, the bytes of one all-reduce"
+            )
         else:
-            what = ("FSDP: per layer and microbatch an all-gather of its weights and a "
-                    "reduce-scatter of its gradients, the other weights gathered once per step"
-                    + (" and their gradients reduce-scattered once" if self.pipeline else ""))
+            what = (
+                "FSDP: per layer and microbatch an all-gather of its weights and a reduce-scatter "
+                "of its gradients, the other weights gathered once per step"
+                + (" and their gradients reduce-scattered once" if self.pipeline else "")
+            )
             if self.data_axis_regathered:
                 least += self.data_axis_regathered
-                what += (f"; with the {self.data_axis_regathered:,} of the weights the backward "
-                         f"pass gathers again, one layer at a time")
-        return (head + f"gradients {grads:,} + parameters {params:,} = "
-                f"{self.data_axis_ratio:.3f} x the minimum {least:,} ({what})")
+                what += (
+                    f"; with the {self.data_axis_regathered:,} of the weights the backward pass "
+                    "gathers again, one layer at a time"
+                )
+        return (
+            head + f"gradients {grads:,} + parameters {params:,} = {self.data_axis_ratio:.3f} x "
+            f"the minimum {least:,} ({what})"
+        )
 
     @property
     def model_axis_elements(self) -> int:
         """Elements over "model" but LoRA adapters' gradient sums (`adapter_gradient_elements`)."""
-        return sum(c.elements * c.count for c in self.collectives
-                   if MODEL in c.axis and c.origin != "adapter_gradients")
+        return sum(
+            c.elements * c.count
+            for c in self.collectives
+            if MODEL in c.axis and c.origin != "adapter_gradients"
+        )
 
     @property
     def adapter_gradient_elements(self) -> int:
         """LoRA's replicated factors' gradients summed over "model" alone (core/lora.py)."""
-        return sum(c.elements * c.count for c in self.collectives
-                   if c.axis == MODEL and c.origin == "adapter_gradients")
+        return sum(
+            c.elements * c.count
+            for c in self.collectives
+            if c.axis == MODEL and c.origin == "adapter_gradients"
+        )
 
     @property
     def ratio(self) -> float:
@@ -186,8 +218,14 @@ class AuditResult:
             "model_axis_elements": self.model_axis_elements,
             "analytic_min_elements": self.analytic_min_elements,
             "ratio_to_megatron_min": round(self.ratio, 4),
-            **({f"per_layer_model_{k.replace('-', '_')}s": self._per_layer_dict(k)
-                for k in ("all-gather", "reduce-scatter")} if self.sequence_parallel else {}),
+            **(
+                {
+                    f"per_layer_model_{k.replace('-', '_')}s": self._per_layer_dict(k)
+                    for k in ("all-gather", "reduce-scatter")
+                }
+                if self.sequence_parallel
+                else {}
+            ),
             "data_axis_gradient_elements": self.data_axis_gradient_elements,
             "data_axis_gradient_min_elements": self.gradient_shard_elements,
             "data_scheme": self.data_scheme,
@@ -195,14 +233,19 @@ class AuditResult:
             "data_axis_min_sent": round(self.data_axis_min),
             "data_axis_regathered": self.data_axis_regathered,
             "data_axis_ratio": round(self.data_axis_ratio, 4),
-            "non_all_reduce_on_model_axis": sum(c.count for c in self.collectives
-                                                if MODEL in c.axis and c.kind != "all-reduce"),
+            "non_all_reduce_on_model_axis": sum(
+                c.count for c in self.collectives if MODEL in c.axis and c.kind != "all-reduce"
+            ),
             **({"pipeline": self.pipeline.summary()} if self.pipeline else {}),
         }
 
     def _per_layer_dict(self, kind: str) -> dict:
-        return {i: {f"{o}/{d}": n for (o, d), n in v.items()} for i, v in
-                sorted(self.model_axis_layer_counts(kind).items(), key=lambda kv: int(kv[0]))}
+        return {
+            i: {f"{o}/{d}": n for (o, d), n in v.items()}
+            for i, v in sorted(
+                self.model_axis_layer_counts(kind).items(), key=lambda kv: int(kv[0])
+            )
+        }
 
     def table(self) -> str:
         """One row per activation collective; gradient and optimizer tensors summed per layer."""
@@ -213,9 +256,19 @@ class AuditResult:
                 n, el, by, cnt = grouped.get(key, (0, 0, 0, c.count))
                 grouped[key] = (n + 1, el + c.elements, by + c.bytes, cnt)
                 continue
-            rows.append((c.kind, c.axis, c.direction, c.origin, c.layer or "-",
-                         f"{c.dtype}{list(c.shape)}", f"{c.elements:,}", f"{c.bytes:,}",
-                         f"x{c.count}"))
+            rows.append(
+                (
+                    c.kind,
+                    c.axis,
+                    c.direction,
+                    c.origin,
+                    c.layer or "-",
+                    f"{c.dtype}{list(c.shape)}",
+                    f"{c.elements:,}",
+                    f"{c.bytes:,}",
+                    f"x{c.count}",
+                )
+            )
         for key, (n, el, by, cnt) in grouped.items():
             rows.append(key + (f"{n} tensors", f"{el:,}", f"{by:,}", f"x{cnt}"))
         head = ("kind", "axis", "pass", "origin", "layer", "shape", "elements", "bytes", "count")
@@ -223,43 +276,56 @@ class AuditResult:
         fmt = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths))  # noqa: E731
         lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
         lines.append("")
-        if self.pipeline is not None:   # per layer: the stages' executions summed
-            data = [self.data_axis_line()] if self.mesh.data > 1 and self.data_axis_minimum \
-                else []
-            return "\n".join(lines + [self._per_layer_line(k) for k in self._kinds()]
-                             + self.pipeline.lines() + data)
+        if self.pipeline is not None:  # per layer: the stages' executions summed
+            data = [self.data_axis_line()] if self.mesh.data > 1 and self.data_axis_minimum else []
+            return "\n".join(
+                lines
+                + [self._per_layer_line(k) for k in self._kinds()]
+                + self.pipeline.lines()
+                + data
+            )
         for kind in self._kinds():
             lines.append(self._per_layer_line(kind))
         scheme = "sequence-parallel " if self.sequence_parallel else ""
-        lines.append(f"model-axis elements per step and device: {self.model_axis_elements:,} "
-                     f"= {self.ratio:.3f} x Megatron's {scheme}analytic minimum "
-                     f"{self.analytic_min_elements:,}")
+        lines.append(
+            f"model-axis elements per step and device: {self.model_axis_elements:,} = "
+            f"{self.ratio:.3f} x Megatron's {scheme}analytic minimum {self.analytic_min_elements:,}"
+        )
         if self.mesh.data > 1 and self.data_axis_minimum:
             lines.append(self.data_axis_line())
         parts = []
         if self.regathered_elements:
             parts.append(
-                f"the block inputs all-gathered again for the backward pass "
-                f"({self.regathered_elements:,} elements)")
+                "the block inputs all-gathered again for the backward pass "
+                f"({self.regathered_elements:,} elements)"
+            )
         if self.remat:
             what = "attention reduce-scatter" if self.sequence_parallel else "all-reduce"
             parts.append(
-                f"remat's recomputed {what} per layer ({self.remat_extra_elements:,} elements)")
+                f"remat's recomputed {what} per layer ({self.remat_extra_elements:,} elements)"
+            )
         if parts:
-            total = (self.analytic_min_elements + self.regathered_elements
-                     + self.remat_extra_elements)
-            lines.append(f"with {' and '.join(parts)} the minimum is {total:,}: ratio "
-                         f"{self.model_axis_elements / total:.3f}")
+            total = (
+                self.analytic_min_elements + self.regathered_elements + self.remat_extra_elements
+            )
+            lines.append(
+                f"with {' and '.join(parts)} the minimum is {total:,}: ratio "
+                f"{self.model_axis_elements / total:.3f}"
+            )
         return "\n".join(lines)
 
     def _kinds(self) -> tuple[str, ...]:
-        return (("all-gather", "reduce-scatter", "all-reduce") if self.sequence_parallel
-                else ("all-reduce",))
+        return (
+            ("all-gather", "reduce-scatter", "all-reduce")
+            if self.sequence_parallel
+            else ("all-reduce",)
+        )
 
     def _per_layer_line(self, kind: str) -> str:
         per = self.model_axis_layer_counts(kind)
-        count = lambda d: sorted({sum(n for (o, dd), n in c.items() if dd == d)
-                                  for c in per.values()} or {0})  # noqa: E731
+        count = lambda d: sorted(
+            {sum(n for (o, dd), n in c.items() if dd == d) for c in per.values()} or {0}
+        )  # noqa: E731
         if self.pipeline is not None:
             recompute = f", recomputed by the backward tick {count('recompute')}"
         elif self.remat:
@@ -271,7 +337,8 @@ class AuditResult:
         return (
             f"model-axis {kind}s per layer{' and microbatch' if self.microbatches > 1 else ''}: "
             f"forward {count('forward')}, backward {count('backward')}{recompute} "
-            f"({self.num_layers} layers{', scanned' if self.scanned else ''})")
+            f"({self.num_layers} layers{', scanned' if self.scanned else ''})"
+        )
 
     def print(self):
         print(self.table())
@@ -284,8 +351,7 @@ def audit(cfg, mesh, verbose: bool = False) -> AuditResult:
     return audit_hlo(hlo, cfg, MeshShape.of(trainer.mesh), verbose=verbose, trainer=trainer)
 
 
-def audit_hlo(hlo: str, cfg, mesh: MeshShape, verbose: bool = False,
-              trainer=None) -> AuditResult:
+def audit_hlo(hlo: str, cfg, mesh: MeshShape, verbose: bool = False, trainer=None) -> AuditResult:
     """The audit of a compiled step on a mesh of that shape."""
     # (each RACE option is a sequence of its own: StepShape.of counts sequences)
     piped = trainer is not None and trainer.pipeline is not None
@@ -293,12 +359,17 @@ def audit_hlo(hlo: str, cfg, mesh: MeshShape, verbose: bool = False,
     shape = StepShape.of(cfg, task_for(cfg), mesh)
     result = AuditResult(collectives, mesh, shape, cfg.model.scan_layers)
     if mesh.pipelined:
-        result.pipeline = pipeline_sends(collectives, trainer.pipeline, shape,
-                                         runs_of_scope(hlo, "pipeline_stage"), mesh.devices)
+        result.pipeline = pipeline_sends(
+            collectives, trainer.pipeline, shape, runs_of_scope(hlo, "pipeline_stage"), mesh.devices
+        )
     if trainer is not None:
-        result.gradient_shard_elements = per_device_elements(trainer.trained(
-            trainer.modeldef.abstract_sharded_params(
-                param_shardings(trainer.mesh, trainer.modeldef.specs()))))
+        result.gradient_shard_elements = per_device_elements(
+            trainer.trained(
+                trainer.modeldef.abstract_sharded_params(
+                    param_shardings(trainer.mesh, trainer.modeldef.specs())
+                )
+            )
+        )
         result.data_scheme, result.data_axis_minimum = data_axis_minimum(trainer)
     if verbose:
         result.print()

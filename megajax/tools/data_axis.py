@@ -2,6 +2,7 @@
 analytic.data_axis_minimum fed with one device's model shard of the trained weights, as the
 run's scheme (plain, ZeRO-1, FSDP) and its pipeline stages hold them. The audit
 (tools/audit.py) sets what the compiled step sends against it."""
+
 from __future__ import annotations
 
 import math
@@ -31,20 +32,26 @@ def _scheme_minimum(trainer, part) -> tuple[str, dict]:
     shapes = part(trainer.modeldef.abstract_params())
     dp = trainer.data_parallel
     # a device's model shard (on a pipeline: of its stage's layers), before "data" splits it
-    held = dp.held_specs if dp is not None else jax.tree.map(lambda s: s.spec,
-                                                                trainer.param_shardings)
-    local = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)), shapes,
-                         part(param_shardings(trainer.mesh, held)))
+    held = (
+        dp.held_specs if dp is not None else jax.tree.map(lambda s: s.spec, trainer.param_shardings)
+    )
+    local = jax.tree.map(
+        lambda x, sh: math.prod(sh.shard_shape(x.shape)),
+        shapes,
+        part(param_shardings(trainer.mesh, held)),
+    )
     if dp is None:
         # A weight held in copies over "model" has its gradient reduced over "data" on the share
         # each device computes, before the copies are made whole.
         copied = copied_weights(trainer.cfg.model, trainer.mesh.shape[MODEL])
         local = jax.tree_util.tree_map_with_path(
-            lambda p, size: size // copied.get(path_keys(p)[-1], 1), local)
+            lambda p, size: size // copied.get(path_keys(p)[-1], 1), local
+        )
         return "plain", data_axis_sent_minimum("plain", n, m, 0, sum(jax.tree.leaves(local)))
     split = whole = layers = layers_read = 0
-    for (path, size), d in zip(jax.tree_util.tree_flatten_with_path(local)[0],
-                               jax.tree.leaves(part(dp.dims))):
+    for (path, size), d in zip(
+        jax.tree_util.tree_flatten_with_path(local)[0], jax.tree.leaves(part(dp.dims))
+    ):
         keys = path_keys(path)
         if d == NONE:
             whole += size
@@ -52,9 +59,13 @@ def _scheme_minimum(trainer, part) -> tuple[str, dict]:
         split += size
         if keys[0] == "layers":
             layers += size
-            if keys[-1].endswith("kernel") or keys[
-                -1] == "scale" or trainer.cfg.model.remat == "full":
+            if (
+                keys[-1].endswith("kernel")
+                or keys[-1] == "scale"
+                or trainer.cfg.model.remat == "full"
+            ):
                 layers_read += size
     scheme = "fsdp" if dp.fsdp else "zero"
-    return scheme, data_axis_sent_minimum(scheme, n, m, split, whole, layers, layers_read,
-                                          outside_once=trainer.pipeline is not None)
+    return scheme, data_axis_sent_minimum(
+        scheme, n, m, split, whole, layers, layers_read, outside_once=trainer.pipeline is not None
+    )

@@ -1,5 +1,6 @@
 """`train.py --dry-run`: everything about a run that needs no weights, from the step compiled
 for abstract inputs: sizes, per-device memory and the collective audit."""
+
 from __future__ import annotations
 
 import time
@@ -28,7 +29,9 @@ def dry_run_report(cfg: Config, mesh, out=print, costs: bool = False) -> dict:
     compiled = trainer.lower_step().compile()
     compile_s = time.perf_counter() - t0
     report = {
-        "config": cfg.name, "params": param_count(cfg), "num_layers": cfg.model.num_layers,
+        "config": cfg.name,
+        "params": param_count(cfg),
+        "num_layers": cfg.model.num_layers,
         "mesh": shape.sizes(),
         "param_bytes_per_device": per_device_bytes(params),
         # float32: the accumulator, split like the parameters (ZeRO-1 reduce-scatters it once per
@@ -54,34 +57,49 @@ def _scheme(cfg: Config, trainer) -> str:
     dp = trainer.data_parallel
     if dp is None:
         return "plain (parameters and optimizer state whole on every data shard)"
-    what = ("FSDP: parameters, gradients and optimizer state" if cfg.train.shard_params
-            else "ZeRO-1: optimizer state")
+    what = (
+        "FSDP: parameters, gradients and optimizer state"
+        if cfg.train.shard_params
+        else "ZeRO-1: optimizer state"
+    )
     return f"{what} split over data; {dp.describe()}"
 
 
 def _print(report: dict, cfg: Config, out):
     m, t = cfg.model, cfg.train
-    out(f"dry run: {cfg.name}, {report['params']:,} parameters "
-        f"({m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads, seq {m.seq_len}, vocab "
-        f"{m.padded_vocab})")
+    out(
+        f"dry run: {cfg.name}, {report['params']:,} parameters ({m.num_layers} layers, hidden "
+        f"{m.hidden}, {m.num_heads} heads, seq {m.seq_len}, vocab {m.padded_vocab})"
+    )
     if m.lora_rank:
-        out(f"LoRA: rank {m.lora_rank} on {m.lora_targets}: {report['trained_params']:,} "
-            f"trained parameters, the rest frozen")
-    out(f"mesh {' '.join(f'{a}={n}' for a, n in report['mesh'].items())}; global batch "
-        f"{t.batch_size} in {t.microbatches} microbatch(es); compute {Precision.of(m).name}, "
-        f"remat {m.remat}")
+        out(
+            f"LoRA: rank {m.lora_rank} on {m.lora_targets}: {report['trained_params']:,} trained "
+            "parameters, the rest frozen"
+        )
+    out(
+        f"mesh {' '.join(f'{a}={n}' for a, n in report['mesh'].items())}; global batch "
+        f"{t.batch_size} in {t.microbatches} microbatch(es); compute {Precision.of(m).name}, remat "
+        f"{m.remat}"
+    )
     if report["mesh"][DATA] > 1:
         out(f"data parallelism: {report['data_parallel']}")
-    out(f"per device: params {gib(report['param_bytes_per_device'])}, "
-        f"gradients {gib(report['gradient_bytes_per_device'])}, "
-        f"optimizer state {gib(report['optimizer_bytes_per_device'])}"
-        + (f", compiled step peak {gib(report['step_peak_bytes'])} "
-           f"(temporaries {gib(report['step_temp_bytes'])})" if "step_peak_bytes" in report
-           else ""))
+    out(
+        f"per device: params {gib(report['param_bytes_per_device'])}, gradients "
+        f"{gib(report['gradient_bytes_per_device'])}, optimizer state "
+        f"{gib(report['optimizer_bytes_per_device'])}"
+        + (
+            f", compiled step peak {gib(report['step_peak_bytes'])} (temporaries "
+            f"{gib(report['step_temp_bytes'])})"
+            if "step_peak_bytes" in report
+            else ""
+        )
+    )
     if report.get("step_peak_bytes") and report["device_bytes"]:
         fits = report["step_peak_bytes"] <= report["device_bytes"]
-        out(f"{'fits' if fits else 'does NOT fit'}: a device has {gib(report['device_bytes'])}"
-            + ("" if fits else " (train.py would refuse this run)"))
+        out(
+            f"{'fits' if fits else 'does NOT fit'}: a device has {gib(report['device_bytes'])}"
+            + ("" if fits else " (train.py would refuse this run)")
+        )
     if "step_flops" in report:
         _print_costs(report, out)
     out(f"step compiled in {report['compile_s']:.1f}s\n")
@@ -94,18 +112,19 @@ def _print_costs(report: dict, out):
     if dtype != "float32":
         model += (
             f" ({gib(report['modelled_float32_bytes_per_layer_and_sequence'] * layers)} in "
-            f"float32, "
-            f"as XLA:CPU keeps 16-bit activations)")
+            "float32, as XLA:CPU keeps 16-bit activations)"
+        )
     if "activation_bytes_per_sequence" in report:
         out(
             f"activations per sequence: {gib(int(report['activation_bytes_per_sequence']))} "
-            f"compiled "
-            f"(step temporaries, slope over {report['sequences_per_microbatch']} more per "
-            f"microbatch); "
-            f"the {layers} layers "
-            f"{gib(int(report['activation_bytes_per_layer_and_sequence'] * layers))} "
-            f"compiled, {model}")
+            f"compiled (step temporaries, slope over {report['sequences_per_microbatch']} more per "
+            f"microbatch); the {layers} layers "
+            f"{gib(int(report['activation_bytes_per_layer_and_sequence'] * layers))} compiled, "
+            f"{model}"
+        )
     else:
         out(f"activations per sequence: the {layers} layers {model}")
-    out(f"step FLOPs per device: {report['step_flops']:.3e}, recomputation "
-        f"{100 * report['recompute_overhead']:+.1f}% over none")
+    out(
+        f"step FLOPs per device: {report['step_flops']:.3e}, recomputation "
+        f"{100 * report['recompute_overhead']:+.1f}% over none"
+    )

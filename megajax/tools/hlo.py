@@ -5,6 +5,7 @@ forward/backward, and where in the model it comes from (layer, attention/MLP, em
 logits, loss, optimizer), from the JAX name stack XLA keeps in op metadata; ops inside loops
 (the scanned layer stack, gradient accumulation) are multiplied by their trip counts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,9 +19,25 @@ from megajax.core.sharding import DATA, MODEL
 from megajax.mesh_shape import MeshShape
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-               "f8e4m3fn": 1, "f8e5m2": 1}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 
 _COMP = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
@@ -29,12 +46,14 @@ _OPNAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"\bbody=%([^\s,]+)")
 _CALLS = re.compile(
-    r"\b(?:calls|to_apply|branch_computations|true_computation|false_computation)=\{?%([^\s,}]+)")
+    r"\b(?:calls|to_apply|branch_computations|true_computation|false_computation)=\{?%([^\s,}]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _GTE = re.compile(r"get-tuple-element\(%([^)\s]+)\), index=(\d+)")
 
 
 # --- replica groups ---------------------------------------------------------------------
+
 
 def _iota(spec: str) -> np.ndarray:
     """'[2,4]<=[8]' / '[4,2]<=[2,4]T(1,0)' -> the device-id array they describe."""
@@ -77,9 +96,10 @@ def parse_replica_groups(line: str, num_devices: int) -> list[list[int]]:
         return ids.reshape(-1, ids.shape[-1]).tolist()
     m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", line)
     if m:
-        groups = [[int(x) for x in g.split(",") if x]
-                  for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-        if "source_target_pairs" in line[:m.start() + 25]:
+        groups = [
+            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))
+        ]
+        if "source_target_pairs" in line[: m.start() + 25]:
             return groups
         return groups or [list(range(num_devices))]
     return [list(range(num_devices))]
@@ -90,7 +110,7 @@ def _mesh_groups(axes_text: str, device_ids: str | None, reduced_text: str) -> l
     sub-axis names a part of it, the reduced parts moved last, one group per the rest."""
     axes = [(a.split("=")[0].strip("' "), int(a.split("=")[1])) for a in axes_text.split(",")]
     ids = _device_list(device_ids) if device_ids else np.arange(math.prod(n for _, n in axes))
-    parts = {}    # axis name -> (major size, reduced size), a whole axis being (1, its size)
+    parts = {}  # axis name -> (major size, reduced size), a whole axis being (1, its size)
     for token in (t.strip() for t in reduced_text.split(",") if t.strip()):
         sub = re.fullmatch(r"'?([^':]+)'?(?::\((\d+)\)(\d+))?", token)
         name = sub.group(1)
@@ -104,8 +124,11 @@ def _mesh_groups(axes_text: str, device_ids: str | None, reduced_text: str) -> l
         shape += [major, part, size // (major * part)]
     ids = ids.reshape(shape)
     kept = [i for i in range(len(shape)) if i not in reduced]
-    return ids.transpose(kept + reduced).reshape(-1, math.prod(shape[i] for i in reduced)
-                                                 if reduced else 1).tolist()
+    return (
+        ids.transpose(kept + reduced)
+        .reshape(-1, math.prod(shape[i] for i in reduced) if reduced else 1)
+        .tolist()
+    )
 
 
 def groups_axis(groups, mesh: MeshShape) -> str:
@@ -122,21 +145,22 @@ def groups_axis(groups, mesh: MeshShape) -> str:
 
 # --- HLO walking ------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Collective:
-    kind: str              # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
-    axis: str              # model, data, data+model, none
+    kind: str  # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
+    axis: str  # model, data, data+model, none
     dtype: str
     shape: tuple[int, ...]
-    count: int             # executions per step (loop trip counts multiplied in)
+    count: int  # executions per step (loop trip counts multiplied in)
     # forward, backward, recompute, optimizer, update (ZeRO's gather of the new weights)
     direction: str
     # embedding, logits, loss, attention, mlp, gradients, params, metrics, optimizer, other
     origin: str
-    layer: str             # "0", "1", ... ; "all" for the scanned stack; "" outside layers
+    layer: str  # "0", "1", ... ; "all" for the scanned stack; "" outside layers
     op_name: str
     hlo_name: str
-    pairs: int = 0         # a collective-permute's (source, target) device pairs
+    pairs: int = 0  # a collective-permute's (source, target) device pairs
 
     @property
     def elements(self) -> int:
@@ -168,7 +192,7 @@ def _multiplicities(comps, switch: dict | None = None) -> dict[str, int]:
     the pipeline's switches (megajax/training/pipeline.py) count each branch as often as the
     schedule runs it: `switch` maps each switch's name scope to (the tick loop's trips, per
     branch the table's entries that run it; for a stage's action summed over the stages)."""
-    scopes = sorted(switch or {}, key=len, reverse=True)   # "pipeline_send_back" first
+    scopes = sorted(switch or {}, key=len, reverse=True)  # "pipeline_send_back" first
     mult = defaultdict(int)
     entry = comps.get("__entry__")
     stack = [(entry, 1)]
@@ -215,15 +239,16 @@ def _classify(op_name: str, axis: str):
     if "metrics_all_reduce" in op_name:
         return "forward", "metrics", layer
     if "rematted_computation" in op_name or (
-            "pipeline_recompute" in op_name and "transpose(" not in op_name):
+        "pipeline_recompute" in op_name and "transpose(" not in op_name
+    ):
         direction = "recompute"
     else:
         direction = "backward" if "transpose(" in op_name else "forward"
     if "fsdp_all_gather" in op_name and direction != "backward":
         return direction, "params", layer
-    if "lora_gradient" in op_name and direction == "backward":   # core/lora.py: per_device
+    if "lora_gradient" in op_name and direction == "backward":  # core/lora.py: per_device
         return direction, "adapter_gradients", layer
-    if "kv_copies_gradient" in op_name:    # grouped-query attention's copied key/value weights
+    if "kv_copies_gradient" in op_name:  # grouped-query attention's copied key/value weights
         return direction, "gradients", layer
     origin = "other"
     for key in ("attention", "mlp", "embedding", "logits", "loss"):
@@ -261,10 +286,12 @@ def parse_collectives(hlo: str, mesh: MeshShape, switch: dict | None = None) -> 
             kind = opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
-            arrays = [(d, tuple(int(x) for x in dims.split(",") if x))
-                      for d, dims in _ARRAY.findall(shape_str)]
+            arrays = [
+                (d, tuple(int(x) for x in dims.split(",") if x))
+                for d, dims in _ARRAY.findall(shape_str)
+            ]
             if opcode == "all-gather-start":
-                arrays = arrays[len(arrays) // 2:]
+                arrays = arrays[len(arrays) // 2 :]
             elif opcode == "collective-permute-start":
                 arrays = arrays[:1]
             groups = parse_replica_groups(line, num_devices)
@@ -275,9 +302,20 @@ def parse_collectives(hlo: str, mesh: MeshShape, switch: dict | None = None) -> 
                 op_name = gte_names.get((name, i), combined) if len(arrays) > 1 else combined
                 direction, origin, layer = _classify(op_name, axis)
                 out.append(
-                    Collective(kind, axis, dtype, shape, mult[comp], direction, origin, layer,
-                               op_name, name if len(arrays) == 1 else f"{name}[{i}]",
-                               len(groups) if kind == "collective-permute" else 0))
+                    Collective(
+                        kind,
+                        axis,
+                        dtype,
+                        shape,
+                        mult[comp],
+                        direction,
+                        origin,
+                        layer,
+                        op_name,
+                        name if len(arrays) == 1 else f"{name}[{i}]",
+                        len(groups) if kind == "collective-permute" else 0,
+                    )
+                )
     return out
 
 
@@ -301,5 +339,12 @@ def program_order(c: Collective):
     pass_rank = {"forward": 0, "recompute": 1, "backward": 1}.get(c.direction, 2)
     if pass_rank == 1:
         stage, layer, within = -stage, -layer, -within
-    return (pass_rank, c.axis != MODEL, c.origin in ("gradients", "params", "metrics", "optimizer"),
-            stage, layer, within, c.hlo_name)
+    return (
+        pass_rank,
+        c.axis != MODEL,
+        c.origin in ("gradients", "params", "metrics", "optimizer"),
+        stage,
+        layer,
+        within,
+        c.hlo_name,
+    )

@@ -9,6 +9,7 @@ microbatch crossing a boundary between (virtual) stages, the minimum. The tick l
 count, read from the HLO, is the schedule's length, so the bubble (idle ticks over busy ticks
 on each stage) comes from the program, not from the table that built it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,13 +23,13 @@ class PipelineSends:
     schedule: str
     micro: int
     chunks: int
-    ticks: int                 # the tick loop's trips
-    forward_elements: int      # per send, one device's
+    ticks: int  # the tick loop's trips
+    forward_elements: int  # per send, one device's
     backward_elements: int
-    forward_sent: int          # elements sent per step, summed over the devices of a stage group
+    forward_sent: int  # elements sent per step, summed over the devices of a stage group
     backward_sent: int
-    boundary_elements: int     # a microbatch's activations at a stage boundary, per device
-    embedding_elements: int    # the weights outside the stack, gradients summed over "pipe"
+    boundary_elements: int  # a microbatch's activations at a stage boundary, per device
+    embedding_elements: int  # the weights outside the stack, gradients summed over "pipe"
 
     @property
     def busy(self) -> int:
@@ -58,25 +59,32 @@ class PipelineSends:
             f"pipeline: {self.stages} stages{v}, {self.schedule}, {self.micro} microbatches: "
             f"{self.ticks} ticks per step, each stage busy in {self.busy}: bubble "
             f"{self.bubble:.3f} = {formula} {paper:.3f}",
-            f"pipeline sends per step (elements, one device of each stage): forward "
+            "pipeline sends per step (elements, one device of each stage): forward "
             f"{self.forward_sent:,} = {self.ratio():.3f} x, backward {self.backward_sent:,} = "
             f"{self.ratio(back=True):.3f} x the minimum {self.minimum:,} ({self.micro} "
             f"microbatches x {boundaries} stage boundaries x {self.boundary_elements:,}); each "
             f"send {self.forward_elements:,} elements",
             f"pipeline: the weights outside the stack ({self.embedding_elements:,} elements per "
-            f"device) have their gradients summed over pipe once per step (the tied embedding's "
-            f"first and last stage)",
+            "device) have their gradients summed over pipe once per step (the tied embedding's "
+            "first and last stage)",
         ]
 
     def summary(self) -> dict:
-        return {"stages": self.stages, "schedule": self.schedule, "microbatches": self.micro,
-                "chunks": self.chunks, "ticks": self.ticks, "bubble": round(self.bubble, 6),
-                "forward_send_elements": self.forward_elements,
-                "backward_send_elements": self.backward_elements,
-                "forward_sent": self.forward_sent, "backward_sent": self.backward_sent,
-                "send_minimum": self.minimum,
-                "boundary_elements": self.boundary_elements,
-                "embedding_gradient_elements": self.embedding_elements}
+        return {
+            "stages": self.stages,
+            "schedule": self.schedule,
+            "microbatches": self.micro,
+            "chunks": self.chunks,
+            "ticks": self.ticks,
+            "bubble": round(self.bubble, 6),
+            "forward_send_elements": self.forward_elements,
+            "backward_send_elements": self.backward_elements,
+            "forward_sent": self.forward_sent,
+            "backward_sent": self.backward_sent,
+            "send_minimum": self.minimum,
+            "boundary_elements": self.boundary_elements,
+            "embedding_gradient_elements": self.embedding_elements,
+        }
 
 
 def pipeline_sends(collectives, pipeline, shape, ticks: int, devices: int) -> PipelineSends:
@@ -84,18 +92,31 @@ def pipeline_sends(collectives, pipeline, shape, ticks: int, devices: int) -> Pi
     trainer's `pipeline`, the step's `shape` (analytic.StepShape), the tick loop's `ticks` and
     the mesh's `devices`."""
     over_pipe = [c for c in collectives if c.axis == PIPE]
-    groups = devices // pipeline.p     # (data, model) positions: each has its own stage pairs
+    groups = devices // pipeline.p  # (data, model) positions: each has its own stage pairs
 
     def sends(back: bool):
-        return [c for c in over_pipe if c.kind == "collective-permute"
-                and ("pipeline_send_back" in c.op_name) == back]
+        return [
+            c
+            for c in over_pipe
+            if c.kind == "collective-permute" and ("pipeline_send_back" in c.op_name) == back
+        ]
 
     def sent(found):
         return sum(c.elements * c.count * c.pairs for c in found) // groups
+
     forward, backward = sends(False), sends(True)
     grads = sum(c.elements for c in over_pipe if "pipeline_gradient_sum" in c.op_name)
     seq = shape.seq // (shape.tp if shape.sequence_parallel else 1)
     return PipelineSends(
-        pipeline.p, pipeline.table.schedule, pipeline.m, pipeline.v, ticks,
-        forward[0].elements if forward else 0, backward[0].elements if backward else 0,
-        sent(forward), sent(backward), shape.rows * seq * shape.hidden, grads)
+        pipeline.p,
+        pipeline.table.schedule,
+        pipeline.m,
+        pipeline.v,
+        ticks,
+        forward[0].elements if forward else 0,
+        backward[0].elements if backward else 0,
+        sent(forward),
+        sent(backward),
+        shape.rows * seq * shape.hidden,
+        grads,
+    )

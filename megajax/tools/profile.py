@@ -3,6 +3,7 @@ collectives, optimizer. Reads the trace jax.profiler wrote (train.py --profile, 
 step_mfu.py --profile) and, to know what each op is, the compiled step's HLO text saved beside it:
 its instructions' opcodes, the computations a fusion calls, and the JAX name scopes XLA keeps in
 op metadata ("optimizer", "attention_core")."""
+
 from __future__ import annotations
 
 import collections
@@ -11,7 +12,8 @@ import json
 import re
 from pathlib import Path
 
-from megajax.tools.hlo import _CALLS, _COMP, _INSTR, _OPNAME, KINDS as COLLECTIVES
+from megajax.tools.hlo import _CALLS, _COMP, _INSTR, _OPNAME
+from megajax.tools.hlo import KINDS as COLLECTIVES
 
 KINDS = ("matmuls", "attention", "element-wise", "collectives", "optimizer")
 MATMUL_OPS = ("dot", "convolution")
@@ -39,7 +41,7 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
         return False
 
     kinds = {}
-    for comp, instrs in bodies.items():
+    for instrs in bodies.values():
         for name, opcode, line in instrs:
             scope = (_OPNAME.search(line) or [None, ""])[1]
             if opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
@@ -48,8 +50,11 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
                 kinds[name] = "optimizer"
             elif "attention_core" in scope:
                 kinds[name] = "attention"
-            elif opcode in MATMUL_OPS or any(has_matmul(c) for c in _CALLS.findall(line)) \
-                    or "gemm" in line:
+            elif (
+                opcode in MATMUL_OPS
+                or any(has_matmul(c) for c in _CALLS.findall(line))
+                or "gemm" in line
+            ):
                 kinds[name] = "matmuls"
             else:
                 kinds[name] = "element-wise"
@@ -84,7 +89,7 @@ def op_seconds(trace: Path, module: str | None = None) -> dict[str, float]:
         if e.get("ph") != "X" or name.startswith(_RUNTIME):
             continue
         if "hlo_module" not in args and "hlo_op" not in args:
-            continue            # host-side Python and runtime work, not a compiled op
+            continue  # host-side Python and runtime work, not a compiled op
         if module and args.get("hlo_module", module) != module:
             continue
         seconds[args.get("hlo_op", name)] += e.get("dur", 0) / 1e6
@@ -99,16 +104,19 @@ def time_by_kind(profile_dir: Path) -> dict[str, float]:
     module = re.search(r"^HloModule (\S+?),", text, re.M)
     kinds = op_kinds(text)
     totals = dict.fromkeys(KINDS, 0.0)
-    for name, s in op_seconds(newest(profile_dir, "*.trace.json.gz"),
-                              module.group(1) if module else None).items():
+    for name, s in op_seconds(
+        newest(profile_dir, "*.trace.json.gz"), module.group(1) if module else None
+    ).items():
         kind = kinds.get(name) or kinds.get(_NUMBERED.sub("", name))
         if kind is None and kinds:
-            continue        # not an instruction of the step (the runtime's own work)
+            continue  # not an instruction of the step (the runtime's own work)
         totals[kind or guess_kind(name)] += s
     return totals
 
 
 def by_kind_line(totals: dict[str, float], steps: int = 1) -> str:
     total = sum(totals.values()) or 1.0
-    return ", ".join(f"{k} {v / steps * 1000:.1f} ms ({100 * v / total:.0f}%)"
-                     for k, v in sorted(totals.items(), key=lambda kv: -kv[1]))
+    return ", ".join(
+        f"{k} {v / steps * 1000:.1f} ms ({100 * v / total:.0f}%)"
+        for k, v in sorted(totals.items(), key=lambda kv: -kv[1])
+    )

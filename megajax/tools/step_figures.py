@@ -8,6 +8,7 @@ of the model unrolled at one and at two layers: step FLOPs = (f(1) + (L - 1)·(f
 times the microbatch count (the optimizer's elementwise work, counted once per microbatch
 this way, is some 1e-4 of the step).
 """
+
 from __future__ import annotations
 
 from megajax.analytic import activation_bytes_per_layer
@@ -31,10 +32,16 @@ def _flops(compiled) -> float:
 def step_flops(cfg: Config, mesh, remat: str | None = None) -> float:
     """FLOPs one device runs per step (forward, backward and what `remat` recomputes)."""
     t, m = cfg.train, cfg.model
-    one_microbatch = {"train.microbatches": 1, "train.batch_size": t.batch_size // t.microbatches,
-                      "model.scan_layers": False, "model.remat": remat or m.remat}
-    f1, f2 = (_flops(compile_step(with_values(cfg, {"model.num_layers": n, **one_microbatch}),
-                                  mesh)) for n in (1, 2))
+    one_microbatch = {
+        "train.microbatches": 1,
+        "train.batch_size": t.batch_size // t.microbatches,
+        "model.scan_layers": False,
+        "model.remat": remat or m.remat,
+    }
+    f1, f2 = (
+        _flops(compile_step(with_values(cfg, {"model.num_layers": n, **one_microbatch}), mesh))
+        for n in (1, 2)
+    )
     return (f1 + (m.num_layers - 1) * (f2 - f1)) * t.microbatches
 
 
@@ -59,24 +66,42 @@ def activation_bytes_per_sequence(cfg: Config, mesh, temp_bytes: int) -> dict:
     bigger = _temp_bytes(_doubled_rows(cfg), mesh)
     if bigger is None:
         return {}
-    shallow = {(n, r): _temp_bytes(c, mesh) for n in (2, 3)
-               for r, c in ((1, with_values(cfg, {"model.num_layers": n})),
-                            (2, _doubled_rows(with_values(cfg, {"model.num_layers": n}))))}
+    shallow = {
+        (n, r): _temp_bytes(c, mesh)
+        for n in (2, 3)
+        for r, c in (
+            (1, with_values(cfg, {"model.num_layers": n})),
+            (2, _doubled_rows(with_values(cfg, {"model.num_layers": n}))),
+        )
+    }
     per_layer = shallow[3, 2] - shallow[2, 2] - shallow[3, 1] + shallow[2, 1]
-    return {"activation_bytes_per_sequence": (bigger - temp_bytes) / rows,
-            "activation_bytes_per_layer_and_sequence": per_layer / rows,
-            "sequences_per_microbatch": rows}
+    return {
+        "activation_bytes_per_sequence": (bigger - temp_bytes) / rows,
+        "activation_bytes_per_layer_and_sequence": per_layer / rows,
+        "sequences_per_microbatch": rows,
+    }
 
 
 def modelled_bytes_per_layer(cfg: Config, mesh, dtype: str) -> int:
     """The activation-memory model's bytes per layer and sequence (megajax/analytic.py)."""
     m = cfg.model
     return activation_bytes_per_layer(
-        b=1, s=m.seq_len, h=m.hidden, heads=m.num_heads, tp=mesh.shape["model"], ffn=m.ffn,
-        sequence_parallel=m.sequence_parallel, remat=m.remat, dtype=dtype,
-        hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
-        recompute_norm_gelu=Precision.of(m).recompute_norm_gelu, head_dim=m.head_dim,
-        gated=m.mlp == "swiglu", rms_norm=m.norm == "rmsnorm")
+        b=1,
+        s=m.seq_len,
+        h=m.hidden,
+        heads=m.num_heads,
+        tp=mesh.shape["model"],
+        ffn=m.ffn,
+        sequence_parallel=m.sequence_parallel,
+        remat=m.remat,
+        dtype=dtype,
+        hidden_dropout=m.hidden_dropout > 0,
+        attention_dropout=m.attention_dropout > 0,
+        recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
+        head_dim=m.head_dim,
+        gated=m.mlp == "swiglu",
+        rms_norm=m.norm == "rmsnorm",
+    )
 
 
 def step_figures(cfg: Config, mesh, temp_bytes: int | None) -> dict:
@@ -84,14 +109,16 @@ def step_figures(cfg: Config, mesh, temp_bytes: int | None) -> dict:
     share."""
     # what the run keeps on an accelerator
     dtype = Precision.of(cfg.model, backend="gpu").compute.name
-    out = {"modelled_activation_dtype": dtype,
-           "modelled_bytes_per_layer_and_sequence": modelled_bytes_per_layer(cfg, mesh, dtype),
-           "modelled_float32_bytes_per_layer_and_sequence": modelled_bytes_per_layer(cfg, mesh,
-                                                                                     "float32")}
+    out = {
+        "modelled_activation_dtype": dtype,
+        "modelled_bytes_per_layer_and_sequence": modelled_bytes_per_layer(cfg, mesh, dtype),
+        "modelled_float32_bytes_per_layer_and_sequence": modelled_bytes_per_layer(
+            cfg, mesh, "float32"
+        ),
+    }
     if temp_bytes is not None:
         out.update(activation_bytes_per_sequence(cfg, mesh, temp_bytes))
     out["step_flops"] = step_flops(cfg, mesh)
     base = out["step_flops"] if cfg.model.remat == "none" else step_flops(cfg, mesh, remat="none")
     out["recompute_overhead"] = out["step_flops"] / base - 1 if base else 0.0
     return out
-

@@ -25,6 +25,7 @@ On a mesh with pipeline stages the same split runs inside the pipeline's shard_m
 over "pipe" and "data" (megajax/training/pipeline.py): `stages` gives the weights' specs with
 the stacked layers' axis split over "pipe", which "data" then never splits.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,11 +37,11 @@ from jax.sharding import PartitionSpec as P
 from megajax.core import sharding as S
 from megajax.core.attention import copied_weights
 from megajax.models.registry import ModelDef, abstract_model, path_keys
+from megajax.training import microbatches
 from megajax.training.loss_scale import scaled
 from megajax.training.trainable import trained, with_trained
-from megajax.training import microbatches
 
-NONE = -1   # a weight no dimension of which "data" divides
+NONE = -1  # a weight no dimension of which "data" divides
 
 
 def _layer_path(keys: tuple[str, ...]) -> tuple[tuple[str, ...], int] | None:
@@ -56,11 +57,11 @@ def _layer_path(keys: tuple[str, ...]) -> tuple[tuple[str, ...], int] | None:
 class DataParallel:
     cfg: object
     mesh: jax.sharding.Mesh
-    dims: dict             # params dict of ints: the dimension "data" splits, or NONE
-    sharded: dict          # params dict of NamedShardings: the model's split plus "data"'s
-    whole: list            # paths of the weights no dimension of which "data" divides
-    manual: ModelDef       # the model as each data shard runs it
-    model_specs: dict      # params dict of the weights' own PartitionSpecs (the model axis's split)
+    dims: dict  # params dict of ints: the dimension "data" splits, or NONE
+    sharded: dict  # params dict of NamedShardings: the model's split plus "data"'s
+    whole: list  # paths of the weights no dimension of which "data" divides
+    manual: ModelDef  # the model as each data shard runs it
+    model_specs: dict  # params dict of the weights' own PartitionSpecs (the model axis's split)
     # the weights' specs between steps without "data" (with stages: the layers over "pipe")
     held_specs: dict
 
@@ -77,31 +78,54 @@ class DataParallel:
         def pick(path, shape, spec):
             keys = path_keys(path)
             layer = _layer_path(keys)
-            # FSDP gathers a layer at a time, and a pipeline splits the layers over "pipe":
-            # not their axis
+            # "data" never splits a stacked weight's layer axis: FSDP gathers a layer at a time,
+            # and a pipeline splits the layers over "pipe"
             stacked = layer is not None and layer[1] == 1
-            zero = None if keys[-1] in copied else S.data_sharded_spec(
-                shape.shape, spec, dp, mesh.shape[S.MODEL],
-                skip_leading=stacked and (cfg.train.shard_params or stages is not None))
+            zero = (
+                None
+                if keys[-1] in copied
+                else S.data_sharded_spec(
+                    shape.shape,
+                    spec,
+                    dp,
+                    mesh.shape[S.MODEL],
+                    skip_leading=stacked and (cfg.train.shard_params or stages is not None),
+                )
+            )
             if zero is None:
                 whole.append("/".join(keys))
                 return NONE
             dim = list(zero).index(S.DATA)
             if layer is not None and cfg.train.shard_params:
-                layer_dims[layer[0]] = (dim - layer[1], tuple(spec)[layer[1]:])
+                layer_dims[layer[0]] = (dim - layer[1], tuple(spec)[layer[1] :])
             return dim
 
         dims = jax.tree_util.tree_map_with_path(pick, shapes, specs)
         held = specs if stages is None else stages
         sharded = jax.tree.map(
             lambda d, spec, x: NamedSharding(mesh, _with_data(spec, d, len(x.shape))),
-            dims, held, shapes, is_leaf=lambda x: isinstance(x, P))
-        layout = S.Layout.for_model(mesh, cfg.model, data_manual=True,
-                                    pipe_manual=stages is not None,
-                                    fsdp_layer_dims=tuple(sorted(layer_dims.items()))
-                                    if cfg.train.shard_params else ())
-        return cls(cfg, mesh, dims, sharded, whole, ModelDef(abstract_model(cfg.model, layout)),
-                   specs, held)
+            dims,
+            held,
+            shapes,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        layout = S.Layout.for_model(
+            mesh,
+            cfg.model,
+            data_manual=True,
+            pipe_manual=stages is not None,
+            fsdp_layer_dims=tuple(sorted(layer_dims.items())) if cfg.train.shard_params else (),
+        )
+        return cls(
+            cfg,
+            mesh,
+            dims,
+            sharded,
+            whole,
+            ModelDef(abstract_model(cfg.model, layout)),
+            specs,
+            held,
+        )
 
     @property
     def fsdp(self) -> bool:
@@ -119,10 +143,12 @@ class DataParallel:
         """FSDP: the weights outside the layer stack, all-gathered over "data" inside each
         microbatch's gradient (loop-invariant: XLA hoists them out of the accumulation loop, so
         once per step), their gradients reduce-scattered per microbatch by the transposes."""
+
         def gather(path, x, d, spec):
             if d == NONE or self._is_layer(path):
                 return x
             return S.gather_over_data(x, d, tuple(spec))
+
         return jax.tree_util.tree_map_with_path(gather, params, self.dims, self.model_specs)
 
     def _objective(self, params, batch, key, loss_scale=None):
@@ -135,17 +161,24 @@ class DataParallel:
         t = self.cfg.train
         grad_fn = jax.value_and_grad(
             lambda part, b, k: self._objective(with_trained(params, part), b, k, loss_scale),
-            has_aux=True)
+            has_aux=True,
+        )
         part = trained(self.cfg, params)
         # this shard's rows j, j+m, ...: the rows of the global batch's microbatch j it holds
         micro = microbatches.split(batch, t.microbatches)
         first = jax.tree.map(lambda x: x[0], micro)
         metric_shapes = jax.eval_shape(lambda mb: self._objective(params, mb, key)[1], first)
         metrics, grads = microbatches.mean_gradients(
-            lambda mb, k: grad_fn(part, mb, k), micro, key, t.microbatches, metric_shapes, part,
-            t.unroll_microbatches)
+            lambda mb, k: grad_fn(part, mb, k),
+            micro,
+            key,
+            t.microbatches,
+            metric_shapes,
+            part,
+            t.unroll_microbatches,
+        )
         with jax.named_scope("metrics_all_reduce"):
-            metrics = jax.lax.psum(metrics, S.DATA)   # each shard's share of the global means
+            metrics = jax.lax.psum(metrics, S.DATA)  # each shard's share of the global means
         return metrics, self.reduce(grads)
 
     def reduce(self, grads):
@@ -155,10 +188,13 @@ class DataParallel:
         model shard (left to GSPMD, a data-axis collective inside the data-manual region would
         first gather its operand over "model")."""
         specs = trained(self.cfg, self.model_specs)
-        return jax.shard_map(lambda g: jax.tree.map(self._reduce_one, g,
-                                                    trained(self.cfg, self.dims)),
-                             in_specs=(specs,), out_specs=specs, axis_names={S.MODEL},
-                             check_vma=False)(grads)
+        return jax.shard_map(
+            lambda g: jax.tree.map(self._reduce_one, g, trained(self.cfg, self.dims)),
+            in_specs=(specs,),
+            out_specs=specs,
+            axis_names={S.MODEL},
+            check_vma=False,
+        )(grads)
 
     def _reduce_one(self, g, d):
         if d == NONE:
@@ -175,9 +211,14 @@ class DataParallel:
         the loss times `loss_scale`, if given)."""
         specs = jax.tree.map(lambda d, x: self.data_spec(d, x.ndim), self.dims, params)
         held = specs if self.fsdp else jax.tree.map(lambda _: P(), params)
-        fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=(held, P(S.DATA), P(), P()),
-                           out_specs=(P(), trained(self.cfg, specs)), axis_names={S.DATA},
-                           check_vma=False)
+        fn = jax.shard_map(
+            self._local,
+            mesh=self.mesh,
+            in_specs=(held, P(S.DATA), P(), P()),
+            out_specs=(P(), trained(self.cfg, specs)),
+            axis_names={S.DATA},
+            check_vma=False,
+        )
         metrics, grads = fn(params, batch, key, loss_scale)
         return metrics, jax.lax.with_sharding_constraint(grads, trained(self.cfg, self.sharded))
 
@@ -190,13 +231,22 @@ class DataParallel:
 
         def gather(params):
             with jax.named_scope("params_all_gather"):
-                return jax.tree.map(lambda x, d: x if d == NONE
-                                    else jax.lax.all_gather(x, S.DATA, axis=d, tiled=True),
-                                    params, dims)
+                return jax.tree.map(
+                    lambda x, d: (
+                        x if d == NONE else jax.lax.all_gather(x, S.DATA, axis=d, tiled=True)
+                    ),
+                    params,
+                    dims,
+                )
+
         sharded = trained(self.cfg, jax.tree.map(lambda s: s.spec, self.sharded))
-        return jax.shard_map(gather, mesh=self.mesh, in_specs=(sharded,),
-                             out_specs=trained(self.cfg, self.held_specs),
-                             check_vma=False)(params)
+        return jax.shard_map(
+            gather,
+            mesh=self.mesh,
+            in_specs=(sharded,),
+            out_specs=trained(self.cfg, self.held_specs),
+            check_vma=False,
+        )(params)
 
     def describe(self) -> str:
         """One line for the dry run: what stays whole on every data shard."""
@@ -205,9 +255,10 @@ class DataParallel:
             return f"all {n} weights split"
         return (
             f"{len(self.whole)} of {n} weights stay whole (no dimension left by the model axis "
-            f"divides by "
-            f"{self.mesh.shape[S.DATA]}): " + ", ".join(self.whole[:4])
-            + (" ..." if len(self.whole) > 4 else ""))
+            f"divides by {self.mesh.shape[S.DATA]}): "
+            + ", ".join(self.whole[:4])
+            + (" ..." if len(self.whole) > 4 else "")
+        )
 
 
 def _with_data(spec: P, d: int, ndim: int) -> P:

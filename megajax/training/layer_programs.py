@@ -19,6 +19,7 @@ layer (two in each layer's forward program and two in its backward), over "data"
 reduction once per microbatch. Plain data parallelism only (ZeRO-1/FSDP are manual over
 "data" around the whole gradient computation).
 """
+
 from __future__ import annotations
 
 import types
@@ -30,8 +31,8 @@ from flax import nnx
 
 from megajax.core.stack import LayerStack, split_at_stack
 from megajax.models.registry import params_dict
-from megajax.training.memory import per_device_bytes
 from megajax.training import microbatches
+from megajax.training.memory import per_device_bytes
 
 
 def get_path(tree: dict, path: tuple):
@@ -74,22 +75,28 @@ class _Saved:
     @classmethod
     def of(cls, pullback, weights):
         leaves, treedef = jax.tree.flatten(pullback)
-        slots = tuple(next((n for n, w in enumerate(weights) if w is leaf), None)
-                      for leaf in leaves)
+        slots = tuple(
+            next((n for n, w in enumerate(weights) if w is leaf), None) for leaf in leaves
+        )
         return cls([leaf for leaf, slot in zip(leaves, slots) if slot is None], (treedef, slots))
 
     def pullback(self, weights):
         treedef, slots = self.layout
         saved = iter(self.leaves)
         return jax.tree.unflatten(
-            treedef, [next(saved) if slot is None else weights[slot] for slot in slots])
+            treedef, [next(saved) if slot is None else weights[slot] for slot in slots]
+        )
 
 
 def stack_of(model) -> tuple[tuple[str, ...], LayerStack]:
-    stacks = [(tuple(str(k) for k in path), node) for path, node in nnx.iter_graph(model)
-              if isinstance(node, LayerStack)]
-    assert len(stacks) == 1, \
+    stacks = [
+        (tuple(str(k) for k in path), node)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, LayerStack)
+    ]
+    assert len(stacks) == 1, (
         f"train.layer_programs needs a model with one layer stack, found {len(stacks)}"
+    )
     return stacks[0]
 
 
@@ -102,27 +109,35 @@ class LayerProgramStep:
         t = trainer.cfg.train
         self.microbatches, self.num_layers = t.microbatches, trainer.cfg.model.num_layers
         path, _ = stack_of(trainer.modeldef.bind(trainer.modeldef.abstract_params()))
-        self.path = (*path, "stacked")        # the stacked layers' weights in the params dict
+        self.path = (*path, "stacked")  # the stacked layers' weights in the params dict
         shardings = trainer.param_shardings
         self.stacked_shardings = get_path(shardings, self.path)
         self.rest_shardings = replace_path(shardings, self.path, None)
         grads_out = (self.rest_shardings, self.stacked_shardings)
         self._zeros = jax.jit(
-            lambda p: jax.tree.map(jnp.zeros_like, (replace_path(p, self.path, None),
-                                                    get_path(p, self.path))),
-            out_shardings=grads_out)
+            lambda p: jax.tree.map(
+                jnp.zeros_like, (replace_path(p, self.path, None), get_path(p, self.path))
+            ),
+            out_shardings=grads_out,
+        )
         self._pre = jax.jit(self._pre_fn)
         self._forward = jax.jit(self._forward_fn)
-        self._post = jax.jit(self._post_fn,
-                             out_shardings=(trainer.replicated(), self.rest_shardings, None))
-        self._backward = jax.jit(self._backward_fn, out_shardings=(self.stacked_shardings, None),
-                                 donate_argnums=(2,))
-        self._accumulate = jax.jit(self._accumulate_fn,
-                                   out_shardings=(self.rest_shardings, trainer.replicated()),
-                                   donate_argnums=(2, 4))
+        self._post = jax.jit(
+            self._post_fn, out_shardings=(trainer.replicated(), self.rest_shardings, None)
+        )
+        self._backward = jax.jit(
+            self._backward_fn, out_shardings=(self.stacked_shardings, None), donate_argnums=(2,)
+        )
+        self._accumulate = jax.jit(
+            self._accumulate_fn,
+            out_shardings=(self.rest_shardings, trainer.replicated()),
+            donate_argnums=(2, 4),
+        )
         self._update = jax.jit(
-            self._update_fn, out_shardings=(shardings, trainer.opt_shardings, trainer.replicated()),
-            donate_argnums=(0, 1))
+            self._update_fn,
+            out_shardings=(shardings, trainer.opt_shardings, trainer.replicated()),
+            donate_argnums=(0, 1),
+        )
 
     # -- the programs ------------------------------------------------------------------------
     def _microbatch(self, batch, step, j):
@@ -130,8 +145,10 @@ class LayerProgramStep:
         key = self.tr.step_key(step)
         if self.microbatches == 1:
             return batch, key
-        return (microbatches.take(self.tr.split_microbatches(batch), j),
-                microbatches.key(key, self.microbatches, j))
+        return (
+            microbatches.take(self.tr.split_microbatches(batch), j),
+            microbatches.key(key, self.microbatches, j),
+        )
 
     def _pre_fn(self, params, batch, step, j):
         """The model up to its stack: (stack input, (layer keys, mask), pullback to the weights)."""
@@ -143,18 +160,21 @@ class LayerProgramStep:
 
             def record(stack, x, keys, mask):
                 seen.update(x=x, aux=(keys, mask))
-                return x      # what the model computes after this is unused: compiled away
+                return x  # what the model computes after this is unused: compiled away
+
             with split_at_stack(record):
                 self.tr.objective(replace_path(rest, self.path, stacked), mb, key)
             return seen["x"], seen["aux"]
+
         x, pullback, aux = jax.vjp(up_to_stack, replace_path(params, self.path, None), has_aux=True)
         return x, aux, pullback
 
     def _layer(self, params, aux, i):
         keys, mask = aux
         call, _, state = stack_of(self.tr.modeldef.bind(params))[1].layer_call(mask)
-        layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
-                                   state)
+        layer_state = jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), state
+        )
         return call, layer_state, None if keys is None else keys[i]
 
     def _forward_fn(self, params, i, h, aux):
@@ -176,18 +196,22 @@ class LayerProgramStep:
 
         def from_stack(rest, h):
             with split_at_stack(lambda stack, x, keys, mask: h):
-                return self.tr.objective(replace_path(rest, self.path, stacked), mb, key,
-                                         loss_scale)
+                return self.tr.objective(
+                    replace_path(rest, self.path, stacked), mb, key, loss_scale
+                )
+
         (_, metrics), (grads, dh) = jax.value_and_grad(from_stack, argnums=(0, 1), has_aux=True)(
-            replace_path(params, self.path, None), h)
+            replace_path(params, self.path, None), h
+        )
         return metrics, grads, dh
 
     @staticmethod
     def _accumulate_fn(pullback, dx, rest_grads, post_grads, metrics_sum, metrics):
         (pre_grads,) = pullback(dx)
         rest_grads = jax.tree.map(lambda a, b, c: a + b + c, rest_grads, post_grads, pre_grads)
-        metrics_sum = metrics if metrics_sum is None else jax.tree.map(jnp.add, metrics_sum,
-                                                                       metrics)
+        metrics_sum = (
+            metrics if metrics_sum is None else jax.tree.map(jnp.add, metrics_sum, metrics)
+        )
         return rest_grads, metrics_sum
 
     def _update_fn(self, params, opt_state, rest_grads, stacked_grads, metrics_sum, step):
@@ -210,10 +234,12 @@ class LayerProgramStep:
             metrics, post_grads, g = self._post(params, batch, step, j, x, loss_scale)
             # each layer's activations freed as it goes
             for i in reversed(range(self.num_layers)):
-                stacked_grads, g = self._backward(params, pullbacks.pop(), stacked_grads,
-                                                  np.int32(i), g)
-            rest_grads, metrics_sum = self._accumulate(pre_pullback, g, rest_grads, post_grads,
-                                                       metrics_sum, metrics)
+                stacked_grads, g = self._backward(
+                    params, pullbacks.pop(), stacked_grads, np.int32(i), g
+                )
+            rest_grads, metrics_sum = self._accumulate(
+                pre_pullback, g, rest_grads, post_grads, metrics_sum, metrics
+            )
         return self._update(params, opt_state, rest_grads, stacked_grads, metrics_sum, step)
 
     # -- what the step needs in memory ----------------------------------------------------
@@ -227,12 +253,18 @@ class LayerProgramStep:
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         shardings = self._pre.lower(params, batch, scalar, scalar).compile().output_shardings
         x, aux, _ = jax.eval_shape(self._pre, params, batch, scalar, scalar)
-        x, aux = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              (x, aux), tuple(shardings[:2]))
+        x, aux = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            (x, aux),
+            tuple(shardings[:2]),
+        )
         fwd = self._forward.lower(params, scalar, x, aux).compile().memory_analysis()
         state = per_device_bytes(params) + per_device_bytes(opt)
         grads = per_device_bytes(params)
         saved = self.num_layers * int(fwd.output_size_in_bytes)
-        return types.SimpleNamespace(argument_size_in_bytes=state + per_device_bytes(batch),
-                                     output_size_in_bytes=state, alias_size_in_bytes=state,
-                                     temp_size_in_bytes=grads + saved + int(fwd.temp_size_in_bytes))
+        return types.SimpleNamespace(
+            argument_size_in_bytes=state + per_device_bytes(batch),
+            output_size_in_bytes=state,
+            alias_size_in_bytes=state,
+            temp_size_in_bytes=grads + saved + int(fwd.temp_size_in_bytes),
+        )

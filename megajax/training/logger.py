@@ -3,6 +3,7 @@ interval at a time and checked (a loss or gradient norm that is not finite, or a
 past a uniform guess's, stops the run as diverged, and the checkpoint whose weights gave it is
 set aside), written to metrics.jsonl with throughput
 and MFU, shown as progress, and the checkpoints the run saved."""
+
 from __future__ import annotations
 
 import math
@@ -66,9 +67,9 @@ class StepLogger:
         self.start = start or 0
         # checkpoints on disk (the last may be in flight)
         self.saves = [] if start is None else [start]
-        self.pending = []                        # (step, metrics on device) not yet read
+        self.pending = []  # (step, metrics on device) not yet read
         self.losses: dict[int, float] = {}
-        self.recent = deque(maxlen=SPIKE_WINDOW)       # this run's last losses
+        self.recent = deque(maxlen=SPIKE_WINDOW)  # this run's last losses
         self.chance = run.task.chance_loss(cfg)
         self.val_loss = None
         self.tokens_per_step = cfg.train.batch_size * run.task.tokens_per_example(cfg)
@@ -76,8 +77,9 @@ class StepLogger:
         self.peak = device_peak(cfg) if self.main else None
         self.metrics = MetricsLog(run.workdir, enabled=self.main)
         self.metrics.truncate_after(self.start)
-        self.tracking = Tracking(run.workdir, cfg.to_dict(), self.start, cfg.train.tracker,
-                                 enabled=self.main)
+        self.tracking = Tracking(
+            run.workdir, cfg.to_dict(), self.start, cfg.train.tracker, enabled=self.main
+        )
         self.progress = Progress(cfg.train.steps, self.start, enabled=self.main and not quiet)
         self.watchdog = Watchdog()
         self.restart_clock(self.start)
@@ -91,18 +93,21 @@ class StepLogger:
         self.out(
             f"megajax: {cfg.name} | {param_count(cfg) / 1e6:.2f}M params | mesh "
             + " ".join(f"{a}={n}" for a, n in mesh_sizes(mesh).items())
-            + f" on {mesh.devices.size} {jax.devices()[0].platform} "
-            f"device(s) | "
+            + f" on {mesh.devices.size} {jax.devices()[0].platform} device(s) | "
             f"{self.run.data.describe()} | step compiled in {compile_s:.1f}s"
             + (f" | {describe()}" if describe() else "")
-            + (f" | MFU against {self.peak.tflops:.3g} TFLOP/s per device ({self.peak.what})"
-               if self.peak else " | MFU: no peak known for this device")
-            + (f" | resuming from step {start}" if start else ""))
+            + (
+                f" | MFU against {self.peak.tflops:.3g} TFLOP/s per device ({self.peak.what})"
+                if self.peak
+                else " | MFU: no peak known for this device"
+            )
+            + (f" | resuming from step {start}" if start else "")
+        )
         if start >= cfg.train.steps:
             self.out(
                 f"the checkpoint in {self.run.workdir} is at step {start}, train.steps is "
-                f"{cfg.train.steps}: "
-                f"nothing to train (raise --steps to continue)")
+                f"{cfg.train.steps}: nothing to train (raise --steps to continue)"
+            )
 
     def add(self, step: int, metrics):
         self.watchdog.beat()
@@ -126,16 +131,23 @@ class StepLogger:
         dt = (time.perf_counter() - self.clock[1]) / max(step - self.clock[0], 1)
         self.restart_clock(step)
         m = fetched[-1]
-        record = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
-                  "grad_norm": float(m["grad_norm"]), "tokens_per_sec": self.tokens_per_step / dt,
-                  "step_time_s": dt, "tflops_per_device": self.flops / dt / 1e12}
+        record = {
+            "step": step,
+            "loss": float(m["loss"]),
+            "lr": float(m["lr"]),
+            "grad_norm": float(m["grad_norm"]),
+            "tokens_per_sec": self.tokens_per_step / dt,
+            "step_time_s": dt,
+            "tflops_per_device": self.flops / dt / 1e12,
+        }
         # BERT: mlm_loss, sop_accuracy, ...
         record.update({k: float(v) for k, v in m.items() if k not in record})
         # float16: a skipped step's norm is not finite, and JSON has no inf
         if "skipped_steps" in record:
             record["skipped_steps"] = int(record["skipped_steps"])
-            record["grad_norm"] = record["grad_norm"] if math.isfinite(
-                record["grad_norm"]) else None
+            record["grad_norm"] = (
+                record["grad_norm"] if math.isfinite(record["grad_norm"]) else None
+            )
         if self.peak:
             record["mfu"] = record["tflops_per_device"] / self.peak.tflops
         self.write(record)
@@ -149,8 +161,11 @@ class StepLogger:
     def _check_finite(self, step: int, m: dict):
         bad = fatal_non_finite(m)
         loss = float(m["loss"])
-        spiked = None if bad else loss_spike(loss, self.recent, self.run.cfg.train.spike_factor,
-                                             self.chance)
+        spiked = (
+            None
+            if bad
+            else loss_spike(loss, self.recent, self.run.cfg.train.spike_factor, self.chance)
+        )
         if not bad and spiked is None:
             self.recent.append(loss)
             return
@@ -159,13 +174,17 @@ class StepLogger:
         self._forget(self.ckpts.failed_save(block=True))
         what = " and ".join(f"{'gradient norm' if k == 'grad_norm' else k} {v}" for k, v in bad)
         if spiked is not None:
-            what = (f"loss {loss:.4g}, over train.spike_factor {self.run.cfg.train.spike_factor:g} "
-                    f"x the median {spiked:.4g} of the {len(self.recent)} step(s) before and over "
-                    f"a uniform guess's {self.chance:.4g}: diverged")
+            what = (
+                f"loss {loss:.4g}, over train.spike_factor {self.run.cfg.train.spike_factor:g} x "
+                f"the median {spiked:.4g} of the {len(self.recent)} step(s) before and over a "
+                f"uniform guess's {self.chance:.4g}: diverged"
+            )
         if scale:
             what += f" (float16, loss scale {scale:g})"
-        raise UserError(f"{what} at step {step}; stopped, nothing of step {step} or later saved; "
-                        f"{self._diverged_set_aside(step)}")
+        raise UserError(
+            f"{what} at step {step}; stopped, nothing of step {step} or later saved; "
+            f"{self._diverged_set_aside(step)}"
+        )
 
     def _diverged_set_aside(self, step: int) -> str:
         """Step `step`'s loss was computed from the weights saved as step - 1: those weights are
@@ -176,12 +195,17 @@ class StepLogger:
         self.ckpts.manager.reload()
         moved = ""
         if step - 1 in self.ckpts.all_steps():
-            moved = (f"checkpoint step {step - 1}, the weights step {step} started from, moved to "
-                     f"{self.ckpts.set_aside(step - 1, 'diverged')}; ")
+            moved = (
+                f"checkpoint step {step - 1}, the weights step {step} started from, moved to "
+                f"{self.ckpts.set_aside(step - 1, 'diverged')}; "
+            )
         self.saves = [s for s in self.saves if s != step - 1]
         good = [s for s in self.ckpts.all_steps() if s < step - 1]
-        return moved + (f"last good checkpoint: step {max(good)} in {where}" if good else
-                        "no checkpoint from before the divergence is left")
+        return moved + (
+            f"last good checkpoint: step {max(good)} in {where}"
+            if good
+            else "no checkpoint from before the divergence is left"
+        )
 
     def log_eval(self, step: int, val: dict):
         self.watchdog.beat()
@@ -189,8 +213,10 @@ class StepLogger:
         record = {"step": step, "val_loss": self.val_loss, **self.run.task.val_extras(val)}
         record.update({f"val_{k}": v for k, v in val.items() if k != "loss"})
         self.write(record)
-        self.progress.write(f"step {step:>6}  "
-                            + "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+        self.progress.write(
+            f"step {step:>6}  "
+            + "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step")
+        )
 
     def saved(self, step: int, failure: tuple[int, str] | None):
         """A save of `step` started, unless `failure` says it could not."""
@@ -198,7 +224,7 @@ class StepLogger:
         if failure is None:
             self.saves.append(step)
         self.save_failed(failure)
-        self.restart_clock(step)   # throughput excludes saving
+        self.restart_clock(step)  # throughput excludes saving
 
     def save_failed(self, failure: tuple[int, str] | None, last: bool = False):
         """One line for a failed save. Training goes on only while an older checkpoint is intact;
@@ -208,14 +234,18 @@ class StepLogger:
         self._forget(failure)
         step, why = failure
         where = self.run.workdir / "checkpoints"
-        intact = (f"step {self.saves[-1]} in {where} is intact" if self.saves
-                  else "no checkpoint of this run is intact")
+        intact = (
+            f"step {self.saves[-1]} in {where} is intact"
+            if self.saves
+            else "no checkpoint of this run is intact"
+        )
         if last or not self.saves:
             self.progress.close()
             self.ckpts.settle()
             raise UserError(f"saving step {step} failed ({why}); {intact}")
         self.progress.write(
-            f"warning: saving step {step} failed ({why}); {intact}: training goes on")
+            f"warning: saving step {step} failed ({why}); {intact}: training goes on"
+        )
 
     def _forget(self, failure: tuple[int, str] | None):
         if failure is not None:

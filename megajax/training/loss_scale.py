@@ -19,6 +19,7 @@ state (outside float16 the scale is kept at its first value, unused, and nothing
 so a checkpoint restores whatever the precision of the run that reads it, and a run that
 switches to float16 starts from `train.loss_scale`.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -27,17 +28,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from megajax.config import MAX_LOSS_SCALE as MAX_SCALE, Config
+from megajax.config import MAX_LOSS_SCALE as MAX_SCALE
+from megajax.config import Config
 from megajax.core.precision import Precision
 
 
 class LossScaleState(NamedTuple):
-    scale: jax.Array        # float32: what the next step multiplies its loss by
-    good_steps: jax.Array   # int32: steps without overflow since the last overflow or growth
+    scale: jax.Array  # float32: what the next step multiplies its loss by
+    good_steps: jax.Array  # int32: steps without overflow since the last overflow or growth
     # int32: overflows left before one halves the scale (Megatron's hysteresis)
     tolerance: jax.Array
-    skipped: jax.Array      # int32: steps skipped so far (their gradients overflowed)
-    inner: optax.OptState   # the wrapped optimizer's state
+    skipped: jax.Array  # int32: steps skipped so far (their gradients overflowed)
+    inner: optax.OptState  # the wrapped optimizer's state
 
 
 def uses_loss_scaling(cfg: Config) -> bool:
@@ -54,8 +56,9 @@ def scaled(objective_out, loss_scale):
 
 
 def _fresh(inner_state, initial: float, hysteresis: int) -> LossScaleState:
-    return LossScaleState(jnp.float32(initial), jnp.int32(0), jnp.int32(hysteresis), jnp.int32(0),
-                          inner_state)
+    return LossScaleState(
+        jnp.float32(initial), jnp.int32(0), jnp.int32(hysteresis), jnp.int32(0), inner_state
+    )
 
 
 def around(inner_state, cfg: Config) -> LossScaleState:
@@ -64,8 +67,14 @@ def around(inner_state, cfg: Config) -> LossScaleState:
     return _fresh(inner_state, cfg.train.loss_scale, cfg.train.loss_scale_hysteresis)
 
 
-def loss_scaled(inner: optax.GradientTransformation, *, dynamic: bool, initial: float, window: int,
-                hysteresis: int = 1) -> optax.GradientTransformation:
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    *,
+    dynamic: bool,
+    initial: float,
+    window: int,
+    hysteresis: int = 1,
+) -> optax.GradientTransformation:
     """`inner` behind a loss scale. Its update takes the *unscaled* gradients (the step divides
     by `state.scale` itself, so that the gradient norm it logs is the true one). Not dynamic:
     `inner` as it is, the scale kept as it is (unused)."""
@@ -79,17 +88,23 @@ def loss_scaled(inner: optax.GradientTransformation, *, dynamic: bool, initial: 
             return updates, state._replace(inner=inner_state)
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
-        inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), inner_state,
-                                   state.inner)
+        inner_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old), inner_state, state.inner
+        )
         grow = finite & (state.good_steps + 1 >= window)
-        tolerance = jnp.where(finite, jnp.where(grow, hysteresis, state.tolerance),
-                              state.tolerance - 1)
+        tolerance = jnp.where(
+            finite, jnp.where(grow, hysteresis, state.tolerance), state.tolerance - 1
+        )
         halve = ~finite & (tolerance <= 0)
-        scale = jnp.where(grow, jnp.minimum(2 * state.scale, MAX_SCALE),
-                          jnp.where(halve, state.scale / 2, state.scale))
+        scale = jnp.where(
+            grow,
+            jnp.minimum(2 * state.scale, MAX_SCALE),
+            jnp.where(halve, state.scale / 2, state.scale),
+        )
         good = jnp.where(finite & ~grow, state.good_steps + 1, 0)
         skipped = state.skipped + (~finite).astype(jnp.int32)
-        return updates, LossScaleState(scale, good, tolerance.astype(jnp.int32), skipped,
-                                       inner_state)
+        return updates, LossScaleState(
+            scale, good, tolerance.astype(jnp.int32), skipped, inner_state
+        )
 
     return optax.GradientTransformation(init, update)

@@ -1,5 +1,6 @@
 """What a compiled step needs in memory, and what the devices have: a run whose step cannot
 fit is refused before anything is written or allocated."""
+
 from __future__ import annotations
 
 import math
@@ -16,12 +17,18 @@ def step_memory(compiled) -> dict:
     mem = compiled.memory_analysis()
     if mem is None:
         return {}
-    return {"step_argument_bytes": int(mem.argument_size_in_bytes),
-            "step_temp_bytes": int(mem.temp_size_in_bytes),
-            "step_output_bytes": int(mem.output_size_in_bytes),
-            "step_alias_bytes": int(mem.alias_size_in_bytes),
-            "step_peak_bytes": int(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                   - mem.alias_size_in_bytes + mem.temp_size_in_bytes)}
+    return {
+        "step_argument_bytes": int(mem.argument_size_in_bytes),
+        "step_temp_bytes": int(mem.temp_size_in_bytes),
+        "step_output_bytes": int(mem.output_size_in_bytes),
+        "step_alias_bytes": int(mem.alias_size_in_bytes),
+        "step_peak_bytes": int(
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes
+        ),
+    }
 
 
 def per_device_elements(tree) -> int:
@@ -31,8 +38,9 @@ def per_device_elements(tree) -> int:
 
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (or arrays)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-               for x in jax.tree.leaves(tree))
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
 
 
 def device_memory_bytes() -> int | None:
@@ -66,7 +74,7 @@ def check_step_fits(compiled):
         return
     raise UserError(
         f"the compiled train step needs {gib(peak)} per device, more than the {gib(limit)} a "
-        f"device "
-        f"has here: lower train.batch_size or model.seq_len, raise train.microbatches, set "
-        f"model.remat = \"selective\" or \"full\", or use a larger model axis (--dry-run shows the "
-        f"figures)")
+        "device has here: lower train.batch_size or model.seq_len, raise train.microbatches, set "
+        'model.remat = "selective" or "full", or use a larger model axis (--dry-run shows the '
+        "figures)"
+    )

@@ -1,5 +1,6 @@
 """Throughput accounting for the log's MFU: model FLOPs per token (megajax/analytic.py) and the
 device's peak (the hardware table's, or a matmul rate measured on the CPU)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ from megajax.core.precision import Precision
 from megajax.hardware import for_device
 from megajax.tasks import task_for
 
+
 def flops_per_token(cfg) -> float:
     """Model FLOPs per trained token (analytic.flops_per_token), the weights each token goes
     through counted by the run's task."""
@@ -23,14 +25,15 @@ def flops_per_token(cfg) -> float:
         return analytic.flops_per_token(shape, weights)
     # LoRA: the frozen weights cost 4 (forward and input gradient, no weight gradient), the
     # adapters 6
-    return (analytic.flops_per_token(shape, 0) + 4.0 * weights
-            + 6.0 * m.num_layers * m.adapter_params)
+    return (
+        analytic.flops_per_token(shape, 0) + 4.0 * weights + 6.0 * m.num_layers * m.adapter_params
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Peak:
     tflops: float
-    what: str        # for the log's first line: where the figure comes from
+    what: str  # for the log's first line: where the figure comes from
 
 
 def device_peak(cfg=None, measure_cpu: bool = True) -> Peak | None:
@@ -61,4 +64,4 @@ def measure_matmul_tflops(n: int = 1024, reps: int = 5, dtype=jnp.float32) -> fl
         t = time.perf_counter()
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e12
+    return 2 * n**3 / best / 1e12

@@ -7,6 +7,7 @@ j, j+m, j+2m, ... of the batch, so every data shard keeps its own rows whether "
 by GSPMD or by hand, and its dropout key is fold_in(step key, j) (the step's own key when there
 is one microbatch).
 """
+
 from __future__ import annotations
 
 import jax
@@ -16,9 +17,11 @@ import jax.numpy as jnp
 def split(batch, m: int, constrain=None):
     """Every batch array as (m, rows / m, ...), microbatch j first-axis entry j; `constrain`
     (optional) is applied to each split array (GSPMD: keep the rows on their data shard)."""
+
     def one(x):
         x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
         return x if constrain is None else constrain(x)
+
     return jax.tree.map(one, batch)
 
 
@@ -36,13 +39,16 @@ def mean_gradients(grad_fn, micro, step_key, m: int, metric_shapes, part, unroll
     """(metrics, gradients) of `grad_fn(microbatch, key) -> ((loss, metrics), grads)` averaged
     over the m microbatches of `micro`, summed in microbatch order: in a scan, or unrolled into
     independent subgraphs (`unroll`) that XLA may run at once (the same sums, bit for bit)."""
+
     def accumulate(carry, xs):
         mb, j = xs
         (_, metrics), grads = grad_fn(mb, key(step_key, m, j))
         return jax.tree.map(jnp.add, carry, (metrics, grads)), None
 
-    total = (jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shapes),
-             jax.tree.map(jnp.zeros_like, part))
+    total = (
+        jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shapes),
+        jax.tree.map(jnp.zeros_like, part),
+    )
     if m == 1 or unroll:
         for j in range(m):
             total, _ = accumulate(total, (jax.tree.map(lambda x: x[j], micro), j))

@@ -28,6 +28,7 @@ layers gather their weights over "data" as they run (in forward and backward tic
 reduce-scatter their gradients through the gathers' transposes
 (megajax/training/data_parallel.py).
 """
+
 from __future__ import annotations
 
 import jax
@@ -39,11 +40,11 @@ from megajax import schedules
 from megajax.core import sharding as S
 from megajax.core.stack import split_at_stack
 from megajax.models.registry import ModelDef, abstract_model, path_keys
+from megajax.training import microbatches
 from megajax.training.data_parallel import DataParallel
 from megajax.training.layer_programs import get_path, replace_path, stack_of
 from megajax.training.loss_scale import scaled
 from megajax.training.trainable import trained
-from megajax.training import microbatches
 
 FIRST, MIDDLE, LAST = 0, 1, 2
 
@@ -57,15 +58,18 @@ def stack_path(modeldef: ModelDef) -> tuple[str, ...]:
 def _is_stacked(path, stacked_path: tuple) -> bool:
     """Whether a leaf (of params, or of optimizer state mirroring them) is a stacked weight."""
     keys, n = path_keys(path), len(stacked_path)
-    return any(keys[i:i + n] == stacked_path for i in range(len(keys) - n + 1))
+    return any(keys[i : i + n] == stacked_path for i in range(len(keys) - n + 1))
 
 
 def stage_specs(specs: dict, path: tuple) -> dict:
     """The weights' PartitionSpecs with the stacked layers' axis split over "pipe"."""
+
     def split(spec):
         return P(S.PIPE, *tuple(spec)[1:])
-    return replace_path(specs, path, jax.tree.map(split, get_path(specs, path),
-                                                  is_leaf=lambda x: isinstance(x, P)))
+
+    return replace_path(
+        specs, path, jax.tree.map(split, get_path(specs, path), is_leaf=lambda x: isinstance(x, P))
+    )
 
 
 class Pipeline:
@@ -85,8 +89,12 @@ class Pipeline:
             self.manual = ModelDef(abstract_model(cfg.model, layout))
         # each tick's pattern of stage pairs that pass a result on (schedules.Table.sends)
         self.send_on, self.send_back = (
-            (np.asarray(index, np.int32), patterns) for index, patterns in
-            (self.table.sends(schedules.FORWARD), self.table.sends(schedules.BACKWARD)))
+            (np.asarray(index, np.int32), patterns)
+            for index, patterns in (
+                self.table.sends(schedules.FORWARD),
+                self.table.sends(schedules.BACKWARD),
+            )
+        )
 
     # -- stage-major storage (interleaved) ----------------------------------------------
     def layer_order(self) -> np.ndarray | None:
@@ -96,8 +104,9 @@ class Pipeline:
         if self.v == 1:
             return None
         p, v, n = self.p, self.v, self.per_chunk
-        return np.asarray([(c * p + s) * n + j for s in range(p) for c in range(v)
-                           for j in range(n)], np.int32)
+        return np.asarray(
+            [(c * p + s) * n + j for s in range(p) for c in range(v) for j in range(n)], np.int32
+        )
 
     def reorder(self, tree, inverse: bool = False):
         """The stacked leaves of params (or of optimizer state) from the layers' order into
@@ -107,8 +116,13 @@ class Pipeline:
             return tree
         index = np.argsort(order) if inverse else order
         return jax.tree_util.tree_map_with_path(
-            lambda path, x: jnp.take(x, index, axis=0)
-            if _is_stacked(path, self.path) and getattr(x, "ndim", 0) else x, tree)
+            lambda path, x: (
+                jnp.take(x, index, axis=0)
+                if _is_stacked(path, self.path) and getattr(x, "ndim", 0)
+                else x
+            ),
+            tree,
+        )
 
     # -- the model's parts --------------------------------------------------------------
     def _full(self, rest, stacked):
@@ -122,8 +136,12 @@ class Pipeline:
         dp = self.data_parallel
         if dp is None or not dp.fsdp:
             return rest, lambda g: g
-        gathered, transpose = jax.vjp(lambda r: replace_path(
-            dp.gather_outside_layers(self._full(r, stacked)), self.path, None), rest)
+        gathered, transpose = jax.vjp(
+            lambda r: replace_path(
+                dp.gather_outside_layers(self._full(r, stacked)), self.path, None
+            ),
+            rest,
+        )
         return gathered, lambda g: transpose(g)[0]
 
     def _pre(self, rest, stacked, mb, key):
@@ -133,6 +151,7 @@ class Pipeline:
         def record(stack, x, keys, mask):
             seen.update(x=x, aux=(keys, mask))
             return x
+
         with split_at_stack(record):
             self.manual.bind(self._full(rest, stacked)).objective(mb, key=key)
         return seen["x"], seen["aux"]
@@ -140,8 +159,9 @@ class Pipeline:
     def _post(self, rest, stacked, mb, key, h, loss_scale):
         """The model after its stack, from the stack's output h: (scaled loss, metrics)."""
         with split_at_stack(lambda stack, x, keys, mask: h):
-            return scaled(self.manual.bind(self._full(rest, stacked)).objective(mb, key=key),
-                          loss_scale)
+            return scaled(
+                self.manual.bind(self._full(rest, stacked)).objective(mb, key=key), loss_scale
+            )
 
     def _chunk(self, rest, stacked, chunk, virtual, x, aux):
         """This stage's chunk `chunk` (virtual stage `virtual`) of layers on x."""
@@ -149,12 +169,13 @@ class Pipeline:
         stack = stack_of(self.manual.bind(self._full(rest, stacked)))[1]
         call, _, state = stack.layer_call(mask)
         n = self.per_chunk
-        if self.v > 1:    # (one chunk: the stage's weights as they are, not a sliced copy)
+        if self.v > 1:  # (one chunk: the stage's weights as they are, not a sliced copy)
             state = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * n, n), state)
         keys = None if keys is None else jax.lax.dynamic_slice_in_dim(keys, virtual * n, n)
 
         def layer(h, xs):
             return call(xs[0], h, xs[1]), None
+
         with jax.named_scope("layers"):
             return jax.lax.scan(layer, x, (state, keys))[0]
 
@@ -172,12 +193,12 @@ class Pipeline:
             def run(op, sums):
                 rest, stacked, mb, key, x, _, chunk, virtual, scale = op
                 first, aux = self._pre(rest, stacked, mb, key)
-                y = self._chunk(rest, stacked, chunk, virtual, first if where == FIRST else x,
-                                aux)
+                y = self._chunk(rest, stacked, chunk, virtual, first if where == FIRST else x, aux)
                 if where != LAST:
                     return y.astype(zx.dtype), zx, sums
                 _, metrics = self._post(rest, stacked, mb, key, y, scale)
                 return zx, zx, (*sums[:2], jax.tree.map(add, sums[2], metrics))
+
             return run
 
         def backward(where):
@@ -186,25 +207,42 @@ class Pipeline:
 
                 def through(rest, stacked, x):
                     first, aux = self._pre(rest, stacked, mb, key)
-                    return self._chunk(rest, stacked, chunk, virtual,
-                                       first if where == FIRST else x, aux)
+                    return self._chunk(
+                        rest, stacked, chunk, virtual, first if where == FIRST else x, aux
+                    )
+
                 if where == LAST:
+
                     def loss(rest, stacked, x):
                         with jax.named_scope("pipeline_recompute"):
                             y = through(rest, stacked, x)
                         return self._post(rest, stacked, mb, key, y, scale)
+
                     (_, _), (d_rest, d_stack, dx) = jax.value_and_grad(
-                        loss, argnums=(0, 1, 2), has_aux=True)(rest, stacked, x)
+                        loss, argnums=(0, 1, 2), has_aux=True
+                    )(rest, stacked, x)
                 else:
                     with jax.named_scope("pipeline_recompute"):
                         _, pullback = jax.vjp(through, rest, stacked, x)
                     d_rest, d_stack, dx = pullback(g.astype(x.dtype))
                 dx = zx if where == FIRST else dx.astype(zx.dtype)
-                return zx, dx, (jax.tree.map(add, sums[0], d_rest),
-                                jax.tree.map(add, sums[1], d_stack), sums[2])
+                return (
+                    zx,
+                    dx,
+                    (
+                        jax.tree.map(add, sums[0], d_rest),
+                        jax.tree.map(add, sums[1], d_stack),
+                        sums[2],
+                    ),
+                )
+
             return run
-        return [idle, *(forward(w) for w in (FIRST, MIDDLE, LAST)),
-                *(backward(w) for w in (FIRST, MIDDLE, LAST))]
+
+        return [
+            idle,
+            *(forward(w) for w in (FIRST, MIDDLE, LAST)),
+            *(backward(w) for w in (FIRST, MIDDLE, LAST)),
+        ]
 
     def _table(self) -> dict:
         """The schedule as arrays, ticks x stages, with each entry's branch of `_branches` and
@@ -215,10 +253,16 @@ class Pipeline:
         out["arrive_act"] = np.asarray(self.table.arrive_act, np.int32)
         out["arrive_grad"] = np.asarray(self.table.arrive_grad, np.int32)
         out["virtual"] = out["chunk"] * self.p + np.arange(self.p, dtype=np.int32)
-        where = np.where(out["virtual"] == 0, FIRST,
-                         np.where(out["virtual"] == self.p * self.v - 1, LAST, MIDDLE))
-        out["branch"] = np.where(out["kind"] == schedules.IDLE, 0,
-                                 np.where(out["kind"] == schedules.FORWARD, 1, 4) + where)
+        where = np.where(
+            out["virtual"] == 0,
+            FIRST,
+            np.where(out["virtual"] == self.p * self.v - 1, LAST, MIDDLE),
+        )
+        out["branch"] = np.where(
+            out["kind"] == schedules.IDLE,
+            0,
+            np.where(out["kind"] == schedules.FORWARD, 1, 4) + where,
+        )
         for name, (index, _) in (("send_on", self.send_on), ("send_back", self.send_back)):
             out[name] = np.repeat(index[:, None], self.p, axis=1)
         return {k: v.astype(np.int32) for k, v in out.items()}
@@ -228,12 +272,17 @@ class Pipeline:
         scope: (ticks, how many of the table's ticks x stages run each branch), and for the
         sends (ticks, how many ticks run each pattern)."""
         branch = self._table()["branch"]
-        runs = {"pipeline_stage": (self.table.num_ticks,
-                                   [int((branch == k).sum()) for k in range(7)])}
-        for scope, (index, patterns) in (("pipeline_send", self.send_on),
-                                         ("pipeline_send_back", self.send_back)):
-            runs[scope] = (self.table.num_ticks,
-                           [int((index == k).sum()) for k in range(len(patterns))])
+        runs = {
+            "pipeline_stage": (self.table.num_ticks, [int((branch == k).sum()) for k in range(7)])
+        }
+        for scope, (index, patterns) in (
+            ("pipeline_send", self.send_on),
+            ("pipeline_send_back", self.send_back),
+        ):
+            runs[scope] = (
+                self.table.num_ticks,
+                [int((index == k).sum()) for k in range(len(patterns))],
+            )
         return runs
 
     def _send(self, x, pattern, patterns):
@@ -241,7 +290,8 @@ class Pipeline:
         every stage, so every stage takes the same branch of the switch around the
         collective-permute)."""
         branches = [lambda x: jnp.zeros_like(x)] + [
-            (lambda x, pairs=pairs: jax.lax.ppermute(x, S.PIPE, pairs)) for pairs in patterns[1:]]
+            (lambda x, pairs=pairs: jax.lax.ppermute(x, S.PIPE, pairs)) for pairs in patterns[1:]
+        ]
         return jax.lax.switch(pattern, branches, x)
 
     def _local(self, params, batch, key, loss_scale):
@@ -251,24 +301,36 @@ class Pipeline:
         rest, rest_gradients = self._gathered_rest(rest, stacked)
         # Microbatch j: the rows j, j+m, ... of the batch (of this data shard's, when "data" is
         # manual: the same rows as the GSPMD split gives it)
-        on_shards = (None if self.data_parallel is not None else
-                     lambda x: jax.lax.with_sharding_constraint(x, P(None, S.DATA)))
+        on_shards = (
+            None
+            if self.data_parallel is not None
+            else lambda x: jax.lax.with_sharding_constraint(x, P(None, S.DATA))
+        )
         micro = microbatches.split(batch, self.m, on_shards)
 
         def microbatch(i):
             return microbatches.take(micro, i), microbatches.key(key, self.m, i)
+
         mb0, key0 = microbatch(0)
         x_shape = jax.eval_shape(lambda: self._pre(rest, stacked, mb0, key0)[0])
         metric_shapes = jax.eval_shape(
-            lambda: self._post(rest, stacked, mb0, key0,
-                               jnp.zeros(x_shape.shape, x_shape.dtype), loss_scale)[1])
+            lambda: self._post(
+                rest, stacked, mb0, key0, jnp.zeros(x_shape.shape, x_shape.dtype), loss_scale
+            )[1]
+        )
         zx = jnp.zeros(x_shape.shape, x_shape.dtype)
-        sums = (jax.tree.map(jnp.zeros_like, rest), jax.tree.map(jnp.zeros_like, stacked),
-                jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shapes))
+        sums = (
+            jax.tree.map(jnp.zeros_like, rest),
+            jax.tree.map(jnp.zeros_like, stacked),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shapes),
+        )
         branches = self._branches(zx)
         t = self.table
-        carry = (jnp.zeros((t.act_slots, *zx.shape), zx.dtype),
-                 jnp.zeros((t.grad_slots, *zx.shape), zx.dtype), sums)
+        carry = (
+            jnp.zeros((t.act_slots, *zx.shape), zx.dtype),
+            jnp.zeros((t.grad_slots, *zx.shape), zx.dtype),
+            sums,
+        )
 
         def tick(carry, row):
             acts, grads, sums = carry
@@ -278,8 +340,11 @@ class Pipeline:
             g = jax.lax.dynamic_index_in_dim(grads, jnp.maximum(row["grad"], 0), keepdims=False)
             with jax.named_scope("pipeline_stage"):
                 sent_on, sent_back, sums = jax.lax.switch(
-                    row["branch"], branches, (rest, stacked, mb, k, x, g, row["chunk"],
-                                              row["virtual"], loss_scale), sums)
+                    row["branch"],
+                    branches,
+                    (rest, stacked, mb, k, x, g, row["chunk"], row["virtual"], loss_scale),
+                    sums,
+                )
             with jax.named_scope("pipeline_send"):
                 arrived = self._send(sent_on, row["send_on"], self.send_on[1])
             with jax.named_scope("pipeline_send_back"):
@@ -297,8 +362,8 @@ class Pipeline:
         grads = trained(self.cfg, grads)
         if self.data_parallel is not None:
             with jax.named_scope("metrics_all_reduce"):
-                metrics = jax.lax.psum(metrics, S.DATA)   # each shard's share of the means
-            grads = self.data_parallel.reduce(grads)      # once per step
+                metrics = jax.lax.psum(metrics, S.DATA)  # each shard's share of the means
+            grads = self.data_parallel.reduce(grads)  # once per step
         return metrics, grads
 
     def specs(self, params, held: bool = True) -> dict:
@@ -319,11 +384,14 @@ class Pipeline:
         state, with ZeRO-1 / FSDP)."""
         dp = self.data_parallel
         manual = {S.PIPE} if dp is None else {S.PIPE, S.DATA}
-        fn = jax.shard_map(self._local, mesh=self.mesh,
-                           in_specs=(self.specs(params), P() if dp is None else P(S.DATA), P(),
-                                     P()),
-                           out_specs=(P(), trained(self.cfg, self.specs(params, held=False))),
-                           axis_names=manual, check_vma=False)
+        fn = jax.shard_map(
+            self._local,
+            mesh=self.mesh,
+            in_specs=(self.specs(params), P() if dp is None else P(S.DATA), P(), P()),
+            out_specs=(P(), trained(self.cfg, self.specs(params, held=False))),
+            axis_names=manual,
+            check_vma=False,
+        )
         metrics, grads = fn(params, batch, key, loss_scale)
         if dp is not None:
             grads = jax.lax.with_sharding_constraint(grads, trained(self.cfg, dp.sharded))

@@ -2,6 +2,7 @@
 them), written where TensorBoard's profile plugin finds it (WORKDIR/tensorboard/plugins/profile/
 TIME/, with a Perfetto trace beside it) together with the compiled step's HLO text, which
 megajax/tools/profile.py reads to say where the time went. Process 0 traces."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,22 +25,27 @@ def parse_window(text: str | None) -> tuple[int, int] | None:
     except ValueError:
         window = None
     if window is None or not 1 <= window[0] <= window[1]:
-        raise UserError(f"--profile takes START:STOP, the first and last step to trace "
-                        f"(1 <= START <= STOP, e.g. 4:6), got {text!r}")
+        raise UserError(
+            "--profile takes START:STOP, the first and last step to trace (1 <= START <= STOP, "
+            f"e.g. 4:6), got {text!r}"
+        )
     return window
 
 
 class StepTrace:
     """Starts the trace before step `window[0]` runs and stops it once step `window[1]` is done."""
 
-    def __init__(self, window: tuple[int, int] | None, workdir: Path, enabled: bool, step_fn,
-                 start: int, out):
+    def __init__(
+        self, window: tuple[int, int] | None, workdir: Path, enabled: bool, step_fn, start: int, out
+    ):
         self.window, self.step_fn, self.tracing, self.dir = window, step_fn, False, None
         self.root = Path(workdir) / TENSORBOARD_DIR
         if window and start >= window[0]:
             if enabled:
-                out(f"--profile {window[0]}:{window[1]}: nothing traced, the run resumes at "
-                    f"step {start}")
+                out(
+                    f"--profile {window[0]}:{window[1]}: nothing traced, the run resumes at step "
+                    f"{start}"
+                )
             self.window = None
         if not enabled:
             self.window = None
@@ -60,9 +66,10 @@ class StepTrace:
         jax.block_until_ready(metrics)
         jax.profiler.stop_trace()
         self.tracing = False
-        runs = sorted((self.root / "plugins" / "profile").iterdir(),
-                      key=lambda p: p.stat().st_mtime)
+        runs = sorted(
+            (self.root / "plugins" / "profile").iterdir(), key=lambda p: p.stat().st_mtime
+        )
         self.dir = runs[-1]
-        text = getattr(self.step_fn, "as_text", None)   # one compiled program (not layer_programs)
+        text = getattr(self.step_fn, "as_text", None)  # one compiled program (not layer_programs)
         if text is not None:
             (self.dir / HLO_FILE).write_text(text(), encoding="utf-8")

@@ -12,6 +12,7 @@ Over "data", three schemes (megajax/training/data_parallel.py has the data-manua
   shard_params     FSDP: parameters split over "data" too, each layer's gathered just in time
                    (forward and backward) and its gradient reduce-scattered.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,13 +30,13 @@ from megajax.core.mesh import as_mesh, check_fits
 from megajax.models import vocab_rows
 from megajax.models.registry import ModelDef, abstract_model, init_model, path_keys
 from megajax.tasks import Task, task_for
+from megajax.training import microbatches
 from megajax.training.data_parallel import DataParallel
 from megajax.training.layer_programs import LayerProgramStep
 from megajax.training.loss_scale import around, scaled, uses_loss_scaling
 from megajax.training.optimizer import lr_schedule, make_optimizer
 from megajax.training.pipeline import Pipeline, stack_path, stage_specs
 from megajax.training.trainable import trained, with_trained
-from megajax.training import microbatches
 
 
 @dataclasses.dataclass
@@ -71,7 +72,8 @@ class Trainer:
         """Fresh float32 params (same values on every mesh for a seed) and optimizer state."""
         seed = self.cfg.train.seed if seed is None else seed
         params = self.modeldef.params(
-            init_model(self.cfg.model, self.mesh, seed, self.param_shardings))
+            init_model(self.cfg.model, self.mesh, seed, self.param_shardings)
+        )
         params = self.stored(params)[0]
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.trained(params))
         return params, opt_state
@@ -83,9 +85,10 @@ class Trainer:
         same arrays."""
         if self.pipeline is None or self.pipeline.layer_order() is None:
             return params, opt_state
-        return jax.jit(lambda t: self.pipeline.reorder(t, inverse),
-                       out_shardings=jax.tree.map(lambda x: x.sharding, (params, opt_state)))(
-            (params, opt_state))
+        return jax.jit(
+            lambda t: self.pipeline.reorder(t, inverse),
+            out_shardings=jax.tree.map(lambda x: x.sharding, (params, opt_state)),
+        )((params, opt_state))
 
     def natural(self, params, opt_state=None):
         """(params, optimizer state) as checkpoints keep them: the layers in their own order,
@@ -114,8 +117,9 @@ class Trainer:
         """ShapeDtypeStructs with shardings for params and optimizer state: nothing allocated."""
         params = self.modeldef.abstract_sharded_params(self.param_shardings)
         opt = jax.eval_shape(self.tx.init, self.trained(params))
-        opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                           opt, self.opt_shardings)
+        opt = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt, self.opt_shardings
+        )
         return params, opt
 
     def legacy_opt_state(self):
@@ -143,8 +147,9 @@ class Trainer:
         return self.objective(params, batch, key)[0]
 
     def _step(self, params, opt_state, batch, step):
-        metrics, grads = self.gradients(params, batch, self.step_key(step),
-                                        self.loss_scale(opt_state))
+        metrics, grads = self.gradients(
+            params, batch, self.step_key(step), self.loss_scale(opt_state)
+        )
         return self.apply_gradients(params, opt_state, grads, metrics, step)
 
     def step_key(self, step):
@@ -156,8 +161,11 @@ class Trainer:
         """Every batch array as (microbatches, rows, ...), by the one rule
         (training/microbatches.py), each microbatch's rows kept on their data shard."""
         on_shards = NamedSharding(self.mesh, P(None, S.DATA))
-        return microbatches.split(batch, self.cfg.train.microbatches,
-                                  lambda x: jax.lax.with_sharding_constraint(x, on_shards))
+        return microbatches.split(
+            batch,
+            self.cfg.train.microbatches,
+            lambda x: jax.lax.with_sharding_constraint(x, on_shards),
+        )
 
     def apply_gradients(self, params, opt_state, grads, metrics, step):
         """The optimizer's update from one step's gradients (loss-scaled ones with float16:
@@ -166,7 +174,7 @@ class Trainer:
         t, scale, extra = self.cfg.train, self.loss_scale(opt_state), {}
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
-            step = step - opt_state.skipped       # a skipped step did not advance the schedule
+            step = step - opt_state.skipped  # a skipped step did not advance the schedule
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
             part = self.trained(params)
@@ -183,7 +191,7 @@ class Trainer:
     def gradients(self, params, batch, key, loss_scale=None):
         """(metrics, gradients of the trained part): means over the step's microbatches, reduced
         over "data" (the gradients of the loss times `loss_scale`, if given)."""
-        if self.pipeline is not None:     # (which runs the data-parallel part, if any)
+        if self.pipeline is not None:  # (which runs the data-parallel part, if any)
             return self.pipeline.gradients(params, batch, key, loss_scale)
         if self.data_parallel is not None:
             return self.data_parallel.gradients(params, batch, key, loss_scale)
@@ -194,29 +202,43 @@ class Trainer:
         t = self.cfg.train
         grad_fn = jax.value_and_grad(
             lambda part, b, k: self.objective(with_trained(params, part), b, k, loss_scale),
-            has_aux=True)
+            has_aux=True,
+        )
         part = self.trained(params)
         if t.microbatches == 1:
             (_, metrics), grads = grad_fn(part, batch, key)
             return metrics, grads
         micro = self.split_microbatches(batch)
-        metric_shapes = jax.eval_shape(lambda mb: self.objective(params, mb, key)[1],
-                                       jax.tree.map(lambda x: x[0], micro))
-        return microbatches.mean_gradients(lambda mb, k: grad_fn(part, mb, k), micro, key,
-                                           t.microbatches, metric_shapes, part,
-                                           t.unroll_microbatches)
+        metric_shapes = jax.eval_shape(
+            lambda mb: self.objective(params, mb, key)[1], jax.tree.map(lambda x: x[0], micro)
+        )
+        return microbatches.mean_gradients(
+            lambda mb, k: grad_fn(part, mb, k),
+            micro,
+            key,
+            t.microbatches,
+            metric_shapes,
+            part,
+            t.unroll_microbatches,
+        )
 
     def jit_step(self, donate: bool = True):
         return jax.jit(
             self._step,
-            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding,
-                          self.replicated()),
+            in_shardings=(
+                self.param_shardings,
+                self.opt_shardings,
+                self.batch_sharding,
+                self.replicated(),
+            ),
             out_shardings=(self.param_shardings, self.opt_shardings, self.replicated()),
-            donate_argnums=(0, 1) if donate else ())
+            donate_argnums=(0, 1) if donate else (),
+        )
 
     def jit_eval(self):
         """Metrics of one batch without dropout (a dict; "loss" always among them, and
         "targets", the count of what the loss averages, for a task whose loss has a mask)."""
+
         def eval_metrics(params, batch):
             if self.pipeline is not None:
                 params = self.pipeline.reorder(params, inverse=True)
@@ -225,8 +247,12 @@ class Trainer:
             if targets is not None:
                 metrics["targets"] = targets
             return metrics
-        return jax.jit(eval_metrics, in_shardings=(self.param_shardings, self.batch_sharding),
-                       out_shardings=self.replicated())
+
+        return jax.jit(
+            eval_metrics,
+            in_shardings=(self.param_shardings, self.batch_sharding),
+            out_shardings=self.replicated(),
+        )
 
     def compiled_step(self):
         """What the train loop calls: the donated step compiled as one program, or with
@@ -262,17 +288,41 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
         pipeline = Pipeline(cfg, mesh, modeldef, dp)
         shardings = S.param_shardings(mesh, specs)
         held = shardings if dp is None else dp.sharded
-        return Trainer(cfg, mesh, task, modeldef, tx, held if cfg.train.shard_params else shardings,
-                       _opt_shardings(opt_shapes, trained(cfg, held), mesh), dp, pipeline)
+        return Trainer(
+            cfg,
+            mesh,
+            task,
+            modeldef,
+            tx,
+            held if cfg.train.shard_params else shardings,
+            _opt_shardings(opt_shapes, trained(cfg, held), mesh),
+            dp,
+            pipeline,
+        )
     shardings = S.param_shardings(mesh, modeldef.specs())
     if not sharded_data:
-        return Trainer(cfg, mesh, task, modeldef, tx, shardings,
-                       _opt_shardings(opt_shapes, trained(cfg, shardings), mesh))
+        return Trainer(
+            cfg,
+            mesh,
+            task,
+            modeldef,
+            tx,
+            shardings,
+            _opt_shardings(opt_shapes, trained(cfg, shardings), mesh),
+        )
     dp = DataParallel.build(cfg, mesh, modeldef)
     if cfg.train.shard_params:
         shardings = dp.sharded
-    return Trainer(cfg, mesh, task, modeldef, tx, shardings,
-                   _opt_shardings(opt_shapes, trained(cfg, dp.sharded), mesh), dp)
+    return Trainer(
+        cfg,
+        mesh,
+        task,
+        modeldef,
+        tx,
+        shardings,
+        _opt_shardings(opt_shapes, trained(cfg, dp.sharded), mesh),
+        dp,
+    )
 
 
 def _opt_shardings(opt_shapes, param_shardings, mesh):

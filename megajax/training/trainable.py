@@ -1,6 +1,7 @@
 """Which weights a run trains: every one, or with LoRA adapters (model.lora_rank) the adapters
 alone. The frozen base gets no gradient (none is computed: the step differentiates the trained
 part only), no optimizer state and no update; it stays bitwise as loaded."""
+
 from __future__ import annotations
 
 from flax import traverse_util
