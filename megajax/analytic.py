@@ -48,15 +48,22 @@ class StepShape:
     remat: str = "none"
     kv_heads: int = 0  # grouped-query attention's key/value heads (0: heads)
     gated: bool = False  # SwiGLU: gate and up, each ffn wide
-    replicated_norm_params: int = 2  # per norm: LayerNorm's scale and bias, RMSNorm's scale
+    rms_norm: bool = False  # RMSNorm (a scale, one statistic a row), not LayerNorm (two each)
     row_biases: bool = True  # the row-parallel layers' biases (replicated)
     learned_positions: bool = True
     frozen_base: bool = False  # LoRA: only the adapters have gradients
+    # What the activation model needs beyond the sizes: how the device keeps activations
+    dtype: str = "bfloat16"  # the activations' dtype there
+    hidden_dropout: bool = True
+    attention_dropout: bool = True
+    recompute_norm_gelu: bool = False  # megajax/core/precision.py
+    fused_attention: bool = False  # cuDNN's flash attention (one softmax statistic a query)
 
     @classmethod
-    def of(cls, cfg, task, mesh: MeshShape = MeshShape()) -> "StepShape":
+    def of(cls, cfg, task, mesh: MeshShape = MeshShape(), **device) -> "StepShape":
         """A config's step on one device of `mesh` (its stages aside: a stage runs the same
-        layer); `task` is megajax.tasks.task_for(cfg)."""
+        layer); `task` is megajax.tasks.task_for(cfg). `device`: the fields a backend decides
+        (dtype, recompute_norm_gelu, fused_attention), which megajax/plan/memory.py fills."""
         m, t = cfg.model, cfg.train
         rows = mesh.rows_per_microbatch(t.batch_size, t.microbatches)
         return cls(
@@ -77,15 +84,23 @@ class StepShape:
             remat=m.remat,
             kv_heads=m.kv_heads,
             gated=m.mlp == "swiglu",
-            replicated_norm_params=2 if m.norm == "layernorm" else 1,
+            rms_norm=m.norm == "rmsnorm",
             row_biases=m.bias == "all",
             learned_positions=m.positions == "learned",
             frozen_base=m.lora_rank > 0,
+            hidden_dropout=m.hidden_dropout > 0,
+            attention_dropout=m.attention_dropout > 0,
+            **device,
         )
 
     @property
     def bsh(self) -> int:
         return self.rows * self.seq * self.hidden
+
+    @property
+    def replicated_norm_params(self) -> int:
+        """Per norm: LayerNorm's scale and bias, RMSNorm's scale."""
+        return 1 if self.rms_norm else 2
 
     @property
     def kv(self) -> int:
@@ -94,7 +109,7 @@ class StepShape:
     @property
     def kv_copies(self) -> int:
         """Devices holding each key/value head."""
-        return kv_copies(self.heads, self.kv, self.tp)
+        return kv_copies(self.heads, self.kv, MeshShape(model=self.tp))
 
     @property
     def qkv_columns(self) -> int:
@@ -102,9 +117,10 @@ class StepShape:
         return (self.heads + 2 * self.kv * self.kv_copies) * self.head_dim // self.tp
 
 
-def kv_copies(heads: int, kv_heads: int, tp: int) -> int:
+def kv_copies(heads: int, kv_heads: int, mesh: MeshShape) -> int:
     """On how many devices of the model axis each key/value head lives: 1 when the axis divides
     them (or there is no grouping), else axis / key/value heads (each device its queries' head)."""
+    tp = mesh.model
     return tp // kv_heads if kv_heads < heads and tp > kv_heads else 1
 
 
@@ -335,27 +351,9 @@ def data_axis_minimum(
 
 
 # --- activation memory -------------------------------------------------------------------------
-def activation_bytes_per_layer(
-    *,
-    b: int,
-    s: int,
-    h: int,
-    heads: int,
-    tp: int = 1,
-    ffn: int | None = None,
-    sequence_parallel: bool = False,
-    remat: str = "none",
-    dtype: str = "bfloat16",
-    hidden_dropout: bool = True,
-    attention_dropout: bool = True,
-    recompute_norm_gelu: bool = False,
-    fused_attention: bool = False,
-    head_dim: int | None = None,
-    kv_heads: int | None = None,
-    gated: bool = False,
-    rms_norm: bool = False,
-) -> int:
-    """Bytes one device keeps for one layer's backward pass, for b sequences of s tokens.
+def activation_bytes_per_layer(x: StepShape, remat: str | None = None) -> int:
+    """Bytes one device keeps for one layer's backward pass, for a microbatch of `x`: b = x.rows
+    sequences of s = x.seq tokens, h = x.hidden, a = x.heads, t = x.tp (`remat` overrides x.remat).
 
     For 16-bit activations with dropout it is the paper's, term for term (bytes per layer):
         tensor parallel              s·b·h·(10 + 24/t + 5·a·s/(h·t))
@@ -383,28 +381,23 @@ def activation_bytes_per_layer(
     the CPU without attention dropout keeps no attention core either (blocked_attention.py
     recomputes the probabilities). Not counted: parameters, gradients, optimizer state, the
     embedding and logits (outside the layers)."""
+    remat = x.remat if remat is None else remat
     if remat not in REMAT_MODES:
         raise ValueError(f"remat must be one of {REMAT_MODES}, got {remat!r}")
-    act, ffn = DTYPE_BYTES[dtype], 4 * h if ffn is None else ffn
-    sp = tp if sequence_parallel else 1  # what the between-blocks tensors are split by
+    b, s, h, heads, tp, ffn = x.rows, x.seq, x.hidden, x.heads, x.tp, x.ffn
+    act = DTYPE_BYTES[x.dtype]
+    sp = tp if x.sequence_parallel else 1  # what the between-blocks tensors are split by
     if remat == "full":
         return s * b * h * act // sp
-    kept_inputs, kept_ffn, stats = (
-        (2, 1, 0) if recompute_norm_gelu else (4, 2, 2 * (1 if rms_norm else 2) * 4 * s * b // sp)
-    )
-    kept_ffn += 1 if gated else 0  # gate and up, where GeLU has one input
-    between = (kept_inputs * act + (2 if hidden_dropout else 0)) * s * b * h // sp + stats
-    width = heads * (head_dim or h // heads)
-    kv = (
-        2 * width
-        if not fused_attention or kv_heads is None
-        else 2 * kv_heads * (head_dim or h // heads)
-    )
+    norm_stats = x.replicated_norm_params * 4 * s * b // sp  # float32, per norm
+    kept_inputs, kept_ffn, stats = (2, 1, 0) if x.recompute_norm_gelu else (4, 2, 2 * norm_stats)
+    kept_ffn += 1 if x.gated else 0  # gate and up, where GeLU has one input
+    between = (kept_inputs * act + (2 if x.hidden_dropout else 0)) * s * b * h // sp + stats
+    width = heads * x.head_dim
+    # megajax's core repeats the key/value heads to every query head; the fused one does not
+    kv = 2 * x.kv * x.kv_copies * x.head_dim if x.fused_attention else 2 * width
     inside = act * s * b * (2 * width + kv + kept_ffn * ffn) // tp
-    core = (
-        0
-        if remat == "selective"
-        else (act + (act + 1 if attention_dropout else 0)) * b * heads * s * s // tp
-    )
-    core = 4 * b * heads * s // tp if fused_attention else core
+    mask = act + 1 if x.attention_dropout else 0
+    core = 0 if remat == "selective" else (act + mask) * b * heads * s * s // tp
+    core = 4 * b * heads * s // tp if x.fused_attention else core
     return between + inside + core

@@ -12,6 +12,7 @@ import math
 
 from megajax.analytic import REMAT_MODES, layer_params
 from megajax.errors import UserError
+from megajax.mesh_shape import MeshShape
 from megajax.shapes import MODEL_TASKS
 
 
@@ -161,10 +162,10 @@ class ModelConfig:
         vocab_multiple."""
         return int(math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple)
 
-    def vocab_rows(self, tp: int) -> int:
-        """The rows a model axis of `tp` holds: padded_vocab, padded further when tp does not
-        divide it (models/vocab_rows.py)."""
-        return -(-self.padded_vocab // tp) * tp
+    def vocab_rows(self, mesh: MeshShape) -> int:
+        """The rows the model axis of `mesh` holds: padded_vocab, padded further when the axis
+        does not divide it (models/vocab_rows.py)."""
+        return -(-self.padded_vocab // mesh.model) * mesh.model
 
     def validate(self):
         self.remat = REMAT_ALIASES.get(self.remat, self.remat)

@@ -30,6 +30,7 @@ DEFERRED = {
         "megajax.tools.dry_run",
         "megajax.training.loop",
         "megajax.runs.workdir",
+        "megajax.runs.spec",
         "megajax.tasks",
         "megajax.training.profiling",
         "megajax.tools.profile",
@@ -42,8 +43,9 @@ DEFERRED = {
     "cli.plot": {"megajax.runs.metrics", "megajax.runs.workdir"},
     "cli.eval": {
         "megajax.evaluation.tasks",
-        "megajax.config",
+        "megajax.core.mesh",
         "megajax.plan.auto",
+        "megajax.runs.spec",
         "megajax.runs.workdir",
     },
     "cli.plan": {"jax", "megajax.config", "megajax.plan", "megajax.plan.report"},

@@ -14,6 +14,7 @@ from megajax.cli.prepare import prepare_parser
 from megajax.cli.train import train_parser
 from megajax.config import CONFIG_DIR, ConfigError, available_configs, load_config
 from megajax.core.mesh import check_fits, padded_batches
+from megajax.mesh_shape import MeshShape
 from megajax.models.registry import abstract_model, init_model
 from megajax.shapes import MODEL_TASKS
 from megajax.tasks import TASKS, param_count, task_for
@@ -323,13 +324,17 @@ def test_malformed_config_files(tmp_path, name, content, message):
 def test_eval_batches_are_no_larger_than_the_rows_need():
     """A huge --batch-size over a few rows is one batch of those rows (rounded up to the data
     axis), not an allocation of the batch size."""
-    batches = list(padded_batches(5, 10**12, 2))
+    batches = list(padded_batches(5, 10**12, MeshShape(data=2)))
     assert (
         len(batches) == 1
         and batches[0][0].tolist() == [0, 1, 2, 3, 4, 4]
         and batches[0][1].tolist() == [1] * 5 + [0]
     )
-    assert [idx.tolist() for idx, _ in padded_batches(5, 3, 2)] == [[0, 1], [2, 3], [4, 4]]
+    assert [idx.tolist() for idx, _ in padded_batches(5, 3, MeshShape(data=2))] == [
+        [0, 1],
+        [2, 3],
+        [4, 4],
+    ]
 
 
 def test_batch_not_divisible_by_data_axis():

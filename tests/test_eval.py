@@ -51,7 +51,7 @@ def greedy_by_recomputation(model, prompt_tokens, max_new_tokens: int) -> np.nda
         )
     buf = np.zeros((rows, n + max_new_tokens), np.int32)
     buf[:, :n] = seq
-    buf = buf[padded_rows(rows, model.layout.dp)]
+    buf = buf[padded_rows(rows, model.layout.shape)]
     fwd = jax.jit(lambda m, x, p: jnp.argmax(m(x)[:, p], -1).astype(jnp.int32))
     for p in range(n, n + max_new_tokens):
         buf[:, p] = np.asarray(fwd(model, buf, p - 1))

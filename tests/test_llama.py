@@ -106,7 +106,7 @@ def test_logits_and_every_gradient_match_transformers(imported, name, spec):
     loaded = load_workdir(workdir, mesh_for(spec))
     modeldef = ModelDef(loaded.model)
     params = modeldef.params(loaded.model)
-    assert (kv_copies(cfg.model, loaded.model.layout.tp) > 1) == (
+    assert (kv_copies(cfg.model, loaded.model.layout.shape) > 1) == (
         cfg.model.kv_heads < loaded.model.layout.tp
     )
 
@@ -154,7 +154,7 @@ def test_greedy_kv_cache_decoding_matches_transformers_generate(imported, name, 
     got = generate(model, ref["prompt"], 32, temperature=0)
     np.testing.assert_array_equal(got, ref["greedy"])
     cache = model.init_cache(2, 8)[0]
-    layout_heads = cfg.model.kv_heads * kv_copies(cfg.model, model.layout.tp)
+    layout_heads = cfg.model.kv_heads * kv_copies(cfg.model, model.layout.shape)
     assert cache.shape == (cfg.model.num_layers, 2, layout_heads, 8, cfg.model.head_dim)
     full = np.concatenate([ref["prompt"], got], axis=1)
     rows = np.repeat(full, model.layout.dp, axis=0)

@@ -14,6 +14,7 @@ from helpers import exact_model_axis_elements, tiered
 from tolerances import BF16_ELEMENT, BF16_NORM, BF16_U, F16_U, F32, assert_close, assert_tree_close
 
 from megajax.core.attention import kv_copies
+from megajax.mesh_shape import MeshShape
 from megajax.tools.audit import audit
 from megajax.training.step import make_trainer
 
@@ -96,7 +97,7 @@ def test_audit_finds_megatrons_collectives_and_the_copied_kv_gradients(spec, sp)
         ("all-gather", one_head * m.kv_heads, m.num_layers),
         ("all-reduce", one_head, m.num_layers),
     ]
-    assert kv_copies(m, t) == t // m.kv_heads
+    assert kv_copies(m, MeshShape(model=t)) == t // m.kv_heads
     recompute = r.regathered_elements if sp else 0
     assert exact_model_axis_elements(r) == r.analytic_min_elements + recompute
     assert r.data_axis_ratio == pytest.approx(1.0) if mesh.shape["data"] > 1 else True

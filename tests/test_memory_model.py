@@ -6,10 +6,27 @@ import itertools
 import pytest
 from conftest import mesh_for, tiny_config
 
-from megajax.analytic import activation_bytes_per_layer
+from megajax.analytic import StepShape, activation_bytes_per_layer
 from megajax.core.precision import Precision
 from megajax.tools.audit import audit
 from megajax.training.step import make_trainer
+
+
+def layer(*, b: int, s: int, h: int, heads: int, tp: int = 1, **fields) -> StepShape:
+    """A GPT layer's step (ffn = 4h) on one device: b sequences of s tokens, in the paper's
+    letters."""
+    return StepShape(
+        layers=1,
+        rows=b,
+        seq=s,
+        hidden=h,
+        heads=heads,
+        ffn=4 * h,
+        head_dim=h // heads,
+        vocab=0,
+        tp=tp,
+        **fields,
+    )
 
 
 def paper_bytes_per_layer(
@@ -43,7 +60,7 @@ def test_16_bit_with_dropout_is_the_papers_formula(tp, sp, remat):
     # the paper's 530B layer
     shape = dict(b=4, s=2048, h=12288, heads=96, tp=tp, sequence_parallel=sp, remat=remat)
     stats = 0 if remat == "full" else 16 * 2048 * 4 // (tp if sp else 1)
-    assert activation_bytes_per_layer(**shape) - stats == pytest.approx(
+    assert activation_bytes_per_layer(layer(**shape)) - stats == pytest.approx(
         paper_bytes_per_layer(**shape), rel=1e-12
     )
 
@@ -103,15 +120,17 @@ def test_compiled_activation_memory_follows_the_model(recompute):
         }
         measured[sp, remat] = t[3, 16] - t[2, 16] - t[3, 8] + t[2, 8]
         model[sp, remat] = activation_bytes_per_layer(
-            b=8,
-            s=256,
-            h=512,
-            heads=8,
-            tp=8,
-            sequence_parallel=sp,
-            remat=remat,
-            dtype="float32",
-            recompute_norm_gelu=recompute,
+            layer(
+                b=8,
+                s=256,
+                h=512,
+                heads=8,
+                tp=8,
+                sequence_parallel=sp,
+                remat=remat,
+                dtype="float32",
+                recompute_norm_gelu=recompute,
+            )
         )
     for k in measured:
         assert measured[k] == pytest.approx(model[k], rel=0.15), (k, measured, model)
@@ -125,7 +144,7 @@ def test_recomputing_layernorm_and_gelu_outputs_keeps_a_third_less():
     inputs, fc1's output without GeLU's, no LayerNorm statistics."""
     shape = dict(b=16, s=1024, h=1536, heads=16, attention_dropout=False, remat="selective")
     kept, megatron = (
-        activation_bytes_per_layer(**shape, recompute_norm_gelu=r) for r in (True, False)
+        activation_bytes_per_layer(layer(**shape, recompute_norm_gelu=r)) for r in (True, False)
     )
     sbh = 16 * 1024 * 1536
     assert megatron - kept == 2 * 2 * sbh + 2 * 4 * sbh + 16 * 16 * 1024
@@ -138,8 +157,8 @@ def test_cudnn_flash_attention_keeps_one_statistic_a_query_and_head():
     planner assumes it on GPUs for model.attention = fused, or auto without attention dropout)."""
     shape = dict(b=16, s=1024, h=1536, heads=16, tp=2, attention_dropout=False)
     fused, without_core = (
-        activation_bytes_per_layer(**shape, fused_attention=True),
-        activation_bytes_per_layer(**shape, remat="selective"),
+        activation_bytes_per_layer(layer(**shape, fused_attention=True)),
+        activation_bytes_per_layer(layer(**shape, remat="selective")),
     )
     assert fused - without_core == 4 * 16 * 16 * 1024 // 2
 

@@ -95,7 +95,7 @@ def test_schedule_tables_keep_every_dependency_and_the_papers_bubble(schedule, c
         held = t.first_stage_inputs()
         assert held == {"gpipe": m, "1f1b": min(p, m)}.get(schedule, held)
         if schedule != "interleaved":  # the planner's closed form of a stage's buffers
-            assert t.act_slots + t.grad_slots == _slots(schedule, p, m, chunks)
+            assert t.act_slots + t.grad_slots == _slots(schedule, MeshShape(pipe=p), m, chunks)
 
 
 def test_pipeline_sizes_are_checked():

@@ -14,6 +14,7 @@ from conftest import mesh_for, tiny_config
 from helpers import RUN_ARGS, SHAKESPEARE, cli, losses, run
 from tolerances import F32, assert_close
 
+from megajax.mesh_shape import MeshShape
 from megajax.models.registry import ModelDef, init_model
 
 # six heads: a model axis of 3 or 6 divides them, and hidden and ffn; not the 1024 vocabulary rows
@@ -23,7 +24,7 @@ SIX_HEADS = ["--set", "model.num_heads=6", "--set", "model.hidden=96"]
 def test_the_rows_a_model_axis_holds():
     m = dataclasses.replace(tiny_config().model, vocab_size=1000, vocab_multiple=1024)
     assert m.padded_vocab == 1024
-    assert [m.vocab_rows(tp) for tp in (1, 2, 3, 4, 6, 7, 8)] == [
+    assert [m.vocab_rows(MeshShape(model=tp)) for tp in (1, 2, 3, 4, 6, 7, 8)] == [
         1024,
         1024,
         1026,
@@ -49,7 +50,10 @@ def test_a_model_axis_of_six_holds_one_devices_weights_and_logits(kind):
     one, six = (init_model(cfg, mesh_for(mesh), seed=3) for mesh in ("1x1", "1x6"))
     a, b = (jax.device_get(ModelDef(m).params(m)) for m in (one, six))
     table, padded = b["embed"]["table"], cfg.padded_vocab
-    assert table.shape[0] == cfg.vocab_rows(6) > padded and not np.asarray(table[padded:]).any()
+    assert (
+        table.shape[0] == cfg.vocab_rows(MeshShape(model=6)) > padded
+        and not np.asarray(table[padded:]).any()
+    )
     np.testing.assert_array_equal(np.asarray(table[:padded]), np.asarray(a["embed"]["table"]))
     if kind == "gpt":
         tokens = jnp.asarray(

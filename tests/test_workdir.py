@@ -261,20 +261,20 @@ def test_init_from_decides_shape_and_tokenizer_and_refuses_overrides_of_them(tmp
     cfg = load_config("tiny", overrides)
     with pytest.raises(
         UserError,
-        match=rf"^--init-from {tmp_path} decides model.num_layers \(3\): drop the "
-        rf"override "
+        match=rf"^--init-from {tmp_path} decides model.num_layers \(3\): drop the override "
         r"model.num_layers=5$",
     ):
-        refuse_overridden_shape(cfg, overrides)
+        refuse_overridden_shape(cfg, with_pretrained_shape(cfg)[0], overrides)
     with pytest.raises(
         UserError,
         match=r"decides data.tokenizer \('chars'\): drop the override "
         r"data.tokenizer='bytes'",
     ):
-        refuse_overridden_shape(cfg, [overrides[0], overrides[2]])
+        refuse_overridden_shape(cfg, with_pretrained_shape(cfg)[0], [overrides[0], overrides[2]])
     # agreeing, or not decided
     same = [f"train.init_from={tmp_path}", "model.num_layers=3", "train.lr=1e-3"]
-    refuse_overridden_shape(load_config("tiny", same), same)
+    agreeing = load_config("tiny", same)
+    refuse_overridden_shape(agreeing, with_pretrained_shape(agreeing)[0], same)
     shaped, _ = with_pretrained_shape(cfg)
     assert (
         shaped.model.num_layers == 3

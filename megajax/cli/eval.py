@@ -198,8 +198,7 @@ def _evaluate(args) -> int:
         # jax is imported only now, with --host-devices in XLA_FLAGS (megajax/cli/common.py).
         from megajax.evaluation.tasks import run_task
 
-        args.mesh = _mesh(args)
-        result, is_main = run_task(args)
+        result, is_main = run_task(args, _resolve(args))
         if is_main:
             out = Path(args.out) if args.out else Path(args.workdir) / f"eval_{args.task}.json"
             write_atomic(out, json.dumps(result, indent=2) + "\n")
@@ -213,19 +212,21 @@ def _evaluate(args) -> int:
     return 0
 
 
-def _mesh(args):
-    """--mesh resolved as train.py resolves it: "auto" is the mesh train.py --mesh auto runs the
-    workdir's config on (every device on "data" when it fits there)."""
-    from megajax.config import load_config
+def _resolve(args):
+    """The run to evaluate, resolved once: the workdir's config, and --mesh as train.py resolves
+    it ("auto" is the mesh train.py --mesh auto runs that config on: every device on "data"
+    when it fits there)."""
+    from megajax.core.mesh import make_mesh
     from megajax.plan.auto import resolve_mesh
-    from megajax.runs.workdir import CONFIG_FILE
+    from megajax.runs.spec import RunSpec
+    from megajax.runs.workdir import workdir_config
 
+    cfg = workdir_config(Path(args.workdir))
     try:
-        shape, why = resolve_mesh(
-            args.mesh, lambda: load_config(str(Path(args.workdir) / CONFIG_FILE)), args.devices
-        )
+        shape, why = resolve_mesh(args.mesh, lambda: cfg, args.devices)
+        run = RunSpec(cfg, make_mesh(shape, args.devices), Path(args.workdir))
     except ValueError as e:
         raise UserError(str(e)) from None
     if why:
         print(f"megajax: {why}", file=sys.stderr, flush=True)
-    return shape
+    return run

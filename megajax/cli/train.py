@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import signal
 from pathlib import Path
 
@@ -162,46 +161,43 @@ def _train_main(args) -> int:
             for flag, key in FLAG_KEYS
             if getattr(args, flag) is not None
         ]
-        cfg = load_config(args.config, overrides)
+        asked = load_config(args.config, overrides)
         # jax is imported only now, with --host-devices in XLA_FLAGS (megajax/cli/common.py).
         from megajax.core.mesh import make_mesh
         from megajax.plan.auto import resolve_mesh
+        from megajax.runs.spec import RunSpec
         from megajax.runs.workdir import refuse_overridden_shape, with_pretrained_shape
         from megajax.tools.dry_run import dry_run_report
         from megajax.training.loop import train
         from megajax.training.profiling import parse_window
 
-        workdir = Path(args.workdir or Path("runs") / cfg.name)
+        workdir = Path(args.workdir or Path("runs") / asked.name)
         window = parse_window(args.profile)
         if window and args.dry_run:
             raise UserError("--profile traces a run's steps; a --dry-run runs none")
-        refuse_overridden_shape(cfg, overrides, workdir)
-        # the config with a pretrained workdir's shape: read once, when first asked for
-        pretrained = functools.cache(lambda: with_pretrained_shape(cfg, workdir)[0])
+        # the config with a pretrained workdir's shape and tokenizer: its config read once, here
+        cfg, pretrained = with_pretrained_shape(asked, workdir)
+        refuse_overridden_shape(asked, cfg, overrides)
         start_jax(args)
         try:
             devices = program_devices(args.host_devices)
-            shape, why = resolve_mesh(args.mesh, pretrained, devices)
-            mesh = make_mesh(shape, devices)
+            shape, why = resolve_mesh(args.mesh, lambda: cfg, devices)
+            # the run, resolved once: training checks none of it again
+            run = RunSpec(cfg, make_mesh(shape, devices), workdir, pretrained)
         except ValueError as e:
             raise UserError(str(e)) from None
         if why:
             print(f"megajax: {why}", flush=True)
         if not args.dry_run:
-            refuse_far_too_big(pretrained(), shape)
+            refuse_far_too_big(run)
         if args.dry_run:
-            dry_run_report(pretrained(), mesh, costs=args.costs)
+            dry_run_report(run.cfg, run.mesh, costs=args.costs)
         elif args.costs:
             raise UserError("--costs goes with --dry-run")
-
         else:
             # handles the signals itself
             result = train(
-                cfg,
-                mesh,
-                workdir,
-                profile=window,
-                sample_tokens=_sample_tokens(args.sample_tokens, cfg),
+                run, profile=window, sample_tokens=_sample_tokens(args.sample_tokens, cfg)
             )
             if result.profile is not None:
                 from megajax.tools.profile import by_kind_line, time_by_kind
@@ -223,7 +219,7 @@ def _train_main(args) -> int:
     return 0
 
 
-def refuse_far_too_big(cfg, shape):
+def refuse_far_too_big(run):
     """Sizes far beyond the devices are refused at once, not after minutes of compiling."""
     import jax
 
@@ -231,8 +227,8 @@ def refuse_far_too_big(cfg, shape):
     from megajax.plan.memory import far_too_big
     from megajax.training.memory import device_memory_bytes
 
+    cfg, shape = run.cfg, run.shape
     try:
-        cfg = cfg.validate()
         check_fits(cfg, shape)
     except UserError:
         return  # train() says what is wrong with it, in its order

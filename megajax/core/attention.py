@@ -38,19 +38,20 @@ from megajax.core.ops import (
 )
 from megajax.core.precision import Precision
 from megajax.core.rope import apply_rotary, rotary_angles
+from megajax.mesh_shape import MeshShape
 from megajax.model_config import ModelConfig
 
 
-def kv_copies(cfg: ModelConfig, tp: int) -> int:
+def kv_copies(cfg: ModelConfig, mesh: MeshShape) -> int:
     """On how many devices each key/value head lives (analytic.kv_copies)."""
-    return analytic.kv_copies(cfg.num_heads, cfg.kv_heads, tp)
+    return analytic.kv_copies(cfg.num_heads, cfg.kv_heads, mesh)
 
 
-def copied_weights(cfg: ModelConfig, tp: int) -> dict[str, int]:
+def copied_weights(cfg: ModelConfig, mesh: MeshShape) -> dict[str, int]:
     """{weight name: the share of it each device computes a gradient for} of the weights held in
     copies: grouped-query attention's key/value kernel and bias (and LoRA's B of them) when
     kv_copies > 1."""
-    copies = kv_copies(cfg, tp)
+    copies = kv_copies(cfg, mesh)
     if copies == 1:
         return {}
     # (LoRA's B of the key/value part is held in copies like the kernel: core/layers.py)
@@ -61,10 +62,10 @@ def copied_weights(cfg: ModelConfig, tp: int) -> dict[str, int]:
     }
 
 
-def stored_kv_heads(cfg: ModelConfig, tp: int) -> int:
+def stored_kv_heads(cfg: ModelConfig, mesh: MeshShape) -> int:
     """Key/value heads as the model axis holds them (a KV cache's heads): each one once, or each
     device's copy when they are replicated."""
-    return cfg.kv_heads * kv_copies(cfg, tp)
+    return cfg.kv_heads * kv_copies(cfg, mesh)
 
 
 class ParallelSelfAttention(nnx.Module):
@@ -106,7 +107,7 @@ class ParallelSelfAttention(nnx.Module):
         if self.grouped:
             parts = [
                 ("q", width, 1),
-                ("kv", 2 * cfg.kv_heads * cfg.head_dim, kv_copies(cfg, layout.tp)),
+                ("kv", 2 * cfg.kv_heads * cfg.head_dim, kv_copies(cfg, layout.shape)),
             ]
             self.qkv = FusedColumnParallelLinear(
                 cfg.hidden,
@@ -233,7 +234,7 @@ class ParallelSelfAttention(nnx.Module):
     def ways(self) -> tuple[int, int]:
         """How many devices split the batch and the heads (the batch is already this device's
         rows inside the data-manual shard_map)."""
-        return 1 if self.layout.data_manual else self.layout.dp, self.layout.tp
+        return 1 if S.DATA in self.layout.manual else self.layout.dp, self.layout.tp
 
     def fused_core(self, q, k, v, q_pos, mask, key):
         """The same through `jax.nn.dot_product_attention` (no attention dropout): cuDNN's flash

@@ -105,7 +105,7 @@ def per_device(w, layout: S.Layout):
     this cast's transpose under a name the audit reads (`adapter_gradients`): in the plain step
     over "data" and "model" at once (its data-parallel reduction, which it needs anyway), in the
     data-manual step (ZeRO-1, FSDP: gradients reduced over "data" once a step) over "model"."""
-    axes = S.MODEL if layout.data_manual else (S.DATA, S.MODEL)
+    axes = S.MODEL if S.DATA in layout.manual else (S.DATA, S.MODEL)
     with jax.named_scope("lora_gradient"):
         return jax.lax.pcast(w, axes, to="varying")
 

@@ -177,17 +177,18 @@ def check_pipeline_fits(cfg, mesh):
             raise ConfigError(f"a pipeline (mesh axis pipe={pp}) does not run with {why} yet")
 
 
-def padded_rows(n: int, dp: int) -> np.ndarray:
+def padded_rows(n: int, mesh: MeshShape) -> np.ndarray:
     """Row indices 0..n-1, then the last row repeated until the count divides the data axis:
     every batch megajax builds for inference splits evenly over "data"; callers drop the copies."""
-    return np.minimum(np.arange(n + -n % dp), n - 1)
+    return np.minimum(np.arange(n + -n % mesh.data), n - 1)
 
 
-def padded_batches(n: int, batch_size: int, dp: int):
+def padded_batches(n: int, batch_size: int, mesh: MeshShape):
     """(row indices, 0/1 real-row weights) of equal batches covering n rows: the batch size
     rounded down to a multiple of the data axis (at least one row per shard), the last batch
     padded with copies of the final row. No larger than the rows need: a batch size of a million
     over a hundred rows is one batch of a hundred-odd rows, not a million-row allocation."""
+    dp = mesh.data
     batch_size = max(dp, min(batch_size - batch_size % dp, n + -n % dp))
     for start in range(0, n, batch_size):
         rows = np.arange(start, start + batch_size)

@@ -21,7 +21,7 @@ The collectives come from exactly two places:
 
 Over "data" (megajax/training/step.py): GSPMD reduces the gradients, unless the optimizer state
 or the parameters are sharded over "data" too (ZeRO-1 / FSDP). Then the gradient computation
-runs under a shard_map that is manual over "data" (`Layout.data_manual`: the activation specs
+runs under a shard_map that is manual over "data" (`DATA in Layout.manual`: the activation specs
 here lose their "data" entry, each device sees its own rows) and the data-axis collectives are
 written out: `Layout.gather_weights` (FSDP's per-layer all-gather; its transpose is the
 gradients' reduce-scatter) and the step's one reduce-scatter of the accumulated gradients.
@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # The mesh axes' names (megajax/mesh_shape.py): every other module imports them from here
-from megajax.mesh_shape import DATA, LAYOUT, MODEL, PIPE
+from megajax.mesh_shape import DATA, LAYOUT, MODEL, PIPE, MeshShape
 
 AXES = (DATA, MODEL)
 # Pipeline parallelism's stages (Narayanan et al. 2021): the outermost axis, as Megatron-LM
@@ -100,10 +100,10 @@ class Layout:
 
     mesh: Mesh | None = None
     sequence_parallel: bool = False
-    # Inside the train step's data-manual shard_map: arrays are this device's rows.
-    data_manual: bool = False
-    # Inside the pipelined step's shard_map, manual over "pipe": one stage's layers.
-    pipe_manual: bool = False
+    # The mesh axes the code runs manual over (inside a shard_map): "data" in the train step of
+    # ZeRO/FSDP (arrays are this device's rows), "pipe" in the pipelined step (one stage's
+    # layers). The model axis is never manual here: its collectives are GSPMD's or this module's.
+    manual: frozenset = frozenset()
     # FSDP: (path inside a layer, (dimension split over "data", the weight's model-axis spec))
     # of every layer weight that is.
     fsdp_layer_dims: tuple = ()
@@ -114,12 +114,15 @@ class Layout:
         place where the config's sequence parallelism becomes the activations' specs; modules
         read only the layout. Inference (evaluation, sampling, decoding) runs the same weights
         without it: a decoded token cannot be split over the model axis. `options`: the
-        train step's data-manual fields."""
+        train step's `manual` axes and FSDP's `fsdp_layer_dims`."""
         if purpose not in PURPOSES:
             raise ValueError(f"a layout's purpose is one of {', '.join(PURPOSES)}, got {purpose!r}")
         return cls(mesh, sequence_parallel=cfg.sequence_parallel and purpose == "train", **options)
 
     def __post_init__(self):
+        object.__setattr__(self, "manual", frozenset(self.manual))
+        if not self.manual <= {DATA, PIPE}:
+            raise ValueError(f"a Layout is manual over data and pipe only, got {set(self.manual)}")
         if self.mesh is not None and not is_megajax_mesh(self.mesh):
             raise ValueError(
                 f"a Layout needs a mesh with Auto axes {AXES}, got {self.mesh.axis_names} "
@@ -130,6 +133,11 @@ class Layout:
     def between_blocks(self) -> P:
         """The activations' spec between blocks (LayerNorm, dropout, residuals run on it)."""
         return ACT_SEQUENCE if self.sequence_parallel else ACT_REPLICATED
+
+    @property
+    def shape(self) -> MeshShape:
+        """The mesh's axis sizes (all 1 without a mesh)."""
+        return MeshShape() if self.mesh is None else MeshShape.of(self.mesh)
 
     @property
     def tp(self) -> int:
@@ -155,7 +163,7 @@ class Layout:
                 f"token ids must be a (batch, seq) integer array, got {ids.dtype} "
                 f"{tuple(ids.shape)}"
             )
-        if not self.data_manual and ids.shape[0] % self.dp:
+        if DATA not in self.manual and ids.shape[0] % self.dp:
             raise ValueError(
                 f"a batch of {ids.shape[0]} rows does not split over the data axis ({self.dp}): "
                 f"give a multiple of {self.dp} rows (megajax.core.mesh.padded_rows pads one)"
@@ -176,7 +184,7 @@ class Layout:
 
     def spec(self, spec: P) -> P:
         """An activation spec as this layout writes it: without "data" when that axis is manual."""
-        if not self.data_manual:
+        if DATA not in self.manual:
             return spec
         return P(*(None if e == DATA else e for e in spec))
 
@@ -184,7 +192,7 @@ class Layout:
         """Pin an activation's layout so XLA cannot choose a costlier one."""
         if self.mesh is None:
             return x
-        if self.data_manual or self.pipe_manual:  # the context's mesh, where some are manual
+        if self.manual:  # the context's mesh, where some axes are manual
             return jax.lax.with_sharding_constraint(x, self.spec(spec))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
@@ -194,11 +202,11 @@ class Layout:
         def strip(specs):
             return jax.tree.map(self.spec, specs, is_leaf=lambda x: isinstance(x, P))
 
-        if self.data_manual:
+        if DATA in self.manual:
             return jax.shard_map(
                 fn, in_specs=strip(in_specs), out_specs=strip(out_specs), axis_names={MODEL}
             )
-        if self.pipe_manual:
+        if PIPE in self.manual:
             return jax.shard_map(
                 fn, in_specs=in_specs, out_specs=out_specs, axis_names={DATA, MODEL}
             )
@@ -206,13 +214,13 @@ class Layout:
 
     def global_sum(self, x):
         """A batch total (a loss's normaliser): local rows summed over "data" when it is manual."""
-        return jax.lax.psum(x, DATA) if self.data_manual else x
+        return jax.lax.psum(x, DATA) if DATA in self.manual else x
 
     def row_ids(self, n: int):
         """The global index of each of an array's n leading rows: the same row gets the same
         dropout mask whether it is computed whole or on a data shard."""
         rows = jnp.arange(n)
-        return rows + jax.lax.axis_index(DATA) * n if self.data_manual else rows
+        return rows + jax.lax.axis_index(DATA) * n if DATA in self.manual else rows
 
     def gather_weights(self, weights: dict):
         """FSDP, inside a layer: all-gather over "data" the layer weights split over it (a nested
@@ -290,14 +298,13 @@ def gather_over_data(x, dim: int, spec: tuple):
     )(x)
 
 
-def data_sharded_spec(
-    shape, spec: P, data_size: int, model_size: int, skip_leading: bool = False
-) -> P | None:
-    """`spec` with "data" added on the largest dimension it leaves whole and `data_size`
-    divides (ties: the first), or None when there is none: ZeRO's split of optimizer state and
-    FSDP's of parameters, on top of the model axis's (a model axis of size 1 leaves every
-    dimension whole). `skip_leading`: never the stacked layers' axis (a layer would then live
-    on one device, gathered whole each step)."""
+def data_sharded_spec(shape, spec: P, mesh: MeshShape, skip_leading: bool = False) -> P | None:
+    """`spec` with "data" added on the largest dimension it leaves whole and the data axis of
+    `mesh` divides (ties: the first), or None when there is none: ZeRO's split of optimizer
+    state and FSDP's of parameters, on top of the model axis's (a model axis of size 1 leaves
+    every dimension whole). `skip_leading`: never the stacked layers' axis (a layer would then
+    live on one device, gathered whole each step)."""
+    data_size, model_size = mesh.data, mesh.model
     entries = list(spec) + [None] * (len(shape) - len(spec))
     whole = (None, MODEL) if model_size == 1 else (None,)
     free = [

@@ -24,7 +24,7 @@ def evaluate_pretraining(model, pairs, cfg, specials, tokenizer, batch_size: int
     sharding = model.layout.sharding(BATCH)
     outputs = jax.jit(lambda m, batch: m.pretrain_outputs(batch))
     sums = dict(mlm_loss=0.0, mlm_hits=0.0, masked=0.0, sop_loss=0.0, sop_hits=0.0)
-    for idx, real in padded_batches(len(pairs), batch_size, model.layout.dp):
+    for idx, real in padded_batches(len(pairs), batch_size, model.layout.shape):
         examples = [
             builder.encode(pairs[i], np.random.default_rng([cfg.train.seed, 2, int(i)]))
             for i in idx
@@ -62,7 +62,7 @@ def predict(model, arrays: dict, batch_size: int) -> np.ndarray:
         return m.class_logits(batch)
 
     preds = []
-    for idx, real in padded_batches(len(arrays["label"]), batch_size, layout.dp):
+    for idx, real in padded_batches(len(arrays["label"]), batch_size, layout.shape):
         batch = {k: jax.device_put(v[idx], sharding) for k, v in arrays.items() if k != "label"}
         preds.append(np.asarray(jax.device_get(logits(model, batch))).argmax(-1)[real > 0])
     return np.concatenate(preds)

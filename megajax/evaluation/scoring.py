@@ -54,7 +54,7 @@ def score_windows(model, rows: list[tuple[np.ndarray, np.ndarray]], batch_size: 
     seq_len = model.cfg.seq_len
     fn = _forward_fn(model)
     out = []
-    for idx, real in padded_batches(len(rows), batch_size, model.layout.dp):
+    for idx, real in padded_batches(len(rows), batch_size, model.layout.shape):
         toks = np.zeros((len(idx), seq_len + 1), np.int32)
         for j, i in enumerate(idx):
             toks[j, : len(rows[i][0])] = rows[i][0]

@@ -9,7 +9,6 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from megajax.core.mesh import make_mesh
 from megajax.data.bert_pretrain import load_pretraining, pretraining_from_documents
 from megajax.data.megatron import sentence_documents
 from megajax.data.prepared import load_pairs
@@ -25,6 +24,7 @@ from megajax.evaluation.wikitext import evaluate_wikitext
 from megajax.mesh_shape import MeshShape
 from megajax.models.generate import generate
 from megajax.progress import Progress
+from megajax.runs.spec import RunSpec
 from megajax.runs.workdir import Loaded, is_main, load_workdir, refuse_run_file
 from megajax.specs import DataSpec
 from megajax.tasks import task_for
@@ -229,16 +229,13 @@ EVAL_TASKS = {
 }
 
 
-def run_task(args) -> tuple[dict, bool]:
-    """What `eval.py` does for args.task: prints a short table; returns the full result and
-    whether this process writes it."""
-    try:
-        mesh = make_mesh(args.mesh, getattr(args, "devices", None))
-    except ValueError as e:
-        raise UserError(str(e)) from None
+def run_task(args, run: RunSpec) -> tuple[dict, bool]:
+    """What `eval.py` does for args.task on the resolved `run` (the workdir's config, the
+    mesh): prints a short table; returns the full result and whether this process writes it."""
     if args.out:
         refuse_run_file(Path(args.out))
-    loaded = load_workdir(Path(args.workdir), mesh, args.step)
+    mesh = run.mesh
+    loaded = load_workdir(run.workdir, mesh, args.step, cfg=run.cfg)
     needs, what, run = EVAL_TASKS[args.task]
     m = loaded.cfg.model
     if task_for(loaded.cfg).name != needs:

@@ -46,7 +46,7 @@ class BERT(nnx.Module):
         h, std = cfg.hidden, cfg.init_std
         dense = dict(layout=layout, precision=precision, std=std, rngs=rngs)
         self.embed = VocabParallelEmbedding(
-            cfg.vocab_rows(layout.tp), h, drawn=cfg.padded_vocab, **dense
+            cfg.vocab_rows(layout.shape), h, drawn=cfg.padded_vocab, **dense
         )
         normal = nnx.initializers.normal(std)
         self.pos = param(normal, S.REPLICATED_2D, rngs.params(), (cfg.seq_len, h))
@@ -61,7 +61,7 @@ class BERT(nnx.Module):
             self.mlm_dense = ReplicatedLinear(h, h, **dense)
             self.mlm_ln = LayerNorm(h, cfg.ln_eps)
             self.mlm_bias = param(
-                nnx.initializers.zeros, S.VOCAB_BIAS, rngs.params(), (cfg.vocab_rows(layout.tp),)
+                nnx.initializers.zeros, S.VOCAB_BIAS, rngs.params(), (cfg.vocab_rows(layout.shape),)
             )
             self.sop = ReplicatedLinear(h, 2, **dense)
         else:

@@ -122,7 +122,7 @@ def generate(
     if t >= ctx:
         keep = max(ctx - 1, 1)
         prompt, t = prompt[:, t - keep :], keep
-    prompt = prompt[padded_rows(rows, model.layout.dp)]
+    prompt = prompt[padded_rows(rows, model.layout.shape)]
     b = prompt.shape[0]
     rng = jax.random.key(0) if rng is None else rng
     cache = model.init_cache(b, min(ctx, t + max_new_tokens))  # no longer than the sample needs

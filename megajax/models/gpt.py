@@ -28,7 +28,7 @@ class GPT(nnx.Module):
         layout = layout or S.Layout.for_model(single_device_mesh(), cfg)
         precision = Precision.of(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, precision.compute
-        rows = dict(rows=cfg.vocab_rows(layout.tp), drawn=cfg.padded_vocab)
+        rows = dict(rows=cfg.vocab_rows(layout.shape), drawn=cfg.padded_vocab)
         self.embed = VocabParallelEmbedding(
             **rows, dim=cfg.hidden, layout=layout, precision=precision, std=cfg.init_std, rngs=rngs
         )
@@ -98,7 +98,7 @@ class GPT(nnx.Module):
         shape = (
             c.num_layers,
             batch,
-            stored_kv_heads(c, self.layout.tp),
+            stored_kv_heads(c, self.layout.shape),
             max_len or c.seq_len,
             c.head_dim,
         )

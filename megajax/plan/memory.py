@@ -38,9 +38,9 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from megajax import schedules
-from megajax.analytic import DTYPE_BYTES, activation_bytes_per_layer
+from megajax.analytic import DTYPE_BYTES, StepShape, activation_bytes_per_layer
 from megajax.config import Config, ModelConfig
-from megajax.core.attention import fused_attention, stored_kv_heads
+from megajax.core.attention import fused_attention
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL, data_sharded_spec
 from megajax.mesh_shape import MeshShape
@@ -120,9 +120,7 @@ def state_split(cfg: Config, mesh: MeshShape) -> StateSplit:
         local = shard_elements(w.shape, w.spec, model_only) // (pp if w.stacked else 1)
         # (FSDP gathers a layer at a time, and stages split the layers: never their axis)
         split = (
-            data_sharded_spec(
-                w.shape, w.spec, mesh.data, mesh.model, skip_leading=w.stacked and (fsdp or pp > 1)
-            )
+            data_sharded_spec(w.shape, w.spec, mesh, skip_leading=w.stacked and (fsdp or pp > 1))
             if zero
             else None
         )
@@ -170,36 +168,24 @@ def rows_per_microbatch(cfg: Config, mesh: MeshShape) -> int:
     )
 
 
-def _layer_shape(cfg: Config, mesh: MeshShape, backend: str) -> dict:
-    """activation_bytes_per_layer's arguments for one device and microbatch."""
-    m, tp = cfg.model, mesh.model
-    return dict(
-        b=rows_per_microbatch(cfg, mesh),
-        s=m.seq_len,
-        h=m.hidden,
-        heads=m.num_heads,
-        tp=tp,
-        ffn=m.ffn,
-        sequence_parallel=m.sequence_parallel,
-        dtype=activation_dtype(cfg),
-        hidden_dropout=m.hidden_dropout > 0,
-        attention_dropout=m.attention_dropout > 0,
+def step_shape(cfg: Config, mesh: MeshShape, backend: str = "gpu", dtype: str | None = None):
+    """The StepShape of one device on `backend`, with what the backend decides: the activations'
+    dtype (`dtype` overrides it), recomputation, cuDNN's flash attention on GPUs (on the CPU
+    "fused" is XLA's, which keeps its scores)."""
+    m = cfg.model
+    return StepShape.of(
+        cfg,
+        task_for(cfg),
+        mesh,
+        dtype=dtype or activation_dtype(cfg),
         recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
-        head_dim=m.head_dim,
-        kv_heads=stored_kv_heads(m, tp),
-        gated=m.mlp == "swiglu",
-        rms_norm=m.norm == "rmsnorm",
-        # cuDNN's flash attention, on GPUs (on the CPU "fused" is XLA's, which keeps its
-        # scores)
         fused_attention=backend != "cpu" and fused_attention(m, on="gpu"),
     )
 
 
 def kept_activation_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> int:
     """What the backward pass keeps, for every layer, for one microbatch."""
-    return cfg.model.num_layers * activation_bytes_per_layer(
-        remat=cfg.model.remat, **_layer_shape(cfg, mesh, backend)
-    )
+    return cfg.model.num_layers * activation_bytes_per_layer(step_shape(cfg, mesh, backend))
 
 
 def memory_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> dict:
@@ -211,8 +197,8 @@ def memory_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> dict:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     m, t = cfg.model, cfg.train
     dp, tp, pp = mesh.data, mesh.model, mesh.pipe
-    st, task, kw = state_split(cfg, mesh), task_for(cfg), _layer_shape(cfg, mesh, backend)
-    b, s, h, L = kw["b"], m.seq_len, m.hidden, m.num_layers
+    st, task, x = state_split(cfg, mesh), task_for(cfg), step_shape(cfg, mesh, backend)
+    b, s, h, L = x.rows, m.seq_len, m.hidden, m.num_layers
     working = 0
     # A layer's backward pass with its recomputed activations (and the random bits its dropout
     # masks come from): full remat's, and any pipeline's backward tick, whose stage holds one
@@ -222,7 +208,7 @@ def memory_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> dict:
             b * m.num_heads // tp * s * s * (m.attention_dropout > 0)
             + 2 * b * s * h * (m.hidden_dropout > 0)
         )
-        working = activation_bytes_per_layer(remat="none", **kw) + random_bits
+        working = activation_bytes_per_layer(x, remat="none") + random_bits
     logits = logit_bytes(cfg, backend) * b * task.head_rows(cfg) * m.padded_vocab // tp
     gathered = 0
     if t.shard_params and dp > 1:
@@ -232,7 +218,7 @@ def memory_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> dict:
     kept = kept_activation_bytes(cfg, mesh, backend)
     if pp > 1:
         slots = pipeline_slots(cfg, mesh)
-        boundary = b * s * h // (tp if m.sequence_parallel else 1) * DTYPE_BYTES[kw["dtype"]]
+        boundary = b * s * h // (tp if m.sequence_parallel else 1) * DTYPE_BYTES[x.dtype]
         working += kept // pp  # the backward tick's stage, one microbatch
         kept = slots * boundary
     out = {
@@ -249,14 +235,14 @@ def memory_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> dict:
 def pipeline_slots(cfg: Config, mesh: MeshShape) -> int:
     """Stage inputs and incoming gradients a stage of the run's schedule holds at most."""
     t = cfg.train
-    return _slots(t.pipeline_schedule, mesh.pipe, t.microbatches, t.pipeline_chunks)
+    return _slots(t.pipeline_schedule, mesh, t.microbatches, t.pipeline_chunks)
 
 
 @functools.lru_cache(maxsize=None)
-def _slots(schedule: str, pp: int, micro: int, chunks: int) -> int:
+def _slots(schedule: str, mesh: MeshShape, micro: int, chunks: int) -> int:
     if schedule != "interleaved":  # the tables' closed forms (tests/test_plan.py)
-        return (micro if schedule == "gpipe" else min(pp, micro)) + 1
-    table = schedules.build(schedule, pp, micro, chunks)
+        return (micro if schedule == "gpipe" else min(mesh.pipe, micro)) + 1
+    table = schedules.build(schedule, mesh.pipe, micro, chunks)
     return table.act_slots + table.grad_slots
 
 

@@ -213,13 +213,12 @@ def with_pretrained_shape(cfg: Config, workdir: Path | None = None) -> tuple[Con
     ), src
 
 
-def refuse_overridden_shape(cfg: Config, overrides: list[str], workdir: Path | None = None):
+def refuse_overridden_shape(cfg: Config, decided: Config, overrides: list[str]):
     """With train.init_from the pretrained workdir decides the model's shape and the tokenizer
-    (with_pretrained_shape): a command-line override that decision would change is refused,
-    not silently ignored."""
+    (`decided` is with_pretrained_shape's config): a command-line override that decision would
+    change is refused, not silently ignored."""
     if not cfg.train.init_from:
         return
-    decided, _ = with_pretrained_shape(cfg, workdir)
     for key in dict.fromkeys(item.partition("=")[0].strip() for item in overrides):
         section, _, name = key.partition(".")
         asked, kept = (getattr(getattr(c, section, None), name, None) for c in (cfg, decided))
@@ -238,15 +237,22 @@ class Loaded:
     step: int
 
 
-def load_workdir(workdir: Path, mesh, step: int | None = None) -> Loaded:
-    """The resolved config, tokenizer and checkpointed weights of a train.py workdir, on `mesh`
-    (whatever mesh trained it), as a model for inference (Layout.for_model). Reads only:
-    nothing in the workdir is created or moved."""
+def workdir_config(workdir: Path) -> Config:
+    """The resolved config a train.py workdir holds (config.json), read without writing."""
     workdir = Path(workdir)
     check_layout(workdir, writing=False)
     if not (workdir / CONFIG_FILE).is_file():
         raise UserError(f"{workdir} is not a megajax workdir (no {CONFIG_FILE})")
-    cfg, mesh = load_config(str(workdir / CONFIG_FILE)), as_mesh(mesh)
+    return load_config(str(workdir / CONFIG_FILE))
+
+
+def load_workdir(workdir: Path, mesh, step: int | None = None, cfg: Config | None = None) -> Loaded:
+    """The resolved config, tokenizer and checkpointed weights of a train.py workdir, on `mesh`
+    (whatever mesh trained it), as a model for inference (Layout.for_model). Reads only:
+    nothing in the workdir is created or moved. `cfg`: its config, when the caller has read it
+    (eval.py's RunSpec)."""
+    workdir = Path(workdir)
+    cfg, mesh = cfg or workdir_config(workdir), as_mesh(mesh)
     step = None if step is None else int(step)  # "2" from a command line or a file name
     check_fits(cfg, mesh, batch=False)
     tokenizer = load_tokenizer(workdir)

@@ -11,7 +11,8 @@ import jax
 
 from megajax.analytic import data_axis_minimum as data_axis_sent_minimum
 from megajax.core.attention import copied_weights
-from megajax.core.sharding import DATA, MODEL, param_shardings
+from megajax.core.sharding import DATA, param_shardings
+from megajax.mesh_shape import MeshShape
 from megajax.models.registry import path_keys
 from megajax.training.data_parallel import NONE
 
@@ -43,7 +44,7 @@ def _scheme_minimum(trainer, part) -> tuple[str, dict]:
     if dp is None:
         # A weight held in copies over "model" has its gradient reduced over "data" on the share
         # each device computes, before the copies are made whole.
-        copied = copied_weights(trainer.cfg.model, trainer.mesh.shape[MODEL])
+        copied = copied_weights(trainer.cfg.model, MeshShape.of(trainer.mesh))
         local = jax.tree_util.tree_map_with_path(
             lambda p, size: size // copied.get(path_keys(p)[-1], 1), local
         )

@@ -11,10 +11,14 @@ this way, is some 1e-4 of the step).
 
 from __future__ import annotations
 
+import dataclasses
+
 from megajax.analytic import activation_bytes_per_layer
 from megajax.config import Config, with_values
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA
+from megajax.mesh_shape import MeshShape
+from megajax.plan.memory import step_shape
 from megajax.training.memory import step_memory
 from megajax.training.step import make_trainer
 
@@ -83,25 +87,10 @@ def activation_bytes_per_sequence(cfg: Config, mesh, temp_bytes: int) -> dict:
 
 
 def modelled_bytes_per_layer(cfg: Config, mesh, dtype: str) -> int:
-    """The activation-memory model's bytes per layer and sequence (megajax/analytic.py)."""
-    m = cfg.model
-    return activation_bytes_per_layer(
-        b=1,
-        s=m.seq_len,
-        h=m.hidden,
-        heads=m.num_heads,
-        tp=mesh.shape["model"],
-        ffn=m.ffn,
-        sequence_parallel=m.sequence_parallel,
-        remat=m.remat,
-        dtype=dtype,
-        hidden_dropout=m.hidden_dropout > 0,
-        attention_dropout=m.attention_dropout > 0,
-        recompute_norm_gelu=Precision.of(m).recompute_norm_gelu,
-        head_dim=m.head_dim,
-        gated=m.mlp == "swiglu",
-        rms_norm=m.norm == "rmsnorm",
-    )
+    """The activation-memory model's bytes per layer and sequence (megajax/analytic.py), as the
+    compiled CPU step keeps them (XLA's attention, no flash kernel) in `dtype`."""
+    x = step_shape(cfg, MeshShape.of(mesh), backend="cpu", dtype=dtype)
+    return activation_bytes_per_layer(dataclasses.replace(x, rows=1))
 
 
 def step_figures(cfg: Config, mesh, temp_bytes: int | None) -> dict:

@@ -3,8 +3,8 @@
 GSPMD reduces a gradient over "data" where the backward pass computes it: once per
 microbatch, and it has no way to keep a per-device partial sum across gradient accumulation.
 So here the gradients are computed under a shard_map that is manual over "data" (the model
-axis stays GSPMD's): each device runs the model on its own rows (a `Layout` with
-`data_manual`), accumulates its partial gradients over the microbatches, and the step
+axis stays GSPMD's): each device runs the model on its own rows (a `Layout` whose
+`manual` axes hold "data"), accumulates its partial gradients over the microbatches, and the step
 reduce-scatters them once, into the slices of the optimizer state (Rajbhandari et al. 2020;
 Megatron-LM's distributed optimizer). After the update the new slices are all-gathered:
 a reduce-scatter plus an all-gather move the bytes of one all-reduce.
@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.core import sharding as S
 from megajax.core.attention import copied_weights
+from megajax.mesh_shape import MeshShape
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.training import microbatches
 from megajax.training.loss_scale import scaled
@@ -68,12 +69,12 @@ class DataParallel:
     @classmethod
     def build(cls, cfg, mesh, modeldef: ModelDef, stages: dict | None = None) -> "DataParallel":
         """`stages`: on a pipeline, the stage-split specs (pipeline.stage_specs)."""
-        dp = mesh.shape[S.DATA]
+        axes = MeshShape.of(mesh)
         specs, shapes = modeldef.specs(), modeldef.abstract_params()
         whole, layer_dims = [], {}
         # Grouped-query attention's key/value weights held in copies over "model" (small) stay
         # whole over "data": split, each data shard would gather the copies over "model" too.
-        copied = copied_weights(cfg.model, mesh.shape[S.MODEL])
+        copied = copied_weights(cfg.model, axes)
 
         def pick(path, shape, spec):
             keys = path_keys(path)
@@ -87,8 +88,7 @@ class DataParallel:
                 else S.data_sharded_spec(
                     shape.shape,
                     spec,
-                    dp,
-                    mesh.shape[S.MODEL],
+                    axes,
                     skip_leading=stacked and (cfg.train.shard_params or stages is not None),
                 )
             )
@@ -112,8 +112,7 @@ class DataParallel:
         layout = S.Layout.for_model(
             mesh,
             cfg.model,
-            data_manual=True,
-            pipe_manual=stages is not None,
+            manual={S.DATA, S.PIPE} if stages is not None else {S.DATA},
             fsdp_layer_dims=tuple(sorted(layer_dims.items())) if cfg.train.shard_params else (),
         )
         return cls(
@@ -221,6 +220,12 @@ class DataParallel:
         )
         metrics, grads = fn(params, batch, key, loss_scale)
         return metrics, jax.lax.with_sharding_constraint(grads, trained(self.cfg, self.sharded))
+
+    def layer_order(self) -> None:
+        return None  # the layers' own (a pipeline reorders them, around this)
+
+    def reorder(self, tree, inverse: bool = False):
+        return tree
 
     def updated_params(self, params):
         """ZeRO-1: the updated slices of the trained weights all-gathered into whole ones for

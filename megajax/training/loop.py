@@ -21,17 +21,18 @@ import jax
 import numpy as np
 
 from megajax.config import Config, in_python_terms
-from megajax.core.mesh import as_mesh
 from megajax.core.sharding import Layout
 from megajax.errors import UserError
 from megajax.evaluation.chat import answer_ids
 from megajax.files import WorkdirLock
 from megajax.host.distributed import agreed_stop, check_same_run
 from megajax.host.signals import StopRequested
+from megajax.mesh_shape import MeshShape
 from megajax.models.generate import generate
 from megajax.models.registry import ModelDef, abstract_model
 from megajax.runs.checkpoint import Checkpoints
 from megajax.runs.metrics import plot_workdir
+from megajax.runs.spec import RunSpec
 from megajax.runs.tracking import check_tracker
 from megajax.runs.workdir import (
     check_layout,
@@ -41,14 +42,13 @@ from megajax.runs.workdir import (
     is_main,
     run_tokenizer,
     run_vocab_size,
-    with_pretrained_shape,
     write_run_files,
 )
 from megajax.tasks import Task, task_for
 from megajax.training.logger import StepLogger
 from megajax.training.memory import check_step_fits
 from megajax.training.profiling import StepTrace
-from megajax.training.step import Trainer, make_trainer
+from megajax.training.step import Trainer, build_trainer
 
 
 @dataclasses.dataclass
@@ -77,28 +77,37 @@ class Run:
 
 
 def train(
-    cfg: Config,
-    mesh,
-    workdir: Path,
+    cfg: Config | RunSpec,
+    mesh=None,
+    workdir: Path | None = None,
     *,
     sample_tokens: int = 200,
     out=print,
     profile: tuple[int, int] | None = None,
 ) -> RunResult:
-    """Train `cfg` on `mesh` in `workdir`, resuming from its newest intact checkpoint. `out`
-    receives each line of the log (None: no log; metrics.jsonl is written either way).
-    `profile` = (first, last): trace those steps with jax.profiler (RunResult.profile)."""
+    """Train `cfg` on `mesh` in `workdir`, resuming from its newest intact checkpoint; or the
+    run a command line resolved (a RunSpec, taken as it is). `out` receives each line of the
+    log (None: no log; metrics.jsonl is written either way). `profile` = (first, last): trace
+    those steps with jax.profiler (RunResult.profile)."""
     try:
-        return _train(cfg, mesh, workdir, sample_tokens, out, profile)
+        if isinstance(cfg, RunSpec):
+            if mesh is not None or workdir is not None:
+                raise ValueError("train(run_spec) takes the spec's mesh and workdir: give no other")
+            spec = cfg
+        else:
+            if mesh is None or workdir is None:
+                raise ValueError("train(cfg, mesh, workdir): give the mesh and the workdir")
+            spec = RunSpec.resolve(cfg, mesh, workdir)
+        return _train(spec, sample_tokens, out, profile)
     except UserError as e:
         if StopRequested.command_line:
             raise
         raise type(e)(in_python_terms(str(e))) from None  # ConfigError stays one
 
 
-def _train(cfg: Config, mesh, workdir: Path, sample_tokens: int, out, profile) -> RunResult:
+def _train(spec: RunSpec, sample_tokens: int, out, profile) -> RunResult:
     quiet = out is None  # no log at all: not the step lines either
-    workdir, mesh, out = Path(workdir), as_mesh(mesh), out or (lambda *lines, **kwargs: None)
+    workdir, out = spec.workdir, out or (lambda *lines, **kwargs: None)
     # checked now, not when the sample is due at the end of the run
     if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 0:
         raise ValueError(
@@ -107,7 +116,7 @@ def _train(cfg: Config, mesh, workdir: Path, sample_tokens: int, out, profile) -
     # signal handlers and the workdir lock, released however train() ends
     with contextlib.ExitStack() as held:
         stop = held.enter_context(StopRequested())
-        run = validate(cfg, mesh, workdir, sample_tokens)
+        run = validate(spec, sample_tokens)
         if profile and profile[1] > run.cfg.train.steps:
             raise UserError(
                 f"--profile {profile[0]}:{profile[1]} ends after the run's last step, "
@@ -139,13 +148,12 @@ def _train(cfg: Config, mesh, workdir: Path, sample_tokens: int, out, profile) -
         return result
 
 
-def validate(cfg: Config, mesh, workdir: Path, sample_tokens: int = 0) -> Run:
-    """Every check of a run before anything is written: the config against the workdir and
-    the other processes, the data, the sizes against the mesh. Returns the Run, whose final
-    config has its vocabulary size set here, and only here, from the data."""
+def validate(spec: RunSpec, sample_tokens: int = 0) -> Run:
+    """Every check of a resolved run before anything is written: the config against the
+    workdir and the other processes, the data, the sizes against the mesh. Returns the Run,
+    whose final config has its vocabulary size set here, and only here, from the data."""
+    cfg, mesh, workdir, pretrained = spec.cfg, spec.mesh, spec.workdir, spec.pretrained
     check_layout(workdir)
-    # validated again: a caller may have changed the config in Python since loading it
-    cfg, pretrained = with_pretrained_shape(cfg.validate(), workdir)
     task = task_for(cfg)
     if (
         cfg.model.lora_rank
@@ -172,7 +180,7 @@ def validate(cfg: Config, mesh, workdir: Path, sample_tokens: int = 0) -> Run:
     data = task.load_data(cfg, run_tokenizer(workdir, pretrained))
     vocab = run_vocab_size(cfg, pretrained, data.vocab_size)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
-    trainer = make_trainer(cfg, mesh)  # checks sizes against the mesh: ConfigError
+    trainer = build_trainer(cfg, mesh)  # checks sizes against the mesh: ConfigError
     sharding = trainer.batch_sharding
     # the batches: a UserError if the data is too short for one
     return Run(
@@ -196,7 +204,7 @@ def restore_or_init(run: Run, ckpts: Checkpoints, out) -> tuple[int | None, dict
     m = run.trainer.cfg.model
     legacy = (
         run.trainer.legacy_opt_state()
-        if m.vocab_rows(run.trainer.mesh.shape["model"]) == m.padded_vocab
+        if m.vocab_rows(MeshShape.of(run.trainer.mesh)) == m.padded_vocab
         else None
     )
     found = ckpts.restore_newest_intact(

@@ -85,7 +85,7 @@ class Pipeline:
         if data_parallel is not None:
             self.manual = data_parallel.manual
         else:
-            layout = S.Layout.for_model(mesh, cfg.model, pipe_manual=True)
+            layout = S.Layout.for_model(mesh, cfg.model, manual={S.PIPE})
             self.manual = ModelDef(abstract_model(cfg.model, layout))
         # each tick's pattern of stage pairs that pass a result on (schedules.Table.sends)
         self.send_on, self.send_back = (
@@ -377,6 +377,10 @@ class Pipeline:
         else:
             specs = jax.tree.map(lambda d, x: dp.data_spec(d, x.ndim), dp.dims, params)
         return stage_specs(specs, self.path)
+
+    def updated_params(self, part):
+        """ZeRO-1's all-gather of the updated slices, if the stages run one."""
+        return part if self.data_parallel is None else self.data_parallel.updated_params(part)
 
     def gradients(self, params, batch, key, loss_scale=None):
         """(metrics, gradients): means over the step's microbatches, the stacked layers'

@@ -30,8 +30,8 @@ from megajax.core.mesh import as_mesh, check_fits
 from megajax.models import vocab_rows
 from megajax.models.registry import ModelDef, abstract_model, init_model, path_keys
 from megajax.tasks import Task, task_for
-from megajax.training import microbatches
 from megajax.training.data_parallel import DataParallel
+from megajax.training.gradients import GradientStrategy, PlainGradients, split_on_shards
 from megajax.training.layer_programs import LayerProgramStep
 from megajax.training.loss_scale import around, scaled, uses_loss_scaling
 from megajax.training.optimizer import lr_schedule, make_optimizer
@@ -50,10 +50,20 @@ class Trainer:
     tx: optax.GradientTransformation
     param_shardings: dict
     opt_shardings: object
-    # ZeRO-1 / FSDP: the data-manual gradient computation
-    data_parallel: DataParallel | None = None
-    # a mesh with a "pipe" axis: the pipelined gradient computation
-    pipeline: Pipeline | None = None
+    # how the gradients are computed over the mesh (megajax/training/gradients.py)
+    strategy: GradientStrategy
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The pipelined gradient computation, on a mesh with a "pipe" axis (for the audit)."""
+        return self.strategy if isinstance(self.strategy, Pipeline) else None
+
+    @property
+    def data_parallel(self) -> DataParallel | None:
+        """ZeRO-1 / FSDP's data-manual part, pipelined or not (for the audit and reports)."""
+        if isinstance(self.strategy, Pipeline):
+            return self.strategy.data_parallel
+        return self.strategy if isinstance(self.strategy, DataParallel) else None
 
     @property
     def batch_sharding(self):
@@ -83,10 +93,10 @@ class Trainer:
         stores its stacked layers stage-major (training/pipeline.py); with `inverse`, back to
         the layers' own order, which checkpoints, evaluation and sampling use. Otherwise the
         same arrays."""
-        if self.pipeline is None or self.pipeline.layer_order() is None:
+        if self.strategy.layer_order() is None:
             return params, opt_state
         return jax.jit(
-            lambda t: self.pipeline.reorder(t, inverse),
+            lambda t: self.strategy.reorder(t, inverse),
             out_shardings=jax.tree.map(lambda x: x.sharding, (params, opt_state)),
         )((params, opt_state))
 
@@ -160,12 +170,7 @@ class Trainer:
     def split_microbatches(self, batch):
         """Every batch array as (microbatches, rows, ...), by the one rule
         (training/microbatches.py), each microbatch's rows kept on their data shard."""
-        on_shards = NamedSharding(self.mesh, P(None, S.DATA))
-        return microbatches.split(
-            batch,
-            self.cfg.train.microbatches,
-            lambda x: jax.lax.with_sharding_constraint(x, on_shards),
-        )
+        return split_on_shards(batch, self.cfg, self.mesh)
 
     def apply_gradients(self, params, opt_state, grads, metrics, step):
         """The optimizer's update from one step's gradients (loss-scaled ones with float16:
@@ -180,9 +185,7 @@ class Trainer:
             part = self.trained(params)
             updates, new_state = self.tx.update(grads, opt_state, part)
             part = optax.apply_updates(part, updates)
-        if self.data_parallel is not None:
-            part = self.data_parallel.updated_params(part)
-        params = with_trained(params, part)
+        params = with_trained(params, self.strategy.updated_params(part))
         if scale is not None:
             extra = {"loss_scale": scale, "skipped_steps": new_state.skipped}
         metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(t)(step), **extra}
@@ -191,36 +194,7 @@ class Trainer:
     def gradients(self, params, batch, key, loss_scale=None):
         """(metrics, gradients of the trained part): means over the step's microbatches, reduced
         over "data" (the gradients of the loss times `loss_scale`, if given)."""
-        if self.pipeline is not None:  # (which runs the data-parallel part, if any)
-            return self.pipeline.gradients(params, batch, key, loss_scale)
-        if self.data_parallel is not None:
-            return self.data_parallel.gradients(params, batch, key, loss_scale)
-        return self._gspmd_gradients(params, batch, key, loss_scale)
-
-    def _gspmd_gradients(self, params, batch, key, loss_scale):
-        """GSPMD places the data-axis reductions: once per microbatch."""
-        t = self.cfg.train
-        grad_fn = jax.value_and_grad(
-            lambda part, b, k: self.objective(with_trained(params, part), b, k, loss_scale),
-            has_aux=True,
-        )
-        part = self.trained(params)
-        if t.microbatches == 1:
-            (_, metrics), grads = grad_fn(part, batch, key)
-            return metrics, grads
-        micro = self.split_microbatches(batch)
-        metric_shapes = jax.eval_shape(
-            lambda mb: self.objective(params, mb, key)[1], jax.tree.map(lambda x: x[0], micro)
-        )
-        return microbatches.mean_gradients(
-            lambda mb, k: grad_fn(part, mb, k),
-            micro,
-            key,
-            t.microbatches,
-            metric_shapes,
-            part,
-            t.unroll_microbatches,
-        )
+        return self.strategy.gradients(params, batch, key, loss_scale)
 
     def jit_step(self, donate: bool = True):
         return jax.jit(
@@ -240,8 +214,7 @@ class Trainer:
         "targets", the count of what the loss averages, for a task whose loss has a mask)."""
 
         def eval_metrics(params, batch):
-            if self.pipeline is not None:
-                params = self.pipeline.reorder(params, inverse=True)
+            params = self.strategy.reorder(params, inverse=True)
             metrics = dict(self.objective(params, batch, None)[1])
             targets = self.task.loss_targets(batch)
             if targets is not None:
@@ -275,54 +248,38 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     """Check the config against the mesh and build the optimizer and shardings (nothing
     allocated)."""
     # a config changed in Python since it was loaded is checked again
-    task = task_for(cfg.validate())
-    mesh = as_mesh(mesh)
+    return build_trainer(cfg.validate(), as_mesh(mesh))
+
+
+def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
+    """make_trainer for a config validated already (a RunSpec's) on a megajax mesh: its sizes
+    checked against the mesh, and nothing else again."""
+    task = task_for(cfg)
     check_fits(cfg, mesh)
     modeldef = ModelDef(abstract_model(cfg.model, S.Layout.for_model(mesh, cfg.model)))
     tx = make_optimizer(cfg)
     opt_shapes = jax.eval_shape(tx.init, trained(cfg, modeldef.abstract_params()))
+    strategy, shardings, dp = _strategy(cfg, mesh, modeldef)
+    # the optimizer state is split over "data" like the gradients; the weights only with FSDP
+    held = shardings if dp is None else dp.sharded
+    param_shardings = held if cfg.train.shard_params else shardings
+    opt_shardings = _opt_shardings(opt_shapes, trained(cfg, held), mesh)
+    return Trainer(cfg, mesh, task, modeldef, tx, param_shardings, opt_shardings, strategy)
+
+
+def _strategy(cfg: Config, mesh, modeldef: ModelDef):
+    """(the gradient strategy, the weights' shardings over "model" (and "pipe"), its
+    DataParallel part if the optimizer state or the weights are split over "data")."""
     sharded_data = cfg.train.shard_optimizer or cfg.train.shard_params
     if mesh.shape.get(S.PIPE, 1) > 1:
         specs = stage_specs(modeldef.specs(), stack_path(modeldef))
         dp = DataParallel.build(cfg, mesh, modeldef, stages=specs) if sharded_data else None
-        pipeline = Pipeline(cfg, mesh, modeldef, dp)
-        shardings = S.param_shardings(mesh, specs)
-        held = shardings if dp is None else dp.sharded
-        return Trainer(
-            cfg,
-            mesh,
-            task,
-            modeldef,
-            tx,
-            held if cfg.train.shard_params else shardings,
-            _opt_shardings(opt_shapes, trained(cfg, held), mesh),
-            dp,
-            pipeline,
-        )
+        return Pipeline(cfg, mesh, modeldef, dp), S.param_shardings(mesh, specs), dp
     shardings = S.param_shardings(mesh, modeldef.specs())
-    if not sharded_data:
-        return Trainer(
-            cfg,
-            mesh,
-            task,
-            modeldef,
-            tx,
-            shardings,
-            _opt_shardings(opt_shapes, trained(cfg, shardings), mesh),
-        )
-    dp = DataParallel.build(cfg, mesh, modeldef)
-    if cfg.train.shard_params:
-        shardings = dp.sharded
-    return Trainer(
-        cfg,
-        mesh,
-        task,
-        modeldef,
-        tx,
-        shardings,
-        _opt_shardings(opt_shapes, trained(cfg, dp.sharded), mesh),
-        dp,
-    )
+    if sharded_data:
+        dp = DataParallel.build(cfg, mesh, modeldef)
+        return dp, shardings, dp
+    return PlainGradients(cfg, mesh, modeldef), shardings, None
 
 
 def _opt_shardings(opt_shapes, param_shardings, mesh):
