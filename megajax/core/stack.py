@@ -21,6 +21,22 @@ from megajax.core import sharding as S
 from megajax.core.precision import Precision
 from megajax.core.transformer import TransformerLayer
 
+# Where the layer weights sit in a model's params dict: a model's `layers` attribute is its
+# LayerStack, which holds them as `stacked` (scanned: one leading axis of layers) or as the list
+# `layers` (one entry per layer). Every module that tells layer weights from the rest asks here.
+STACKED_PATH = ("layers", "stacked")
+LISTED_PATH = ("layers", "layers")
+
+
+def layer_weight(keys: tuple[str, ...]) -> tuple[tuple[str, ...], int] | None:
+    """(its path inside one layer, the leading axes before that) of a layer weight's params
+    path, or None for a weight outside the layers (embeddings, final norm, heads)."""
+    if keys[: len(STACKED_PATH)] == STACKED_PATH:
+        return keys[len(STACKED_PATH) :], 1
+    if keys[: len(LISTED_PATH)] == LISTED_PATH:
+        return keys[len(LISTED_PATH) + 1 :], 0
+    return None
+
 
 def _stacked_layers(
     cfg: ModelConfig, layout: S.Layout, precision: Precision, rngs: nnx.Rngs, causal: bool

@@ -43,6 +43,7 @@ from megajax.config import Config, ModelConfig
 from megajax.core.attention import fused_attention
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL, data_sharded_spec
+from megajax.core.stack import layer_weight
 from megajax.mesh_shape import MeshShape
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.tasks import task_for
@@ -80,9 +81,8 @@ def _read_weights(model_cfg: ModelConfig) -> tuple[Weight, ...]:
     out = []
     for (path, x), spec in zip(shapes, specs):
         keys = path_keys(path)
-        out.append(
-            Weight(tuple(x.shape), spec, keys[0] == "layers", keys[-1] in ("kernel", "scale"))
-        )
+        in_layers, matrix = layer_weight(keys) is not None, keys[-1] in ("kernel", "scale")
+        out.append(Weight(tuple(x.shape), spec, in_layers, matrix))
     return tuple(out)
 
 

@@ -12,6 +12,7 @@ import jax
 from megajax.analytic import data_axis_minimum as data_axis_sent_minimum
 from megajax.core.attention import copied_weights
 from megajax.core.sharding import DATA, param_shardings
+from megajax.core.stack import layer_weight
 from megajax.mesh_shape import MeshShape
 from megajax.models.registry import path_keys
 from megajax.training.data_parallel import NONE
@@ -58,7 +59,7 @@ def _scheme_minimum(trainer, part) -> tuple[str, dict]:
             whole += size
             continue
         split += size
-        if keys[0] == "layers":
+        if layer_weight(keys) is not None:
             layers += size
             if (
                 keys[-1].endswith("kernel")

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.core import sharding as S
 from megajax.core.attention import copied_weights
+from megajax.core.stack import layer_weight
 from megajax.mesh_shape import MeshShape
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.training import microbatches
@@ -43,15 +44,6 @@ from megajax.training.loss_scale import scaled
 from megajax.training.trainable import trained, with_trained
 
 NONE = -1  # a weight no dimension of which "data" divides
-
-
-def _layer_path(keys: tuple[str, ...]) -> tuple[tuple[str, ...], int] | None:
-    """(path inside one layer, leading axes before it) of a layer weight, or None."""
-    if keys[:2] == ("layers", "stacked"):
-        return keys[2:], 1
-    if keys[:2] == ("layers", "layers"):
-        return keys[3:], 0
-    return None
 
 
 @dataclasses.dataclass
@@ -78,7 +70,7 @@ class DataParallel:
 
         def pick(path, shape, spec):
             keys = path_keys(path)
-            layer = _layer_path(keys)
+            layer = layer_weight(keys)
             # "data" never splits a stacked weight's layer axis: FSDP gathers a layer at a time,
             # and a pipeline splits the layers over "pipe"
             stacked = layer is not None and layer[1] == 1
@@ -136,7 +128,7 @@ class DataParallel:
         return P(*(S.DATA if i == d else None for i in range(ndim))) if d != NONE else P()
 
     def _is_layer(self, path) -> bool:
-        return _layer_path(path_keys(path)) is not None
+        return layer_weight(path_keys(path)) is not None
 
     def gather_outside_layers(self, params):
         """FSDP: the weights outside the layer stack, all-gathered over "data" inside each

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax import schedules
 from megajax.core import sharding as S
-from megajax.core.stack import split_at_stack
+from megajax.core.stack import STACKED_PATH, split_at_stack
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.training import microbatches
 from megajax.training.data_parallel import DataParallel
@@ -47,12 +47,6 @@ from megajax.training.loss_scale import scaled
 from megajax.training.trainable import trained
 
 FIRST, MIDDLE, LAST = 0, 1, 2
-
-
-def stack_path(modeldef: ModelDef) -> tuple[str, ...]:
-    """Where the stacked layers' weights are in a params dict."""
-    path, _ = stack_of(modeldef.bind(modeldef.abstract_params()))
-    return (*path, "stacked")
 
 
 def _is_stacked(path, stacked_path: tuple) -> bool:
@@ -81,7 +75,7 @@ class Pipeline:
         self.p, self.v, self.m = mesh.shape[S.PIPE], t.pipeline_chunks, t.microbatches
         self.table = schedules.build(t.pipeline_schedule, self.p, self.m, self.v)
         self.per_chunk = cfg.model.num_layers // (self.p * self.v)
-        self.path = stack_path(modeldef)
+        self.path = STACKED_PATH  # where the stacked layers' weights are
         if data_parallel is not None:
             self.manual = data_parallel.manual
         else:

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from megajax.config import Config
 from megajax.core import sharding as S
 from megajax.core.mesh import as_mesh, check_fits
+from megajax.core.stack import STACKED_PATH
 from megajax.models import vocab_rows
 from megajax.models.registry import ModelDef, abstract_model, init_model, path_keys
 from megajax.tasks import Task, task_for
@@ -35,7 +36,7 @@ from megajax.training.gradients import GradientStrategy, PlainGradients, split_o
 from megajax.training.layer_programs import LayerProgramStep
 from megajax.training.loss_scale import around, scaled, uses_loss_scaling
 from megajax.training.optimizer import lr_schedule, make_optimizer
-from megajax.training.pipeline import Pipeline, stack_path, stage_specs
+from megajax.training.pipeline import Pipeline, stage_specs
 from megajax.training.trainable import trained, with_trained
 
 
@@ -272,7 +273,7 @@ def _strategy(cfg: Config, mesh, modeldef: ModelDef):
     DataParallel part if the optimizer state or the weights are split over "data")."""
     sharded_data = cfg.train.shard_optimizer or cfg.train.shard_params
     if mesh.shape.get(S.PIPE, 1) > 1:
-        specs = stage_specs(modeldef.specs(), stack_path(modeldef))
+        specs = stage_specs(modeldef.specs(), STACKED_PATH)
         dp = DataParallel.build(cfg, mesh, modeldef, stages=specs) if sharded_data else None
         return Pipeline(cfg, mesh, modeldef, dp), S.param_shardings(mesh, specs), dp
     shardings = S.param_shardings(mesh, modeldef.specs())
