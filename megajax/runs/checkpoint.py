@@ -134,6 +134,20 @@ def _leaf_paths(tree) -> set[str]:
     return {"/".join(name(k) for k in path) for path, _ in leaves}
 
 
+def _one_writer_per_array():
+    """orbax's default off GPUs splits each replicated array's write over its replicas
+    (replica-parallel), slicing it with a program compiled for each array's shape: saving a
+    small model's 30 arrays on 8 CPU devices took 11 s of compiling against 0.1 s written by one
+    replica. It pays where the replicas are processes on other hosts, each writing its part;
+    in one process, that process writes every part anyway."""
+    parallel = jax.process_count() > 1
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    if getattr(handler, "megajax_replica_parallel", None) != parallel:
+        handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=parallel)
+        handler.megajax_replica_parallel = parallel
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
 class Checkpoints:
     def __init__(
         self, directory: Path, keep: int = 3, async_save: bool = True, writer: bool = True
@@ -141,6 +155,7 @@ class Checkpoints:
         """`writer`: the run that holds the workdir's lock (it also removes what a killed save
         left half-written); an evaluation reading the workdir passes False and changes nothing."""
         _quiet_orbax()
+        _one_writer_per_array()
         self.directory = Path(directory).absolute() / "checkpoints"
         # before any read or write: failures can outrun the except
         _quiet_abandoned_io(self.directory.parent)
