@@ -12,6 +12,7 @@ from helpers import env
 from tolerances import BF16_ELEMENT, BF16_U, F32, assert_tree_close
 
 sys.path.insert(0, str(ROOT / "bench"))
+import record  # noqa: E402
 from gpu_check import ROWS, STACKS  # noqa: E402
 from layer_programs import inputs, stack_gradients  # noqa: E402
 
@@ -147,3 +148,10 @@ def test_step_mfu_runs_with_the_papers_dropout_and_remat():
         "scanned / unrolled train step" in p.stdout and "programs / unrolled train step" in p.stdout
     )
     assert "compile, scanned train step (float32): 2 layers" in p.stdout
+    # what bench/record.py reads of it: the MFUs and their ratio, backward/forward, Llama / GPT
+    mfu = [float(line.rsplit("MFU ", 1)[1]) for line in p.stdout.splitlines() if "| MFU" in line]
+    row = record.figures(p.stdout)
+    assert (row["scanned MFU"], row["unrolled MFU"]) == (mfu[0], mfu[1])
+    if mfu[1]:  # (two decimals of a tiny model's MFU may be 0.00)
+        assert row["scanned / unrolled"] == mfu[0] / mfu[1]
+    assert 0 < row["backward / forward"] and 0 < row["Llama / GPT"]
