@@ -14,6 +14,7 @@ import json
 import numbers
 import os
 import secrets
+import time
 from pathlib import Path
 
 from megajax.errors import UserError
@@ -49,6 +50,36 @@ def scalars(record: dict) -> dict[str, float]:
     }
 
 
+class EventFile:
+    """One run's TensorBoard event file, written in the caller's thread. (tensorboardX's
+    SummaryWriter hands each event to a queue drained by a thread of its own, and its flush()
+    does not wait for the queue: a run killed just after a checkpoint lost the last records
+    metrics.jsonl already held, its validation loss among them.)"""
+
+    def __init__(self, logdir: Path, purge_step: int | None = None):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        self._event = Event
+        os.makedirs(logdir, exist_ok=True)
+        # the process id in the name: two runs started in one second write two files
+        self.writer = EventsWriter(str(Path(logdir) / "events"), f".{os.getpid()}")
+        if purge_step is not None:  # TensorBoard hides what an earlier run wrote from here on
+            start = SessionLog(status=SessionLog.START)
+            self.writer.write_event(
+                Event(step=purge_step, wall_time=time.time(), session_log=start)
+            )
+
+    def add(self, summary, step: int):
+        self.writer.write_event(self._event(summary=summary, step=step, wall_time=time.time()))
+
+    def flush(self):
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+
 class Tracking:
     """TensorBoard (always) and W&B (train.tracker = "wandb") for one run; silent when not
     `enabled` (every process but the first). `start` is the step the run resumes from."""
@@ -64,13 +95,11 @@ class Tracking:
         self.tb = self.wandb = None
         if not enabled:
             return
-        from tensorboardX import SummaryWriter
+        from tensorboardX.summary import text
 
-        # purge_step: TensorBoard hides what an earlier run wrote from this step on
-        self.tb = SummaryWriter(
-            str(Path(workdir) / TENSORBOARD_DIR), purge_step=start + 1 if start else None
-        )
-        self.tb.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", start)
+        purge = start + 1 if start else None
+        self.tb = EventFile(Path(workdir) / TENSORBOARD_DIR, purge_step=purge)
+        self.tb.add(text("config", "```\n" + json.dumps(config, indent=2) + "\n```"), start)
         self.tb.flush()
         if tracker == "wandb":
             self.wandb = _wandb_run(Path(workdir), config)
@@ -78,9 +107,11 @@ class Tracking:
     def write(self, step: int, record: dict):
         values = scalars(record)
         if self.tb is not None:
+            from tensorboardX.summary import scalar
+
             for name, value in values.items():
-                self.tb.add_scalar(name, value, step)
-            self.tb.flush()  # a kill loses nothing already in metrics.jsonl
+                self.tb.add(scalar(name, value), step)
+            self.tb.flush()  # written: a kill loses nothing already in metrics.jsonl
         if self.wandb is not None:
             self.wandb.log({"step": step, **values})
 
