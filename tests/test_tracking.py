@@ -51,7 +51,8 @@ def test_profile_command_leaves_events_equal_to_metrics_and_a_trace(tmp_path):
     text, a trace TensorBoard's profile plugin and Perfetto read, and the time by kind; MFU and
     TFLOP/s per device on each log line against a peak the first line names."""
     wd = tmp_path / "run"
-    p = run(*TINY, "--steps", "12", "--profile", "4:6", "--workdir", str(wd))
+    # one device (in this process --mesh auto would span its 8, with the data axis's all-reduces)
+    p = run(*TINY, "--host-devices", "1", "--steps", "12", "--profile", "4:6", "--workdir", str(wd))
     got = assert_tensorboard_is_metrics(wd)
     assert [s for s, _ in got["train/loss"]] == [1, 5, 10, 12]
     assert {
