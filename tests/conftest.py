@@ -12,6 +12,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -102,6 +103,12 @@ sys.path.insert(0, str(ROOT))
 from megajax.host.env import tuned_env  # noqa: E402
 
 os.environ.update(tuned_env(dict(os.environ)) or {})
+
+# A suite started under nohup still survives a hang-up, but the processes the tests start see
+# SIGHUP as a terminal's do (the signal tests' subject): a handler that does nothing, unlike
+# nohup's SIG_IGN, is reset to the default in a program the suite executes.
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
