@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The step's figures at a base commit and at this checkout, measured in turn, into the record.
 
-    python bench/record.py --base COMMIT [--rounds 3] [--write] [--note TEXT]
-    python bench/record.py --commits A,B,C,WORKTREE [--rounds 3]
+    python bench/record.py --base COMMIT [--rounds 3] [--reps 3] [--write] [--note TEXT]
+    python bench/record.py --commits A,B,C,WORKTREE [--rounds 3] [--reps 3]
 
 Each commit's code is exported (`git archive`) into a directory of its own and runs its own
 `bench/step_mfu.py` there (float32, one CPU device: the 8-layer, hidden 512, seq 512 GPT of
@@ -158,6 +158,7 @@ def main():
     which.add_argument("--base", help="the commit to compare this checkout with")
     which.add_argument("--commits", help=f"commits to run in turn (comma-separated; {WORKTREE})")
     p.add_argument("--rounds", type=int, default=3, help="runs of each commit, in turn")
+    p.add_argument("--reps", type=int, default=3, help="step_mfu's timed calls (best of)")
     p.add_argument("--write", action="store_true", help="append the rows to docs/performance.md")
     p.add_argument("--note", default="", help="the row's note (what changed)")
     a = p.parse_args()
@@ -166,7 +167,7 @@ def main():
     commits = [a.base, WORKTREE] if a.base else a.commits.split(",")
     with tempfile.TemporaryDirectory(prefix="megajax-record-") as tmp:
         trees = {c: export(c, Path(tmp)) for c in commits}
-        args = {c: bench_args(t) for c, t in trees.items()}
+        args = {c: [*bench_args(t), "--reps", str(a.reps)] for c, t in trees.items()}
         runs = {c: [] for c in commits}
         for r in range(a.rounds):
             for c in commits:

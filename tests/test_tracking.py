@@ -85,7 +85,9 @@ def test_profile_command_leaves_events_equal_to_metrics_and_a_trace(tmp_path):
     }
     assert set(ms) == set(KINDS)
     assert ms["matmuls"] > 0 and ms["attention"] > 0 and ms["optimizer"] > 0
-    assert ms["collectives"] == 0  # one device
+    # one device: its vocab-parallel embedding and loss keep all-reduces over a group of one
+    # device (microseconds), nothing that takes a share of the step
+    assert ms["collectives"] < 0.01 * sum(ms.values()), ms
     head = p.stdout.splitlines()[0]
     assert "MFU against" in head and "measured float32 matmul" in head
     step_lines = [
