@@ -54,9 +54,9 @@ DEFERRED = {
     "data.sources": {"tensorflow_datasets"},
     "host.xla_cache": {"jax._src"},  # jax's own compiler, on the one jaxlib it patches
     "runs.tracking": {
+        "tensorboardX",
         "tensorboardX.event_file_writer",
         "tensorboardX.proto.event_pb2",
-        "tensorboardX.summary",
         "wandb",
     },
     "__main__": {"megajax.cli", "megajax.cli.plot"},  # the tool asked for, only

@@ -57,10 +57,11 @@ class EventFile:
     metrics.jsonl already held, its validation loss among them.)"""
 
     def __init__(self, logdir: Path, purge_step: int | None = None):
+        from tensorboardX import summary
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 
-        self._event = Event
+        self._event, self._summary = Event, summary
         os.makedirs(logdir, exist_ok=True)
         # the process id in the name: two runs started in one second write two files
         self.writer = EventsWriter(str(Path(logdir) / "events"), f".{os.getpid()}")
@@ -73,7 +74,14 @@ class EventFile:
     def add(self, summary, step: int):
         self.writer.write_event(self._event(summary=summary, step=step, wall_time=time.time()))
 
-    def flush(self):
+    def scalars(self, values: dict[str, float], step: int):
+        """The values at `step`, on disk when this returns."""
+        for name, value in values.items():
+            self.add(self._summary.scalar(name, value), step)
+        self.writer.flush()
+
+    def text(self, tag: str, text: str, step: int):
+        self.add(self._summary.text(tag, text), step)
         self.writer.flush()
 
     def close(self):
@@ -95,23 +103,16 @@ class Tracking:
         self.tb = self.wandb = None
         if not enabled:
             return
-        from tensorboardX.summary import text
-
         purge = start + 1 if start else None
         self.tb = EventFile(Path(workdir) / TENSORBOARD_DIR, purge_step=purge)
-        self.tb.add(text("config", "```\n" + json.dumps(config, indent=2) + "\n```"), start)
-        self.tb.flush()
+        self.tb.text("config", "```\n" + json.dumps(config, indent=2) + "\n```", start)
         if tracker == "wandb":
             self.wandb = _wandb_run(Path(workdir), config)
 
     def write(self, step: int, record: dict):
         values = scalars(record)
-        if self.tb is not None:
-            from tensorboardX.summary import scalar
-
-            for name, value in values.items():
-                self.tb.add(scalar(name, value), step)
-            self.tb.flush()  # written: a kill loses nothing already in metrics.jsonl
+        if self.tb is not None:  # on disk now: a kill loses nothing already in metrics.jsonl
+            self.tb.scalars(values, step)
         if self.wandb is not None:
             self.wandb.log({"step": step, **values})
 
