@@ -58,6 +58,8 @@ class StepShape:
     attention_dropout: bool = True
     recompute_norm_gelu: bool = False  # megajax/core/precision.py
     fused_attention: bool = False  # cuDNN's flash attention (one softmax statistic a query)
+    sparse_layers: int = 0  # mixture-of-experts layers (core/moe.py)
+    experts_per_token: int = 0  # their top-k
 
     @classmethod
     def of(cls, cfg, task, mesh: MeshShape = MeshShape(), **device) -> "StepShape":
@@ -90,6 +92,8 @@ class StepShape:
             frozen_base=m.lora_rank > 0,
             hidden_dropout=m.hidden_dropout > 0,
             attention_dropout=m.attention_dropout > 0,
+            sparse_layers=sum(m.sparse_layers),
+            experts_per_token=m.experts_per_token if m.num_experts else 0,
             **device,
         )
 
@@ -145,6 +149,26 @@ def layer_params(
     weights = h * qkv + heads * d * h + h * mlp_in + f * h
     biases = {"all": qkv + h + mlp_in + h, "qkv": qkv, "none": 0}[bias]
     return weights + biases + (4 if norm == "layernorm" else 2) * h
+
+
+def moe_mlp_params(
+    hidden: int,
+    expert_ffn: int,
+    experts: int,
+    *,
+    shared_ffn: int = 0,
+    shared_gate: bool = False,
+    gated: bool = False,
+    bias: str = "all",
+) -> tuple[int, int]:
+    """(all, one expert's) parameters of a mixture-of-experts MLP: the router (h x E), E
+    experts (each an MLP of expert_ffn, with biases when `bias` is all), the shared experts
+    (shared_ffn wide in all, no biases) and their gate (h)."""
+    h, f = hidden, expert_ffn
+    mlp_in = 2 * f if gated else f
+    expert = h * mlp_in + f * h + (mlp_in + h if bias == "all" else 0)
+    shared = (3 if gated else 2) * h * shared_ffn + (h if shared_gate else 0)
+    return h * experts + experts * expert + shared, expert
 
 
 # --- FLOPs ---------------------------------------------------------------------------------
@@ -268,6 +292,9 @@ def _model_axis_forms(x: StepShape) -> dict[str, int]:
         per = (
             4 * L * bsh + bsh + b * r * h + 3 * b * r + (L * bsh if full else 0) + kv["all-reduce"]
         )
+        # a sparse layer's routing weights scale outputs each device holds a partial sum of: their
+        # gradient, b·s·k numbers, is summed over "model" in the backward pass (core/moe.py)
+        per += x.sparse_layers * b * x.seq * x.experts_per_token
         return {"all-reduce": mb * per, "all-gather": mb * kv["all-gather"], "reduce-scatter": 0}
     if x.heads_read_rows:
         gather, scatter, reduce = b * (r + 1) * h, 0, b * r * h

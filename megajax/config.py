@@ -235,6 +235,11 @@ class Config:
                 "train.layer_programs trains every weight: LoRA adapters (model.lora_rank) train "
                 "with the single-program step"
             )
+        if self.train.layer_programs and self.model.num_experts:
+            raise ConfigError(
+                "train.layer_programs runs dense layers: a mixture of experts (model.num_experts) "
+                "trains with the single-program step"
+            )
         if self.train.layer_programs and (self.train.shard_optimizer or self.train.shard_params):
             raise ConfigError(
                 "train.layer_programs works with plain data parallelism only: unset "

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megajax.analytic import REMAT_MODES, layer_params
+from megajax.analytic import REMAT_MODES, layer_params, moe_mlp_params
 from megajax.errors import UserError
 from megajax.mesh_shape import MeshShape
+from megajax.moe_config import moe_problem, sparse_layers
 from megajax.shapes import MODEL_TASKS
 
 
@@ -135,6 +136,27 @@ class ModelConfig:
     lora_dropout: float = 0.0  # on the adapters' input, as PEFT's lora_dropout
     # the adapted layers, among qkv, out (attention's), fc1 (SwiGLU: gate and up), fc2
     lora_targets: str = "qkv,out,fc1,fc2"
+    # a mixture of experts' experts in each sparse layer (core/moe.py); 0: a dense model
+    num_experts: int = 0
+    experts_per_token: int = 2  # the experts the router chooses for each token (top-k)
+    moe_ffn_hidden: int = 0  # each expert's MLP width; 0 -> ffn_hidden's
+    moe_shared_experts: int = 0  # always-on experts beside the routed ones (Qwen2-MoE, DeepSeek)
+    # the shared experts' width, all together; 0 -> moe_shared_experts x moe_ffn_hidden
+    moe_shared_ffn_hidden: int = 0
+    moe_shared_gate: bool = False  # the shared experts' output times sigmoid(x Wg) (Qwen2-MoE)
+    moe_router: str = "softmax"  # softmax | sigmoid: the router's scores from its logits
+    # the chosen k scores renormalised to sum to 1 (Mixtral's softmax over the top k; Qwen's
+    # norm_topk_prob)
+    moe_norm_topk: bool = False
+    moe_aux_loss: float = 0.0  # Switch's load-balancing loss, this coefficient, each sparse layer
+    moe_z_loss: float = 0.0  # the router's z-loss (ST-MoE), this coefficient, each sparse layer
+    # each expert's tokens per row at most moe_capacity_factor x tokens x k / experts, the
+    # assignments past that dropped (counted: moe/dropped); 0: dropless, none ever dropped
+    moe_capacity_factor: float = 0.0
+    # layer i (from 0) is sparse when (i + 1) % moe_layer_freq == 0 (Qwen2-MoE's
+    # decoder_sparse_step) and i >= moe_first_dense_layers
+    moe_layer_freq: int = 1
+    moe_first_dense_layers: int = 0  # the first layers dense whatever moe_layer_freq (DeepSeek's)
 
     @property
     def ffn(self) -> int:
@@ -224,6 +246,7 @@ class ModelConfig:
                 f"model.ffn_hidden must be 0 (4 x hidden) or positive, got {self.ffn_hidden}"
             )
         self.validate_lora()
+        self.validate_moe()
         if self.attention == "fused" and self.attention_dropout:
             raise ConfigError(
                 'model.attention = "fused" has no attention dropout: set '
@@ -245,6 +268,26 @@ class ModelConfig:
                 f"model.lora_targets names layers among {', '.join(LORA_TARGETS)} "
                 f"(comma-separated), got {self.lora_targets!r}"
             )
+
+    def validate_moe(self):
+        """The mixture-of-experts fields, each against the others (moe_config.py)."""
+        if (problem := moe_problem(self, ModelConfig())) is not None:
+            raise ConfigError(problem)
+
+    @property
+    def moe_ffn(self) -> int:
+        """Each expert's width."""
+        return self.moe_ffn_hidden or self.ffn
+
+    @property
+    def moe_shared_ffn(self) -> int:
+        """The shared experts' width, all of them together (0: none)."""
+        return self.moe_shared_ffn_hidden or self.moe_shared_experts * self.moe_ffn
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """For each layer, whether its MLP is a mixture of experts."""
+        return sparse_layers(self)
 
     def validate_architecture(self):
         """The fields of today's decoders, each against the others."""
@@ -346,3 +389,47 @@ class ModelConfig:
             bias=self.bias,
             norm=self.norm,
         )
+
+    @property
+    def params_per_layer(self) -> tuple[int, ...]:
+        """Each layer's parameters (a sparse layer's router, experts and shared experts in place
+        of the dense MLP)."""
+        return tuple(
+            self._moe_layer(active=False) if sparse else self.layer_params
+            for sparse in self.sparse_layers
+        )
+
+    @property
+    def active_layer_params(self) -> float:
+        """The weights one token goes through in the layers, summed over them: a sparse layer's
+        router, its k experts and the shared experts (what MFU counts, as the anchors do)."""
+        return float(
+            sum(
+                self._moe_layer(active=True) if sparse else self.layer_params
+                for sparse in self.sparse_layers
+            )
+        )
+
+    def _moe_layer(self, active: bool) -> int:
+        attention = layer_params(
+            self.hidden,
+            0,
+            heads=self.num_heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            gated=self.mlp == "swiglu",
+            bias=self.bias,
+            norm=self.norm,
+        ) - (self.hidden if self.bias == "all" else 0)  # the dense MLP's output bias
+        total, expert = moe_mlp_params(
+            self.hidden,
+            self.moe_ffn,
+            self.num_experts,
+            shared_ffn=self.moe_shared_ffn,
+            shared_gate=self.moe_shared_gate,
+            gated=self.mlp == "swiglu",
+            bias=self.bias,
+        )
+        if active:
+            total -= (self.num_experts - self.experts_per_token) * expert
+        return attention + total

@@ -48,6 +48,12 @@ class Progress:
                     for k in ("mlm_accuracy", "sop_accuracy", "accuracy")
                     if k in record
                 )
+                + (  # a mixture of experts: its router losses and dropped share
+                    f"  aux {record['moe/aux_loss']:.4f}  z {record['moe/z_loss']:.3f}  dropped "
+                    f"{100 * record['moe/dropped']:.2f}%"
+                    if "moe/aux_loss" in record
+                    else ""
+                )
                 + (
                     f"  loss_scale {record['loss_scale']:g} ({record['skipped_steps']} skipped)"
                     if "loss_scale" in record

@@ -137,7 +137,10 @@ def check_model_fits(m, mesh):
     "model" (and the sequence, with sequence parallelism). The vocabulary is padded for the
     model axis (ModelConfig.vocab_rows)."""
     tp = _shape(mesh).model
-    for what, size in (("hidden", m.hidden), ("num_heads", m.num_heads), ("ffn_hidden", m.ffn)):
+    widths = [("hidden", m.hidden), ("num_heads", m.num_heads), ("ffn_hidden", m.ffn)]
+    if m.num_experts:  # each expert's MLP and the shared experts split as the dense MLP is
+        widths += [("moe_ffn_hidden", m.moe_ffn), ("moe_shared_ffn_hidden", m.moe_shared_ffn)]
+    for what, size in widths:
         if size % tp:
             raise ConfigError(f"model {what}={size} is not divisible by the model axis ({tp})")
     if m.kv_heads % tp and tp % m.kv_heads:  # grouped-query: split, or each device holding one
@@ -172,6 +175,7 @@ def check_pipeline_fits(cfg, mesh):
     for refused, why in (
         (not cfg.model.scan_layers, "model.scan_layers = false"),
         (t.layer_programs, "train.layer_programs"),
+        (cfg.model.num_experts > 0, "a mixture of experts (model.num_experts)"),
     ):
         if refused:
             raise ConfigError(f"a pipeline (mesh axis pipe={pp}) does not run with {why} yet")

@@ -55,6 +55,11 @@ REPLICATED_BIAS = (None,)
 VOCAB = (MODEL, None)
 VOCAB_BIAS = (MODEL,)  # BERT's MLM output bias, split like the logits
 REPLICATED_2D = (None, None)
+# A mixture of experts' stacked expert weights (core/moe.py): each expert's MLP split as the
+# dense one is (expert tensor parallelism), every expert on every device of the other axes.
+EXPERT_IN = (None, None, MODEL)  # (experts, in, out): column-parallel fc1 / gate / up
+EXPERT_OUT = (None, MODEL, None)  # (experts, in, out): row-parallel fc2
+EXPERT_IN_BIAS = (None, MODEL)  # (experts, out)
 
 # Activation specs.
 ACT_REPLICATED = P(DATA, None, None)  # (batch, seq, hidden) between blocks

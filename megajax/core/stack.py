@@ -58,6 +58,7 @@ def _stacked_layers(
             precision=precision,
             rngs=nnx.Rngs(params=key, lora=lora_key),
             causal=causal,
+            sparse=cfg.num_experts > 0,  # a scanned stack's layers are all sparse or all dense
         )
 
     return make(keys, lora_keys)
@@ -96,16 +97,21 @@ class LayerStack(nnx.Module):
             cfg.scan_layers,
             cfg.remat == "full",
         )
-        self.layout = layout
+        self.layout, self.sparse = layout, cfg.sparse_layers
         if self.scan:
             self.stacked = _stacked_layers(cfg, layout, precision, rngs, causal)
         else:
             self.layers = nnx.List(
                 [
                     TransformerLayer(
-                        cfg, layout=layout, precision=precision, rngs=rngs, causal=causal
+                        cfg,
+                        layout=layout,
+                        precision=precision,
+                        rngs=rngs,
+                        causal=causal,
+                        sparse=sparse,
                     )
-                    for _ in range(cfg.num_layers)
+                    for sparse in self.sparse
                 ]
             )
 
@@ -128,10 +134,14 @@ class LayerStack(nnx.Module):
             return jax.checkpoint(layer_fn, policy=S.drop_data_gathers)
         return layer_fn
 
-    def _run_layer(self, graphdef, layer_state, h, key, mask=None, cache=None, pos=None):
+    def _run_layer(
+        self, graphdef, layer_state, h, key, mask=None, cache=None, pos=None, token_weights=None
+    ):
         """One layer on h: its weights gathered first under FSDP."""
         layer_state, h = self._gathered(layer_state, h)
-        return nnx.merge(graphdef, layer_state)(h, key=key, mask=mask, cache=cache, pos=pos)
+        layer = nnx.merge(graphdef, layer_state)
+        extra = {"token_weights": token_weights} if layer.sparse else {}
+        return layer(h, key=key, mask=mask, cache=cache, pos=pos, **extra)
 
     def layer_call(self, mask=None) -> tuple[Callable, object, object]:
         """(fn(layer_state, h, key) -> h, the stacked layers' graphdef, their stacked state): one
@@ -144,28 +154,31 @@ class LayerStack(nnx.Module):
 
         return self._checkpointed(call), graphdef, state
 
-    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None):
-        """Run the layers; with `cache` (k, v stacked over layers) also return the new cache."""
+    def __call__(self, x, *, key=None, mask=None, cache=None, pos=None, token_weights=None):
+        """Run the layers; with `cache` (k, v stacked over layers) also return the new cache;
+        in training, with sparse layers, also their routing statistics, stacked over them
+        (core/moe.py; `token_weights` (b, s): the tokens the loss covers)."""
         keys = None if key is None else jax.random.split(key, self.num_layers)
         if (split := _SPLIT.get()) is not None and cache is None:
             return split(self, x, keys, mask)
+        sparse = any(self.sparse) and cache is None
         if self.scan:
             graphdef, state = nnx.split(self.stacked)
 
             def body(h, xs):
                 layer_state, k, c = xs
-                out = self._run_layer(graphdef, layer_state, h, k, mask, c, pos)
-                return (out, None) if c is None else out
+                out = self._run_layer(graphdef, layer_state, h, k, mask, c, pos, token_weights)
+                return out if c is not None or sparse else (out, None)
 
             with jax.named_scope("layers"):
-                x, new_cache = jax.lax.scan(self._checkpointed(body), x, (state, keys, cache))
-            return x if cache is None else (x, new_cache)
-        new_cache = []
+                x, ys = jax.lax.scan(self._checkpointed(body), x, (state, keys, cache))
+            return x if cache is None and not sparse else (x, ys)
+        outs = []
         for i, layer in enumerate(self.layers):
             graphdef, state = nnx.split(layer)
 
             def call(layer_state, h, k, c, graphdef=graphdef):
-                return self._run_layer(graphdef, layer_state, h, k, mask, c, pos)
+                return self._run_layer(graphdef, layer_state, h, k, mask, c, pos, token_weights)
 
             with jax.named_scope(f"layer_{i}"):
                 out = self._checkpointed(call)(
@@ -174,11 +187,13 @@ class LayerStack(nnx.Module):
                     None if keys is None else keys[i],
                     None if cache is None else (cache[0][i], cache[1][i]),
                 )
-            if cache is None:
+            if cache is None and not self.sparse[i]:
                 x = out
             else:
                 x, c = out
-                new_cache.append(c)
-        if cache is None:
+                outs.append(c)
+        if cache is None and not sparse:
             return x
-        return x, (jnp.stack([c[0] for c in new_cache]), jnp.stack([c[1] for c in new_cache]))
+        if cache is None:  # the sparse layers' statistics, stacked over them
+            return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        return x, (jnp.stack([c[0] for c in outs]), jnp.stack([c[1] for c in outs]))

@@ -15,6 +15,7 @@ from megajax.core.attention import stored_kv_heads
 from megajax.core.layers import VocabParallelEmbedding, dropout, param
 from megajax.core.loss import mask_padded_vocab, vocab_parallel_cross_entropy
 from megajax.core.mesh import single_device_mesh
+from megajax.core.moe import router_losses
 from megajax.core.norms import norm
 from megajax.core.ops import segment_positions
 from megajax.core.precision import Precision
@@ -62,13 +63,17 @@ class GPT(nnx.Module):
         """The input embedding (tied) or the output layer's own weight."""
         return self.embed if self.head is None else self.head
 
-    def hidden_states(self, tokens, *, key=None, cache=None, pos=None, segments=None):
+    def hidden_states(
+        self, tokens, *, key=None, cache=None, pos=None, segments=None, token_weights=None
+    ):
         """(b, s) token ids -> (b, s, h) final hidden states, replicated over "model" (with
         sequence parallelism split along the sequence: the logits gather it).
 
         With a KV `cache` (see `init_cache`) the tokens sit at positions pos..pos+s-1 and the
         new cache is returned too. `segments` (b, s) integers: packed sequences, each token
-        attending within its segment, at positions counted from the segment's start."""
+        attending within its segment, at positions counted from the segment's start. A mixture
+        of experts also returns its sparse layers' routing statistics, (h, stats), weighted by
+        `token_weights` (b, s) (None: every token)."""
         learned = self.cfg.positions == "learned"
         self.layout.check_tokens(tokens, self.cfg.seq_len if pos is None and learned else None)
         check_ids("token ids", tokens, self.cfg.vocab_size)
@@ -82,12 +87,14 @@ class GPT(nnx.Module):
             x = x + jnp.take(self.pos[...], positions, axis=0).astype(self.dtype)
         x = self.layout.constrain(x, self.layout.between_blocks)
         x = dropout(x, self.cfg.hidden_dropout, k_embed, self.layout, self.layout.between_blocks)
-        out = self.layers(x, key=k_layers, cache=cache, pos=pos, mask=segments)
-        x, cache = (out, None) if cache is None else out
+        out = self.layers(
+            x, key=k_layers, cache=cache, pos=pos, mask=segments, token_weights=token_weights
+        )
+        x, extra = (out, None) if cache is None and not self.cfg.num_experts else out
         if self.cfg.ln_placement == "pre":
             x = self.ln_f(x)
         x = self.layout.constrain(x, self.layout.between_blocks)
-        return x if cache is None else (x, cache)
+        return x if extra is None else (x, extra)
 
     def init_cache(self, batch: int, max_len: int | None = None):
         """Zero keys and values for every layer, (layers, b, kv heads, max_len, head_dim) each,
@@ -118,41 +125,66 @@ class GPT(nnx.Module):
     def __call__(self, tokens, *, key=None):
         """Logits over the real vocabulary (padding columns masked), split over "model"."""
         logits = self.output_layer.attend(
-            self.hidden_states(tokens, key=key), self.layout.sequence_parallel
+            self._hidden(tokens, key=key)[0], self.layout.sequence_parallel
         )
         return mask_padded_vocab(logits, self.cfg.vocab_size)
 
+    def _hidden(self, tokens, **kwargs):
+        """(hidden states, the routing statistics or None)."""
+        out = self.hidden_states(tokens, **kwargs)
+        return out if self.cfg.num_experts else (out, None)
+
     def token_losses(self, tokens, targets, *, key=None, segments=None):
         """(b, s) per-token cross-entropy through the fused vocab-parallel loss."""
-        logits = self.output_layer.attend(
-            self.hidden_states(tokens, key=key, segments=segments), self.layout.sequence_parallel
-        )
-        return vocab_parallel_cross_entropy(logits, targets, self.layout, self.cfg.vocab_size)
+        return self._token_losses(tokens, targets, key=key, segments=segments)[0]
+
+    def _token_losses(self, tokens, targets, *, key=None, segments=None, token_weights=None):
+        """(per-token losses, a mixture of experts' routing statistics or None)."""
+        h, stats = self._hidden(tokens, key=key, segments=segments, token_weights=token_weights)
+        logits = self.output_layer.attend(h, self.layout.sequence_parallel)
+        losses = vocab_parallel_cross_entropy(logits, targets, self.layout, self.cfg.vocab_size)
+        return losses, stats
 
     def loss(self, tokens, targets, *, key=None, weights=None, segments=None):
         """Mean cross-entropy over the global batch, or over the targets where `weights` (b, s)
         is nonzero: the others contribute exactly nothing, to the loss or its gradient."""
-        losses = self.token_losses(tokens, targets, key=key, segments=segments)
+        return self._loss(tokens, targets, key=key, weights=weights, segments=segments)[0]
+
+    def _loss(self, tokens, targets, *, key=None, weights=None, segments=None):
+        """(mean cross-entropy, a mixture of experts' router losses: {} for a dense model)."""
+        losses, stats = self._token_losses(
+            tokens, targets, key=key, segments=segments, token_weights=weights
+        )
         # over the global batch, also when each data shard has its rows
         with jax.named_scope("loss_mean"):
             if weights is None:
-                return losses.sum() / self.layout.global_sum(losses.size)
-            kept = jnp.where(weights > 0, losses * weights, 0.0)
-            return kept.sum() / jnp.maximum(self.layout.global_sum(weights.sum()), 1.0)
+                mean = losses.sum() / self.layout.global_sum(losses.size)
+            else:
+                kept = jnp.where(weights > 0, losses * weights, 0.0)
+                mean = kept.sum() / jnp.maximum(self.layout.global_sum(weights.sum()), 1.0)
+        if stats is None:
+            return mean, {}
+        return mean, router_losses(stats, self.cfg, self.layout.global_sum)
 
     def objective(self, batch, *, key=None):
         """(loss, metrics) of one batch: next-token cross-entropy over a (b, s + 1) token array,
         or over packed conversations: {"tokens", "segments": (b, s + 1), "loss_mask": (b, s)},
-        the loss on the targets the mask marks (megajax/data/packing.py)."""
+        the loss on the targets the mask marks (megajax/data/packing.py). A mixture of experts
+        adds its router losses, each times its coefficient (metrics: "loss" is the
+        cross-entropy alone)."""
         if not isinstance(batch, dict):
-            loss = self.loss(batch[:, :-1], batch[:, 1:], key=key)
+            loss, router = self._loss(batch[:, :-1], batch[:, 1:], key=key)
+        else:
+            tokens = batch["tokens"]
+            loss, router = self._loss(
+                tokens[:, :-1],
+                tokens[:, 1:],
+                key=key,
+                weights=batch["loss_mask"],
+                segments=batch["segments"][:, :-1],
+            )
+        if not router:
             return loss, {"loss": loss}
-        tokens = batch["tokens"]
-        loss = self.loss(
-            tokens[:, :-1],
-            tokens[:, 1:],
-            key=key,
-            weights=batch["loss_mask"],
-            segments=batch["segments"][:, :-1],
-        )
-        return loss, {"loss": loss}
+        c = self.cfg
+        total = loss + c.moe_aux_loss * router["moe/aux_loss"] + c.moe_z_loss * router["moe/z_loss"]
+        return total, {"loss": loss, **router}

@@ -74,6 +74,8 @@ def resolve_mesh(spec: str | None, run_config, devices=None) -> tuple[MeshShape,
         cfg = run_config().validate()
     except UserError:
         return MeshShape(data=len(devices)), None  # the run's own checks report it, in order
+    if cfg.model.num_experts:  # the planner models dense layers only
+        return MeshShape(data=len(devices)), "a mixture of experts: every device on data"
     return auto_mesh(
         cfg,
         len(devices),

@@ -170,6 +170,11 @@ def plans(
             f"unknown data-parallel scheme(s) {', '.join(unknown) or '(none)'}: use "
             f"{', '.join(SCHEMES)}"
         )
+    if cfg.model.num_experts:
+        raise UserError(
+            "the planner models dense layers: a mixture of experts (model.num_experts) is not "
+            "planned yet; give --mesh yourself and measure it with --dry-run"
+        )
     if cfg.train.layer_programs and "plain" not in schemes:
         raise UserError(
             "train.layer_programs works with plain data parallelism only: plan it with --schemes "

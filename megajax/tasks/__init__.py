@@ -32,7 +32,8 @@ def param_count(cfg) -> int:
     output_layer = 0 if m.tie_embeddings else m.padded_vocab * m.hidden
     final_norm = (2 if m.norm == "layernorm" else 1) * m.hidden
     shared = (
-        m.num_layers * (m.layer_params + m.adapter_params)
+        sum(m.params_per_layer)
+        + m.num_layers * m.adapter_params
         + m.padded_vocab * m.hidden
         + positions
         + output_layer

@@ -80,7 +80,7 @@ class Task:
     def matmul_params_per_token(self, cfg) -> float:
         """Weights each trained token goes through in a matmul (6 FLOPs each, forward and
         backward)."""
-        return float(cfg.model.num_layers * cfg.model.layer_params)
+        return cfg.model.active_layer_params
 
     # -- evaluation during training ------------------------------------------------------------
     def chance_loss(self, cfg) -> float:

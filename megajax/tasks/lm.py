@@ -45,7 +45,7 @@ class LanguageModelling(Task):
     def matmul_params_per_token(self, cfg) -> float:
         # the layers and the output layer (the tied embedding or its own), not the lookups
         m = cfg.model
-        return float(m.num_layers * m.layer_params + m.padded_vocab * m.hidden + 2 * m.hidden)
+        return m.active_layer_params + m.padded_vocab * m.hidden + 2 * m.hidden
 
     def loss_targets(self, batch):
         return batch["loss_mask"].sum() if isinstance(batch, dict) else None

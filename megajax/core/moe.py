@@ -1,0 +1,264 @@
+"""The mixture-of-experts MLP: a router choosing k of E expert MLPs for each token, the tokens
+dispatched to per-expert buffers, one batched matmul per weight for all experts, and the results
+combined weighted by the router; shared experts always on beside them.
+
+Megatron's layout carries over: each expert's first weights are split by columns over "model"
+and its last by rows (expert tensor parallelism), the shared experts likewise, and the partial
+sums of all of them meet in the layer's one all-reduce (`g_all_reduce`), after the combine: the
+model axis sees exactly the dense MLP's collective. The router runs in float32, duplicated on
+every device of "model" like a LayerNorm. Everything runs in one shard_map, so each data shard
+dispatches its own rows: a row's tokens compete only with each other for an expert's capacity,
+which makes the dropped assignments (with a capacity factor) the same on every mesh.
+
+Dispatch: each row has a buffer of `capacity` slots per expert; assignments take slots in
+order of their rank (every token's first choice before any second choice, then by position),
+GShard's priority. Dropless (model.moe_capacity_factor = 0) the capacity is the row's length,
+the most tokens one expert can be given, and nothing is ever dropped: the result is the dense
+loop over each token's experts (the suite's oracle).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax.core import sharding as S
+from megajax.core.layers import param
+from megajax.core.precision import Precision
+from megajax.model_config import ModelConfig
+
+# what each sparse layer reports, per row of the batch (summed over its tokens)
+STAT_NAMES = ("assigned", "probs", "z", "tokens", "dropped", "routed")
+
+
+def route(logits, k: int, router: str, norm_topk: bool):
+    """(scores (.., E), chosen experts (.., k), their weights (.., k)) of float32 router logits.
+    Ties go to the lower expert index (jax.lax.top_k's order), so routing is deterministic."""
+    scores = jax.nn.softmax(logits, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits)
+    _, experts = jax.lax.top_k(scores, k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return scores, experts, weights
+
+
+def capacity(seq: int, factor: float, k: int, num_experts: int) -> int:
+    """Slots per expert in a row of `seq` tokens: the row's length when dropless (`factor` 0: no
+    expert can be given more), else factor x seq x k / E rounded up (at most seq)."""
+    if not factor:
+        return seq
+    return max(1, min(seq, math.ceil(factor * seq * k / num_experts)))
+
+
+def slots(experts, num_experts: int):
+    """Each assignment's slot in its expert's buffer of its row, (b, s, k): assignments ranked
+    by their choice (all first choices, then all second ...) then by position."""
+    b, s, k = experts.shape
+    ranked = experts.transpose(0, 2, 1).reshape(b, k * s)
+    onehot = jax.nn.one_hot(ranked, num_experts, dtype=jnp.int32)
+    taken = ((jnp.cumsum(onehot, axis=1) - 1) * onehot).sum(-1)
+    return taken.reshape(b, k, s).transpose(0, 2, 1)
+
+
+def expert_matmul(x, w, precision: Precision):
+    """(E, t, i) @ (E, i, o) for every expert at once, operands in the matmul dtype,
+    accumulated in float32 where that is wider, the result in the compute dtype."""
+    dt = precision.matmul
+    y = jnp.einsum(
+        "eti,eio->eto",
+        x.astype(dt),
+        w.astype(dt),
+        preferred_element_type=jnp.float32 if dt != precision.compute else None,
+    )
+    return y.astype(precision.compute)
+
+
+class MoEBlock(nnx.Module):
+    """Router, experts and shared experts of one sparse layer (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, *, layout: S.Layout, precision: Precision, rngs):
+        self.layout, self.precision = layout, precision
+        self.k, self.router_kind, self.norm_topk = (
+            cfg.experts_per_token,
+            cfg.moe_router,
+            cfg.moe_norm_topk,
+        )
+        self.num_experts, self.capacity_factor = cfg.num_experts, cfg.moe_capacity_factor
+        self.gated, self.approximate_gelu = cfg.mlp == "swiglu", cfg.gelu == "tanh"
+        e, h, f = cfg.num_experts, cfg.hidden, cfg.moe_ffn
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        normal, zeros = nnx.initializers.normal, nnx.initializers.zeros
+        self.router = param(normal(std), S.REPLICATED_2D, rngs.params(), (h, e))
+        ins = ("gate", "up") if self.gated else ("fc1",)
+        for name in ins:
+            setattr(
+                self, f"{name}_experts", param(normal(std), S.EXPERT_IN, rngs.params(), (e, h, f))
+            )
+        self.fc2_experts = param(normal(out_std), S.EXPERT_OUT, rngs.params(), (e, f, h))
+        biased = cfg.bias == "all"
+        for name in ins:
+            bias = param(zeros, S.EXPERT_IN_BIAS, rngs.params(), (e, f)) if biased else None
+            setattr(self, f"{name}_bias", bias)
+        self.fc2_bias = param(zeros, S.REPLICATED_2D, rngs.params(), (e, h)) if biased else None
+        fs = cfg.moe_shared_ffn
+        shared = (
+            {n: param(normal(std), S.COLUMN, rngs.params(), (h, fs)) for n in ins} if fs else {}
+        )
+        if fs:
+            shared["fc2"] = param(normal(out_std), S.ROW, rngs.params(), (fs, h))
+        self.shared = nnx.Dict(shared) if fs else None
+        self.shared_gate = (
+            param(normal(std), S.REPLICATED_2D, rngs.params(), (h, 1))
+            if cfg.moe_shared_gate
+            else None
+        )
+
+    def activation(self, parts):
+        """GeLU of fc1's output, or silu(gate) * up."""
+        if self.gated:
+            gate, up = parts
+            return jax.nn.silu(gate) * up
+        return jax.nn.gelu(parts[0], approximate=self.approximate_gelu)
+
+    def weights(self) -> dict:
+        """Every weight the block's shard_map reads, by name."""
+        names = ("gate", "up") if self.gated else ("fc1",)
+        w = {f"{n}_experts": getattr(self, f"{n}_experts")[...] for n in names}
+        w["fc2_experts"], w["router"] = self.fc2_experts[...], self.router[...]
+        if self.fc2_bias is not None:
+            w.update({f"{n}_bias": getattr(self, f"{n}_bias")[...] for n in names})
+        if self.shared is not None:
+            w["shared"] = {n: v[...] for n, v in self.shared.items()}
+        if self.shared_gate is not None:
+            w["shared_gate"] = self.shared_gate[...]
+        return w
+
+    def specs(self, w: dict) -> dict:
+        specs = {n: S.P(*S.EXPERT_IN) for n in w if n.endswith("_experts")}
+        specs["fc2_experts"], specs["router"] = S.P(*S.EXPERT_OUT), S.P(*S.REPLICATED_2D)
+        specs.update({n: S.P(*S.EXPERT_IN_BIAS) for n in w if n.endswith("_bias")})
+        if "shared" in w:
+            specs["shared"] = {n: S.P(*(S.ROW if n == "fc2" else S.COLUMN)) for n in w["shared"]}
+        if "shared_gate" in w:
+            specs["shared_gate"] = S.P(*S.REPLICATED_2D)
+        return specs
+
+    def __call__(self, x, norm=None, key=None, token_weights=None):
+        """(output (b, s, h) replicated over "model", this layer's routing statistics): a dict
+        of STAT_NAMES, each summed over a row's tokens ((b, E) or (b,)), `token_weights` (b, s)
+        weighting the tokens that the loss covers (None: all)."""
+        del key  # experts have no adapters; dropout is the layer's
+        h = x if norm is None else norm(x)
+        if token_weights is None:
+            token_weights = jnp.ones(h.shape[:2], jnp.float32)
+        w = self.weights()
+        stat_specs = {n: S.P(S.DATA, None) for n in ("assigned", "probs")}
+        stat_specs.update({n: S.BATCH for n in ("z", "tokens", "dropped", "routed")})
+        out, stats = self.layout.shard_map(
+            self.local,
+            (S.ACT_REPLICATED, self.specs(w), S.TOKENS),
+            (S.ACT_REPLICATED, stat_specs),
+        )(h, w, token_weights.astype(jnp.float32))
+        if self.fc2_bias is not None:  # after the all-reduce: once, not once per device
+            out = out + self.bias_after(h, w["router"])
+        return self.layout.constrain(out, S.ACT_REPLICATED), stats
+
+    def bias_after(self, h, router_w):
+        """Σ_k weight_k · fc2_bias[expert_k]: the experts' output biases, weighted as their
+        outputs are (outside the shard_map, replicated)."""
+        _, experts, weights = route(
+            h.astype(jnp.float32) @ router_w, self.k, self.router_kind, self.norm_topk
+        )
+        keep = self.kept(experts, h.shape[1])
+        b = jnp.take(self.fc2_bias[...], experts, axis=0)  # (b, s, k, h)
+        return jnp.einsum("bsk,bskh->bsh", weights * keep, b).astype(h.dtype)
+
+    def capacity(self, seq: int) -> int:
+        return capacity(seq, self.capacity_factor, self.k, self.num_experts)
+
+    def kept(self, experts, seq: int):
+        return (slots(experts, self.num_experts) < self.capacity(seq)).astype(jnp.float32)
+
+    def local(self, x, w, token_weights):
+        """One device's rows and share of every expert: route, dispatch, the experts, combine,
+        and the one all-reduce over "model"."""
+        b, s, hidden = x.shape
+        logits = x.astype(jnp.float32) @ w["router"]  # (b, s, E), the same on every device
+        scores, experts, weights = route(logits, self.k, self.router_kind, self.norm_topk)
+        cap = self.capacity(s)
+        slot = slots(experts, self.num_experts)
+        keep = slot < cap
+        stats = self.statistics(logits, scores, experts, keep, token_weights)
+        # x is the same on every device of "model", typed varying as the experts' products are:
+        # its gradient is then the one all-reduce of Megatron's f (the router's stays local)
+        xv = jax.lax.pcast(x, S.MODEL, to="varying").astype(self.precision.compute)
+        rows = jnp.arange(b)[:, None, None]
+        buffer = jnp.zeros((self.num_experts, b, cap, hidden), xv.dtype)
+        tokens = jnp.broadcast_to(xv[:, :, None, :], (b, s, self.k, hidden))
+        buffer = buffer.at[experts, rows, slot].add(tokens, mode="drop")
+        flat = buffer.reshape(self.num_experts, b * cap, hidden)
+        names = ("gate", "up") if self.gated else ("fc1",)
+        parts = [expert_matmul(flat, w[f"{n}_experts"], self.precision) for n in names]
+        if f"{names[0]}_bias" in w:
+            parts = [p + w[f"{n}_bias"][:, None, :].astype(p.dtype) for p, n in zip(parts, names)]
+        y = expert_matmul(self.activation(parts), w["fc2_experts"], self.precision)
+        y = y.reshape(self.num_experts, b, cap, hidden)
+        picked = y[experts, rows, jnp.minimum(slot, cap - 1)]  # (b, s, k, h)
+        gate = (weights * keep).astype(picked.dtype)
+        out = jnp.einsum("bsk,bskh->bsh", gate, picked)
+        if "shared" in w:
+            out = out + self.shared_experts(xv, x, w)
+        with jax.named_scope("g_all_reduce"):
+            return jax.lax.psum(out, S.MODEL), stats
+
+    def shared_experts(self, xv, x, w):
+        """The always-on experts' partial output on this device (column, then row-parallel), times
+        Qwen2-MoE's sigmoid gate if any."""
+        sw = w["shared"]
+        names = ("gate", "up") if self.gated else ("fc1",)
+        parts = [xv @ sw[n].astype(xv.dtype) for n in names]
+        out = self.activation(parts) @ sw["fc2"].astype(xv.dtype)
+        if "shared_gate" in w:
+            out = out * jax.nn.sigmoid(x.astype(jnp.float32) @ w["shared_gate"]).astype(out.dtype)
+        return out
+
+    def statistics(self, logits, scores, experts, keep, token_weights) -> dict:
+        """Per row: the weighted assignments and router probabilities per expert, the weighted
+        z-loss terms and tokens (the loss's tokens only), and the dropped assignments (all)."""
+        wt = token_weights[..., None]
+        probs = scores / scores.sum(-1, keepdims=True)  # a sigmoid router's scores, normalised
+        chosen = jax.nn.one_hot(experts, self.num_experts, dtype=jnp.float32).sum(2)
+        return {
+            "assigned": (jax.lax.stop_gradient(chosen) * wt).sum(1),
+            "probs": (probs * wt).sum(1),
+            "z": (jax.nn.logsumexp(logits, axis=-1) ** 2 * token_weights).sum(1),
+            "tokens": token_weights.sum(1),
+            "dropped": (~keep).sum((1, 2)).astype(jnp.float32),
+            "routed": jnp.full(keep.shape[:1], keep.shape[1] * keep.shape[2], jnp.float32),
+        }
+
+
+def router_losses(stats: dict, cfg: ModelConfig, global_sum=lambda x: x) -> dict:
+    """The auxiliary losses of a model's sparse layers from their statistics (each (layers, b,
+    ...)), summed over layers: Switch's load balance E·Σ_e f_e·P_e (f_e: the share of the
+    covered tokens' assignments that chose e; P_e: their mean router probability for e) and the
+    z-loss mean(logsumexp(logits)²), over the tokens the loss covers.
+
+    The counts are the whole batch's on every mesh (`global_sum` adds the other data shards'
+    where each device has its rows); the terms that carry a gradient are this device's rows'
+    share of them, as the cross-entropy is, so that the shards' shares add up to the loss."""
+    local = {n: v.sum(1) for n, v in stats.items()}  # (layers, ...)
+    tokens = jnp.maximum(global_sum(local["tokens"]), 1.0)
+    f = global_sum(local["assigned"]) / (tokens[:, None] * cfg.experts_per_token)
+    p = local["probs"] / tokens[:, None]
+    balance = cfg.num_experts * (f * p).sum(-1)
+    z = local["z"] / tokens
+    return {
+        "moe/aux_loss": balance.sum(),
+        "moe/z_loss": z.sum(),
+        # the share of all assignments (padding's too) that found no slot
+        "moe/dropped": local["dropped"].sum() / jnp.maximum(global_sum(local["routed"].sum()), 1),
+    }
