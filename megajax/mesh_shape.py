@@ -8,6 +8,8 @@ specs in `core/sharding.py`, and the code that uses it (docs/architecture.md).
 Accepted specs:
   "data=2,model=4"          explicit sizes (either may be omitted; it then takes the devices left)
   "data=2,pipe=2,model=2"   with pipeline stages (megajax/training/pipeline.py)
+  "data=2,expert=4"         with a mixture of experts' experts split over 4 devices
+                            (core/moe.py), which are one more data axis for everything else
   "2x4"                     shorthand for data x model
   "model=8"                 a model axis of 8, data takes whatever is left
   "auto"                    every device on "data"; the command lines resolve it with the run's
@@ -20,10 +22,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-DATA, MODEL, PIPE = "data", "model", "pipe"
+DATA, MODEL, PIPE, EXPERT = "data", "model", "pipe", "expert"
 # The device layout, outermost first: pipeline stages across nodes as Megatron-LM puts them,
-# the model axis innermost, where jax.make_mesh puts the fastest links.
-LAYOUT = (PIPE, DATA, MODEL)
+# the expert axis inside the data axis (its all-to-alls want faster links than the gradients'
+# reduction), the model axis innermost, where jax.make_mesh puts the fastest links.
+LAYOUT = (PIPE, DATA, EXPERT, MODEL)
+# the axes a mesh has only when they have more than one device
+OPTIONAL = (PIPE, EXPERT)
 AUTO = "auto"
 
 
@@ -32,6 +37,7 @@ class MeshShape:
     data: int = 1
     pipe: int = 1
     model: int = 1
+    expert: int = 1
 
     def __post_init__(self):
         for name in LAYOUT:
@@ -49,11 +55,12 @@ class MeshShape:
             return cls(data=devices)
         sizes = _sizes(spec, s)
         sizes.setdefault(PIPE, 1)
+        sizes.setdefault(EXPERT, 1)
         if DATA not in sizes and MODEL not in sizes:
             sizes[MODEL] = 1
         for name, other in ((DATA, MODEL), (MODEL, DATA)):
             if name not in sizes:
-                given = sizes[other] * sizes[PIPE]
+                given = sizes[other] * sizes[PIPE] * sizes[EXPERT]
                 if devices % given:
                     raise ValueError(
                         f"mesh '{spec}': {_named(sizes)} does not divide the number of devices"
@@ -82,11 +89,12 @@ class MeshShape:
 
     # -- writing ----------------------------------------------------------------------------
     def __str__(self) -> str:
-        """The spec that parses back to this shape: "data=2,model=4", "data=2,pipe=2,model=2"."""
+        """The spec that parses back to this shape: "data=2,model=4", "data=2,pipe=2,model=2",
+        "data=2,expert=4,model=1"."""
         return ",".join(
             f"{name}={getattr(self, name)}"
-            for name in (DATA, PIPE, MODEL)
-            if name != PIPE or self.pipelined
+            for name in (DATA, PIPE, EXPERT, MODEL)
+            if name not in OPTIONAL or getattr(self, name) > 1
         )
 
     def sizes(self) -> dict[str, int]:
@@ -97,7 +105,13 @@ class MeshShape:
     # -- derived figures --------------------------------------------------------------------
     @property
     def devices(self) -> int:
-        return self.data * self.pipe * self.model
+        return self.data * self.pipe * self.expert * self.model
+
+    @property
+    def batch_shards(self) -> int:
+        """The shards a batch's rows split over: "data" and "expert" (for everything but the
+        experts, one more data axis)."""
+        return self.data * self.expert
 
     @property
     def pipelined(self) -> bool:
@@ -105,21 +119,22 @@ class MeshShape:
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        """The jax Mesh's axes, outermost first: ("data", "model"), "pipe" before them."""
-        return tuple(name for name in LAYOUT if name != PIPE or self.pipelined)
+        """The jax Mesh's axes, outermost first: ("data", "model"), "pipe" before them and
+        "expert" between them when they have more than one device."""
+        return tuple(n for n in LAYOUT if n not in OPTIONAL or getattr(self, n) > 1)
 
     @property
     def dims(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in self.axis_names)
 
     def rows_per_microbatch(self, batch_size: int, microbatches: int = 1) -> int:
-        """Rows of one microbatch on one data shard."""
-        return batch_size // microbatches // self.data
+        """Rows of one microbatch on one data shard (of "data" and "expert")."""
+        return batch_size // microbatches // self.batch_shards
 
 
 def _named(sizes: dict) -> str:
     return " x ".join(
-        f"{a}={sizes[a]}" for a in LAYOUT if a in sizes and (a != PIPE or sizes[a] > 1)
+        f"{a}={sizes[a]}" for a in LAYOUT if a in sizes and (a not in OPTIONAL or sizes[a] > 1)
     )
 
 
@@ -140,7 +155,8 @@ def _sizes(spec: str | None, s: str) -> dict[str, int]:
     for name, value in pairs:
         if name not in LAYOUT:
             raise ValueError(
-                f"mesh '{spec}': unknown axis '{name}' (axes are 'data', 'pipe' and 'model')"
+                f"mesh '{spec}': unknown axis '{name}' (axes are 'data', 'pipe', 'expert' and "
+                "'model')"
             )
         if name in sizes:
             raise ValueError(f"mesh '{spec}': axis '{name}' given twice")

@@ -99,9 +99,11 @@ def test_a_users_mesh_is_laid_out_as_megajax_lays_out_its_own(devices):
         mesh = as_mesh(given)
         assert mesh.axis_names == AXES and mesh.axis_types == (AxisType.Auto,) * 2
         assert mesh.devices.tolist() == expected.tolist()
-    with pytest.raises(
-        ConfigError, match=r"and 'pipe' for pipeline stages\), this mesh has \('dp', 'tp'\)"
-    ):
+    # an expert axis keeps its place between "data" and "model"
+    mesh = as_mesh(Mesh(grid, ("expert", "data")))
+    assert mesh.axis_names == ("data", "expert", "model")
+    assert mesh.devices.tolist() == grid.T[..., None].tolist()
+    with pytest.raises(ConfigError, match=r"'expert' for experts\), this mesh has \('dp', 'tp'\)"):
         as_mesh(Mesh(grid, ("dp", "tp")))
     with pytest.raises(TypeError, match="expected a jax.sharding.Mesh"):
         as_mesh(devices)

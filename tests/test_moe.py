@@ -15,8 +15,10 @@ from tolerances import F32, assert_close, assert_tree_close
 
 from megajax.config import ConfigError, load_config
 from megajax.core import sharding as S
+from megajax.core.mesh import make_mesh
 from megajax.core.moe import MoEBlock, capacity, route, router_losses, slots
 from megajax.core.precision import Precision
+from megajax.mesh_shape import MeshShape
 
 MOE = dict(
     norm="rmsnorm",
@@ -142,17 +144,32 @@ def grads_of(fn, w, x, cot):
     return jax.grad(lambda w, x: (fn(w, x) * cot).sum(), argnums=(0, 1))(w, x)
 
 
+def moe_mesh(spec: str):
+    """The mesh `spec` names, on as many of the 8 devices as it asks for."""
+    return make_mesh(spec, devices=jax.devices()[: MeshShape.devices_asked(spec)])
+
+
+EXPERT_MESHES = ("data=2,expert=4", "expert=2,model=2", "data=1,expert=4,model=2", "expert=8")
+
+
 @pytest.mark.parametrize(
     "kind,spec",
     tiered(
-        [(k, s) for k in ("swiglu", "gelu_shared") for s in ("1x1", "2x4", "1x8", "8x1")],
+        [
+            (k, s)
+            for k in ("swiglu", "gelu_shared")
+            for s in ("1x1", "2x4", "1x8", "8x1", *EXPERT_MESHES)
+            if (k, s) != ("gelu_shared", "expert=8")  # 4 experts
+        ],
         ("swiglu", "2x4"),
-        ("gelu_shared", "1x8"),
+        ("gelu_shared", "data=2,expert=4"),
     ),
 )
 def test_block_matches_the_dense_loop_with_every_gradient(blocks, kind, spec):
+    """Dense meshes and expert meshes (experts split over "expert", tokens sent to them and
+    back by all-to-all), with and without "model"."""
     m, state, x, tw, cot = blocks[kind]
-    mesh = mesh_for(spec)
+    mesh = moe_mesh(spec)
     layout = S.Layout.for_model(mesh, m)
     block = MoEBlock(m, layout=layout, precision=Precision.of(m), rngs=nnx.Rngs(3))
     nnx.update(block, state)
@@ -263,8 +280,11 @@ def steps(mesh, cfg, n=3) -> dict:
             ("8x1", {"moe_capacity_factor": 1.0}, {"shard_params": True}),
             ("2x4", {"scan_layers": False, "remat": "full"}, {"shard_optimizer": True}),
             ("2x4", {}, {"microbatches": 2}),
+            ("data=2,expert=4", {"moe_capacity_factor": 1.0}, {}),
+            ("data=1,expert=4,model=2", {}, {}),
+            ("expert=8", {"remat": "full"}, {}),
         ],
-        ("2x4", {}, {}),
+        ("data=1,expert=4,model=2", {}, {}),
     ),
 )
 def test_three_adamw_steps_match_one_device(spec, extra, train):
@@ -281,7 +301,7 @@ def test_three_adamw_steps_match_one_device(spec, extra, train):
         ref = tiny_config(**MOE, **base)
         ref.train.microbatches = train.get("microbatches", 1)
         _REFERENCES[key] = steps(mesh_for("1x1"), ref.validate())
-    want, got = _REFERENCES[key], steps(mesh_for(spec), cfg)
+    want, got = _REFERENCES[key], steps(moe_mesh(spec), cfg)
     for name in ("loss", "moe/aux_loss", "moe/z_loss", "moe/dropped"):
         assert_close(got["metrics"][name], want["metrics"][name], what=name)
     assert_tree_close(want["grads"], got["grads"], what="gradient")
@@ -338,28 +358,125 @@ def test_kv_cache_decoding_gives_the_full_forward_logits():
     assert_close(np.stack(got, 1), whole, what="decoded logits")
 
 
+@pytest.mark.parametrize(
+    "spec,capacity_factor",
+    tiered([("data=2,expert=2,model=2", 0.0), ("expert=8", 1.0)], ("data=2,expert=2,model=2", 0.0)),
+)
+def test_expert_axis_carries_two_all_to_alls_each_way(spec, capacity_factor):
+    """Per sparse layer, 2 all-to-alls forward (tokens to their experts' devices, results back)
+    and 2 backward over "expert", each of a row shard's buffers, rows x E x capacity x h (the
+    analytic form: dropless, E/k times the k·h numbers of each token; with a capacity factor c,
+    c times them); nothing else on "expert" alone. The model axis keeps the dense layer's
+    all-reduces."""
+    from megajax.core.moe import capacity
+    from megajax.tools.audit import audit
+
+    cfg = load_config("moe_tiny", [f"model.moe_capacity_factor={capacity_factor}"])
+    mesh = moe_mesh(spec)
+    shape, m = MeshShape.of(mesh), cfg.model
+    r = audit(cfg, mesh)
+    rows = cfg.train.batch_size // shape.batch_shards
+    cap = capacity(m.seq_len, capacity_factor, m.experts_per_token, m.num_experts)
+    # besides them, "expert" carries the non-expert weights' gradient reductions (it is a
+    # data axis for them) and the router statistics' batch sums: nothing in a layer's forward
+    on_axis = [c for c in r.collectives if "expert" in c.axis.split("+")]
+    assert not [
+        c
+        for c in on_axis
+        if c.kind != "all-to-all" and c.direction == "forward" and c.origin in ("attention", "mlp")
+    ]
+    on_expert = [c for c in on_axis if c.kind == "all-to-all"]
+    assert sorted((c.axis, c.direction, c.layer, c.count) for c in on_expert) == [
+        ("expert", d, "all", m.num_layers) for d in ("backward",) * 2 + ("forward",) * 2
+    ]
+    assert {c.elements for c in on_expert} == {rows * m.num_experts * cap * m.hidden}
+    if capacity_factor == 1.0:  # exactly the tokens' k copies
+        assert rows * m.num_experts * cap == rows * m.seq_len * m.experts_per_token
+    if shape.model > 1:
+        for counts in r.model_axis_layer_counts().values():
+            assert set(counts.values()) == {1} and len(counts) == 4
+
+
 def test_train_py_logs_the_router_losses_and_refuses_what_it_cannot_run(tmp_path):
-    """A mixture of experts through train.py on 2x4: the router losses and the dropped share
-    in metrics.jsonl and the step line, the active parameters' FLOPs in the MFU; a pipeline
-    and an indivisible expert width are one line, exit 2, nothing written."""
+    """A mixture of experts through train.py: the router losses and the dropped share in
+    metrics.jsonl and the step line; four steps on data=2,expert=4 resumed for two more on
+    expert=2,model=4 log the losses of six straight steps on 2x4. A pipeline, an indivisible
+    expert width, experts that the expert axis does not divide and an expert axis under a dense
+    model are one line, exit 2, nothing written."""
     import json
 
-    from helpers import run
+    from helpers import losses, run
 
-    wd = tmp_path / "moe"
     common = ["--config", "moe_tiny", "--host-devices", "8", "--sample-tokens", "0"]
-    p = run(*common, "--workdir", wd, "--steps", "4", "--log-every", "2", "--mesh", "2x4")
+    straight = run(
+        *common,
+        "--workdir",
+        tmp_path / "straight",
+        "--steps",
+        "6",
+        "--mesh",
+        "2x4",
+        "--log-every",
+        "1",
+    )
+    wd = tmp_path / "moved"
+    run(
+        *common,
+        "--workdir",
+        wd,
+        "--steps",
+        "4",
+        "--save-every",
+        "4",
+        "--mesh",
+        "data=2,expert=4",
+        "--log-every",
+        "1",
+        "--set",
+        "train.decay_steps=6",
+    )
+    run(
+        *common,
+        "--workdir",
+        wd,
+        "--steps",
+        "6",
+        "--mesh",
+        "expert=2,model=4",
+        "--log-every",
+        "1",
+        "--set",
+        "train.decay_steps=6",
+    )
+    want, got = losses(tmp_path / "straight"), losses(wd)
+    assert sorted(got) == list(range(1, 7))
+    assert_close(
+        [got[i] for i in range(1, 7)], [want[i] for i in range(1, 7)], tol=4 * F32, what="losses"
+    )
     records = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
-    assert [r["step"] for r in train] == [1, 2, 4]  # the first step, then every 2
     assert all(
         r["moe/aux_loss"] > 0 and r["moe/z_loss"] > 0 and r["moe/dropped"] == 0 for r in train
     )
-    assert "  aux " in p.stdout and "dropped 0.00%" in p.stdout
+    assert "  aux " in straight.stdout and "dropped 0.00%" in straight.stdout
     for args, words in (
         (["--mesh", "data=2,pipe=2,model=2"], "mixture of experts"),
         (["--mesh", "1x8", "--set", "model.moe_ffn_hidden=36"], "moe_ffn_hidden=36"),
+        (["--mesh", "expert=8", "--set", "model.num_experts=12"], "not divisible by the expert"),
+        (["--mesh", "expert=8", "--config", "tiny"], "this model is dense"),
     ):
         q = run(*common, "--workdir", tmp_path / "refused", "--steps", "2", *args, check=False)
         assert q.returncode == 2 and words in q.stderr and q.stderr.count("\n") == 1, q.stderr
         assert not (tmp_path / "refused").exists()
+
+
+def test_mixtral_has_its_published_parameter_count():
+    """Mixtral 8x7B: 46,702,792,704 parameters (the Hugging Face checkpoint's tensors), of which
+    a token goes through its attention, the router, two of the eight experts and both
+    embedding tables."""
+    from megajax.tasks import param_count
+
+    cfg = load_config("mixtral_8x7b")
+    m = cfg.model
+    assert param_count(cfg) == 46_702_792_704
+    assert m.active_layer_params + 2 * m.padded_vocab * m.hidden + m.hidden == 12_879_925_248

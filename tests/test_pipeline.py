@@ -106,7 +106,7 @@ def test_pipeline_sizes_are_checked():
     cfg.model.scan_layers = False
     with pytest.raises(ConfigError, match="does not run with model.scan_layers = false"):
         make_trainer(cfg.validate(), mesh)
-    with pytest.raises(ValueError, match="axes are 'data', 'pipe' and 'model'"):
+    with pytest.raises(ValueError, match="axes are 'data', 'pipe', 'expert' and 'model'"):
         make_mesh("stage=2")
 
 

@@ -49,7 +49,8 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mesh",
         default="auto",
-        help="data=2,model=4 | 2x4 | model=8 | data=2,pipe=2,model=2 (pipeline stages) | auto "
+        help="data=2,model=4 | 2x4 | model=8 | data=2,pipe=2,model=2 (pipeline stages) | "
+        "data=2,expert=4 (a mixture of experts' experts split over 4 devices) | auto "
         "(all devices on data; if the model does not fit there, the fastest mesh megajax-plan "
         "predicts to fit)",
     )

@@ -9,8 +9,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from megajax.config import ConfigError
-from megajax.core.sharding import AXES, PIPE, PIPE_AXES, check_context_mesh, is_megajax_mesh
-from megajax.mesh_shape import MeshShape
+from megajax.core.sharding import AXES, check_context_mesh, is_megajax_mesh
+from megajax.mesh_shape import LAYOUT, MeshShape
 
 
 def _describe_devices(devices) -> str:
@@ -81,15 +81,16 @@ def as_mesh(mesh) -> Mesh:
             f"{type(mesh).__name__}"
         )
     names = tuple(mesh.axis_names)
-    if not names or set(names) - set(PIPE_AXES) or len(set(names)) != len(names):
+    if not names or set(names) - set(LAYOUT) or len(set(names)) != len(names):
         raise ConfigError(
-            "megajax's mesh axes are 'data' and 'model' (and 'pipe' for pipeline stages), this "
-            f"mesh has {names}: name them so (or build the mesh with megajax.make_mesh('2x4'))"
+            "megajax's mesh axes are 'data' and 'model' (and 'pipe' for pipeline stages, "
+            f"'expert' for experts), this mesh has {names}: name them so (or build the mesh "
+            "with megajax.make_mesh('2x4'))"
         )
     if is_megajax_mesh(mesh):
         return mesh
-    target = PIPE_AXES if mesh.shape.get(PIPE, 1) > 1 else AXES
-    order = [names.index(a) for a in PIPE_AXES if a in names]
+    target = MeshShape.of(mesh).axis_names
+    order = [names.index(a) for a in LAYOUT if a in names]
     devices = mesh.devices.transpose(order)
     return Mesh(
         devices.reshape([mesh.shape.get(a, 1) for a in target]),
@@ -116,7 +117,8 @@ def check_fits(cfg, mesh, *, batch: bool = True):
     if not batch:
         return
     check_pipeline_fits(cfg, mesh)
-    m, t, dp = cfg.model, cfg.train, _shape(mesh).data
+    m, t, dp = cfg.model, cfg.train, _shape(mesh).batch_shards
+    axis = "data axis" if _shape(mesh).expert == 1 else "data and expert axes"
     # never near: GPT-3 trained on 3.2M tokens a batch
     if t.batch_size * (m.seq_len + 1) >= 2**31:
         raise ConfigError(
@@ -124,11 +126,16 @@ def check_fits(cfg, mesh, *, batch: bool = True):
             "counts in int32: lower train.batch_size or model.seq_len"
         )
     if t.batch_size % dp:
-        raise ConfigError(f"global batch {t.batch_size} is not divisible by the data axis ({dp})")
+        raise ConfigError(f"global batch {t.batch_size} is not divisible by the {axis} ({dp})")
     if (t.batch_size // t.microbatches) % dp:
         raise ConfigError(
             f"microbatch of {t.batch_size // t.microbatches} rows (batch {t.batch_size} / "
-            f"{t.microbatches} microbatches) is not divisible by the data axis ({dp})"
+            f"{t.microbatches} microbatches) is not divisible by the {axis} ({dp})"
+        )
+    if _shape(mesh).expert > 1 and (t.shard_optimizer or t.shard_params):
+        raise ConfigError(
+            "train.shard_optimizer and train.shard_params do not run with an expert axis yet: "
+            "unset them or drop 'expert' from --mesh"
         )
 
 
@@ -136,7 +143,16 @@ def check_model_fits(m, mesh):
     """Megatron's rules for a model (a ModelConfig) on `mesh`: hidden, heads and ffn split over
     "model" (and the sequence, with sequence parallelism). The vocabulary is padded for the
     model axis (ModelConfig.vocab_rows)."""
-    tp = _shape(mesh).model
+    tp, ep = _shape(mesh).model, _shape(mesh).expert
+    if ep > 1 and not m.num_experts:
+        raise ConfigError(
+            f"the mesh's expert axis (expert={ep}) splits a mixture of experts' experts: this "
+            "model is dense (model.num_experts = 0)"
+        )
+    if m.num_experts % ep:
+        raise ConfigError(
+            f"model.num_experts={m.num_experts} is not divisible by the expert axis ({ep})"
+        )
     widths = [("hidden", m.hidden), ("num_heads", m.num_heads), ("ffn_hidden", m.ffn)]
     if m.num_experts:  # each expert's MLP and the shared experts split as the dense MLP is
         widths += [("moe_ffn_hidden", m.moe_ffn), ("moe_shared_ffn_hidden", m.moe_shared_ffn)]
@@ -184,7 +200,7 @@ def check_pipeline_fits(cfg, mesh):
 def padded_rows(n: int, mesh: MeshShape) -> np.ndarray:
     """Row indices 0..n-1, then the last row repeated until the count divides the data axis:
     every batch megajax builds for inference splits evenly over "data"; callers drop the copies."""
-    return np.minimum(np.arange(n + -n % mesh.data), n - 1)
+    return np.minimum(np.arange(n + -n % mesh.batch_shards), n - 1)
 
 
 def padded_batches(n: int, batch_size: int, mesh: MeshShape):
@@ -192,7 +208,7 @@ def padded_batches(n: int, batch_size: int, mesh: MeshShape):
     rounded down to a multiple of the data axis (at least one row per shard), the last batch
     padded with copies of the final row. No larger than the rows need: a batch size of a million
     over a hundred rows is one batch of a hundred-odd rows, not a million-row allocation."""
-    dp = mesh.data
+    dp = mesh.batch_shards
     batch_size = max(dp, min(batch_size - batch_size % dp, n + -n % dp))
     for start in range(0, n, batch_size):
         rows = np.arange(start, start + batch_size)

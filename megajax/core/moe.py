@@ -93,16 +93,18 @@ class MoEBlock(nnx.Module):
         normal, zeros = nnx.initializers.normal, nnx.initializers.zeros
         self.router = param(normal(std), S.REPLICATED_2D, rngs.params(), (h, e))
         ins = ("gate", "up") if self.gated else ("fc1",)
+        spec = layout.weight_spec  # "expert" where the mesh has the axis
         for name in ins:
-            setattr(
-                self, f"{name}_experts", param(normal(std), S.EXPERT_IN, rngs.params(), (e, h, f))
-            )
-        self.fc2_experts = param(normal(out_std), S.EXPERT_OUT, rngs.params(), (e, f, h))
+            w = param(normal(std), spec(S.EXPERT_IN), rngs.params(), (e, h, f))
+            setattr(self, f"{name}_experts", w)
+        self.fc2_experts = param(normal(out_std), spec(S.EXPERT_OUT), rngs.params(), (e, f, h))
         biased = cfg.bias == "all"
         for name in ins:
-            bias = param(zeros, S.EXPERT_IN_BIAS, rngs.params(), (e, f)) if biased else None
+            bias = param(zeros, spec(S.EXPERT_IN_BIAS), rngs.params(), (e, f)) if biased else None
             setattr(self, f"{name}_bias", bias)
-        self.fc2_bias = param(zeros, S.REPLICATED_2D, rngs.params(), (e, h)) if biased else None
+        self.fc2_bias = (
+            param(zeros, spec(S.EXPERT_OUT_BIAS), rngs.params(), (e, h)) if biased else None
+        )
         fs = cfg.moe_shared_ffn
         shared = (
             {n: param(normal(std), S.COLUMN, rngs.params(), (h, fs)) for n in ins} if fs else {}
@@ -137,9 +139,10 @@ class MoEBlock(nnx.Module):
         return w
 
     def specs(self, w: dict) -> dict:
-        specs = {n: S.P(*S.EXPERT_IN) for n in w if n.endswith("_experts")}
-        specs["fc2_experts"], specs["router"] = S.P(*S.EXPERT_OUT), S.P(*S.REPLICATED_2D)
-        specs.update({n: S.P(*S.EXPERT_IN_BIAS) for n in w if n.endswith("_bias")})
+        spec = lambda s: S.P(*self.layout.weight_spec(s))  # noqa: E731
+        specs = {n: spec(S.EXPERT_IN) for n in w if n.endswith("_experts")}
+        specs["fc2_experts"], specs["router"] = spec(S.EXPERT_OUT), S.P(*S.REPLICATED_2D)
+        specs.update({n: spec(S.EXPERT_IN_BIAS) for n in w if n.endswith("_bias")})
         if "shared" in w:
             specs["shared"] = {n: S.P(*(S.ROW if n == "fc2" else S.COLUMN)) for n in w["shared"]}
         if "shared_gate" in w:
@@ -199,13 +202,7 @@ class MoEBlock(nnx.Module):
         buffer = jnp.zeros((self.num_experts, b, cap, hidden), xv.dtype)
         tokens = jnp.broadcast_to(xv[:, :, None, :], (b, s, self.k, hidden))
         buffer = buffer.at[experts, rows, slot].add(tokens, mode="drop")
-        flat = buffer.reshape(self.num_experts, b * cap, hidden)
-        names = ("gate", "up") if self.gated else ("fc1",)
-        parts = [expert_matmul(flat, w[f"{n}_experts"], self.precision) for n in names]
-        if f"{names[0]}_bias" in w:
-            parts = [p + w[f"{n}_bias"][:, None, :].astype(p.dtype) for p, n in zip(parts, names)]
-        y = expert_matmul(self.activation(parts), w["fc2_experts"], self.precision)
-        y = y.reshape(self.num_experts, b, cap, hidden)
+        y = self.run_experts(buffer, w)
         picked = y[experts, rows, jnp.minimum(slot, cap - 1)]  # (b, s, k, h)
         gate = (weights * keep).astype(picked.dtype)
         out = jnp.einsum("bsk,bskh->bsh", gate, picked)
@@ -213,6 +210,28 @@ class MoEBlock(nnx.Module):
             out = out + self.shared_experts(xv, x, w)
         with jax.named_scope("g_all_reduce"):
             return jax.lax.psum(out, S.MODEL), stats
+
+    def run_experts(self, buffer, w):
+        """The experts on their buffers, (E, b, capacity, h) -> the same shape of partial sums
+        over "model". With an expert axis each device holds E / experts of them: the buffers go
+        to their experts' devices and the results come back by one all-to-all each way (their
+        transposes, the backward pass's two)."""
+        ep = self.layout.experts
+        if ep > 1:
+            with jax.named_scope("dispatch_all_to_all"):
+                buffer = jax.lax.all_to_all(buffer, S.EXPERT, 0, 1, tiled=True)
+        e, rows, cap, hidden = buffer.shape
+        flat = buffer.reshape(e, rows * cap, hidden)
+        names = ("gate", "up") if self.gated else ("fc1",)
+        parts = [expert_matmul(flat, w[f"{n}_experts"], self.precision) for n in names]
+        if f"{names[0]}_bias" in w:
+            parts = [p + w[f"{n}_bias"][:, None, :].astype(p.dtype) for p, n in zip(parts, names)]
+        y = expert_matmul(self.activation(parts), w["fc2_experts"], self.precision)
+        y = y.reshape(e, rows, cap, hidden)
+        if ep > 1:
+            with jax.named_scope("combine_all_to_all"):
+                y = jax.lax.all_to_all(y, S.EXPERT, 1, 0, tiled=True)
+        return y
 
     def shared_experts(self, xv, x, w):
         """The always-on experts' partial output on this device (column, then row-parallel), times

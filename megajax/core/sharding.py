@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # The mesh axes' names (megajax/mesh_shape.py): every other module imports them from here
-from megajax.mesh_shape import DATA, LAYOUT, MODEL, PIPE, MeshShape
+from megajax.mesh_shape import DATA, EXPERT, LAYOUT, MODEL, PIPE, MeshShape
 
 AXES = (DATA, MODEL)
 # Pipeline parallelism's stages (Narayanan et al. 2021): the outermost axis, as Megatron-LM
@@ -55,11 +55,13 @@ REPLICATED_BIAS = (None,)
 VOCAB = (MODEL, None)
 VOCAB_BIAS = (MODEL,)  # BERT's MLM output bias, split like the logits
 REPLICATED_2D = (None, None)
-# A mixture of experts' stacked expert weights (core/moe.py): each expert's MLP split as the
-# dense one is (expert tensor parallelism), every expert on every device of the other axes.
-EXPERT_IN = (None, None, MODEL)  # (experts, in, out): column-parallel fc1 / gate / up
-EXPERT_OUT = (None, MODEL, None)  # (experts, in, out): row-parallel fc2
-EXPERT_IN_BIAS = (None, MODEL)  # (experts, out)
+# A mixture of experts' stacked expert weights (core/moe.py): the experts split over "expert"
+# when the mesh has that axis (`Layout.experts`), each expert's MLP split over "model" as the
+# dense one is (expert tensor parallelism).
+EXPERT_IN = (EXPERT, None, MODEL)  # (experts, in, out): column-parallel fc1 / gate / up
+EXPERT_OUT = (EXPERT, MODEL, None)  # (experts, in, out): row-parallel fc2
+EXPERT_IN_BIAS = (EXPERT, MODEL)  # (experts, out)
+EXPERT_OUT_BIAS = (EXPERT, None)  # (experts, out)
 
 # Activation specs.
 ACT_REPLICATED = P(DATA, None, None)  # (batch, seq, hidden) between blocks
@@ -76,10 +78,15 @@ KV_CACHE = P(DATA, MODEL, None, None)
 
 
 def is_megajax_mesh(mesh) -> bool:
-    """The axes ("data", "model"), both Auto: the only mesh a Layout takes (core.mesh.as_mesh
-    turns a user's into one)."""
-    return tuple(mesh.axis_names) in (AXES, PIPE_AXES) and all(
-        t == jax.sharding.AxisType.Auto for t in mesh.axis_types
+    """The axes ("data", "model"), "pipe" and "expert" in their places when the mesh has
+    them (mesh_shape.LAYOUT), all Auto: the only mesh a Layout takes (core.mesh.as_mesh turns
+    a user's into one)."""
+    names = tuple(mesh.axis_names)
+    in_place = names == tuple(a for a in LAYOUT if a in names) and set(names) <= set(LAYOUT)
+    return (
+        in_place
+        and set(AXES) <= set(names)
+        and all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     )
 
 
@@ -155,7 +162,17 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return 1 if self.mesh is None else self.mesh.shape[DATA]
+        """The shards of a batch's rows: "data" and "expert"."""
+        return 1 if self.mesh is None else self.mesh.shape[DATA] * self.experts
+
+    @property
+    def experts(self) -> int:
+        """The expert axis's devices (1: the mesh has none)."""
+        return 1 if self.mesh is None else self.mesh.shape.get(EXPERT, 1)
+
+    def weight_spec(self, spec: tuple) -> tuple:
+        """A weight's spec on this mesh: "expert" dropped when the mesh has no such axis."""
+        return tuple(None if e == EXPERT and self.experts == 1 else e for e in spec)
 
     def check_tokens(self, ids, positions: int | None = None):
         """What a model's input needs, as a ValueError a caller can read, not shard_map's or NaN
@@ -185,13 +202,16 @@ class Layout:
             )
 
     def sharding(self, spec) -> NamedSharding:
-        return NamedSharding(self.mesh, spec if isinstance(spec, P) else P(*spec))
+        return NamedSharding(self.mesh, self.spec(spec if isinstance(spec, P) else P(*spec)))
 
     def spec(self, spec: P) -> P:
-        """An activation spec as this layout writes it: without "data" when that axis is manual."""
-        if DATA not in self.manual:
-            return spec
-        return P(*(None if e == DATA else e for e in spec))
+        """An activation spec as this layout writes it: rows over "data" and "expert" when the
+        mesh has both; without them when "data" is manual."""
+        if DATA in self.manual:
+            return P(*(None if e == DATA else e for e in spec))
+        if self.experts > 1:
+            return P(*((DATA, EXPERT) if e == DATA else e for e in spec))
+        return spec
 
     def constrain(self, x, spec: P):
         """Pin an activation's layout so XLA cannot choose a costlier one."""
@@ -199,7 +219,7 @@ class Layout:
             return x
         if self.manual:  # the context's mesh, where some axes are manual
             return jax.lax.with_sharding_constraint(x, self.spec(spec))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(spec)))
 
     def shard_map(self, fn, in_specs, out_specs):
         """`fn` manual over the model axis (and over "data" too, unless it already is)."""
@@ -215,7 +235,9 @@ class Layout:
             return jax.shard_map(
                 fn, in_specs=in_specs, out_specs=out_specs, axis_names={DATA, MODEL}
             )
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+        return jax.shard_map(
+            fn, mesh=self.mesh, in_specs=strip(in_specs), out_specs=strip(out_specs)
+        )
 
     def global_sum(self, x):
         """A batch total (a loss's normaliser): local rows summed over "data" when it is manual."""
@@ -322,6 +344,12 @@ def data_sharded_spec(shape, spec: P, mesh: MeshShape, skip_leading: bool = Fals
     d = max(free, key=lambda i: (shape[i], -i))
     entries[d] = DATA
     return P(*entries)
+
+
+def rows_axes(mesh) -> str | tuple[str, ...]:
+    """The mesh axes a batch's rows split over: "data", and "expert" where the mesh has it
+    (for everything but the experts, one more data axis)."""
+    return (DATA, EXPERT) if EXPERT in mesh.axis_names else DATA
 
 
 def param_shardings(mesh: Mesh, specs):

@@ -294,6 +294,9 @@ def parse_collectives(hlo: str, mesh: MeshShape, switch: dict | None = None) -> 
                 arrays = arrays[len(arrays) // 2 :]
             elif opcode == "collective-permute-start":
                 arrays = arrays[:1]
+            elif kind == "all-to-all" and len(set(arrays)) == 1 and len(arrays) > 1:
+                # one all-to-all of a buffer, in its tuple form: a chunk for each peer
+                arrays = [(arrays[0][0], (len(arrays), *arrays[0][1]))]
             groups = parse_replica_groups(line, num_devices)
             axis = groups_axis(groups, mesh)
             op = _OPNAME.search(line)

@@ -48,7 +48,7 @@ class GradientStrategy(Protocol):
 def split_on_shards(batch, cfg: Config, mesh):
     """Every batch array as (microbatches, rows, ...) by the one rule, each microbatch's rows
     kept on their data shard (GSPMD's view: the batch is global)."""
-    on_shards = NamedSharding(mesh, P(None, S.DATA))
+    on_shards = NamedSharding(mesh, P(None, S.rows_axes(mesh)))
     return microbatches.split(
         batch, cfg.train.microbatches, lambda x: jax.lax.with_sharding_constraint(x, on_shards)
     )

@@ -68,8 +68,9 @@ class Trainer:
 
     @property
     def batch_sharding(self):
-        """Every batch array is split over "data" by rows (a prefix spec: the rest stays whole)."""
-        return NamedSharding(self.mesh, S.BATCH)
+        """Every batch array is split over "data" (and "expert") by rows (a prefix spec: the
+        rest stays whole)."""
+        return NamedSharding(self.mesh, P(S.rows_axes(self.mesh)))
 
     def batch_shapes(self):
         """The task's global batch as ShapeDtypeStructs (GPT: a token array; BERT: a dict)."""
