@@ -150,6 +150,9 @@ class ModelConfig:
     moe_norm_topk: bool = False
     moe_aux_loss: float = 0.0  # Switch's load-balancing loss, this coefficient, each sparse layer
     moe_z_loss: float = 0.0  # the router's z-loss (ST-MoE), this coefficient, each sparse layer
+    # DeepSeek-V3's auxiliary-loss-free balance: a per-expert bias added to the scores for the
+    # choice only, moved by this rate once per step toward the experts given fewer tokens
+    moe_bias_update_rate: float = 0.0
     # each expert's tokens per row at most moe_capacity_factor x tokens x k / experts, the
     # assignments past that dropped (counted: moe/dropped); 0: dropless, none ever dropped
     moe_capacity_factor: float = 0.0

@@ -12,6 +12,7 @@ MOE_FIELDS = (
     "moe_shared_ffn_hidden",
     "moe_aux_loss",
     "moe_z_loss",
+    "moe_bias_update_rate",
     "moe_capacity_factor",
     "moe_layer_freq",
     "moe_first_dense_layers",

@@ -358,6 +358,59 @@ def test_kv_cache_decoding_gives_the_full_forward_logits():
     assert_close(np.stack(got, 1), whole, what="decoded logits")
 
 
+def test_bias_balancing_moves_by_the_sign_of_each_experts_deficit():
+    """DeepSeek-V3's rule by hand: +rate for an expert below the mean load, -rate above it,
+    nothing at it."""
+    from megajax.core.moe import balanced
+
+    load = jnp.array([[4.0, 0.0, 2.0, 2.0]])  # mean 2
+    got = balanced(jnp.zeros((1, 4)), load, 0.5)
+    np.testing.assert_array_equal(got, [[-0.5, 0.5, 0.0, 0.0]])
+
+
+def test_bias_balancing_is_the_same_on_every_mesh_and_microbatch_count():
+    """The routers' biases after each of three steps, bitwise: one device, data=2,expert=4 and
+    2x4 in two microbatches (dropout off, so that the microbatches route as the whole batch
+    does); never in the optimizer's state or its gradients. (The router's scores are spread
+    wide by a larger initialisation: top-k is discontinuous, and a near-tie within roundoff,
+    which another summation order resolves the other way, would move one token.)"""
+    from flax import traverse_util
+    from test_equivalence import TOKENS
+
+    from megajax.training.step import make_trainer
+
+    def biases(spec, microbatches):
+        cfg = load_config(
+            "moe_tiny",
+            [
+                "model.moe_bias_update_rate=0.01",
+                "model.hidden_dropout=0",
+                "model.attention_dropout=0",
+                f"train.microbatches={microbatches}",
+                "model.vocab_size=100",
+                "model.init_std=0.2",
+            ],
+        )
+        trainer = make_trainer(cfg, moe_mesh(spec))
+        p, o = trainer.init_state(seed=0)
+        assert not any(
+            "router_bias" in str(path) for path, _ in jax.tree_util.tree_flatten_with_path(o)[0]
+        )
+        tokens = jax.device_put(TOKENS[:, : cfg.model.seq_len + 1], trainer.batch_sharding)
+        step, out = trainer.jit_step(), []
+        for i in range(3):
+            p, o, m = step(p, o, tokens, jnp.int32(i))
+            assert "moe/load" not in m
+            flat = traverse_util.flatten_dict(jax.device_get(p))
+            out.append(next(v for k, v in flat.items() if k[-1] == "router_bias"))
+        return np.stack(out)
+
+    want = biases("1x1", 1)
+    assert np.abs(want[-1]).max() > 0 and set(np.round(np.abs(want[0]) / 0.01, 6).ravel()) <= {0, 1}
+    for spec, microbatches in (("data=2,expert=4", 1), ("2x4", 2)):
+        np.testing.assert_array_equal(biases(spec, microbatches), want, err_msg=spec)
+
+
 @pytest.mark.parametrize(
     "spec,capacity_factor",
     tiered([("data=2,expert=2,model=2", 0.0), ("expert=8", 1.0)], ("data=2,expert=2,model=2", 0.0)),
@@ -408,8 +461,10 @@ def test_train_py_logs_the_router_losses_and_refuses_what_it_cannot_run(tmp_path
     from helpers import losses, run
 
     common = ["--config", "moe_tiny", "--host-devices", "8", "--sample-tokens", "0"]
+    balancing = ["--set", "model.moe_bias_update_rate=0.001"]  # in the checkpoint, resumed
     straight = run(
         *common,
+        *balancing,
         "--workdir",
         tmp_path / "straight",
         "--steps",
@@ -422,6 +477,7 @@ def test_train_py_logs_the_router_losses_and_refuses_what_it_cannot_run(tmp_path
     wd = tmp_path / "moved"
     run(
         *common,
+        *balancing,
         "--workdir",
         wd,
         "--steps",
@@ -437,6 +493,7 @@ def test_train_py_logs_the_router_losses_and_refuses_what_it_cannot_run(tmp_path
     )
     run(
         *common,
+        *balancing,
         "--workdir",
         wd,
         "--steps",

@@ -34,11 +34,13 @@ from megajax.model_config import ModelConfig
 STAT_NAMES = ("assigned", "probs", "z", "tokens", "dropped", "routed")
 
 
-def route(logits, k: int, router: str, norm_topk: bool):
+def route(logits, k: int, router: str, norm_topk: bool, bias=None):
     """(scores (.., E), chosen experts (.., k), their weights (.., k)) of float32 router logits.
-    Ties go to the lower expert index (jax.lax.top_k's order), so routing is deterministic."""
+    Ties go to the lower expert index (jax.lax.top_k's order), so routing is deterministic.
+    `bias` (E,): added to the scores for the choice only (DeepSeek-V3's balancing)."""
     scores = jax.nn.softmax(logits, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits)
-    _, experts = jax.lax.top_k(scores, k)
+    choice = scores if bias is None else scores + jax.lax.stop_gradient(bias)
+    _, experts = jax.lax.top_k(choice, k)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if norm_topk:
         weights = weights / weights.sum(-1, keepdims=True)
@@ -92,6 +94,12 @@ class MoEBlock(nnx.Module):
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
         normal, zeros = nnx.initializers.normal, nnx.initializers.zeros
         self.router = param(normal(std), S.REPLICATED_2D, rngs.params(), (h, e))
+        # not trained by the optimizer: the step moves it (training/step.py, balance_router)
+        self.router_bias = (
+            param(zeros, S.REPLICATED_BIAS, rngs.params(), (e,))
+            if cfg.moe_bias_update_rate
+            else None
+        )
         ins = ("gate", "up") if self.gated else ("fc1",)
         spec = layout.weight_spec  # "expert" where the mesh has the axis
         for name in ins:
@@ -130,6 +138,8 @@ class MoEBlock(nnx.Module):
         names = ("gate", "up") if self.gated else ("fc1",)
         w = {f"{n}_experts": getattr(self, f"{n}_experts")[...] for n in names}
         w["fc2_experts"], w["router"] = self.fc2_experts[...], self.router[...]
+        if self.router_bias is not None:
+            w["router_bias"] = self.router_bias[...]
         if self.fc2_bias is not None:
             w.update({f"{n}_bias": getattr(self, f"{n}_bias")[...] for n in names})
         if self.shared is not None:
@@ -142,7 +152,11 @@ class MoEBlock(nnx.Module):
         spec = lambda s: S.P(*self.layout.weight_spec(s))  # noqa: E731
         specs = {n: spec(S.EXPERT_IN) for n in w if n.endswith("_experts")}
         specs["fc2_experts"], specs["router"] = spec(S.EXPERT_OUT), S.P(*S.REPLICATED_2D)
-        specs.update({n: spec(S.EXPERT_IN_BIAS) for n in w if n.endswith("_bias")})
+        if "router_bias" in w:
+            specs["router_bias"] = S.P(None)
+        specs.update(
+            {n: spec(S.EXPERT_IN_BIAS) for n in w if n.endswith("_bias") and n != "router_bias"}
+        )
         if "shared" in w:
             specs["shared"] = {n: S.P(*(S.ROW if n == "fc2" else S.COLUMN)) for n in w["shared"]}
         if "shared_gate" in w:
@@ -166,14 +180,14 @@ class MoEBlock(nnx.Module):
             (S.ACT_REPLICATED, stat_specs),
         )(h, w, token_weights.astype(jnp.float32))
         if self.fc2_bias is not None:  # after the all-reduce: once, not once per device
-            out = out + self.bias_after(h, w["router"])
+            out = out + self.bias_after(h, w["router"], w.get("router_bias"))
         return self.layout.constrain(out, S.ACT_REPLICATED), stats
 
-    def bias_after(self, h, router_w):
+    def bias_after(self, h, router_w, router_bias=None):
         """Σ_k weight_k · fc2_bias[expert_k]: the experts' output biases, weighted as their
         outputs are (outside the shard_map, replicated)."""
         _, experts, weights = route(
-            h.astype(jnp.float32) @ router_w, self.k, self.router_kind, self.norm_topk
+            h.astype(jnp.float32) @ router_w, self.k, self.router_kind, self.norm_topk, router_bias
         )
         keep = self.kept(experts, h.shape[1])
         b = jnp.take(self.fc2_bias[...], experts, axis=0)  # (b, s, k, h)
@@ -190,7 +204,9 @@ class MoEBlock(nnx.Module):
         and the one all-reduce over "model"."""
         b, s, hidden = x.shape
         logits = x.astype(jnp.float32) @ w["router"]  # (b, s, E), the same on every device
-        scores, experts, weights = route(logits, self.k, self.router_kind, self.norm_topk)
+        scores, experts, weights = route(
+            logits, self.k, self.router_kind, self.norm_topk, w.get("router_bias")
+        )
         cap = self.capacity(s)
         slot = slots(experts, self.num_experts)
         keep = slot < cap
@@ -275,9 +291,29 @@ def router_losses(stats: dict, cfg: ModelConfig, global_sum=lambda x: x) -> dict
     p = local["probs"] / tokens[:, None]
     balance = cfg.num_experts * (f * p).sum(-1)
     z = local["z"] / tokens
-    return {
+    metrics = {
         "moe/aux_loss": balance.sum(),
         "moe/z_loss": z.sum(),
         # the share of all assignments (padding's too) that found no slot
         "moe/dropped": local["dropped"].sum() / jnp.maximum(global_sum(local["routed"].sum()), 1),
     }
+    if cfg.moe_bias_update_rate:  # each sparse layer's assignments per expert: this shard's
+        metrics[LOAD] = local["assigned"]
+    return metrics
+
+
+# The metric that carries each sparse layer's assignments per expert to the step (not logged)
+LOAD = "moe/load"
+
+
+def is_router_bias(path: tuple) -> bool:
+    """Whether a params path is a router's balancing bias (moved by the step, not trained)."""
+    return bool(path) and path[-1] == "router_bias"
+
+
+def balanced(bias, load, rate: float):
+    """DeepSeek-V3's update of a router's bias (layers, E) from the step's assignments per
+    expert (layers, E): up by `rate` for an expert given fewer than the mean, down for one
+    given more. Only the signs count, so the sum over microbatches and its mean agree."""
+    mean = load.mean(-1, keepdims=True)
+    return bias + rate * jnp.sign(mean - load).astype(bias.dtype)

@@ -21,13 +21,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from megajax.config import Config
 from megajax.core import sharding as S
 from megajax.core.mesh import as_mesh, check_fits
-from megajax.core.stack import STACKED_PATH
+from megajax.core.moe import LOAD, balanced, is_router_bias
+from megajax.core.stack import LISTED_PATH, STACKED_PATH
 from megajax.models import vocab_rows
 from megajax.models.registry import ModelDef, abstract_model, init_model, path_keys
 from megajax.tasks import Task, task_for
@@ -188,6 +190,9 @@ class Trainer:
             updates, new_state = self.tx.update(grads, opt_state, part)
             part = optax.apply_updates(part, updates)
         params = with_trained(params, self.strategy.updated_params(part))
+        if LOAD in metrics:  # the routers' balancing biases, moved once per step
+            metrics = dict(metrics)
+            params = balance_routers(params, metrics.pop(LOAD), self.cfg.model.moe_bias_update_rate)
         if scale is not None:
             extra = {"loss_scale": scale, "skipped_steps": new_state.skipped}
         metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(t)(step), **extra}
@@ -218,6 +223,7 @@ class Trainer:
         def eval_metrics(params, batch):
             params = self.strategy.reorder(params, inverse=True)
             metrics = dict(self.objective(params, batch, None)[1])
+            metrics.pop(LOAD, None)
             targets = self.task.loss_targets(batch)
             if targets is not None:
                 metrics["targets"] = targets
@@ -251,6 +257,20 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     allocated)."""
     # a config changed in Python since it was loaded is checked again
     return build_trainer(cfg.validate(), as_mesh(mesh))
+
+
+def balance_routers(params: dict, load, rate: float) -> dict:
+    """Every router's balancing bias moved by the step's assignments per expert (`load`:
+    (sparse layers, E), in layer order), DeepSeek-V3's rule (core/moe.py, balanced)."""
+    flat = traverse_util.flatten_dict(params)
+    paths = sorted((k for k in flat if is_router_bias(k)), key=str)
+    if len(paths) == 1 and flat[paths[0]].ndim == 2:  # a scanned stack's, (layers, E)
+        flat[paths[0]] = balanced(flat[paths[0]], load, rate)
+    else:  # one a sparse layer, in layer order
+        paths.sort(key=lambda k: int(k[len(LISTED_PATH)]))
+        for j, k in enumerate(paths):
+            flat[k] = balanced(flat[k], load[j], rate)
+    return traverse_util.unflatten_dict(flat)
 
 
 def build_trainer(cfg: Config, mesh: jax.sharding.Mesh) -> Trainer:
