@@ -112,11 +112,22 @@ LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias="none", tie_em
 
 
 def model_config(
-    a, layers: int, scan: bool, dtype: str, layer_programs: bool = False, llama: bool = False
+    a,
+    layers: int,
+    scan: bool,
+    dtype: str,
+    layer_programs: bool = False,
+    llama: bool = False,
+    moe: bool = False,
 ):
+    """The bench's GPT shape; `llama`: the Llama shape of the same size; `moe`: that with its
+    MLP as 8 experts of half its width, top-2 (the same active FLOPs a token)."""
     from megajax.config import Config, ModelConfig, TrainConfig
+    from megajax.model_config import swiglu_ffn
 
-    arch = dict(LLAMA, num_kv_heads=max(a.heads // 4, 1)) if llama else {}
+    arch = dict(LLAMA, num_kv_heads=max(a.heads // 4, 1)) if llama or moe else {}
+    if moe:
+        arch.update(num_experts=8, experts_per_token=2, moe_ffn_hidden=swiglu_ffn(a.hidden) // 2)
     return Config(
         model=ModelConfig(
             num_layers=layers,
@@ -137,18 +148,19 @@ def model_config(
 
 
 def architecture_rows(a, mesh, dtype: str, peak: float):
-    """MFU of the GPT shape and of the Llama shape of the same size (scanned stack), each step
-    timed alone and the two then run in turn (`--rounds`): SwiGLU, grouped-query attention and
-    rotary positions should cost no more per model FLOP than GeLU, multi-head attention and a
-    position table."""
+    """MFU of the GPT shape, of the Llama shape of the same size and of that shape as a mixture
+    of 8 experts, top-2, with the same active FLOPs (scanned stack; MFU on active FLOPs), each
+    step timed alone and the GPT and Llama ones then run in turn (`--rounds`): SwiGLU,
+    grouped-query attention and rotary positions should cost no more per model FLOP than GeLU,
+    multi-head attention and a position table; routing and dispatch not much more."""
     import jax
 
     from megajax.training.mfu import flops_per_token
     from megajax.training.step import make_trainer
 
     runs = {}
-    for name in ("GPT", "Llama"):
-        cfg = model_config(a, a.layers, True, dtype, llama=name == "Llama")
+    for name in ("GPT", "Llama", "MoE"):
+        cfg = model_config(a, a.layers, True, dtype, llama=name == "Llama", moe=name == "MoE")
         tr = make_trainer(cfg, mesh)
         params, opt = tr.init_state()
         tokens = jax.device_put(
@@ -158,14 +170,21 @@ def architecture_rows(a, mesh, dtype: str, peak: float):
         step = stepper(tr, params, opt, tokens)
         runs[name] = (step, flops, timed(step, reps=a.reps))
         m = cfg.model
+        experts = f" x {m.num_experts} experts top-{m.experts_per_token}" if m.num_experts else ""
         print(
-            f"  {name:5s} {m.num_heads} heads / {m.kv_heads} kv, ffn {m.ffn} ({m.mlp}), {m.norm}, "
+            f"  {name:5s} {m.num_heads} heads / {m.kv_heads} kv, "
+            f"ffn {m.moe_ffn if m.num_experts else m.ffn}{experts} ({m.mlp}), {m.norm}, "
             f"{m.positions}: step {runs[name][2] * 1000:.0f} ms, {flops_per_token(cfg) / 1e6:.0f} "
             f"MFLOP/token, MFU {flops / runs[name][2] / 1e12 / peak:.3f}"
         )
     (gpt, gpt_flops, gpt_t), (llama, llama_flops, llama_t) = runs["GPT"], runs["Llama"]
+    moe_flops, moe_t = runs["MoE"][1:]
     print(
         f"  Llama / GPT MFU, each timed alone: {(llama_flops / llama_t) / (gpt_flops / gpt_t):.3f}"
+    )
+    print(
+        f"  MoE / Llama MFU (active FLOPs), each timed alone: "
+        f"{(moe_flops / moe_t) / (llama_flops / llama_t):.3f}"
     )
     if a.rounds:
         import statistics

@@ -71,11 +71,6 @@ def moe_problem(cfg, defaults) -> str | None:
             "a scanned stack runs one layer body: with dense layers among the sparse ones "
             "(model.moe_layer_freq, model.moe_first_dense_layers) set model.scan_layers = false"
         )
-    if cfg.sequence_parallel:
-        return (
-            "sequence parallelism does not run mixtures of experts yet: set "
-            "model.sequence_parallel = false"
-        )
     if cfg.lora_rank and {"fc1", "fc2"} & set(cfg.named_lora_targets):
         return (
             "LoRA adapts the attention of a mixture of experts, whose experts stay frozen: set "

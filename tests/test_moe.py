@@ -241,7 +241,6 @@ def test_the_moe_fields_are_checked_one_line_each():
         ("model.num_experts=4,model.moe_capacity_factor=-1", "must not be negative"),
         ("model.num_experts=4,model.lora_rank=4", "lora_targets"),
         ("model.num_experts=4,train.layer_programs=true", "layer_programs"),
-        ("model.num_experts=4,model.sequence_parallel=true", "sequence parallelism"),
     ]
     for sets, words in bad:
         with pytest.raises(ConfigError, match=words) as e:
@@ -281,17 +280,19 @@ def steps(mesh, cfg, n=3) -> dict:
             ("2x4", {"scan_layers": False, "remat": "full"}, {"shard_optimizer": True}),
             ("2x4", {}, {"microbatches": 2}),
             ("data=2,expert=4", {"moe_capacity_factor": 1.0}, {}),
-            ("data=1,expert=4,model=2", {}, {}),
+            ("data=1,expert=4,model=2", {"sequence_parallel": True}, {}),
+            ("2x4", {"sequence_parallel": True, "remat": "selective"}, {"microbatches": 2}),
             ("expert=8", {"remat": "full"}, {}),
+            ("data=2,expert=4", {"lora_rank": 4, "lora_targets": "qkv,out"}, {}),
         ],
-        ("data=1,expert=4,model=2", {}, {}),
+        ("data=1,expert=4,model=2", {"sequence_parallel": True}, {}),
     ),
 )
 def test_three_adamw_steps_match_one_device(spec, extra, train):
     """Dropout, the balance loss and the z-loss on: the loss, each router loss and every
     gradient, and three AdamW steps, as on one device, for every mesh, data-parallel scheme and
     microbatch count (the router losses are per microbatch, averaged like the loss)."""
-    base = {k: v for k, v in extra.items() if k not in ("remat",)}
+    base = {k: v for k, v in extra.items() if k not in ("remat", "sequence_parallel")}
     key = (tuple(sorted(base.items())), train.get("microbatches", 1))
     cfg = tiny_config(**MOE, **extra)
     for name, value in train.items():
@@ -516,6 +517,11 @@ def test_train_py_logs_the_router_losses_and_refuses_what_it_cannot_run(tmp_path
         r["moe/aux_loss"] > 0 and r["moe/z_loss"] > 0 and r["moe/dropped"] == 0 for r in train
     )
     assert "  aux " in straight.stdout and "dropped 0.00%" in straight.stdout
+    from helpers import cli
+
+    q = cli("convert", "export", "--workdir", wd, "--out", tmp_path / "hf")
+    assert q.returncode == 2 and "does not export to Hugging Face yet" in q.stderr
+    assert not (tmp_path / "hf").exists()
     for args, words in (
         (["--mesh", "data=2,pipe=2,model=2"], "mixture of experts"),
         (["--mesh", "1x8", "--set", "model.moe_ffn_hidden=36"], "moe_ffn_hidden=36"),

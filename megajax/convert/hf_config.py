@@ -147,6 +147,11 @@ def model_config(
 
 def export_architecture(cfg: ModelConfig) -> str:
     """The HF architecture a megajax model is written as."""
+    if cfg.num_experts:
+        raise UserError(
+            "a mixture of experts does not export to Hugging Face yet (Mixtral's and Qwen's MoE "
+            "layouts come next); its workdir trains, evaluates and samples in megajax"
+        )
     if cfg.task != "pretrain":
         raise UserError(
             "only pretraining models export to Hugging Face; this one is fine-tuned for "

@@ -174,14 +174,13 @@ class MoEBlock(nnx.Module):
         w = self.weights()
         stat_specs = {n: S.P(S.DATA, None) for n in ("assigned", "probs")}
         stat_specs.update({n: S.BATCH for n in ("z", "tokens", "dropped", "routed")})
+        between = self.layout.between_blocks
         out, stats = self.layout.shard_map(
-            self.local,
-            (S.ACT_REPLICATED, self.specs(w), S.TOKENS),
-            (S.ACT_REPLICATED, stat_specs),
+            self.local, (between, self.specs(w), S.TOKENS), (between, stat_specs)
         )(h, w, token_weights.astype(jnp.float32))
         if self.fc2_bias is not None:  # after the all-reduce: once, not once per device
             out = out + self.bias_after(h, w["router"], w.get("router_bias"))
-        return self.layout.constrain(out, S.ACT_REPLICATED), stats
+        return self.layout.constrain(out, between), stats
 
     def bias_after(self, h, router_w, router_bias=None):
         """Σ_k weight_k · fc2_bias[expert_k]: the experts' output biases, weighted as their
@@ -201,7 +200,13 @@ class MoEBlock(nnx.Module):
 
     def local(self, x, w, token_weights):
         """One device's rows and share of every expert: route, dispatch, the experts, combine,
-        and the one all-reduce over "model"."""
+        and the one all-reduce over "model". With sequence parallelism x arrives split along
+        the sequence: all-gathered first and reduce-scattered back (Megatron's f and g there),
+        the router's statistics taken on this device's part of the sequence and summed."""
+        sp = self.layout.sequence_parallel
+        if sp:
+            with jax.named_scope("f_all_gather"):
+                x = jax.lax.all_gather(x, S.MODEL, axis=1, tiled=True)
         b, s, hidden = x.shape
         logits = x.astype(jnp.float32) @ w["router"]  # (b, s, E), the same on every device
         scores, experts, weights = route(
@@ -210,10 +215,20 @@ class MoEBlock(nnx.Module):
         cap = self.capacity(s)
         slot = slots(experts, self.num_experts)
         keep = slot < cap
-        stats = self.statistics(logits, scores, experts, keep, token_weights)
-        # x is the same on every device of "model", typed varying as the experts' products are:
-        # its gradient is then the one all-reduce of Megatron's f (the router's stays local)
-        xv = jax.lax.pcast(x, S.MODEL, to="varying").astype(self.precision.compute)
+        if sp:  # every device has the whole sequence's routing: each counts its own part
+            part = lambda a: jax.lax.dynamic_slice_in_dim(  # noqa: E731
+                a, jax.lax.axis_index(S.MODEL) * (s // self.layout.tp), s // self.layout.tp, 1
+            )
+            local = (logits, scores, experts, keep, token_weights)
+            stats = self.statistics(*map(part, local))
+            stats = jax.lax.psum(stats, S.MODEL)
+            xv = x.astype(self.precision.compute)
+        else:
+            stats = self.statistics(logits, scores, experts, keep, token_weights)
+            # x is the same on every device of "model", typed varying as the experts' products
+            # are: its gradient is then the one all-reduce of Megatron's f (the router's stays
+            # local)
+            xv = jax.lax.pcast(x, S.MODEL, to="varying").astype(self.precision.compute)
         rows = jnp.arange(b)[:, None, None]
         buffer = jnp.zeros((self.num_experts, b, cap, hidden), xv.dtype)
         tokens = jnp.broadcast_to(xv[:, :, None, :], (b, s, self.k, hidden))
@@ -224,6 +239,9 @@ class MoEBlock(nnx.Module):
         out = jnp.einsum("bsk,bskh->bsh", gate, picked)
         if "shared" in w:
             out = out + self.shared_experts(xv, x, w)
+        if sp:
+            with jax.named_scope("g_reduce_scatter"):
+                return jax.lax.psum_scatter(out, S.MODEL, scatter_dimension=1, tiled=True), stats
         with jax.named_scope("g_all_reduce"):
             return jax.lax.psum(out, S.MODEL), stats
 
