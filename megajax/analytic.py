@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from megajax.mesh_shape import MeshShape
+from megajax.moe_config import capacity
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 REMAT_MODES = ("none", "selective", "full")
@@ -60,6 +61,9 @@ class StepShape:
     fused_attention: bool = False  # cuDNN's flash attention (one softmax statistic a query)
     sparse_layers: int = 0  # mixture-of-experts layers (core/moe.py)
     experts_per_token: int = 0  # their top-k
+    experts: int = 0  # their experts
+    expert_slots: int = 0  # each expert's buffer slots in a row (moe_config.capacity)
+    ep: int = 1  # the expert axis
 
     @classmethod
     def of(cls, cfg, task, mesh: MeshShape = MeshShape(), **device) -> "StepShape":
@@ -94,6 +98,11 @@ class StepShape:
             attention_dropout=m.attention_dropout > 0,
             sparse_layers=sum(m.sparse_layers),
             experts_per_token=m.experts_per_token if m.num_experts else 0,
+            experts=m.num_experts,
+            expert_slots=capacity(
+                m.seq_len, m.moe_capacity_factor, m.experts_per_token, max(m.num_experts, 1)
+            ),
+            ep=mesh.expert,
             **device,
         )
 
@@ -307,6 +316,17 @@ def _model_axis_forms(x: StepShape) -> dict[str, int]:
         * (4 * L * bsh // t + bsh // t + scatter + (L * bsh // t if full else 0)),
         "all-reduce": mb * (3 * b * r + reduce + replicated_grad_elements(x) + kv["all-reduce"]),
     }
+
+
+def expert_axis_minimum(x: StepShape) -> int:
+    """All-to-all elements over "expert" per step and device, each counted by its result: per
+    sparse layer and microbatch, 2 forward and 2 backward, each of the row shard's buffers,
+    rows x E x slots x h (dropless, slots = the row's length: E/k times the k·h numbers of
+    each token; with a capacity factor c, about c times them). None on an expert axis of one."""
+    if x.ep == 1 or not x.sparse_layers:
+        return 0
+    per = x.rows * x.experts * x.expert_slots * x.hidden
+    return x.microbatches * x.sparse_layers * 4 * per
 
 
 def regathered_elements(x: StepShape) -> int:

@@ -3,6 +3,8 @@ themselves are ModelConfig's, model_config.py): one line per mistake."""
 
 from __future__ import annotations
 
+import math
+
 # the numeric fields, num_experts first
 MOE_FIELDS = (
     "num_experts",
@@ -18,6 +20,14 @@ MOE_FIELDS = (
     "moe_first_dense_layers",
 )
 ROUTERS = ("softmax", "sigmoid")
+
+
+def capacity(seq: int, factor: float, k: int, num_experts: int) -> int:
+    """Slots per expert in a row of `seq` tokens: the row's length when dropless (`factor` 0: no
+    expert can be given more), else factor x seq x k / E rounded up (at most seq)."""
+    if not factor:
+        return seq
+    return max(1, min(seq, math.ceil(factor * seq * k / num_experts)))
 
 
 def sparse_layers(cfg) -> tuple[bool, ...]:

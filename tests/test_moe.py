@@ -16,9 +16,10 @@ from tolerances import F32, assert_close, assert_tree_close
 from megajax.config import ConfigError, load_config
 from megajax.core import sharding as S
 from megajax.core.mesh import make_mesh
-from megajax.core.moe import MoEBlock, capacity, route, router_losses, slots
+from megajax.core.moe import MoEBlock, route, router_losses, slots
 from megajax.core.precision import Precision
 from megajax.mesh_shape import MeshShape
+from megajax.moe_config import capacity
 
 MOE = dict(
     norm="rmsnorm",
@@ -422,7 +423,8 @@ def test_expert_axis_carries_two_all_to_alls_each_way(spec, capacity_factor):
     analytic form: dropless, E/k times the k·h numbers of each token; with a capacity factor c,
     c times them); nothing else on "expert" alone. The model axis keeps the dense layer's
     all-reduces."""
-    from megajax.core.moe import capacity
+    from megajax.analytic import expert_axis_minimum
+    from megajax.moe_config import capacity
     from megajax.tools.audit import audit
 
     cfg = load_config("moe_tiny", [f"model.moe_capacity_factor={capacity_factor}"])
@@ -444,6 +446,10 @@ def test_expert_axis_carries_two_all_to_alls_each_way(spec, capacity_factor):
         ("expert", d, "all", m.num_layers) for d in ("backward",) * 2 + ("forward",) * 2
     ]
     assert {c.elements for c in on_expert} == {rows * m.num_experts * cap * m.hidden}
+    assert r.expert_axis_elements == expert_axis_minimum(r.shape)  # the analytic form's
+    # each gradient reduced once: the experts' over "data", the others' over "data" and "expert"
+    assert "expert_gradients" in r.data_axis_minimum
+    assert r.data_axis_ratio == pytest.approx(1.0, abs=5e-4)
     if capacity_factor == 1.0:  # exactly the tokens' k copies
         assert rows * m.num_experts * cap == rows * m.seq_len * m.experts_per_token
     if shape.model > 1:

@@ -29,6 +29,7 @@ from megajax.core import sharding as S
 from megajax.core.layers import param
 from megajax.core.precision import Precision
 from megajax.model_config import ModelConfig
+from megajax.moe_config import capacity
 
 # what each sparse layer reports, per row of the batch (summed over its tokens)
 STAT_NAMES = ("assigned", "probs", "z", "tokens", "dropped", "routed")
@@ -45,14 +46,6 @@ def route(logits, k: int, router: str, norm_topk: bool, bias=None):
     if norm_topk:
         weights = weights / weights.sum(-1, keepdims=True)
     return scores, experts, weights
-
-
-def capacity(seq: int, factor: float, k: int, num_experts: int) -> int:
-    """Slots per expert in a row of `seq` tokens: the row's length when dropless (`factor` 0: no
-    expert can be given more), else factor x seq x k / E rounded up (at most seq)."""
-    if not factor:
-        return seq
-    return max(1, min(seq, math.ceil(factor * seq * k / num_experts)))
 
 
 def slots(experts, num_experts: int):

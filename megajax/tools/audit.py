@@ -9,8 +9,13 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter, defaultdict
 
-from megajax.analytic import StepShape, model_axis_minimum, remat_extra_elements
-from megajax.core.sharding import DATA, MODEL, param_shardings
+from megajax.analytic import (
+    StepShape,
+    expert_axis_minimum,
+    model_axis_minimum,
+    remat_extra_elements,
+)
+from megajax.core.sharding import DATA, EXPERT, MODEL, param_shardings
 from megajax.mesh_shape import MeshShape
 from megajax.tasks import task_for
 from megajax.tools.data_axis import data_axis_minimum
@@ -105,17 +110,29 @@ class AuditResult:
         as ring algorithms move them: an all-reduce of E sends 2 (n-1)/n E, an all-gather
         (n-1)/n of its result, a reduce-scatter (n-1) times its result. A reduce-scatter plus
         an all-gather thus send what one all-reduce does."""
-        n = self.mesh.data
-        factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1}
         # over both axes (LoRA's replicated factors) at the data axis's share
         origins = (origin, "adapter_gradients") if origin == "gradients" else (origin,)
         return round(
             sum(
-                factor.get(c.kind, 1) * c.elements * c.count / self._stages_counted(c)
+                self._ring_factor(c) * c.elements * c.count / self._stages_counted(c)
                 for c in self.collectives
-                if DATA in c.axis.split("+") and c.origin in origins
+                if self._data_parallel(c) and c.origin in origins
             )
         )
+
+    def _data_parallel(self, c: Collective) -> bool:
+        """Over "data", or on an expert mesh over "expert" too (a data axis for all but the
+        experts)."""
+        axes = set(c.axis.split("+"))
+        return DATA in axes or (self.mesh.expert > 1 and axes == {EXPERT})
+
+    def _ring_factor(self, c: Collective) -> float:
+        n = self.mesh.data * (self.mesh.expert if EXPERT in c.axis.split("+") else 1)
+        return {
+            "all-reduce": 2 * (n - 1) / n,
+            "all-gather": (n - 1) / n,
+            "reduce-scatter": n - 1,
+        }.get(c.kind, 1)
 
     def _stages_counted(self, c: Collective) -> int:
         """A pipeline's stage actions are counted summed over its stages (tools/hlo.py): a
@@ -153,6 +170,13 @@ class AuditResult:
         grads, params = self.data_axis_sent("gradients"), self.data_axis_sent("params")
         least = round(self.data_axis_min)
         head = "data-axis elements sent per step and device (ring algorithms): "
+        if self.data_scheme == "plain" and "expert_gradients" in self.data_axis_minimum:
+            experts = round(self.data_axis_minimum["expert_gradients"])
+            return head.replace("data-axis", "data- and expert-axis") + (
+                f"gradients {grads:,} = {self.data_axis_ratio:.3f} x the minimum {least:,} (each "
+                "gradient shard all-reduced once per step: the experts' over data, "
+                f"{experts:,}, the other weights' over data and expert, {least - experts:,})"
+            )
         if self.data_scheme == "plain":
             return (
                 head + f"gradients {grads:,} = {self.data_axis_ratio:.3f} x the minimum {least:,} "
@@ -287,12 +311,18 @@ class AuditResult:
         for kind in self._kinds():
             lines.append(self._per_layer_line(kind))
         scheme = "sequence-parallel " if self.sequence_parallel else ""
-        lines.append(
-            f"model-axis elements per step and device: {self.model_axis_elements:,} = "
-            f"{self.ratio:.3f} x Megatron's {scheme}analytic minimum {self.analytic_min_elements:,}"
-        )
-        if self.mesh.data > 1 and self.data_axis_minimum:
+        if self.mesh.model > 1:
+            lines.append(
+                f"model-axis elements per step and device: {self.model_axis_elements:,} = "
+                f"{self.ratio:.3f} x Megatron's {scheme}analytic minimum "
+                f"{self.analytic_min_elements:,}"
+            )
+        else:
+            lines.append(f"a model axis of one device: {self.model_axis_elements:,} elements sent")
+        if self.mesh.batch_shards > 1 and self.data_axis_minimum:
             lines.append(self.data_axis_line())
+        if self.mesh.expert > 1:
+            lines.append(self.expert_axis_line())
         parts = []
         if self.regathered_elements:
             parts.append(
@@ -313,6 +343,23 @@ class AuditResult:
                 f"{self.model_axis_elements / total:.3f}"
             )
         return "\n".join(lines)
+
+    @property
+    def expert_axis_elements(self) -> int:
+        """All-to-all elements over "expert" alone per step and device, by result."""
+        return sum(
+            c.elements * c.count
+            for c in self.collectives
+            if c.kind == "all-to-all" and c.axis == EXPERT
+        )
+
+    def expert_axis_line(self) -> str:
+        want = expert_axis_minimum(self.shape)
+        return (
+            f"expert-axis all-to-all elements per step and device: {self.expert_axis_elements:,} "
+            f"= {self.expert_axis_elements / max(want, 1):.3f} x the analytic {want:,} (2 "
+            "forward and 2 backward per sparse layer, each of a row shard's expert buffers)"
+        )
 
     def _kinds(self) -> tuple[str, ...]:
         return (

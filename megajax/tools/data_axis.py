@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 
 import jax
+from jax.sharding import PartitionSpec
 
 from megajax.analytic import data_axis_minimum as data_axis_sent_minimum
 from megajax.core.attention import copied_weights
-from megajax.core.sharding import DATA, param_shardings
+from megajax.core.sharding import DATA, EXPERT, param_shardings
 from megajax.core.stack import layer_weight
 from megajax.mesh_shape import MeshShape
 from megajax.models.registry import path_keys
@@ -49,7 +50,19 @@ def _scheme_minimum(trainer, part) -> tuple[str, dict]:
         local = jax.tree_util.tree_map_with_path(
             lambda p, size: size // copied.get(path_keys(p)[-1], 1), local
         )
-        return "plain", data_axis_sent_minimum("plain", n, m, 0, sum(jax.tree.leaves(local)))
+        # On an expert mesh the experts' gradients are reduced over "data" alone, every other
+        # weight's over "data" and "expert" (a data axis for them).
+        on_experts = jax.tree.map(lambda s: EXPERT in s, part(held), is_leaf=_is_spec)
+        sizes = {True: 0, False: 0}
+        for size, expert in zip(jax.tree.leaves(local), jax.tree.leaves(on_experts)):
+            sizes[expert] += size
+        ep = trainer.mesh.shape.get(EXPERT, 1)
+        others = data_axis_sent_minimum("plain", n * ep, m, 0, sizes[False])
+        experts = data_axis_sent_minimum("plain", n, m, 0, sizes[True])
+        total = {k: others[k] + experts[k] for k in others}
+        if ep > 1:
+            total["expert_gradients"] = experts["gradients"]
+        return "plain", total
     split = whole = layers = layers_read = 0
     for (path, size), d in zip(
         jax.tree_util.tree_flatten_with_path(local)[0], jax.tree.leaves(part(dp.dims))
@@ -71,3 +84,7 @@ def _scheme_minimum(trainer, part) -> tuple[str, dict]:
     return scheme, data_axis_sent_minimum(
         scheme, n, m, split, whole, layers, layers_read, outside_once=trainer.pipeline is not None
     )
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from megajax.core.sharding import DATA, MODEL
+from megajax.core.sharding import DATA, EXPERT, MODEL
 from megajax.mesh_shape import MeshShape
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -255,7 +255,12 @@ def _classify(op_name: str, axis: str):
         if key in op_name:
             origin = key
             break
-    if axis == DATA and direction == "backward":
+    # over "data", or on an expert mesh over "expert" too (a data axis for all but the experts,
+    # whose own all-to-alls are the only other collectives there)
+    data_parallel = axis in (DATA, f"{DATA}+{EXPERT}") or (
+        axis == EXPERT and "all_to_all" not in op_name
+    )
+    if data_parallel and direction == "backward":
         origin = "gradients"
     return direction, origin, layer
 
