@@ -44,6 +44,18 @@ ARCHITECTURE = (
     "bias",
     "tie_embeddings",
     "sliding_window",
+    # a mixture of experts' shape and routing (its loss coefficients and capacity are the run's)
+    "num_experts",
+    "experts_per_token",
+    "moe_ffn_hidden",
+    "moe_shared_experts",
+    "moe_shared_ffn_hidden",
+    "moe_shared_gate",
+    "moe_router",
+    "moe_norm_topk",
+    "moe_layer_freq",
+    "moe_first_dense_layers",
+    "moe_bias_update_rate",
 )
 
 

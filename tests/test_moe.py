@@ -525,6 +525,25 @@ def test_train_py_logs_the_router_losses_and_refuses_what_it_cannot_run(tmp_path
     assert "  aux " in straight.stdout and "dropped 0.00%" in straight.stdout
     from helpers import cli
 
+    # fine-tuned from: the workdir decides the experts, whatever the run's config says
+    tuned = tmp_path / "tuned"
+    run(
+        "--config",
+        "tiny",
+        "--init-from",
+        wd,
+        "--workdir",
+        tuned,
+        "--steps",
+        "1",
+        "--mesh",
+        "2x4",
+        "--host-devices",
+        "8",
+        "--sample-tokens",
+        "0",
+    )
+    assert "moe/aux_loss" in (tuned / "metrics.jsonl").read_text()
     q = cli("convert", "export", "--workdir", wd, "--out", tmp_path / "hf")
     assert q.returncode == 2 and "does not export to Hugging Face yet" in q.stderr
     assert not (tmp_path / "hf").exists()
