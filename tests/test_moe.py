@@ -35,6 +35,7 @@ MOE = dict(
     moe_norm_topk=True,
     moe_aux_loss=0.01,
     moe_z_loss=0.001,
+    init_std=0.1,  # the router's scores spread wide: no top-k choice within roundoff of a tie
 )
 # GPT-2's GeLU experts with their biases, a sigmoid router, a gated shared expert and a
 # capacity that drops assignments
@@ -46,6 +47,7 @@ GELU_SHARED = dict(
     moe_shared_experts=1,
     moe_shared_gate=True,
     moe_capacity_factor=1.0,
+    init_std=0.1,
 )
 
 
