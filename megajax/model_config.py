@@ -394,9 +394,13 @@ class ModelConfig:
 
     @property
     def layer_params(self) -> int:
+        return self._layer_params(self.ffn)
+
+    def _layer_params(self, ffn: int) -> int:
+        """A layer's parameters with a dense MLP of width `ffn` (analytic.layer_params)."""
         return layer_params(
             self.hidden,
-            self.ffn,
+            ffn,
             heads=self.num_heads,
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
@@ -426,16 +430,8 @@ class ModelConfig:
         )
 
     def _moe_layer(self, active: bool) -> int:
-        attention = layer_params(
-            self.hidden,
-            0,
-            heads=self.num_heads,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            gated=self.mlp == "swiglu",
-            bias=self.bias,
-            norm=self.norm,
-        ) - (self.hidden if self.bias == "all" else 0)  # the dense MLP's output bias
+        # the layer without its MLP: no dense MLP's output bias either
+        attention = self._layer_params(0) - (self.hidden if self.bias == "all" else 0)
         total, expert = moe_mlp_params(
             self.hidden,
             self.moe_ffn,
