@@ -1,7 +1,7 @@
 """The mesh as a value: how many devices each axis has, by name, parsed once from `--mesh`.
 
 Everything that reasons about a mesh without devices (the planner, the closed forms of
-`analytic.py`, the audit's minima, the dry run, `--mesh auto`) takes a `MeshShape`;
+`analytic/`, the audit's minima, the dry run, `--mesh auto`) takes a `MeshShape`;
 `core/mesh.make_mesh` lays real devices out on one. A new axis is a field here, its partition
 specs in `core/sharding.py`, and the code that uses it (docs/architecture.md).
 

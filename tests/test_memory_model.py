@@ -1,4 +1,4 @@
-"""The activation-memory model (megajax/analytic.py) against the paper's closed forms and
+"""The activation-memory model (megajax/analytic/) against the paper's closed forms and
 against the buffers XLA compiles for the train step."""
 
 import itertools

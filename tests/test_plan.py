@@ -3,12 +3,15 @@ audit's collective volumes, the paper's formulas and scaling study; and its comm
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import pytest
 from conftest import ROOT, TEST_XLA_FLAGS, handles_signal, mesh_for, tiny_config
 from helpers import cli, tiered
@@ -639,3 +642,127 @@ def test_mesh_auto_keeps_every_device_on_data_unless_the_model_does_not_fit(monk
     assert resolve_mesh("data=2,model=4", lambda: cfg) == (MeshShape(data=2, model=4), None)
     monkeypatch.setattr(memory, "device_memory_bytes", lambda: 80 * 2**30)
     assert resolve_mesh("auto", lambda: cfg) == (flat, None)
+
+
+# A mixture of experts at Mixtral's proportions, small enough to compile here: on an expert mesh
+# with a capacity factor, dropless on data, expert and model together, and with full remat.
+MOE_SMALL = [
+    "model.num_layers=2",
+    "model.hidden=512",
+    "model.num_heads=8",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden=1024",
+    "model.seq_len=512",
+    "model.max_positions=512",
+    "train.batch_size=16",
+    "train.microbatches=2",
+    F32,
+    "model.remat=none",
+]
+MOE_POINTS = [
+    ("expert=4,model=2", ["model.moe_capacity_factor=1.25"]),
+    ("data=2,expert=2,model=2", []),
+    ("expert=8", ["model.remat=full"]),
+]
+
+
+@pytest.mark.parametrize("spec,sets", tiered(MOE_POINTS, MOE_POINTS[0]))
+def test_moe_memory_within_ten_percent_of_the_compiled_step(spec, sets):
+    """Each device's E / ep experts and their state, and what a sparse layer keeps (the
+    buffers and the experts' fc1 outputs: analytic.sparse_mlp_bytes) against the compiled
+    step's peak."""
+    cfg = load_config("mixtral_8x7b", MOE_SMALL + sets)
+    mesh = make_mesh(spec, devices=jax.devices())
+    compiled = step_memory(make_trainer(cfg, mesh).lower_step().compile())["step_peak_bytes"]
+    predicted = memory_bytes(cfg, MeshShape.of(mesh), backend="cpu")["total"]
+    assert predicted == pytest.approx(compiled, rel=MEMORY_TOLERANCE)
+
+
+def dot_flops(jaxpr) -> int:
+    """2 x the multiply-adds of every dot product a traced program runs (a scan's body times
+    its length; shard_map's body per device)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            inner = math.prod(lhs[d] for d in contract)
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * inner
+        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner_jaxpr = getattr(sub, "jaxpr", sub)
+                if hasattr(inner_jaxpr, "eqns"):
+                    total += times * dot_flops(inner_jaxpr)
+    return total
+
+
+@pytest.mark.parametrize(
+    "capacity,arch",
+    [(0.0, []), (1.25, ["model.mlp=gelu", "model.bias=all", "model.moe_shared_gate=true"])],
+)
+def test_a_sparse_layers_matmuls_are_the_programs(capacity, arch):
+    """The planner's matmuls of a mixture of experts as they run (each expert on its buffer
+    slots: dropless, the row's length; with a capacity factor, its share) equal the dot
+    products of the traced forward pass, attention, router, shared expert and output layer
+    included; the model's FLOPs (what MFU counts: each token's k experts) are fewer by the
+    empty slots."""
+    from megajax.analytic import StepShape, head_matmul, layer_matmuls
+    from megajax.tasks import task_for
+
+    sets = [
+        "model.moe_shared_experts=1",
+        "model.attention_dropout=0.1",  # megajax's own core: every score computed
+        f"model.moe_capacity_factor={capacity}",
+        *arch,
+    ]
+    cfg = load_config("moe_tiny", sets)
+    trainer = make_trainer(cfg, mesh_for("1x1"))
+    params, _ = trainer.abstract_state()
+    ids = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), jnp.int32)
+    traced = jax.make_jaxpr(lambda p, x: trainer.modeldef.bind(p)(x))(params, ids)
+    x = StepShape.of(cfg, task_for(cfg), MeshShape(), dtype="float32")
+    x = dataclasses.replace(x, rows=cfg.train.batch_size)
+    layers = sum(mm.flops for mm in layer_matmuls(x, sparse=True))
+    assert dot_flops(traced.jaxpr) == cfg.model.num_layers * layers + head_matmul(x).flops
+    model = sum(mm.flops for mm in layer_matmuls(x, sparse=True, executed=False))
+    slots, k = x.experts * x.expert_slots, x.experts_per_token
+    assert model < layers and slots >= k * x.seq
+
+
+def test_mixtral_is_planned_on_64_h100s_with_expert_axes_among_the_plans():
+    """megajax-plan --config mixtral_8x7b --devices 64 --hardware h100-80g: a plan that fits;
+    expert meshes among the candidates, each paying its all-to-alls, and none with ZeRO-1 or
+    FSDP beside an expert axis (megajax runs those over "data" alone); the MFU counts active
+    FLOPs (the tokens' two experts of eight)."""
+    plans = plan("mixtral_8x7b", 64, "h100-80g")
+    assert plans[0].fits
+    experts = [p for p in plans if p.mesh.expert > 1]
+    assert {p.mesh.expert for p in experts} == {2, 4, 8}
+    assert all(p.seconds["expert_axis"] > 0 and p.scheme == "plain" for p in experts)
+    assert all("expert_axis" not in p.seconds for p in plans if p.mesh.expert == 1)
+    best, cfg = plans[0], load_config("mixtral_8x7b")
+    active = step_flops(cfg, remat="none", executed=False)
+    assert best.mfu == pytest.approx(
+        active / 64 / best.step_seconds / BUILTIN["h100-80g"].peak_flops, rel=1e-9
+    )
+    assert active < step_flops(cfg, remat="none") / 3  # dropless: E / k = 4 times the work
+
+
+def test_expert_mesh_volumes_are_the_audits():
+    """On data=2,expert=2,model=2 the planner's volumes are what the audit finds compiled: the
+    experts' gradients over "data" and the others' over "data" and "expert" (once per
+    microbatch, as plain data parallelism compiles), the all-to-alls over "expert", and the
+    model axis with the routing weights' gradient sums."""
+    from megajax.plan.volumes import expert_axis_elements
+
+    cfg = load_config("moe_tiny", ["train.batch_size=16", "train.microbatches=2"])
+    mesh = make_mesh("data=2,expert=2,model=2", devices=jax.devices())
+    trainer, shape = make_trainer(cfg, mesh), MeshShape.of(mesh)
+    audit = audit_hlo(trainer.lower_step().compile().as_text(), cfg, shape, trainer=trainer)
+    sent, least, mb = data_axis_sent(cfg, shape), audit.data_axis_minimum, 2
+    assert sent["expert_gradients"] == pytest.approx(mb * least["expert_gradients"], rel=1e-12)
+    assert sent["gradients"] == pytest.approx(mb * least["gradients"], rel=1e-12)
+    assert 0 < least["expert_gradients"] < least["gradients"]
+    assert expert_axis_elements(cfg, shape) == audit.expert_axis_elements > 0
+    assert sum(model_axis_elements(cfg, shape).values()) == audit.analytic_min_elements

@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from megajax.core import sharding as S
 from megajax.core.layers import param
@@ -31,6 +32,7 @@ from megajax.core.precision import Precision
 from megajax.model_config import ModelConfig
 from megajax.moe_config import capacity
 
+FC1 = "expert_fc1"  # the experts' fc1 outputs (SwiGLU: gate and up), kept for the backward pass
 # what each sparse layer reports, per row of the batch (summed over its tokens)
 STAT_NAMES = ("assigned", "probs", "z", "tokens", "dropped", "routed")
 
@@ -249,16 +251,26 @@ class MoEBlock(nnx.Module):
                 buffer = jax.lax.all_to_all(buffer, S.EXPERT, 0, 1, tiled=True)
         e, rows, cap, hidden = buffer.shape
         flat = buffer.reshape(e, rows * cap, hidden)
-        names = ("gate", "up") if self.gated else ("fc1",)
-        parts = [expert_matmul(flat, w[f"{n}_experts"], self.precision) for n in names]
-        if f"{names[0]}_bias" in w:
-            parts = [p + w[f"{n}_bias"][:, None, :].astype(p.dtype) for p, n in zip(parts, names)]
-        y = expert_matmul(self.activation(parts), w["fc2_experts"], self.precision)
-        y = y.reshape(e, rows, cap, hidden)
+        # the backward pass keeps the buffers and fc1's outputs, and recomputes the activation
+        # from them (element-wise): what a sparse layer keeps is then known on every backend
+        # (analytic.sparse_mlp_bytes), and it is the least its matmuls need
+        ffn = jax.checkpoint(
+            self.experts_ffn, policy=jax.checkpoint_policies.save_only_these_names(FC1)
+        )
+        y = ffn(flat, w).reshape(e, rows, cap, hidden)
         if ep > 1:
             with jax.named_scope("combine_all_to_all"):
                 y = jax.lax.all_to_all(y, S.EXPERT, 1, 0, tiled=True)
         return y
+
+    def experts_ffn(self, flat, w):
+        """Every expert's MLP on its (E, slots, h) buffer rows."""
+        names = ("gate", "up") if self.gated else ("fc1",)
+        parts = [expert_matmul(flat, w[f"{n}_experts"], self.precision) for n in names]
+        if f"{names[0]}_bias" in w:
+            parts = [p + w[f"{n}_bias"][:, None, :].astype(p.dtype) for p, n in zip(parts, names)]
+        parts = [checkpoint_name(p, FC1) for p in parts]
+        return expert_matmul(self.activation(parts), w["fc2_experts"], self.precision)
 
     def shared_experts(self, xv, x, w):
         """The always-on experts' partial output on this device (column, then row-parallel), times
@@ -315,6 +327,16 @@ def router_losses(stats: dict, cfg: ModelConfig, global_sum=lambda x: x) -> dict
 
 # The metric that carries each sparse layer's assignments per expert to the step (not logged)
 LOAD = "moe/load"
+
+
+EXPERT_WEIGHTS = {
+    f"{n}_{kind}" for n in ("gate", "up", "fc1", "fc2") for kind in ("experts", "bias")
+}
+
+
+def is_expert_weight(path: tuple) -> bool:
+    """Whether a params path is an expert's weight (split over "expert" where the mesh has it)."""
+    return bool(path) and path[-1] in EXPERT_WEIGHTS
 
 
 def is_router_bias(path: tuple) -> bool:

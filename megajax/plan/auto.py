@@ -1,6 +1,6 @@
 """`--mesh auto`: every device on the data axis when the run fits there, as it always was;
 otherwise (the model too big for a device, or a batch that does not split over every device)
-the fastest mesh (data, pipeline stages, model) that megajax-plan predicts to fit, with the
+the fastest mesh (data, pipeline stages, experts, model) that megajax-plan predicts to fit, with the
 run's own options. When none does, every device on "data", and the run's own checks say why."""
 
 from __future__ import annotations
@@ -74,8 +74,6 @@ def resolve_mesh(spec: str | None, run_config, devices=None) -> tuple[MeshShape,
         cfg = run_config().validate()
     except UserError:
         return MeshShape(data=len(devices)), None  # the run's own checks report it, in order
-    if cfg.model.num_experts:  # the planner models dense layers only
-        return MeshShape(data=len(devices)), "a mixture of experts: every device on data"
     return auto_mesh(
         cfg,
         len(devices),

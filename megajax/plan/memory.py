@@ -3,7 +3,7 @@
 Parameters, gradients and optimizer state come from the model's own shapes and partition
 specs (megajax/models/registry.py) and the data axis's split of them (`sharding.data_sharded_spec`,
 as ZeRO-1 and FSDP split them in megajax/training/data_parallel.py): the figures the dry run
-prints, exactly. Activations come from the activation-memory model (megajax/analytic.py)
+prints, exactly. Activations come from the activation-memory model (megajax/analytic/)
 and the step's other temporaries from what XLA's buffer assignment of the compiled step holds
 at its peak:
 
@@ -41,6 +41,7 @@ from megajax import schedules
 from megajax.analytic import DTYPE_BYTES, StepShape, activation_bytes_per_layer
 from megajax.config import Config, ModelConfig
 from megajax.core.attention import fused_attention
+from megajax.core.moe import is_expert_weight
 from megajax.core.precision import Precision
 from megajax.core.sharding import DATA, MODEL, data_sharded_spec
 from megajax.core.stack import layer_weight
@@ -61,6 +62,7 @@ class Weight:
     stacked: bool  # the scanned layers' stacked weights
     # kernels and LayerNorm scales: the backward pass reads them (FSDP gathers again)
     read_backward: bool
+    expert: bool = False  # an expert's: split over "expert"
 
 
 def weights(model_cfg: ModelConfig) -> tuple[Weight, ...]:
@@ -82,12 +84,14 @@ def _read_weights(model_cfg: ModelConfig) -> tuple[Weight, ...]:
     for (path, x), spec in zip(shapes, specs):
         keys = path_keys(path)
         in_layers, matrix = layer_weight(keys) is not None, keys[-1] in ("kernel", "scale")
-        out.append(Weight(tuple(x.shape), spec, in_layers, matrix))
+        out.append(Weight(tuple(x.shape), spec, in_layers, matrix, is_expert_weight(keys)))
     return tuple(out)
 
 
-def shard_elements(shape, spec, mesh: MeshShape) -> int:
-    n = math.prod(shape)
+def shard_elements(shape, spec, mesh: MeshShape, expert: bool = False) -> int:
+    """A device's elements of a weight of `shape` split by `spec` (an expert's: and by the
+    expert axis, which the spec of a mesh without one leaves out)."""
+    n = math.prod(shape) // (mesh.expert if expert else 1)
     for entry in spec:
         for axis in entry if isinstance(entry, tuple) else (entry,):
             n //= {MODEL: mesh.model, DATA: mesh.data}.get(axis, 1)
@@ -106,6 +110,7 @@ class StateSplit:
     params_local: int = 0  # elements of parameters a device stores (FSDP: its data slice)
     optimizer_local: int = 0  # elements of each Adam moment a device stores (ZeRO: its data slice)
     nonlayer_shard: int = 0  # model-shard elements outside the stacked layers
+    experts: int = 0  # model-shard elements of expert weights (their gradients: over "data" only)
 
 
 def state_split(cfg: Config, mesh: MeshShape) -> StateSplit:
@@ -114,10 +119,10 @@ def state_split(cfg: Config, mesh: MeshShape) -> StateSplit:
     t, pp = cfg.train, mesh.pipe
     zero = (t.shard_optimizer or t.shard_params) and mesh.data > 1
     fsdp = t.shard_params and mesh.data > 1
-    model_only = MeshShape(model=mesh.model)
+    model_only = MeshShape(model=mesh.model, expert=mesh.expert)
     out = StateSplit()
     for w in weights(cfg.model):
-        local = shard_elements(w.shape, w.spec, model_only) // (pp if w.stacked else 1)
+        local = shard_elements(w.shape, w.spec, model_only, w.expert) // (pp if w.stacked else 1)
         # (FSDP gathers a layer at a time, and stages split the layers: never their axis)
         split = (
             data_sharded_spec(w.shape, w.spec, mesh, skip_leading=w.stacked and (fsdp or pp > 1))
@@ -127,9 +132,10 @@ def state_split(cfg: Config, mesh: MeshShape) -> StateSplit:
         sliced = (
             local
             if split is None
-            else shard_elements(w.shape, split, mesh) // (pp if w.stacked else 1)
+            else shard_elements(w.shape, split, mesh, w.expert) // (pp if w.stacked else 1)
         )
         out.model_shard += local
+        out.experts += local if w.expert else 0
         out.params_local += sliced if fsdp else local
         out.optimizer_local += sliced
         out.nonlayer_shard += 0 if w.stacked else local
@@ -185,7 +191,9 @@ def step_shape(cfg: Config, mesh: MeshShape, backend: str = "gpu", dtype: str | 
 
 def kept_activation_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> int:
     """What the backward pass keeps, for every layer, for one microbatch."""
-    return cfg.model.num_layers * activation_bytes_per_layer(step_shape(cfg, mesh, backend))
+    x, sparse = step_shape(cfg, mesh, backend), sum(cfg.model.sparse_layers)
+    dense = (cfg.model.num_layers - sparse) * activation_bytes_per_layer(x)
+    return dense + (sparse and sparse * activation_bytes_per_layer(x, sparse=True))
 
 
 def memory_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> dict:
@@ -208,7 +216,8 @@ def memory_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> dict:
             b * m.num_heads // tp * s * s * (m.attention_dropout > 0)
             + 2 * b * s * h * (m.hidden_dropout > 0)
         )
-        working = activation_bytes_per_layer(x, remat="none") + random_bits
+        sparse = bool(sum(m.sparse_layers))  # a sparse layer's, the larger
+        working = activation_bytes_per_layer(x, remat="none", sparse=sparse) + random_bits
     logits = logit_bytes(cfg, backend) * b * task.head_rows(cfg) * m.padded_vocab // tp
     gathered = 0
     if t.shard_params and dp > 1:

@@ -76,7 +76,16 @@ HEADER = (
 )
 
 
-def row(p: Plan) -> tuple:
+def header(experts: bool) -> tuple:
+    """The columns; a mixture of experts' table has the expert axis's all-to-alls after
+    the data axis's."""
+    if not experts:
+        return HEADER
+    at = HEADER.index("data-ax") + 1
+    return HEADER[:at] + ("expert-ax",) + HEADER[at:]
+
+
+def row(p: Plan, experts: bool = False) -> tuple:
     s = p.seconds
     compute = s["matmuls"] + s["elementwise"] + s["optimizer"] + s["overhead"]
     fits = "yes" if p.fits else f"no (+{_gib(p.memory['total'] - p.device_bytes)})"
@@ -93,6 +102,7 @@ def row(p: Plan) -> tuple:
         f"{compute:.3f}",
         f"{s['model_axis']:.3f}",
         f"{s['data_axis']:.3f}",
+        *([f"{s.get('expert_axis', 0.0):.3f}"] if experts else []),
         f"{s.get('pipeline', 0.0):.3f}",
         f"{p.tokens_per_s:,.0f}",
         f"{p.tflops_per_device:.1f}",
@@ -123,8 +133,9 @@ def render(cfg: Config, devices: int, hw: Hardware, plans: list[Plan], top: int 
     too_big = [p for p in plans[top:] if not p.fits]
     if all(p.fits for p in shown) and too_big:
         shown.append(too_big[0])  # the plan that fits least badly: what more would cost
-    table = [HEADER] + [row(p) for p in shown]
-    widths = [max(len(str(r[i])) for r in table) for i in range(len(HEADER))]
+    experts = bool(m.num_experts)
+    table = [header(experts)] + [row(p, experts) for p in shown]
+    widths = [max(len(str(r[i])) for r in table) for i in range(len(table[0]))]
     for r in table[:1] + [tuple("-" * w for w in widths)] + table[1:]:
         lines.append(
             "  ".join(
@@ -136,8 +147,14 @@ def render(cfg: Config, devices: int, hw: Hardware, plans: list[Plan], top: int 
         "\n"
         f"{len(plans)} plans, {sum(p.fits for p in plans)} fit. Memory per device in GiB (activ: "
         "activations and the step's working set); step time without overlap, "
-        f"{STACK_NOTE[hw.stack]}; TFLOP/s counts recomputation (the paper's count), MFU does not; "
-        "scaling: model FLOP/s per device over the reference run's on one device (the config's "
+        f"{STACK_NOTE[hw.stack]}; TFLOP/s counts recomputation (the paper's count)"
+        + (
+            " and the experts' buffer slots as they run, MFU neither (each token's "
+            f"{m.experts_per_token} experts of {m.num_experts}: active FLOPs)"
+            if experts
+            else ", MFU does not"
+        )
+        + "; scaling: model FLOP/s per device over the reference run's on one device (the config's "
         "fastest one-device plan)."
     )
     return "\n".join(lines)

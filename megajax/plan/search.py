@@ -1,5 +1,6 @@
-"""Every way to run a config on N devices, predicted and ranked: meshes (data, pipeline stages
-and model, the model axis dividing heads, hidden and ffn, the stages the layers), microbatch
+"""Every way to run a config on N devices, predicted and ranked: meshes (data, pipeline stages,
+experts and model, the model axis dividing heads, hidden and ffn, the stages the layers, the
+expert axis a mixture's experts), microbatch
 sizes for the config's global batch, recomputation, sequence parallelism and the data axis's
 scheme (plain, ZeRO-1, FSDP). The fastest plan that fits comes first."""
 
@@ -90,24 +91,42 @@ class Plan:
 
 def model_sizes(cfg: Config, devices: int) -> list[int]:
     m = cfg.model
+    widths = (m.num_heads, m.hidden, m.ffn)
+    if m.num_experts:  # each expert's MLP (and the shared experts') split like the dense one
+        widths += (m.moe_ffn, m.moe_shared_ffn)
     # t divides the heads: O(heads)
     return [
         t
         for t in range(1, min(devices, m.num_heads) + 1)
-        if devices % t == 0 and all(x % t == 0 for x in (m.num_heads, m.hidden, m.ffn))
+        if devices % t == 0 and all(x % t == 0 for x in widths)
     ]
 
 
-def meshes(cfg: Config, devices: int, pipelines: bool = True) -> list[MeshShape]:
-    """The meshes of `devices` a plan may have: a model axis dividing heads, hidden and ffn, and
-    pipeline stages dividing the layers and the devices left (`pipelines`: whether stages are
-    considered; a pipeline runs with a scanned stack: core/mesh.py's rules)."""
-    staged = pipelines and cfg.model.scan_layers and not cfg.train.layer_programs
+def expert_sizes(cfg: Config, devices: int) -> list[int]:
+    """The expert axes a mixture of experts may have on `devices`: those dividing its experts."""
+    experts = cfg.model.num_experts
     return [
-        MeshShape(data=devices // tp // p, pipe=p, model=tp)
+        e for e in range(1, min(devices, experts) + 1) if devices % e == 0 and experts % e == 0
+    ] or [1]
+
+
+def meshes(cfg: Config, devices: int, pipelines: bool = True) -> list[MeshShape]:
+    """The meshes of `devices` a plan may have: a model axis dividing heads, hidden and ffn,
+    pipeline stages dividing the layers and the devices left (`pipelines`: whether stages are
+    considered; a pipeline runs with a scanned stack, and not with experts: core/mesh.py's
+    rules), and for a mixture of experts an expert axis dividing the experts."""
+    staged = (
+        pipelines
+        and cfg.model.scan_layers
+        and not cfg.train.layer_programs
+        and not cfg.model.num_experts
+    )
+    return [
+        MeshShape(data=devices // tp // p // e, pipe=p, expert=e, model=tp)
         for tp in model_sizes(cfg, devices)
         for p in range(1, (cfg.model.num_layers if staged else 1) + 1)
         if cfg.model.num_layers % p == 0 and (devices // tp) % p == 0
+        for e in expert_sizes(cfg, devices // tp // p)
     ]
 
 
@@ -119,15 +138,16 @@ def candidates(cfg: Config, devices: int, schemes=tuple(SCHEMES), pipelines: boo
     if cfg.train.layer_programs:
         schemes = [s for s in schemes if s == "plain"]
     for mesh in meshes(cfg, devices, pipelines):
-        if batch % mesh.data:
+        if batch % mesh.batch_shards:
             continue
-        per_shard = batch // mesh.data
+        per_shard = batch // mesh.batch_shards
         for rows in (r for r in range(1, per_shard + 1) if per_shard % r == 0):
             for remat, sp, scheme in itertools.product(
                 ("none", "selective", "full"), (False, True), schemes
             ):
+                # ZeRO-1 and FSDP split over "data" alone, not beside an expert axis
                 if (sp and (mesh.model == 1 or cfg.model.seq_len % mesh.model)) or (
-                    scheme != "plain" and mesh.data == 1
+                    scheme != "plain" and (mesh.data == 1 or mesh.expert > 1)
                 ):
                     continue
                 yield mesh, per_shard // rows, remat, sp, scheme
@@ -151,7 +171,7 @@ def evaluate(cfg: Config, mesh: MeshShape, hw: Hardware, gradient_bytes: int = 4
         seconds,
         t.batch_size * m.seq_len / total,
         step_flops(cfg) / n / total / 1e12,
-        step_flops(cfg, remat="none") / n / total / hw.peak_flops,
+        step_flops(cfg, remat="none", executed=False) / n / total / hw.peak_flops,
         links={axis: link for axis, (_, _, link) in axis_links(mesh, hw).items()},
         layer_programs=t.layer_programs,
     )
@@ -169,11 +189,6 @@ def plans(
         raise UserError(
             f"unknown data-parallel scheme(s) {', '.join(unknown) or '(none)'}: use "
             f"{', '.join(SCHEMES)}"
-        )
-    if cfg.model.num_experts:
-        raise UserError(
-            "the planner models dense layers: a mixture of experts (model.num_experts) is not "
-            "planned yet; give --mesh yourself and measure it with --dry-run"
         )
     if cfg.train.layer_programs and "plain" not in schemes:
         raise UserError(

@@ -37,13 +37,20 @@ from megajax.config import Config
 from megajax.core.attention import fused_attention
 from megajax.hardware import Hardware
 from megajax.mesh_shape import MeshShape
+from megajax.moe_config import capacity
 from megajax.plan.memory import (
     activation_dtype,
     kept_activation_bytes,
     rows_per_microbatch,
     state_split,
 )
-from megajax.plan.volumes import data_axis_sent, head_matmul, layer_matmuls, model_axis_elements
+from megajax.plan.volumes import (
+    data_axis_sent,
+    expert_axis_elements,
+    head_matmul,
+    layer_matmuls,
+    model_axis_elements,
+)
 
 MATMUL_EFFICIENCY = 0.5407  # calibrated: gpt2_1.2b on one V100, 39 TFLOP/s
 # calibrated: gpt2_8.3b on 8 V100s, 77% of the 1.2B model's FLOP/s per GPU
@@ -69,6 +76,9 @@ LINK_EFFICIENCY = 1.0
 # bias and GeLU (read, write); on the b·heads/t·s² scores scale, mask, softmax, dropout.
 HIDDEN_PASSES, FFN_PASSES, SCORE_PASSES = 2 * 2 + 2 * 3.5, 2, 5
 BACKWARD_PASSES = 2  # the backward pass moves twice the forward's bytes
+# A sparse layer's buffers (core/moe.py): zero-filled (a write), the tokens added in (a read and
+# a write), the results gathered back (a read)
+DISPATCH_PASSES = 4
 # Adam: read params, gradient, two moments; write params, two moments (float32)
 OPTIMIZER_BYTES_PER_PARAM = 28
 # megajax's stack: each microbatch reads every float32 weight in its forward and backward passes
@@ -76,6 +86,20 @@ OPTIMIZER_BYTES_PER_PARAM = 28
 # float32 accumulator too (8 more): what many small microbatches cost. The paper's stack has
 # its fitted per-layer constant instead.
 WEIGHT_BYTES_PER_PARAM, ACCUMULATE_BYTES_PER_PARAM = 12, 8
+
+
+def sparse_passes(cfg: Config, rows: int, tp: int) -> float:
+    """A sparse layer's MLP's forward element-wise traffic on one device (elements): the
+    activation on each expert's buffer slots and the shared experts' (FFN_PASSES each), and
+    the dispatch and combine on the buffers of `hidden` (DISPATCH_PASSES)."""
+    m = cfg.model
+    slots = (
+        rows
+        * m.num_experts
+        * capacity(m.seq_len, m.moe_capacity_factor, m.experts_per_token, m.num_experts)
+    )
+    shared = rows * m.seq_len * m.moe_shared_ffn
+    return FFN_PASSES * (slots * m.moe_ffn + shared) / tp + DISPATCH_PASSES * slots * m.hidden
 
 
 class Stack(NamedTuple):
@@ -131,21 +155,28 @@ def compute_seconds(cfg: Config, mesh: MeshShape, hw: Hardware) -> dict[str, flo
     # forward, backward (2), the recomputed forward; megajax's pipeline recomputes each stage's
     # forward in its backward tick on top of the model's own remat
     passes = 3 + recompute_passes(m.remat) + (pp > 1 and stack.stage_recompute)
-    mms = layer_matmuls(cfg, mesh)
-    layer = passes * sum(matmul_seconds(mm, hw) for mm in mms)
-    if m.remat == "selective":
-        layer += sum(matmul_seconds(mm, hw) for mm in mms[4:])
-    matmuls = ticks * (layers * layer + 3 * matmul_seconds(head_matmul(cfg, mesh), hw))
+    sparse = sum(m.sparse_layers) // pp
+    layer_seconds = 0.0
+    for kind, count in ((False, layers - sparse), (True, sparse)):
+        mms = layer_matmuls(cfg, mesh, kind) if count else []
+        layer_seconds += count * passes * sum(matmul_seconds(mm, hw) for mm in mms)
+        if m.remat == "selective":  # the attention core, the last two
+            layer_seconds += count * sum(matmul_seconds(mm, hw) for mm in mms[-2:])
+    matmuls = ticks * (layer_seconds + 3 * matmul_seconds(head_matmul(cfg, mesh), hw))
     act = DTYPE_BYTES[activation_dtype(cfg)]
     b, s, h = rows_per_microbatch(cfg, mesh), m.seq_len, m.hidden
     stream = b * s * h // (tp if m.sequence_parallel else 1)
     on_chip = stack.flash_attention and fused_attention(m, on="gpu")  # scores never reach memory
     scores = 0 if on_chip else b * m.num_heads // tp * s * s
-    forward = HIDDEN_PASSES * stream + FFN_PASSES * b * s * m.ffn // tp + SCORE_PASSES * scores
+    attention = HIDDEN_PASSES * stream + SCORE_PASSES * scores
+    dense = FFN_PASSES * b * s * m.ffn // tp
+    forward = (layers - sparse) * (attention + dense) + sparse * (
+        attention + sparse_passes(cfg, b, tp)
+    )
     total = forward * (passes - 2 + BACKWARD_PASSES)
     if m.remat == "selective":
-        total += SCORE_PASSES * scores
-    elementwise = ticks * layers * total * act / hw.hbm_bandwidth
+        total += layers * SCORE_PASSES * scores
+    elementwise = ticks * total * act / hw.hbm_bandwidth
     # the layer programs keep them in buffers of their own
     if m.scan_layers and not cfg.train.layer_programs:
         elementwise += (
@@ -191,21 +222,30 @@ def axis_links(mesh: MeshShape, hw: Hardware) -> dict[str, tuple[float, float, s
     each node once, so the groups that share a node share its network adapters; pipeline
     stages (the outermost axis) are nodes apart once a stage fills a node, every device of a
     stage sending its share of the boundary through its node's adapters."""
-    g, dp, tp, pp = hw.gpus_per_node, mesh.data, mesh.model, mesh.pipe
+    g, dp, tp, pp, ep = hw.gpus_per_node, mesh.data, mesh.model, mesh.pipe, mesh.expert
     intra = (hw.intra_node_bandwidth, hw.intra_node_latency, "intra-node")
     inter_share = hw.inter_node_bandwidth / g
     model = intra if tp <= g else (inter_share, hw.inter_node_latency, "inter-node")
-    if dp * tp <= g:
-        data = intra
-    else:
-        per_node = max(1, g // tp)  # devices of one data group in a node
-        data = (inter_share * per_node, hw.inter_node_latency, "inter-node")
-    links = {"model": model, "data": data}
+    # "expert" sits between "data" and "model"; for all but the experts it is one more data axis
+    links = {"model": model, "data": ring_link(dp * ep, tp, hw)}
+    if ep > 1:
+        links["expert"] = ring_link(ep, tp, hw)
     if pp > 1:
         links["pipe"] = (
             intra if dp * tp * pp <= g else (inter_share, hw.inter_node_latency, "inter-node")
         )
     return links
+
+
+def ring_link(size: int, stride: int, hw: Hardware) -> tuple[float, float, str]:
+    """(bandwidth per device, latency, which link) of a ring of `size` devices `stride` apart:
+    within a node when it fits, else crossing each node once, the rings that share a node
+    sharing its network adapters."""
+    g = hw.gpus_per_node
+    if size * stride <= g:
+        return (hw.intra_node_bandwidth, hw.intra_node_latency, "intra-node")
+    per_node = max(1, g // stride)  # devices of one ring in a node
+    return (hw.inter_node_bandwidth / g * per_node, hw.inter_node_latency, "inter-node")
 
 
 def communication_seconds(
@@ -229,11 +269,19 @@ def communication_seconds(
     )
     bw, lat, _ = links["data"]
     sent = data_axis_sent(cfg, mesh, once_per_step=hw.stack != "megajax")
-    data = ring_seconds(
-        "sent", sent["gradients"] + sent["regather"], gradient_bytes, dp, bw, lat, 1
-    )
+    experts, ep = sent.get("expert_gradients", 0.0), mesh.expert
+    others = sent["gradients"] - experts + sent["regather"]
+    data = ring_seconds("sent", others, gradient_bytes, dp * ep, bw, lat, 1)
     data += ring_seconds("sent", sent["params"], 4, dp, bw, lat, 1)
+    if experts:  # over "data" alone: rings ep x tp devices apart
+        bw, lat, _ = ring_link(dp, ep * tp, hw)
+        data += ring_seconds("sent", experts, gradient_bytes, dp, bw, lat, 1)
     out = {"model_axis": model, "data_axis": data}
+    if ep > 1:  # each all-to-all keeps 1/ep of its buffer on the device
+        bw, lat, _ = links["expert"]
+        calls = 4 * mb * sum(m.sparse_layers)
+        moved = expert_axis_elements(cfg, mesh) * (ep - 1) / ep
+        out["expert_axis"] = ring_seconds("sent", moved, act, ep, bw, lat, calls)
     if pp > 1:
         bw, lat, _ = links["pipe"]
         boundary = rows_per_microbatch(cfg, mesh) * m.seq_len * m.hidden / tp * act

@@ -1,4 +1,4 @@
-"""The planner's FLOPs and collective volumes: the closed forms of megajax/analytic.py for a
+"""The planner's FLOPs and collective volumes: the closed forms of megajax/analytic/ for a
 config on a mesh. Plain data parallelism is counted as GSPMD compiles it, all-reducing
 the gradients once per microbatch, not at the audit's minimum of once per step;
 tests/test_plan.py checks every form against what the audit reads from compiled steps.
@@ -18,17 +18,18 @@ def step_shape(cfg: Config, mesh: MeshShape = MeshShape()) -> StepShape:
     return StepShape.of(cfg, task_for(cfg), mesh)
 
 
-def layer_matmuls(cfg: Config, mesh: MeshShape) -> list[Matmul]:
-    return analytic.layer_matmuls(step_shape(cfg, mesh))
+def layer_matmuls(cfg: Config, mesh: MeshShape, sparse: bool = False) -> list[Matmul]:
+    return analytic.layer_matmuls(step_shape(cfg, mesh), sparse)
 
 
 def head_matmul(cfg: Config, mesh: MeshShape) -> Matmul:
     return analytic.head_matmul(step_shape(cfg, mesh))
 
 
-def step_flops(cfg: Config, remat: str | None = None) -> float:
-    """Matmul FLOPs of a whole train step (all devices)."""
-    return analytic.step_flops(step_shape(cfg), remat)
+def step_flops(cfg: Config, remat: str | None = None, executed: bool = True) -> float:
+    """Matmul FLOPs of a whole train step (all devices); `executed`: a mixture of experts' as
+    its buffers run them, else as the model counts them (its tokens' k experts: MFU's)."""
+    return analytic.step_flops(step_shape(cfg), remat, executed)
 
 
 def paper_flops(cfg: Config, full_recompute: bool = True) -> float:
@@ -39,12 +40,27 @@ def model_axis_elements(cfg: Config, mesh: MeshShape) -> dict[str, int]:
     return analytic.model_axis_elements(step_shape(cfg, mesh))
 
 
+def expert_axis_elements(cfg: Config, mesh: MeshShape) -> int:
+    return analytic.expert_axis_minimum(step_shape(cfg, mesh))
+
+
 def data_axis_sent(cfg: Config, mesh: MeshShape, once_per_step: bool = False) -> dict[str, float]:
     """Elements each device sends over "data" per step (ring algorithms), in the audit's forms
     (with pp stages, for its stage's weights). `once_per_step`: plain data parallelism
-    all-reduces the accumulated gradients once (Megatron-LM), not once per microbatch."""
+    all-reduces the accumulated gradients once (Megatron-LM), not once per microbatch. On an
+    expert mesh (plain data parallelism) the experts' gradients are all-reduced over "data",
+    `expert_gradients` of the total, the others' over "data" and "expert"."""
     t, st = cfg.train, state_split(cfg, mesh)
     scheme = "fsdp" if t.shard_params else "zero" if t.shard_optimizer else "plain"
+    if mesh.expert > 1:
+        reduce = lambda n, g: analytic.data_axis_minimum("plain", n, t.microbatches, 0, g)  # noqa: E731
+        others = reduce(mesh.data * mesh.expert, st.model_shard - st.experts)
+        experts = reduce(mesh.data, st.experts)
+        sent = {k: others[k] + experts[k] for k in others}
+        sent["expert_gradients"] = experts["gradients"]
+        if not once_per_step:
+            sent = {k: v * t.microbatches if "gradients" in k else v for k, v in sent.items()}
+        return sent
     sent = analytic.data_axis_minimum(
         scheme,
         mesh.data,

@@ -29,7 +29,7 @@ from megajax.training.step import make_trainer
 class AuditResult:
     collectives: list[Collective]
     mesh: MeshShape
-    # the step's numbers, for the closed forms (megajax/analytic.py)
+    # the step's numbers, for the closed forms (megajax/analytic/)
     shape: StepShape
     scanned: bool
     # one device's shard of every parameter: its gradient reduction over "data"

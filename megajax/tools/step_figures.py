@@ -87,7 +87,7 @@ def activation_bytes_per_sequence(cfg: Config, mesh, temp_bytes: int) -> dict:
 
 
 def modelled_bytes_per_layer(cfg: Config, mesh, dtype: str) -> int:
-    """The activation-memory model's bytes per layer and sequence (megajax/analytic.py), as the
+    """The activation-memory model's bytes per layer and sequence (megajax/analytic/), as the
     compiled CPU step keeps them (XLA's attention, no flash kernel) in `dtype`."""
     x = step_shape(cfg, MeshShape.of(mesh), backend="cpu", dtype=dtype)
     return activation_bytes_per_layer(dataclasses.replace(x, rows=1))

@@ -1,4 +1,4 @@
-"""Throughput accounting for the log's MFU: model FLOPs per token (megajax/analytic.py) and the
+"""Throughput accounting for the log's MFU: model FLOPs per token (megajax/analytic/) and the
 device's peak (the hardware table's, or a matmul rate measured on the CPU)."""
 
 from __future__ import annotations
