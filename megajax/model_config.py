@@ -44,6 +44,7 @@ ARCHITECTURE = (
     "bias",
     "tie_embeddings",
     "sliding_window",
+    "qk_norm",
     # a mixture of experts' shape and routing (its loss coefficients and capacity are the run's)
     "num_experts",
     "experts_per_token",
@@ -138,6 +139,8 @@ class ModelConfig:
     bias: str = "all"
     # the output layer is the input embedding (GPT-2) or its own weight
     tie_embeddings: bool = True
+    # Qwen3's QK-norm: an RMSNorm over each head's queries and keys before rotary positions
+    qk_norm: bool = False
     # the attention core: megajax (its own; core/blocked_attention.py on the CPU without
     # attention dropout) | fused (jax.nn.dot_product_attention: cuDNN's flash attention on
     # NVIDIA GPUs, XLA elsewhere; no attention dropout) | auto (fused on GPUs where it can)
@@ -317,13 +320,13 @@ class ModelConfig:
                 f"model.num_kv_heads={self.kv_heads}: each key/value head serves a whole group of "
                 "query heads"
             )
-        if self.kind != "gpt" and (
-            self.positions != "learned" or not self.tie_embeddings or self.norm != "layernorm"
-        ):
+        gpt_only = (self.positions != "learned", not self.tie_embeddings, self.qk_norm)
+        if self.kind != "gpt" and (any(gpt_only) or self.norm != "layernorm"):
             raise ConfigError(
-                'model.positions = "rope", model.norm = "rmsnorm" and model.tie_embeddings = '
-                f'false are for GPT-style decoders; model.kind = "{self.kind}" learns its '
-                "positions, normalises with LayerNorm and ties its output layer"
+                'model.positions = "rope", model.norm = "rmsnorm", model.qk_norm and '
+                "model.tie_embeddings = false are for GPT-style decoders; model.kind = "
+                f'"{self.kind}" learns its positions, normalises with LayerNorm and ties its '
+                "output layer"
             )
         if self.positions == "rope":
             if self.head_dim % 2:
@@ -359,7 +362,7 @@ class ModelConfig:
         traits += ["rotary positions"] * (self.positions == "rope") + [f"SwiGLU {self.ffn}"] * (
             self.mlp == "swiglu"
         )
-        traits += ["untied output layer"] * (not self.tie_embeddings)
+        traits += ["QK-norm"] * self.qk_norm + ["untied output layer"] * (not self.tie_embeddings)
         heads = f"{self.num_heads} heads" + (
             f" / {self.kv_heads} key-value" if self.kv_heads < self.num_heads else ""
         )
@@ -407,6 +410,7 @@ class ModelConfig:
             gated=self.mlp == "swiglu",
             bias=self.bias,
             norm=self.norm,
+            qk_norm=self.qk_norm,
         )
 
     @property

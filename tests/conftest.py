@@ -210,6 +210,7 @@ HF_NAMES = (
     "llama_tied",
     "mistral",
     "qwen2",
+    "qwen3",
     "mistral_window",
     "qwen2_window",
 )

@@ -1,6 +1,7 @@
 """Build the Llama-family fixtures of tests/test_llama.py: tiny random LlamaForCausalLM (grouped
 query heads, untied, llama3 rope scaling; and a tied one with as many key/value heads as query
-heads), MistralForCausalLM and Qwen2ForCausalLM (q/k/v biases) models saved with
+heads), MistralForCausalLM, Qwen2ForCausalLM (q/k/v biases) and Qwen3ForCausalLM (QK-norm, a
+head dimension of its own) models saved with
 `save_pretrained`, a byte-level BPE tokenizer.json with special tokens and a chat template,
 and fixed inputs with what `transformers` computes for them: logits, the gradient of the mean
 next-token loss for every weight, and 32 greedy tokens.
@@ -11,8 +12,9 @@ Run by hand, in an environment with PyTorch and transformers (never by the test 
     /tmp/hfenv/bin/pip install torch==2.13.0 transformers==5.25.0 safetensors numpy
     /tmp/hfenv/bin/python tests/make_llama_fixtures.py [NAME ...]
 
-It rewrites the fixtures named, or all: tests/fixtures/hf/{llama,llama_tied,mistral,qwen2}/ and
-the sliding-window models {mistral,qwen2}_window/ (windows of 8 positions, 24-token rows).
+It rewrites the fixtures named, or all: tests/fixtures/hf/{llama,llama_tied,mistral,qwen2,
+qwen3}/ and the sliding-window models {mistral,qwen2}_window/ (windows of 8 positions, 24-token
+rows). The qwen3 fixture was made with torch 2.14.1, the others with 2.13.0.
 Every weight is random (norm scales 1 + N(0, 0.1)), so a transposed, mis-ordered or
 mis-rotated tensor cannot pass. The Mistral is saved in shards with their index, the Qwen2 in
 bfloat16 (its references are computed from the rounded weights).
@@ -211,6 +213,18 @@ if __name__ == "__main__":
             14,
             dtype=torch.bfloat16,
             num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            use_sliding_window=False,
+        ),
+        # Qwen3: QK-norm, and a head dimension (16) that is not hidden / heads (8)
+        "qwen3": lambda: build(
+            "qwen3",
+            transformers.Qwen3Config,
+            transformers.Qwen3ForCausalLM,
+            18,
+            num_key_value_heads=2,
+            head_dim=16,
             tie_word_embeddings=False,
             rope_theta=1000000.0,
             use_sliding_window=False,

@@ -1,6 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2) against `transformers` itself.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) against `transformers` itself.
 
-The fixtures in tests/fixtures/hf/{llama,llama_tied,mistral,qwen2} and the sliding-window
+The fixtures in tests/fixtures/hf/{llama,llama_tied,mistral,qwen2,qwen3} and the sliding-window
 {mistral,qwen2}_window (windows of 8 positions, rows of 24) were made by
 tests/make_llama_fixtures.py (run by hand with PyTorch and transformers): tiny random models
 with what transformers computed for fixed inputs: logits, the gradient of the mean next-token
@@ -31,16 +31,19 @@ from megajax.runs.workdir import load_workdir
 from megajax.tasks import param_count
 
 FIXTURES = HF_FIXTURES
-NAMES = ("llama", "llama_tied", "mistral", "qwen2", "mistral_window", "qwen2_window")
+NAMES = ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "mistral_window", "qwen2_window")
 SETTINGS = HF_IMPORT_SETTINGS  # float32; vocab 320 -> 384
 # (fixture, mesh): every fixture on one device; 1x8 and 2x4 replicate the key/value heads
-# of llama (2 of them) and qwen2 (2), 1x8 mistral's (4); llama_tied has 8 (split on 2x4).
+# of llama (2 of them), qwen2 (2) and qwen3 (2), 1x8 mistral's (4); llama_tied has 8 (split on
+# 2x4).
 CASES = [(n, "1x1") for n in NAMES] + [
     ("llama", "2x4"),
     ("llama", "1x8"),
     ("llama_tied", "2x4"),
     ("mistral", "1x8"),
     ("qwen2", "2x4"),
+    ("qwen3", "1x8"),
+    ("qwen3", "2x4"),
     ("mistral_window", "2x4"),
     ("qwen2_window", "1x8"),
 ]
@@ -55,7 +58,7 @@ reference = hf_reference
 
 
 def test_configs_come_from_the_hf_config(imported):
-    llama, tied, mistral, qwen, window, qwen_window = (imported[n][0].model for n in NAMES)
+    llama, tied, mistral, qwen, qwen3, window, qwen_window = (imported[n][0].model for n in NAMES)
     assert (llama.norm, llama.positions, llama.mlp, llama.bias, llama.tie_embeddings) == (
         "rmsnorm",
         "rope",
@@ -83,6 +86,9 @@ def test_configs_come_from_the_hf_config(imported):
     # the window slides over sequences as long as the context: nothing cut to it
     assert (window.sliding_window, window.max_positions, window.seq_len) == (8, 64, 64)
     assert (qwen_window.sliding_window, qwen_window.bias) == (8, "qkv")
+    # QK-norm, and heads of 16 where hidden / heads is 8
+    assert (qwen3.qk_norm, qwen3.head_dim, qwen3.kv_channels, qwen3.bias) == (True, 16, 16, "none")
+    assert not any(m.qk_norm for m in (llama, tied, mistral, qwen, window, qwen_window))
 
 
 @pytest.mark.parametrize(
@@ -93,6 +99,7 @@ def test_configs_come_from_the_hf_config(imported):
         ("llama", "2x4"),
         ("mistral", "1x8"),
         ("qwen2", "2x4"),
+        ("qwen3", "1x8"),
         ("llama_tied", "1x1"),
         ("mistral_window", "2x4"),
     ),
@@ -136,6 +143,7 @@ def test_logits_and_every_gradient_match_transformers(imported, name, spec):
         [
             ("llama", "1x8"),
             ("qwen2", "1x1"),
+            ("qwen3", "2x4"),
             ("mistral", "2x4"),
             ("mistral_window", "1x8"),
             ("qwen2_window", "2x4"),
@@ -169,7 +177,9 @@ def test_export_then_import_is_bitwise(imported, name, tmp_path):
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     # Mistral without a window is a Llama
     expected = (
-        "Qwen2ForCausalLM"
+        "Qwen3ForCausalLM"
+        if name == "qwen3"
+        else "Qwen2ForCausalLM"
         if name.startswith("qwen2")
         else "MistralForCausalLM"
         if name == "mistral_window"
@@ -216,6 +226,7 @@ def test_the_chat_template_and_tokenizer_config_are_kept(imported):
         ),
         ("llama", dict(attention_bias=True), "attention_bias = true"),
         ("llama", dict(mlp_bias=True), "mlp_bias = true"),
+        ("qwen3", dict(attention_bias=True), "attention_bias = true"),
         ("mistral", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
         (
             "mistral",
@@ -269,6 +280,7 @@ def test_a_window_over_every_layer_or_none(tmp_path):
         ("llama3.1_70b", 70_553_706_496),
         ("mistral_7b", 7_241_732_096),
         ("qwen2_7b", 7_615_616_512),
+        ("qwen3_8b", 8_190_735_360),
     ],
 )
 def test_shipped_shapes_have_the_published_parameter_counts(name, published):
@@ -283,8 +295,9 @@ def test_architecture_fields_are_validated_together():
         load_config("tiny", ["model.rope_scaling=llama3"])
     with pytest.raises(ConfigError, match="rope_scaling must be none, linear or llama3"):
         load_config("tiny", base + ["model.rope_scaling=yarn"])
-    with pytest.raises(ConfigError, match="are for GPT-style decoders"):
-        load_config("bert_tiny", ["model.positions=rope"])
+    for change in ("model.positions=rope", "model.qk_norm=true"):
+        with pytest.raises(ConfigError, match="are for GPT-style decoders"):
+            load_config("bert_tiny", [change])
 
 
 def test_fused_attention_takes_the_grouped_heads_directly(imported, tmp_path):

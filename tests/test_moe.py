@@ -552,6 +552,38 @@ def test_train_py_logs_the_router_losses_and_refuses_what_it_cannot_run(tmp_path
         assert not (tmp_path / "refused").exists()
 
 
+@pytest.mark.full
+def test_sigkill_and_resume_keep_the_losses_and_the_balancing_bias_bitwise(tmp_path):
+    """A run on data=2,expert=4 with bias balancing SIGKILLed after its step-2 checkpoint and
+    resumed: every loss and each layer's router bias equal the uninterrupted run's, bitwise."""
+    from helpers import killed_after_checkpoint, losses, run
+
+    from megajax.models.registry import ModelDef, path_keys
+    from megajax.runs.workdir import load_workdir
+
+    def args(wd):
+        return [
+            *("--config", "moe_tiny", "--host-devices", "8", "--sample-tokens", "0"),
+            *("--set", "model.moe_bias_update_rate=0.001", "--mesh", "data=2,expert=4"),
+            *("--steps", "6", "--save-every", "2", "--log-every", "1", "--workdir", str(wd)),
+        ]
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run(*args(straight))
+    killed_after_checkpoint(args(killed), killed, 2)
+    assert "resuming from step" in run(*args(killed)).stdout
+    assert losses(killed) == losses(straight) and sorted(losses(killed)) == list(range(1, 7))
+
+    def biases(wd):
+        model = load_workdir(wd, mesh_for("1x1")).model
+        flat = jax.tree_util.tree_flatten_with_path(ModelDef(model).params(model))[0]
+        return [np.asarray(x) for p, x in flat if path_keys(p)[-1] == "router_bias"]
+
+    (want,), (got,) = biases(straight), biases(killed)
+    assert np.abs(want).max() > 0  # it moved
+    np.testing.assert_array_equal(got, want)
+
+
 def test_mixtral_has_its_published_parameter_count():
     """Mixtral 8x7B: 46,702,792,704 parameters (the Hugging Face checkpoint's tensors), of which
     a token goes through its attention, the router, two of the eight experts and both
@@ -562,3 +594,17 @@ def test_mixtral_has_its_published_parameter_count():
     m = cfg.model
     assert param_count(cfg) == 46_702_792_704
     assert m.active_layer_params + 2 * m.padded_vocab * m.hidden + m.hidden == 12_879_925_248
+
+
+def test_qwen3_moe_has_its_published_parameter_count():
+    """Qwen3-30B-A3B: 30,532,122,624 parameters (QK-norm's scales among them: without them the
+    count is 48 x 256 short), 128 experts of which a token goes through 8."""
+    from megajax.tasks import param_count
+
+    cfg = load_config("qwen3_30b_a3b")
+    m = cfg.model
+    assert param_count(cfg) == 30_532_122_624
+    assert param_count(load_config("qwen3_30b_a3b", ["model.qk_norm=false"])) == (
+        30_532_122_624 - 48 * 2 * 128
+    )
+    assert m.active_layer_params + 2 * m.padded_vocab * m.hidden + m.hidden == 3_353_032_704

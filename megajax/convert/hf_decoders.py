@@ -1,7 +1,8 @@
 """config.json <-> ModelConfig for the decoders of today: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2),
-MistralForCausalLM and Qwen2ForCausalLM. All three are pre-norm GPTs with RMSNorm, rotary
-positions, a SwiGLU MLP and grouped-query attention; they differ in biases (Qwen2: q, k and v),
-rope theta and scaling, and whether the output layer is tied.
+MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM. All four are pre-norm GPTs with
+RMSNorm, rotary positions, a SwiGLU MLP and grouped-query attention; they differ in biases
+(Qwen2: q, k and v), QK-norm (Qwen3: model.qk_norm, with its own head dimension), rope theta and
+scaling, and whether the output layer is tied.
 
 Both spellings of the rotary settings are read: `rope_theta` with `rope_scaling` (the files the
 models were released with) and transformers 5's `rope_parameters`. What megajax does not
@@ -19,10 +20,13 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+# Qwen's files: a sliding window from layer max_window_layers on (use_sliding_window)
+QWEN = ("qwen2", "qwen3")
 MODEL_TYPES = set(ARCHITECTURES.values())
 # string / bool fields
-WORDS = ("norm", "positions", "rope_scaling", "mlp", "bias", "tie_embeddings")
+WORDS = ("norm", "positions", "rope_scaling", "mlp", "bias", "tie_embeddings", "qk_norm")
 # the training length an import starts with (--set model.seq_len=N changes it)
 DEFAULT_SEQ_LEN = 4096
 
@@ -69,7 +73,7 @@ def _window(model_type: str, hf: dict) -> int:
             "sliding_attention" if i >= hf.get("max_window_layers", 0) else "full_attention"
             for i in range(layers)
         ]
-        if model_type == "qwen2"
+        if model_type in QWEN
         else ["sliding_attention"] * layers
     )
     if len(set(types)) > 1:
@@ -90,10 +94,10 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
             f"config.json has hidden_act = {hf['hidden_act']!r}: megajax's SwiGLU uses silu"
         )
     for option in ("attention_bias", "mlp_bias"):
-        if model_type == "llama" and hf.get(option):
+        if model_type in ("llama", "qwen3") and hf.get(option):
             raise UserError(
-                f"config.json has {option} = true: biases on Llama's output projection or MLP, "
-                "which megajax's bias patterns (all, none, qkv) do not include"
+                f"config.json has {option} = true: biases on the attention's output projection "
+                "or the MLP, which megajax's bias patterns (all, none, qkv) do not include"
             )
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     context = hf["max_position_embeddings"]
@@ -113,6 +117,7 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
         mlp="swiglu",
         sliding_window=_window(model_type, hf),
         bias="qkv" if model_type == "qwen2" else "none",
+        qk_norm=model_type == "qwen3",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         hidden_dropout=0.0,
         attention_dropout=hf.get("attention_dropout", 0.0),
@@ -129,6 +134,7 @@ def export_architecture(cfg) -> str | None:
         == ("layernorm", "learned", "gelu", "all", True)
         and cfg.kv_heads == cfg.num_heads
         and not cfg.kv_channels
+        and not cfg.qk_norm
     ):
         return None
     if not llama_like or cfg.bias == "all" or cfg.ln_placement != "pre":
@@ -137,6 +143,13 @@ def export_architecture(cfg) -> str | None:
             f"{cfg.positions}, mlp {cfg.mlp}, bias {cfg.bias}, {cfg.ln_placement}-norm): GPT-2 is "
             "layernorm + learned + gelu with all biases, Llama/Qwen2 rmsnorm + rope + swiglu"
         )
+    if cfg.qk_norm:
+        if cfg.bias != "none":
+            raise UserError(
+                f"no Hugging Face architecture has QK-norm with model.bias = {cfg.bias}: Qwen3 "
+                "has QK-norm and no biases"
+            )
+        return "Qwen3ForCausalLM"
     if cfg.bias == "qkv":
         return "Qwen2ForCausalLM"
     # Llama has no sliding window; Mistral is Llama with one
@@ -186,9 +199,10 @@ def hf_config(arch: str, model_type: str, cfg) -> dict:
                 "max_window_layers": 0,
                 "sliding_window": cfg.sliding_window or None,
             }
-            if model_type == "qwen2"
+            if model_type in QWEN
             else {"sliding_window": cfg.sliding_window or None}
             if model_type == "mistral"
             else {"attention_bias": False, "mlp_bias": False}
         ),
+        **({"attention_bias": False} if model_type == "qwen3" else {}),
     )

@@ -1,5 +1,5 @@
 """Hugging Face state dicts <-> megajax params, for GPT-2, BERT, Megatron-BERT and the Llama
-family (Llama, Mistral, Qwen2).
+family (Llama, Mistral, Qwen2, Qwen3).
 
 Each architecture is a table of rules: an HF tensor name (with `{i}` for the layer index)
 and the megajax parameter it becomes, through one of a few forms. The traps live in the forms:
@@ -110,7 +110,8 @@ MEGATRON_BERT = _rules(
 
 
 def llama_rules(cfg: ModelConfig) -> list[Rule]:
-    """LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM (Qwen2: q, k, v biases)."""
+    """LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM (Qwen2: q, k, v biases) /
+    Qwen3ForCausalLM (QK-norm's two scales)."""
     attn, mlp = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
     qkv = lambda suffix: tuple(f"{attn}.{p}_proj.{suffix}" for p in "qkv")  # noqa: E731
     biases = cfg.bias == "qkv"
@@ -136,6 +137,10 @@ def llama_rules(cfg: ModelConfig) -> list[Rule]:
         (f"{mlp}.up_proj.weight", "layer.mlp.fc1.up_kernel", "linear"),
         (f"{mlp}.down_proj.weight", "layer.mlp.fc2.kernel", "linear"),
     ]
+    rows += [
+        (f"{attn}.q_norm.weight", "layer.attention.q_norm.scale"),
+        (f"{attn}.k_norm.weight", "layer.attention.k_norm.scale"),
+    ] * cfg.qk_norm
     rows += [("lm_head.weight", "head.table", "vocab_rows")] * (not cfg.tie_embeddings)
     return _rules(*rows)
 
@@ -147,6 +152,7 @@ RULES = {
     "llama": llama_rules,
     "mistral": llama_rules,
     "qwen2": llama_rules,
+    "qwen3": llama_rules,
 }
 # HF names that are another name for a tensor a rule reads (tied or duplicated): checked equal.
 ALIASES = {
@@ -157,7 +163,7 @@ ALIASES = {
     },
 }
 ALIASES["megatron-bert"] = ALIASES["bert"]
-for _arch in ("llama", "mistral", "qwen2"):
+for _arch in ("llama", "mistral", "qwen2", "qwen3"):
     # a tied model's copy, if saved
     ALIASES[_arch] = {"lm_head.weight": "model.embed_tokens.weight"}
 

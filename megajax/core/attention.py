@@ -27,6 +27,7 @@ from megajax.core.layers import (
     dropout,
 )
 from megajax.core.lora import adapter, adapter_keys
+from megajax.core.norms import RMSNorm
 from megajax.core.ops import (
     attention_context,
     attention_scores,
@@ -133,6 +134,9 @@ class ParallelSelfAttention(nnx.Module):
             lora=adapter(cfg, "out", width, cfg.hidden, column=False, rngs=rngs),
         )
         self.recompute_norm_gelu = precision.recompute_norm_gelu
+        if cfg.qk_norm:  # over each head's features: (b, heads, s, d) kept as it is split
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.ln_eps, rows_2d=False)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.ln_eps, rows_2d=False)
 
     def __call__(self, x, *, key=None, mask=None, cache=None, pos=None, norm=None):
         """Self-attention over x (b, s, h), or over norm(x) (as ParallelMLP). With `cache` = (k, v),
@@ -147,6 +151,8 @@ class ParallelSelfAttention(nnx.Module):
         project = lambda x: self.qkv(x if norm is None else norm(x), k_qkv)  # noqa: E731
         project = jax.checkpoint(project) if self.recompute_norm_gelu else project
         q, k, v = self.split_heads(project(x))
+        if self.cfg.qk_norm:  # before the rotation and the cache, as Qwen3's
+            q, k = self.q_norm(q), self.k_norm(k)
         q_pos = jnp.arange(s) if pos is None else pos + jnp.arange(s)
         if self.cfg.positions == "rope":
             if is_segments(mask):  # (b, 1, s, d/2): per row, broadcast over the heads
