@@ -13,7 +13,7 @@ import math
 from megajax.analytic import REMAT_MODES, layer_params, moe_mlp_params
 from megajax.errors import UserError
 from megajax.mesh_shape import MeshShape
-from megajax.moe_config import moe_problem, sparse_layers
+from megajax.moe_config import mlp_trait, moe_problem, sparse_layers
 from megajax.shapes import MODEL_TASKS
 
 
@@ -359,8 +359,8 @@ class ModelConfig:
     def describe(self) -> str:
         """One line: the kind, its architecture and sizes."""
         traits = [f"{self.ln_placement}-{'RMSNorm' if self.norm == 'rmsnorm' else 'LayerNorm'}"]
-        traits += ["rotary positions"] * (self.positions == "rope") + [f"SwiGLU {self.ffn}"] * (
-            self.mlp == "swiglu"
+        traits += ["rotary positions"] * (self.positions == "rope") + [mlp_trait(self)] * (
+            self.mlp == "swiglu" or self.num_experts > 0
         )
         traits += ["QK-norm"] * self.qk_norm + ["untied output layer"] * (not self.tie_embeddings)
         heads = f"{self.num_heads} heads" + (

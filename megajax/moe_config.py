@@ -22,6 +22,15 @@ MOE_FIELDS = (
 ROUTERS = ("softmax", "sigmoid")
 
 
+def mlp_trait(cfg) -> str:
+    """A config's MLP for its one-line description: "SwiGLU 11008", or its experts'."""
+    kind = "SwiGLU" if cfg.mlp == "swiglu" else "GeLU"
+    if not cfg.num_experts:
+        return f"{kind} {cfg.ffn}"
+    shared = f" + {cfg.moe_shared_ffn} shared" if cfg.moe_shared_experts else ""
+    return f"{cfg.num_experts} {kind} experts of {cfg.moe_ffn}{shared}, top-{cfg.experts_per_token}"
+
+
 def capacity(seq: int, factor: float, k: int, num_experts: int) -> int:
     """Slots per expert in a row of `seq` tokens: the row's length when dropless (`factor` 0: no
     expert can be given more), else factor x seq x k / E rounded up (at most seq)."""

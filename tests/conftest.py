@@ -211,6 +211,8 @@ HF_NAMES = (
     "mistral",
     "qwen2",
     "qwen3",
+    "mixtral",
+    "qwen3_moe",
     "mistral_window",
     "qwen2_window",
 )

@@ -89,8 +89,11 @@ def build(
     dtype=torch.float32,
     shard: str | None = None,
     seq: int = 16,
+    experts: str | None = None,
     **fields,
 ):
+    """`experts`: a mixture of experts' layout in the saved files (mixtral | qwen3_moe), whose
+    routers are scaled up (clear choices) and whose routing margins are checked."""
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*"):
@@ -110,6 +113,8 @@ def build(
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=noise))
+            if experts and pname.endswith("mlp.gate.weight"):  # the router: logits of O(1)
+                p.mul_(3.0)
     model = model.to(dtype)
     model.save_pretrained(
         out, safe_serialization=True, **({"max_shard_size": shard} if shard else {})
@@ -121,7 +126,13 @@ def build(
     ids = g.integers(0, cfg.vocab_size, (2, seq))
     out_ = model(torch.tensor(ids), labels=torch.tensor(ids))
     out_.loss.backward()
-    grads = {f"grad/{n}": p.grad.numpy() for n, p in model.named_parameters()}
+    grads = {
+        f"grad/{k}": v
+        for n, p in model.named_parameters()
+        for k, v in saved_names(n, p.grad.numpy(), experts).items()
+    }
+    if experts:
+        check_routing_margins(model, ids, cfg.num_experts_per_tok, name)
     with torch.no_grad():
         prompt = torch.tensor(g.integers(0, cfg.vocab_size, (1, 6)))
         gen = model.generate(
@@ -150,6 +161,43 @@ def build(
         chat_ids=np.array(chat),
         **grads,
     )
+
+
+def saved_names(name: str, x: np.ndarray, experts: str | None) -> dict:
+    """A parameter (or its gradient) under the names the saved files hold: transformers 5 keeps
+    a layer's experts fused, (E, 2 f, h) gate and up and (E, h, f) down, and saves them one
+    tensor per expert (Mixtral's w1 / w3 / w2 under block_sparse_moe, Qwen3-MoE's gate_proj /
+    up_proj / down_proj)."""
+    if not experts or ".mlp." not in name:
+        return {name: x}
+    layer, rest = name.split(".mlp.", 1)
+    base = f"{layer}.block_sparse_moe" if experts == "mixtral" else f"{layer}.mlp"
+    gate, up, down = (
+        ("w1", "w3", "w2") if experts == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    )
+    if rest == "gate.weight":
+        return {f"{base}.gate.weight": x}
+    if rest == "experts.gate_up_proj":
+        f = x.shape[1] // 2
+        return {
+            f"{base}.experts.{e}.{w}.weight": part
+            for e in range(x.shape[0])
+            for w, part in ((gate, x[e, :f]), (up, x[e, f:]))
+        }
+    if rest == "experts.down_proj":
+        return {f"{base}.experts.{e}.{down}.weight": x[e] for e in range(x.shape[0])}
+    raise ValueError(f"unexpected parameter {name}")
+
+
+def check_routing_margins(model, ids, k: int, name: str):
+    """Every token's k-th and (k+1)-th router logits apart by more than roundoff could move
+    them, in every layer: otherwise another implementation may choose another expert."""
+    with torch.no_grad():
+        logits = model(torch.tensor(ids), output_router_logits=True).router_logits
+    for layer in logits:
+        top = layer.float().topk(k + 1, -1).values
+        gap = (top[..., k - 1] - top[..., k]).min().item()
+        assert gap > 1e-3, f"{name}: a routing near-tie ({gap}): pick another seed"
 
 
 def check_export(exported: str, name: str):
@@ -228,6 +276,35 @@ if __name__ == "__main__":
             tie_word_embeddings=False,
             rope_theta=1000000.0,
             use_sliding_window=False,
+        ),
+        # Mixtures of experts: Mixtral (4 experts, top-2, grouped-query attention) and
+        # Qwen3-MoE (QK-norm, 8 experts of width 32, top-2, the chosen weights renormalised)
+        "mixtral": lambda: build(
+            "mixtral",
+            transformers.MixtralConfig,
+            transformers.MixtralForCausalLM,
+            19,
+            experts="mixtral",
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+        ),
+        "qwen3_moe": lambda: build(
+            "qwen3_moe",
+            transformers.Qwen3MoeConfig,
+            transformers.Qwen3MoeForCausalLM,
+            20,
+            experts="qwen3_moe",
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
         ),
         # Sliding windows of 8 positions over every layer: 24-token rows and 32 greedy tokens
         # after a 6-token prompt reach well past them.

@@ -230,8 +230,8 @@ def test_the_chat_template_and_tokenizer_config_are_kept(imported):
         ("mistral", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
         (
             "mistral",
-            dict(architectures=["MixtralForCausalLM"], model_type="mixtral"),
-            "unsupported architecture",
+            dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
+            "unsupported architecture DeepseekV3ForCausalLM",
         ),
     ],
 )

@@ -539,7 +539,8 @@ def test_train_py_logs_the_router_losses_and_refuses_what_it_cannot_run(tmp_path
     )
     assert "moe/aux_loss" in (tuned / "metrics.jsonl").read_text()
     q = cli("convert", "export", "--workdir", wd, "--out", tmp_path / "hf")
-    assert q.returncode == 2 and "does not export to Hugging Face yet" in q.stderr
+    # the balancing bias moves the router's choices, which Mixtral's file cannot hold
+    assert q.returncode == 2 and "model.moe_bias_update_rate (0)" in q.stderr
     assert not (tmp_path / "hf").exists()
     for args, words in (
         (["--mesh", "data=2,pipe=2,model=2"], "mixture of experts"),

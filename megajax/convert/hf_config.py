@@ -1,5 +1,6 @@
 """Hugging Face config.json <-> megajax ModelConfig for the supported architectures: GPT-2, BERT,
-Megatron-BERT, and the decoders of today (Llama, Mistral, Qwen2, Qwen3: hf_decoders.py).
+Megatron-BERT, and the decoders of today (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE:
+hf_decoders.py).
 
 Everything that shapes the computation comes from the HF config: sizes, position count,
 norm epsilon, the activation, dropout rates, rotary positions and their scaling. Options megajax
@@ -147,11 +148,6 @@ def model_config(
 
 def export_architecture(cfg: ModelConfig) -> str:
     """The HF architecture a megajax model is written as."""
-    if cfg.num_experts:
-        raise UserError(
-            "a mixture of experts does not export to Hugging Face yet (Mixtral's and Qwen's MoE "
-            "layouts come next); its workdir trains, evaluates and samples in megajax"
-        )
     if cfg.task != "pretrain":
         raise UserError(
             "only pretraining models export to Hugging Face; this one is fine-tuned for "

@@ -21,12 +21,27 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# mixtures of experts: Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen3-MoE's
+# mlp.experts.N.gate_proj/up_proj/down_proj
+MOE_TYPES = ("mixtral", "qwen3_moe")
 # Qwen's files: a sliding window from layer max_window_layers on (use_sliding_window)
-QWEN = ("qwen2", "qwen3")
+QWEN = ("qwen2", "qwen3", "qwen3_moe")
 MODEL_TYPES = set(ARCHITECTURES.values())
 # string / bool fields
-WORDS = ("norm", "positions", "rope_scaling", "mlp", "bias", "tie_embeddings", "qk_norm")
+WORDS = (
+    "norm",
+    "positions",
+    "rope_scaling",
+    "mlp",
+    "bias",
+    "tie_embeddings",
+    "qk_norm",
+    "moe_norm_topk",
+    "moe_router",
+)
 # the training length an import starts with (--set model.seq_len=N changes it)
 DEFAULT_SEQ_LEN = 4096
 
@@ -65,7 +80,10 @@ def _window(model_type: str, hf: dict) -> int:
     `use_sliding_window` from layer max_window_layers on, transformers' rule), or 0 (none).
     A window over some layers only is refused."""
     window = hf.get("sliding_window")
-    if not (model_type == "mistral" or hf.get("use_sliding_window", False)) or window is None:
+    if (
+        not (model_type in ("mistral", "mixtral") or hf.get("use_sliding_window", False))
+        or window is None
+    ):
         return 0
     layers = hf["num_hidden_layers"]
     types = hf.get("layer_types") or (
@@ -94,7 +112,7 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
             f"config.json has hidden_act = {hf['hidden_act']!r}: megajax's SwiGLU uses silu"
         )
     for option in ("attention_bias", "mlp_bias"):
-        if model_type in ("llama", "qwen3") and hf.get(option):
+        if model_type in ("llama", "qwen3", "qwen3_moe") and hf.get(option):
             raise UserError(
                 f"config.json has {option} = true: biases on the attention's output projection "
                 "or the MLP, which megajax's bias patterns (all, none, qkv) do not include"
@@ -117,11 +135,40 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
         mlp="swiglu",
         sliding_window=_window(model_type, hf),
         bias="qkv" if model_type == "qwen2" else "none",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         hidden_dropout=0.0,
         attention_dropout=hf.get("attention_dropout", 0.0),
         **_rope(hf),
+        **(_experts(model_type, hf) if model_type in MOE_TYPES else {}),
+    )
+
+
+def _experts(model_type: str, hf: dict) -> dict:
+    """A mixture of experts' fields: every layer sparse, softmax routing over E experts (the
+    chosen k renormalised: Mixtral's softmax over its top k, Qwen3-MoE's norm_topk_prob). HF
+    adds the router's balancing loss only with output_router_logits, and megajax likewise."""
+    if hf.get("router_jitter_noise"):
+        raise UserError(
+            f"config.json has router_jitter_noise = {hf['router_jitter_noise']}: noise on the "
+            "router's inputs while training, which megajax does not implement"
+        )
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise UserError(
+            "config.json makes some layers dense (mlp_only_layers / decoder_sparse_step): "
+            "megajax imports mixtures of experts whose every layer is sparse"
+        )
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    mixtral = model_type == "mixtral"
+    return dict(
+        num_experts=experts,
+        experts_per_token=hf["num_experts_per_tok"],
+        moe_ffn_hidden=hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"],
+        moe_norm_topk=mixtral or bool(hf.get("norm_topk_prob", False)),
+        moe_router="softmax",
+        moe_aux_loss=float(hf.get("router_aux_loss_coef", 0.0))
+        if hf.get("output_router_logits")
+        else 0.0,
     )
 
 
@@ -143,6 +190,8 @@ def export_architecture(cfg) -> str | None:
             f"{cfg.positions}, mlp {cfg.mlp}, bias {cfg.bias}, {cfg.ln_placement}-norm): GPT-2 is "
             "layernorm + learned + gelu with all biases, Llama/Qwen2 rmsnorm + rope + swiglu"
         )
+    if cfg.num_experts:
+        return _moe_architecture(cfg)
     if cfg.qk_norm:
         if cfg.bias != "none":
             raise UserError(
@@ -154,6 +203,54 @@ def export_architecture(cfg) -> str | None:
         return "Qwen2ForCausalLM"
     # Llama has no sliding window; Mistral is Llama with one
     return "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM"
+
+
+def _moe_architecture(cfg) -> str:
+    """MixtralForCausalLM or Qwen3MoeForCausalLM (with QK-norm), or one line naming what
+    neither has."""
+    differs = [
+        what
+        for what, wrong in (
+            ("model.bias (none)", cfg.bias != "none"),
+            ("model.moe_router (softmax)", cfg.moe_router != "softmax"),
+            ("model.moe_shared_experts (0)", cfg.moe_shared_experts > 0),
+            ("model.moe_bias_update_rate (0)", cfg.moe_bias_update_rate > 0),
+            ("model.moe_layer_freq (1)", cfg.moe_layer_freq != 1),
+            ("model.moe_first_dense_layers (0)", cfg.moe_first_dense_layers > 0),
+            (
+                "model.moe_norm_topk (true without QK-norm: Mixtral)",
+                not (cfg.qk_norm or cfg.moe_norm_topk),
+            ),
+        )
+        if wrong
+    ]
+    if differs:
+        raise UserError(
+            "no Hugging Face architecture megajax writes has this mixture of experts: Mixtral "
+            f"and Qwen3-MoE need {', '.join(differs)}"
+        )
+    return "Qwen3MoeForCausalLM" if cfg.qk_norm else "MixtralForCausalLM"
+
+
+def _moe_config(model_type: str, cfg) -> dict:
+    if model_type == "mixtral":
+        return dict(
+            num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            router_aux_loss_coef=cfg.moe_aux_loss,
+            output_router_logits=False,
+            router_jitter_noise=0.0,
+        )
+    return dict(
+        moe_intermediate_size=cfg.moe_ffn,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.experts_per_token,
+        norm_topk_prob=cfg.moe_norm_topk,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=cfg.moe_aux_loss,
+        output_router_logits=False,
+    )
 
 
 def hf_config(arch: str, model_type: str, cfg) -> dict:
@@ -178,7 +275,8 @@ def hf_config(arch: str, model_type: str, cfg) -> dict:
         model_type=model_type,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden,
-        intermediate_size=cfg.ffn,
+        # Mixtral's is its experts' width
+        intermediate_size=cfg.moe_ffn if model_type == "mixtral" else cfg.ffn,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.kv_heads,
@@ -201,8 +299,9 @@ def hf_config(arch: str, model_type: str, cfg) -> dict:
             }
             if model_type in QWEN
             else {"sliding_window": cfg.sliding_window or None}
-            if model_type == "mistral"
+            if model_type in ("mistral", "mixtral")
             else {"attention_bias": False, "mlp_bias": False}
         ),
-        **({"attention_bias": False} if model_type == "qwen3" else {}),
+        **({"attention_bias": False} if model_type in ("qwen3", "qwen3_moe") else {}),
+        **(_moe_config(model_type, cfg) if model_type in MOE_TYPES else {}),
     )

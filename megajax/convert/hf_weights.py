@@ -1,5 +1,5 @@
 """Hugging Face state dicts <-> megajax params, for GPT-2, BERT, Megatron-BERT and the Llama
-family (Llama, Mistral, Qwen2, Qwen3).
+family (Llama, Mistral, Qwen2, Qwen3) with its mixtures of experts (Mixtral, Qwen3-MoE).
 
 Each architecture is a table of rules: an HF tensor name (with `{i}` for the layer index)
 and the megajax parameter it becomes, through one of a few forms. The traps live in the forms:
@@ -11,6 +11,8 @@ and the megajax parameter it becomes, through one of a few forms. The traps live
               BERT keeps three Linear layers. Interleaved on import, separated on export.
   kv          grouped-query attention's key/value kernel is ordered (kv head, k|v, head_dim)
               likewise; its queries are a plain column-parallel kernel.
+  experts     a mixture of experts' files hold one Linear per expert; megajax one (E, in, out)
+              weight for them all.
 A tied output layer is the input embedding: an HF file that carries its own copy
 (lm_head.weight, cls.predictions.decoder.weight) must hold the same values. Llama's
 rotary layout (rotate_half) is megajax's, so q and k need no permutation.
@@ -34,7 +36,8 @@ LAYER = "layer."
 class Rule:
     hf: tuple[str, ...]  # one HF name, or three (q, k, v) for BERT's separate projections
     ours: str  # dotted megajax path; "layer.*" per layer
-    # as_is | linear | vocab_rows | qkv_fused | qkv_linear | qkv_bias | kv_linear | kv_bias
+    # as_is | linear | vocab_rows | qkv_fused | qkv_linear | qkv_bias | kv_linear | kv_bias |
+    # experts
     form: str = "as_is"
 
 
@@ -133,16 +136,37 @@ def llama_rules(cfg: ModelConfig) -> list[Rule]:
         ("model.layers.{i}.input_layernorm.weight", "layer.ln1.scale"),
         ("model.layers.{i}.post_attention_layernorm.weight", "layer.ln2.scale"),
         (f"{attn}.o_proj.weight", "layer.attention.out.kernel", "linear"),
-        (f"{mlp}.gate_proj.weight", "layer.mlp.fc1.gate_kernel", "linear"),
-        (f"{mlp}.up_proj.weight", "layer.mlp.fc1.up_kernel", "linear"),
-        (f"{mlp}.down_proj.weight", "layer.mlp.fc2.kernel", "linear"),
     ]
+    rows += (
+        _expert_rules(cfg)
+        if cfg.num_experts
+        else [
+            (f"{mlp}.gate_proj.weight", "layer.mlp.fc1.gate_kernel", "linear"),
+            (f"{mlp}.up_proj.weight", "layer.mlp.fc1.up_kernel", "linear"),
+            (f"{mlp}.down_proj.weight", "layer.mlp.fc2.kernel", "linear"),
+        ]
+    )
     rows += [
         (f"{attn}.q_norm.weight", "layer.attention.q_norm.scale"),
         (f"{attn}.k_norm.weight", "layer.attention.k_norm.scale"),
     ] * cfg.qk_norm
     rows += [("lm_head.weight", "head.table", "vocab_rows")] * (not cfg.tie_embeddings)
     return _rules(*rows)
+
+
+def _expert_rules(cfg: ModelConfig) -> list:
+    """A sparse layer's router and experts, each expert's tensor its own in the files (Mixtral:
+    block_sparse_moe.experts.N.w1 / w3 / w2; Qwen3-MoE: mlp.experts.N.gate_proj / up_proj /
+    down_proj), megajax's one (E, in, out) weight per kind."""
+    mixtral = not cfg.qk_norm
+    block = "model.layers.{i}." + ("block_sparse_moe" if mixtral else "mlp")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    ours = ("gate_experts", "up_experts", "fc2_experts")
+    rows = [(f"{block}.gate.weight", "layer.mlp.router", "linear")]
+    for name, mine in zip(names, ours):
+        hf = tuple(f"{block}.experts.{e}.{name}.weight" for e in range(cfg.num_experts))
+        rows.append((hf, f"layer.mlp.{mine}", "experts"))
+    return rows
 
 
 RULES = {
@@ -153,6 +177,8 @@ RULES = {
     "mistral": llama_rules,
     "qwen2": llama_rules,
     "qwen3": llama_rules,
+    "mixtral": llama_rules,
+    "qwen3_moe": llama_rules,
 }
 # HF names that are another name for a tensor a rule reads (tied or duplicated): checked equal.
 ALIASES = {
@@ -163,7 +189,7 @@ ALIASES = {
     },
 }
 ALIASES["megatron-bert"] = ALIASES["bert"]
-for _arch in ("llama", "mistral", "qwen2", "qwen3"):
+for _arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
     # a tied model's copy, if saved
     ALIASES[_arch] = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -209,6 +235,8 @@ def to_ours(form: str, tensors: list, cfg: ModelConfig) -> np.ndarray:
         return tensors[0]
     if form == "linear":
         return tensors[0].T
+    if form == "experts":  # one (out, in) Linear per expert -> (E, in, out)
+        return np.stack([t.T for t in tensors])
     if form == "vocab_rows":
         x = tensors[0]
         return np.concatenate([x, np.zeros((cfg.padded_vocab - x.shape[0], *x.shape[1:]), x.dtype)])
@@ -227,6 +255,8 @@ def to_hf(form: str, x: np.ndarray, cfg: ModelConfig) -> list:
         return [x]
     if form == "linear":
         return [np.ascontiguousarray(x.T)]
+    if form == "experts":
+        return [np.ascontiguousarray(e.T) for e in x]
     if form == "vocab_rows":
         return [x[: cfg.vocab_size]]
     if form == "qkv_fused":
