@@ -56,6 +56,7 @@ def xla_accepts(flag: str, cache: Path) -> bool:
             ).returncode
             == 0
         )
+        cache.mkdir(parents=True, exist_ok=True)  # (a cache directory jax has not made yet)
         staged = answers.with_name(f"{answers.name}.{os.getpid()}")
         staged.write_text(json.dumps(known))
         os.replace(staged, answers)
@@ -212,6 +213,7 @@ HF_NAMES = (
     "qwen2",
     "qwen3",
     "mixtral",
+    "qwen2_moe",
     "qwen3_moe",
     "mistral_window",
     "qwen2_window",
