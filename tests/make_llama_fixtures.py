@@ -186,7 +186,7 @@ def saved_names(name: str, x: np.ndarray, experts: str | None) -> dict:
         }
     if rest == "experts.down_proj":
         return {f"{base}.experts.{e}.{down}.weight": x[e] for e in range(x.shape[0])}
-    raise ValueError(f"unexpected parameter {name}")
+    return {name: x}  # a dense layer's MLP, Qwen2-MoE's shared expert and its gate
 
 
 def check_routing_margins(model, ids, k: int, name: str):
@@ -290,6 +290,25 @@ if __name__ == "__main__":
             num_experts_per_tok=2,
             tie_word_embeddings=False,
             rope_theta=1000000.0,
+        ),
+        # Qwen2-MoE: q/k/v biases, its first layer dense (mlp_only_layers), 4 experts of width
+        # 32 beside a shared expert of 48 under its sigmoid gate, top-2 not renormalised
+        "qwen2_moe": lambda: build(
+            "qwen2_moe",
+            transformers.Qwen2MoeConfig,
+            transformers.Qwen2MoeForCausalLM,
+            21,
+            experts="qwen2_moe",
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[0],
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            use_sliding_window=False,
         ),
         "qwen3_moe": lambda: build(
             "qwen3_moe",

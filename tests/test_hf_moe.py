@@ -1,15 +1,19 @@
-"""Mixtures of experts from Hugging Face (Mixtral, Qwen3-MoE) against `transformers` itself.
+"""Mixtures of experts from Hugging Face (Mixtral, Qwen2-MoE, Qwen3-MoE) against `transformers`
+itself.
 
-The fixtures tests/fixtures/hf/{mixtral,qwen3_moe} were made by tests/make_llama_fixtures.py
-(run by hand with PyTorch and transformers 5.25): a Mixtral of 4 experts, top-2, with grouped-
-query attention, and a Qwen3-MoE of 8 experts of width 32, top-2, the chosen weights
-renormalised, with QK-norm, their routers' choices checked clear of near-ties; transformers'
-logits, the gradient of the mean next-token loss for every weight (the experts' under the
-files' per-expert names) and 32 greedy tokens. Here each is imported, run dropless on one
-device and on expert meshes with and without a model axis, exported and imported again.
+The fixtures tests/fixtures/hf/{mixtral,qwen2_moe,qwen3_moe} were made by
+tests/make_llama_fixtures.py (run by hand with PyTorch and transformers 5.25): a Mixtral of 4
+experts, top-2, with grouped-query attention; a Qwen2-MoE with q/k/v biases, its first layer
+dense, 4 experts beside a shared expert under its sigmoid gate; a Qwen3-MoE of 8 experts of
+width 32, top-2, the chosen weights renormalised, with QK-norm; their routers' choices checked
+clear of near-ties; transformers' logits, the gradient of the mean next-token loss for every
+weight (the experts' under the files' per-expert names) and 32 greedy tokens. Here each is
+imported, run dropless on one device and on expert meshes with and without a model axis,
+exported and imported again.
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +34,12 @@ from megajax.models.generate import generate
 from megajax.models.registry import ModelDef
 from megajax.runs.workdir import load_workdir
 
-NAMES = ("mixtral", "qwen3_moe")
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+NAMES = ("mixtral", "qwen2_moe", "qwen3_moe")
+ARCHITECTURES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 def mesh(spec: str):
@@ -46,7 +54,7 @@ def imported(hf_imported):
 
 
 def test_configs_come_from_the_hf_config(imported):
-    mixtral, qwen = (imported[n][0].model for n in NAMES)
+    mixtral, qwen2, qwen = (imported[n][0].model for n in NAMES)
     assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.moe_ffn, mixtral.kv_heads) == (
         4,
         2,
@@ -61,8 +69,12 @@ def test_configs_come_from_the_hf_config(imported):
         True,
         True,
     )
-    # transformers adds the balancing loss only with output_router_logits; neither file asks
-    assert mixtral.moe_aux_loss == qwen.moe_aux_loss == 0.0
+    # its first layer dense: an unrolled stack; the shared expert gated; not renormalised
+    assert (qwen2.sparse_layers, qwen2.scan_layers, qwen2.bias) == ((False, True), False, "qkv")
+    assert (qwen2.moe_shared_experts, qwen2.moe_shared_ffn, qwen2.moe_shared_gate) == (1, 48, True)
+    assert (qwen2.ffn, qwen2.moe_ffn, qwen2.moe_norm_topk) == (96, 32, False)
+    # transformers adds the balancing loss only with output_router_logits; no file asks
+    assert mixtral.moe_aux_loss == qwen2.moe_aux_loss == qwen.moe_aux_loss == 0.0
     assert all(m.moe_capacity_factor == 0 and all(m.sparse_layers) for m in (mixtral, qwen))
 
 
@@ -70,7 +82,13 @@ CASES = [(n, spec) for n in NAMES for spec in ("1x1", "data=2,expert=4", "expert
 
 
 @pytest.mark.parametrize(
-    "name,spec", tiered(CASES, ("mixtral", "data=2,expert=4"), ("qwen3_moe", "expert=2,model=2"))
+    "name,spec",
+    tiered(
+        CASES,
+        ("mixtral", "data=2,expert=4"),
+        ("qwen2_moe", "data=2,expert=4"),
+        ("qwen3_moe", "expert=2,model=2"),
+    ),
 )
 def test_logits_and_every_gradient_match_transformers(imported, name, spec):
     """Forward and backward through the whole model, dropless, against transformers' float32:
@@ -100,7 +118,14 @@ def test_logits_and_every_gradient_match_transformers(imported, name, spec):
         assert_close(grad, ref[f"grad/{hf_name}"], tol=F32, what=f"{name} {spec} d/d{hf_name}")
 
 
-@pytest.mark.parametrize("name,spec", [("mixtral", "expert=2,model=2"), ("qwen3_moe", "1x1")])
+@pytest.mark.parametrize(
+    "name,spec",
+    [
+        ("mixtral", "expert=2,model=2"),
+        ("qwen2_moe", "data=1,expert=2,model=2"),
+        ("qwen3_moe", "1x1"),
+    ],
+)
 def test_greedy_kv_cache_decoding_matches_transformers_generate(imported, name, spec):
     _, workdir = imported[name]
     ref = hf_reference(name)
@@ -124,35 +149,33 @@ def test_export_then_import_is_bitwise(imported, name, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "change,says",
+    "name,change,says",
     [
-        (dict(router_jitter_noise=0.01), "router_jitter_noise = 0.01"),
-        (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), None),
+        ("mixtral", dict(router_jitter_noise=0.01), "router_jitter_noise = 0.01"),
+        ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers = [1] makes layers dense after"),
     ],
 )
-def test_unsupported_options_are_one_line_and_nothing_is_written(tmp_path, change, says):
-    """Router jitter, and (a Qwen3-MoE file) layers made dense: one line naming the option."""
+def test_unsupported_options_are_one_line_and_nothing_is_written(tmp_path, name, change, says):
+    """Router jitter, and a dense layer after a sparse one: one line naming the option."""
     src = tmp_path / "src"
     src.mkdir()
-    name = "mixtral" if says else "qwen3_moe"
     for f in (HF_FIXTURES / name).iterdir():
         (src / f.name).write_bytes(f.read_bytes())
     config = json.loads((src / "config.json").read_text())
-    if says is None:
-        change, says = dict(mlp_only_layers=[0]), "mlp_only_layers / decoder_sparse_step"
     (src / "config.json").write_text(json.dumps({**config, **change}))
-    with pytest.raises(UserError, match=says.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(UserError, match=re.escape(says)):
         import_hf(src, tmp_path / "w", HF_IMPORT_SETTINGS)
     assert not (tmp_path / "w").exists()
 
 
 def test_export_refuses_what_neither_architecture_has():
     for sets, says in (
-        (["model.moe_router=sigmoid"], "model.moe_router (softmax)"),
-        (["model.moe_shared_experts=1"], "model.moe_shared_experts (0)"),
-        (["model.moe_norm_topk=false"], "model.moe_norm_topk"),
+        (["model.moe_router=sigmoid"], "MixtralForCausalLM needs model.moe_router (softmax)"),
+        (["model.moe_shared_experts=1"], "Qwen2MoeForCausalLM needs model.moe_shared_gate"),
+        (["model.moe_norm_topk=false"], "MixtralForCausalLM needs model.moe_norm_topk (true)"),
+        (["model.qk_norm=true", "model.moe_bias_update_rate=0.01"], "moe_bias_update_rate (0)"),
     ):
-        with pytest.raises(UserError, match="Mixtral and Qwen3-MoE need") as e:
+        with pytest.raises(UserError, match="no Hugging Face architecture megajax writes") as e:
             export_architecture(load_config("moe_tiny", sets).model)
         assert says in str(e.value)
     assert export_architecture(load_config("moe_tiny").model) == "MixtralForCausalLM"
@@ -183,3 +206,17 @@ def test_an_imported_mixtral_fine_tunes_on_chat_with_lora_on_an_expert_mesh(impo
     names = set(load_file(out / "adapter_model.safetensors"))
     projections = {n.split(".self_attn.")[1].split(".")[0] for n in names}
     assert projections == {"q_proj", "k_proj", "v_proj", "o_proj"} and len(names) == 16
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_chat_templates_ids_are_transformers(imported, name):
+    """The imported tokenizer and its chat template give transformers' apply_chat_template ids
+    for a conversation with the generation prompt."""
+    from megajax.data.chat import prompt_ids, template_for
+    from megajax.data.tokenizer import load_tokenizer
+
+    _, workdir = imported[name]
+    tokenizer = load_tokenizer(workdir)
+    messages = [{"role": "user", "content": "Call me Ishmael."}]
+    got = prompt_ids(messages, template_for(tokenizer), tokenizer)
+    assert got == hf_reference(name)["chat_ids"].ravel().tolist()

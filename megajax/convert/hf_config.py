@@ -1,6 +1,6 @@
 """Hugging Face config.json <-> megajax ModelConfig for the supported architectures: GPT-2, BERT,
-Megatron-BERT, and the decoders of today (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE:
-hf_decoders.py).
+Megatron-BERT, and the decoders of today (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
+Qwen3-MoE: hf_decoders.py).
 
 Everything that shapes the computation comes from the HF config: sizes, position count,
 norm epsilon, the activation, dropout rates, rotary positions and their scaling. Options megajax

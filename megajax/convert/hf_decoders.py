@@ -22,16 +22,18 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-# mixtures of experts: Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen3-MoE's
-# mlp.experts.N.gate_proj/up_proj/down_proj
-MOE_TYPES = ("mixtral", "qwen3_moe")
+# mixtures of experts: Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen's
+# mlp.experts.N.gate_proj/up_proj/down_proj (Qwen2-MoE's with a gated shared expert)
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Qwen's files: a sliding window from layer max_window_layers on (use_sliding_window)
-QWEN = ("qwen2", "qwen3", "qwen3_moe")
+QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 MODEL_TYPES = set(ARCHITECTURES.values())
 # string / bool fields
 WORDS = (
+    "scan_layers",
     "norm",
     "positions",
     "rope_scaling",
@@ -41,6 +43,7 @@ WORDS = (
     "qk_norm",
     "moe_norm_topk",
     "moe_router",
+    "moe_shared_gate",
 )
 # the training length an import starts with (--set model.seq_len=N changes it)
 DEFAULT_SEQ_LEN = 4096
@@ -134,7 +137,7 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
         positions="rope",
         mlp="swiglu",
         sliding_window=_window(model_type, hf),
-        bias="qkv" if model_type == "qwen2" else "none",
+        bias="qkv" if model_type == "qwen2" or _qkv_bias(model_type, hf) else "none",
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         hidden_dropout=0.0,
@@ -145,22 +148,28 @@ def fields(model_type: str, hf: dict, seq_len: int | None) -> dict:
 
 
 def _experts(model_type: str, hf: dict) -> dict:
-    """A mixture of experts' fields: every layer sparse, softmax routing over E experts (the
-    chosen k renormalised: Mixtral's softmax over its top k, Qwen3-MoE's norm_topk_prob). HF
-    adds the router's balancing loss only with output_router_logits, and megajax likewise."""
+    """A mixture of experts' fields: softmax routing over E experts (the chosen k renormalised:
+    Mixtral's softmax over its top k, Qwen's norm_topk_prob), Qwen's dense layers and
+    Qwen2-MoE's gated shared expert. HF adds the router's balancing loss only with
+    output_router_logits, and megajax likewise."""
     if hf.get("router_jitter_noise"):
         raise UserError(
             f"config.json has router_jitter_noise = {hf['router_jitter_noise']}: noise on the "
             "router's inputs while training, which megajax does not implement"
         )
-    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-        raise UserError(
-            "config.json makes some layers dense (mlp_only_layers / decoder_sparse_step): "
-            "megajax imports mixtures of experts whose every layer is sparse"
-        )
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     mixtral = model_type == "mixtral"
+    dense_first, every = _sparse_pattern(hf)
+    shared = hf.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    # a scanned stack runs one kind of layer: a file with dense ones runs unrolled
+    mixed = {"scan_layers": False} if dense_first or every > 1 else {}
     return dict(
+        **mixed,
+        moe_layer_freq=every,
+        moe_first_dense_layers=dense_first,
+        moe_shared_experts=int(shared > 0),
+        moe_shared_ffn_hidden=shared,
+        moe_shared_gate=shared > 0,
         num_experts=experts,
         experts_per_token=hf["num_experts_per_tok"],
         moe_ffn_hidden=hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"],
@@ -170,6 +179,25 @@ def _experts(model_type: str, hf: dict) -> dict:
         if hf.get("output_router_logits")
         else 0.0,
     )
+
+
+def _qkv_bias(model_type: str, hf: dict) -> bool:
+    """Qwen2-MoE's attention has q, k and v biases unless its qkv_bias says otherwise."""
+    return model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))
+
+
+def _sparse_pattern(hf: dict) -> tuple[int, int]:
+    """(the first layers dense, every how many layers sparse) of a Qwen file's mlp_only_layers
+    and decoder_sparse_step (megajax's moe_first_dense_layers and moe_layer_freq); dense layers
+    elsewhere are refused."""
+    dense = sorted(hf.get("mlp_only_layers") or [])
+    every = int(hf.get("decoder_sparse_step", 1) or 1)
+    if dense != list(range(len(dense))):
+        raise UserError(
+            f"config.json's mlp_only_layers = {dense} makes layers dense after sparse ones: "
+            "megajax's dense layers come first (model.moe_first_dense_layers)"
+        )
+    return len(dense), every
 
 
 def export_architecture(cfg) -> str | None:
@@ -206,30 +234,33 @@ def export_architecture(cfg) -> str | None:
 
 
 def _moe_architecture(cfg) -> str:
-    """MixtralForCausalLM or Qwen3MoeForCausalLM (with QK-norm), or one line naming what
-    neither has."""
-    differs = [
-        what
-        for what, wrong in (
-            ("model.bias (none)", cfg.bias != "none"),
-            ("model.moe_router (softmax)", cfg.moe_router != "softmax"),
-            ("model.moe_shared_experts (0)", cfg.moe_shared_experts > 0),
-            ("model.moe_bias_update_rate (0)", cfg.moe_bias_update_rate > 0),
-            ("model.moe_layer_freq (1)", cfg.moe_layer_freq != 1),
-            ("model.moe_first_dense_layers (0)", cfg.moe_first_dense_layers > 0),
-            (
-                "model.moe_norm_topk (true without QK-norm: Mixtral)",
-                not (cfg.qk_norm or cfg.moe_norm_topk),
-            ),
-        )
-        if wrong
-    ]
+    """Qwen3MoeForCausalLM (QK-norm), Qwen2MoeForCausalLM (a gated shared expert) or
+    MixtralForCausalLM, or one line naming what the nearest of them needs."""
+    arch = (
+        "Qwen3MoeForCausalLM"
+        if cfg.qk_norm
+        else "Qwen2MoeForCausalLM"
+        if cfg.moe_shared_experts
+        else "MixtralForCausalLM"
+    )
+    mixtral, qwen2 = arch.startswith("Mixtral"), arch.startswith("Qwen2")
+    needs = (
+        ("model.bias (none)", cfg.bias != "none" and not (qwen2 and cfg.bias == "qkv")),
+        ("model.moe_router (softmax)", cfg.moe_router != "softmax"),
+        ("model.moe_bias_update_rate (0)", cfg.moe_bias_update_rate > 0),
+        ("model.moe_shared_experts (0)", cfg.moe_shared_experts > 0 and not qwen2),
+        ("model.moe_shared_gate (true)", qwen2 and not cfg.moe_shared_gate),
+        ("model.moe_norm_topk (true)", mixtral and not cfg.moe_norm_topk),
+        ("model.moe_layer_freq (1)", mixtral and cfg.moe_layer_freq != 1),
+        ("model.moe_first_dense_layers (0)", mixtral and cfg.moe_first_dense_layers > 0),
+    )
+    differs = [what for what, wrong in needs if wrong]
     if differs:
         raise UserError(
-            "no Hugging Face architecture megajax writes has this mixture of experts: Mixtral "
-            f"and Qwen3-MoE need {', '.join(differs)}"
+            "no Hugging Face architecture megajax writes has this mixture of experts: "
+            f"{arch} needs {', '.join(differs)}"
         )
-    return "Qwen3MoeForCausalLM" if cfg.qk_norm else "MixtralForCausalLM"
+    return arch
 
 
 def _moe_config(model_type: str, cfg) -> dict:
@@ -241,16 +272,19 @@ def _moe_config(model_type: str, cfg) -> dict:
             output_router_logits=False,
             router_jitter_noise=0.0,
         )
-    return dict(
+    out = dict(
         moe_intermediate_size=cfg.moe_ffn,
         num_experts=cfg.num_experts,
         num_experts_per_tok=cfg.experts_per_token,
         norm_topk_prob=cfg.moe_norm_topk,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
+        decoder_sparse_step=cfg.moe_layer_freq,
+        mlp_only_layers=list(range(cfg.moe_first_dense_layers)),
         router_aux_loss_coef=cfg.moe_aux_loss,
         output_router_logits=False,
     )
+    if model_type == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=cfg.moe_shared_ffn, qkv_bias=cfg.bias == "qkv")
+    return out
 
 
 def hf_config(arch: str, model_type: str, cfg) -> dict:

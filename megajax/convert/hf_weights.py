@@ -1,5 +1,5 @@
 """Hugging Face state dicts <-> megajax params, for GPT-2, BERT, Megatron-BERT and the Llama
-family (Llama, Mistral, Qwen2, Qwen3) with its mixtures of experts (Mixtral, Qwen3-MoE).
+family (Llama, Mistral, Qwen2, Qwen3) with its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
 Each architecture is a table of rules: an HF tensor name (with `{i}` for the layer index)
 and the megajax parameter it becomes, through one of a few forms. The traps live in the forms:
@@ -39,6 +39,7 @@ class Rule:
     # as_is | linear | vocab_rows | qkv_fused | qkv_linear | qkv_bias | kv_linear | kv_bias |
     # experts
     form: str = "as_is"
+    layers: str = "all"  # a per-layer rule's layers: all | dense | sparse (mixtures of experts)
 
 
 def _rules(*rows) -> list[Rule]:
@@ -112,7 +113,7 @@ MEGATRON_BERT = _rules(
 )
 
 
-def llama_rules(cfg: ModelConfig) -> list[Rule]:
+def llama_rules(cfg: ModelConfig, arch: str = "llama") -> list[Rule]:
     """LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM (Qwen2: q, k, v biases) /
     Qwen3ForCausalLM (QK-norm's two scales)."""
     attn, mlp = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
@@ -137,15 +138,13 @@ def llama_rules(cfg: ModelConfig) -> list[Rule]:
         ("model.layers.{i}.post_attention_layernorm.weight", "layer.ln2.scale"),
         (f"{attn}.o_proj.weight", "layer.attention.out.kernel", "linear"),
     ]
-    rows += (
-        _expert_rules(cfg)
-        if cfg.num_experts
-        else [
-            (f"{mlp}.gate_proj.weight", "layer.mlp.fc1.gate_kernel", "linear"),
-            (f"{mlp}.up_proj.weight", "layer.mlp.fc1.up_kernel", "linear"),
-            (f"{mlp}.down_proj.weight", "layer.mlp.fc2.kernel", "linear"),
-        ]
-    )
+    dense = "dense" if cfg.num_experts else "all"
+    rows += [
+        (f"{mlp}.gate_proj.weight", "layer.mlp.fc1.gate_kernel", "linear", dense),
+        (f"{mlp}.up_proj.weight", "layer.mlp.fc1.up_kernel", "linear", dense),
+        (f"{mlp}.down_proj.weight", "layer.mlp.fc2.kernel", "linear", dense),
+    ]
+    rows += _expert_rules(cfg, arch) if cfg.num_experts else []
     rows += [
         (f"{attn}.q_norm.weight", "layer.attention.q_norm.scale"),
         (f"{attn}.k_norm.weight", "layer.attention.k_norm.scale"),
@@ -154,18 +153,26 @@ def llama_rules(cfg: ModelConfig) -> list[Rule]:
     return _rules(*rows)
 
 
-def _expert_rules(cfg: ModelConfig) -> list:
+def _expert_rules(cfg: ModelConfig, arch: str) -> list:
     """A sparse layer's router and experts, each expert's tensor its own in the files (Mixtral:
-    block_sparse_moe.experts.N.w1 / w3 / w2; Qwen3-MoE: mlp.experts.N.gate_proj / up_proj /
-    down_proj), megajax's one (E, in, out) weight per kind."""
-    mixtral = not cfg.qk_norm
+    block_sparse_moe.experts.N.w1 / w3 / w2; Qwen's: mlp.experts.N.gate_proj / up_proj /
+    down_proj), megajax's one (E, in, out) weight per kind; Qwen2-MoE's shared expert and its
+    sigmoid gate."""
+    mixtral = arch == "mixtral"
     block = "model.layers.{i}." + ("block_sparse_moe" if mixtral else "mlp")
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     ours = ("gate_experts", "up_experts", "fc2_experts")
-    rows = [(f"{block}.gate.weight", "layer.mlp.router", "linear")]
+    rows = [(f"{block}.gate.weight", "layer.mlp.router", "linear", "sparse")]
     for name, mine in zip(names, ours):
         hf = tuple(f"{block}.experts.{e}.{name}.weight" for e in range(cfg.num_experts))
-        rows.append((hf, f"layer.mlp.{mine}", "experts"))
+        rows.append((hf, f"layer.mlp.{mine}", "experts", "sparse"))
+    if cfg.moe_shared_experts:
+        shared = f"{block}.shared_expert"
+        rows += [
+            (f"{shared}.{name}.weight", f"layer.mlp.shared.{mine}", "linear", "sparse")
+            for name, mine in zip(("gate_proj", "up_proj", "down_proj"), ("gate", "up", "fc2"))
+        ]
+        rows.append((f"{shared}_gate.weight", "layer.mlp.shared_gate", "linear", "sparse"))
     return rows
 
 
@@ -178,6 +185,7 @@ RULES = {
     "qwen2": llama_rules,
     "qwen3": llama_rules,
     "mixtral": llama_rules,
+    "qwen2_moe": llama_rules,
     "qwen3_moe": llama_rules,
 }
 # HF names that are another name for a tensor a rule reads (tied or duplicated): checked equal.
@@ -189,14 +197,14 @@ ALIASES = {
     },
 }
 ALIASES["megatron-bert"] = ALIASES["bert"]
-for _arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
+for _arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
     # a tied model's copy, if saved
     ALIASES[_arch] = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 def rules_for(arch: str, cfg: ModelConfig) -> list[Rule]:
     rules = RULES[arch]
-    return rules(cfg) if callable(rules) else rules
+    return rules(cfg, arch) if callable(rules) else rules
 
 
 # Buffers some HF files carry that are not weights.
@@ -268,11 +276,17 @@ def to_hf(form: str, x: np.ndarray, cfg: ModelConfig) -> list:
 
 
 # --- whole state dicts -------------------------------------------------------------------------
-def _expand(rule: Rule, layers: int):
-    """(HF names, megajax name, layer index or None) for each instance of a rule."""
+def _expand(rule: Rule, cfg: ModelConfig):
+    """(HF names, megajax name, layer index or None) for each instance of a rule (a dense or
+    sparse layer's rule: on those layers only)."""
     if not rule.ours.startswith(LAYER):
         return [(rule.hf, rule.ours, None)]
-    return [(tuple(n.format(i=i) for n in rule.hf), rule.ours, i) for i in range(layers)]
+    sparse = cfg.sparse_layers
+    return [
+        (tuple(n.format(i=i) for n in rule.hf), rule.ours, i)
+        for i in range(cfg.num_layers)
+        if rule.layers == "all" or (rule.layers == "sparse") == sparse[i]
+    ]
 
 
 def _strip_prefix(tensors: dict, arch: str) -> tuple[dict, str]:
@@ -289,7 +303,7 @@ def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
     tensors, prefix = _strip_prefix(tensors, arch)  # messages name tensors as the file does
     flat, per_layer, used = {}, [{} for _ in range(cfg.num_layers)], set()
     sources = [{} for _ in range(cfg.num_layers)]  # per layer: name -> [(HF tensor, shape)]
-    todo = [(rule, e) for rule in rules_for(arch, cfg) for e in _expand(rule, cfg.num_layers)]
+    todo = [(rule, e) for rule in rules_for(arch, cfg) for e in _expand(rule, cfg)]
     shown = Progress(unit="tensor")  # a bar on a terminal: a 70B model converts for minutes
     for done, (rule, (names, ours, i)) in enumerate(todo):
         shown.advance(done, len(todo))
@@ -341,12 +355,13 @@ def from_hf(arch: str, tensors: dict, cfg: ModelConfig) -> dict:
 def _refuse_odd_layers(per_layer: list[dict], sources: list[dict]):
     """Every layer's tensors have the shapes of the others' (the layers are stacked): one that
     does not is named, with its shape and the shape most layers give it."""
-    for name in per_layer[0] if per_layer else ():
-        shapes = [layer[name].shape for layer in per_layer]
+    for name in sorted({n for layer in per_layer for n in layer}):  # (dense layers: no experts)
+        held = [i for i, layer in enumerate(per_layer) if name in layer]
+        shapes = [per_layer[i][name].shape for i in held]
         usual = max(set(shapes), key=lambda s: (shapes.count(s), s == shapes[0]))
-        odd = next((i for i, shape in enumerate(shapes) if shape != usual), None)
+        odd = next((i for i, shape in zip(held, shapes) if shape != usual), None)
         if odd is not None:
-            pairs = list(zip(sources[odd][name], sources[shapes.index(usual)][name]))
+            pairs = list(zip(sources[odd][name], sources[held[shapes.index(usual)]][name]))
             (tensor, shape), (other, expected) = next(
                 ((a, b) for a, b in pairs if a[1] != b[1]), pairs[0]
             )
@@ -361,7 +376,7 @@ def to_hf_tensors(arch: str, params: dict, cfg: ModelConfig) -> dict:
     flat, per_layer = _flatten(params, cfg)
     out = {}
     for rule in rules_for(arch, cfg):
-        for names, ours, i in _expand(rule, cfg.num_layers):
+        for names, ours, i in _expand(rule, cfg):
             source = flat if i is None else per_layer[i]
             for name, x in zip(names, to_hf(rule.form, source[ours.removeprefix(LAYER)], cfg)):
                 out[PREFIX.get(arch, "") + name] = np.ascontiguousarray(x, np.float32)

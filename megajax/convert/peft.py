@@ -53,7 +53,7 @@ def adapter_tensors(arch: str, params: dict, cfg) -> tuple[dict, list[str], bool
         names = _adapter_names(rule.ours)
         if names is None:
             continue
-        for hf_names, _ours, i in _expand(rule, cfg.num_layers):
+        for hf_names, _ours, i in _expand(rule, cfg):
             source = flat if i is None else per_layer[i]
             a_name, b_name = (n.removeprefix(LAYER) for n in names)
             if a_name not in source:
