@@ -119,15 +119,22 @@ def model_config(
     layer_programs: bool = False,
     llama: bool = False,
     moe: bool = False,
+    capacity: float = 0.0,
 ):
     """The bench's GPT shape; `llama`: the Llama shape of the same size; `moe`: that with its
-    MLP as 8 experts of half its width, top-2 (the same active FLOPs a token)."""
+    MLP as 8 experts of half its width, top-2 (the same active FLOPs a token), dropless or with
+    `capacity` as model.moe_capacity_factor."""
     from megajax.config import Config, ModelConfig, TrainConfig
     from megajax.model_config import swiglu_ffn
 
     arch = dict(LLAMA, num_kv_heads=max(a.heads // 4, 1)) if llama or moe else {}
     if moe:
-        arch.update(num_experts=8, experts_per_token=2, moe_ffn_hidden=swiglu_ffn(a.hidden) // 2)
+        arch.update(
+            num_experts=8,
+            experts_per_token=2,
+            moe_ffn_hidden=swiglu_ffn(a.hidden) // 2,
+            moe_capacity_factor=capacity,
+        )
     return Config(
         model=ModelConfig(
             num_layers=layers,
@@ -149,7 +156,9 @@ def model_config(
 
 def architecture_rows(a, mesh, dtype: str, peak: float):
     """MFU of the GPT shape, of the Llama shape of the same size and of that shape as a mixture
-    of 8 experts, top-2, with the same active FLOPs (scanned stack; MFU on active FLOPs), each
+    of 8 experts, top-2, with the same active FLOPs, dropless and with a capacity factor of 1
+    (scanned stack; MFU on active FLOPs: dropless runs each expert on the row's length of slots,
+    4 times the active FLOPs), each
     step timed alone and the GPT and Llama ones then run in turn (`--rounds`): SwiGLU,
     grouped-query attention and rotary positions should cost no more per model FLOP than GeLU,
     multi-head attention and a position table; routing and dispatch not much more."""
@@ -159,8 +168,12 @@ def architecture_rows(a, mesh, dtype: str, peak: float):
     from megajax.training.step import make_trainer
 
     runs = {}
-    for name in ("GPT", "Llama", "MoE"):
-        cfg = model_config(a, a.layers, True, dtype, llama=name == "Llama", moe=name == "MoE")
+    for name in ("GPT", "Llama", "MoE", "MoE c1"):
+        moe = name.startswith("MoE")
+        capacity = 1.0 if name == "MoE c1" else 0.0
+        cfg = model_config(
+            a, a.layers, True, dtype, llama=name == "Llama", moe=moe, capacity=capacity
+        )
         tr = make_trainer(cfg, mesh)
         params, opt = tr.init_state()
         tokens = jax.device_put(
@@ -170,7 +183,12 @@ def architecture_rows(a, mesh, dtype: str, peak: float):
         step = stepper(tr, params, opt, tokens)
         runs[name] = (step, flops, timed(step, reps=a.reps))
         m = cfg.model
-        experts = f" x {m.num_experts} experts top-{m.experts_per_token}" if m.num_experts else ""
+        experts = (
+            f" x {m.num_experts} experts top-{m.experts_per_token}, "
+            + (f"capacity {m.moe_capacity_factor:g}" if m.moe_capacity_factor else "dropless")
+            if m.num_experts
+            else ""
+        )
         print(
             f"  {name:5s} {m.num_heads} heads / {m.kv_heads} kv, "
             f"ffn {m.moe_ffn if m.num_experts else m.ffn}{experts} ({m.mlp}), {m.norm}, "
@@ -178,14 +196,14 @@ def architecture_rows(a, mesh, dtype: str, peak: float):
             f"MFLOP/token, MFU {flops / runs[name][2] / 1e12 / peak:.3f}"
         )
     (gpt, gpt_flops, gpt_t), (llama, llama_flops, llama_t) = runs["GPT"], runs["Llama"]
-    moe_flops, moe_t = runs["MoE"][1:]
     print(
         f"  Llama / GPT MFU, each timed alone: {(llama_flops / llama_t) / (gpt_flops / gpt_t):.3f}"
     )
-    print(
-        f"  MoE / Llama MFU (active FLOPs), each timed alone: "
-        f"{(moe_flops / moe_t) / (llama_flops / llama_t):.3f}"
-    )
+    ratios = [
+        f"{label} {(runs[n][1] / runs[n][2]) / (llama_flops / llama_t):.3f}"
+        for n, label in (("MoE", "dropless"), ("MoE c1", "capacity 1"))
+    ]
+    print(f"  MoE / Llama MFU (active FLOPs), each timed alone: {', '.join(ratios)}")
     if a.rounds:
         import statistics
 
