@@ -228,6 +228,9 @@ def test_the_chat_template_and_tokenizer_config_are_kept(imported):
         ("llama", dict(mlp_bias=True), "mlp_bias = true"),
         ("qwen3", dict(attention_bias=True), "attention_bias = true"),
         ("mistral", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
+        # mixtures of experts: router jitter, a dense layer after a sparse one
+        ("mixtral", dict(router_jitter_noise=0.01), "router_jitter_noise = 0.01"),
+        ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers = [1] makes layers dense after"),
         (
             "mistral",
             dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
