@@ -279,16 +279,23 @@ def steps(mesh, cfg, n=3) -> dict:
             ("data=2,expert=4", {"moe_capacity_factor": 1.0}, {}),
             ("data=1,expert=4,model=2", {"sequence_parallel": True}, {}),
             ("2x4", {"sequence_parallel": True, "remat": "selective"}, {"microbatches": 2}),
-            ("expert=8", {"remat": "full"}, {}),
+            ("expert=8", {"remat": "full"}, {"shard_params": True}),
             ("data=2,expert=4", {"lora_rank": 4, "lora_targets": "qkv,out"}, {}),
+            ("data=2,expert=4", {}, {"shard_optimizer": True}),
+            ("data=2,expert=2,model=2", {}, {"shard_optimizer": True, "microbatches": 2}),
+            ("data=1,expert=4,model=2", {"sequence_parallel": True}, {"shard_params": True}),
+            ("pipe=2,expert=2,model=2", {}, {"microbatches": 2}),
+            ("pipe=2,data=2,expert=2", {}, {"shard_params": True, "microbatches": 2}),
         ],
         ("data=1,expert=4,model=2", {"sequence_parallel": True}, {}),
+        ("pipe=2,data=2,expert=2", {}, {"shard_params": True, "microbatches": 2}),
     ),
 )
 def test_three_adamw_steps_match_one_device(spec, extra, train):
     """Dropout, the balance loss and the z-loss on: the loss, each router loss and every
-    gradient, and three AdamW steps, as on one device, for every mesh, data-parallel scheme and
-    microbatch count (the router losses are per microbatch, averaged like the loss)."""
+    gradient, and three AdamW steps, as on one device, for every mesh, data-parallel scheme
+    (ZeRO-1 and FSDP on expert meshes too), pipeline and microbatch count (the router losses
+    are per microbatch, averaged like the loss; a pipeline's stages add their layers')."""
     base = {k: v for k, v in extra.items() if k not in ("remat", "sequence_parallel")}
     key = (tuple(sorted(base.items())), train.get("microbatches", 1))
     cfg = tiny_config(**MOE, **extra)
@@ -377,7 +384,7 @@ def test_bias_balancing_is_the_same_on_every_mesh_and_microbatch_count():
 
     from megajax.training.step import make_trainer
 
-    def biases(spec, microbatches):
+    def biases(spec, microbatches, *extra):
         cfg = load_config(
             "moe_tiny",
             [
@@ -387,6 +394,8 @@ def test_bias_balancing_is_the_same_on_every_mesh_and_microbatch_count():
                 f"train.microbatches={microbatches}",
                 "model.vocab_size=100",
                 "model.init_std=0.2",
+                "model.num_layers=4",
+                *extra,
             ],
         )
         trainer = make_trainer(cfg, moe_mesh(spec))
@@ -399,31 +408,50 @@ def test_bias_balancing_is_the_same_on_every_mesh_and_microbatch_count():
         for i in range(3):
             p, o, m = step(p, o, tokens, jnp.int32(i))
             assert "moe/load" not in m
-            flat = traverse_util.flatten_dict(jax.device_get(p))
+            in_order = trainer.strategy.reorder(jax.device_get(p), inverse=True)
+            flat = traverse_util.flatten_dict(in_order)
             out.append(next(v for k, v in flat.items() if k[-1] == "router_bias"))
         return np.stack(out)
 
     want = biases("1x1", 1)
     assert np.abs(want[-1]).max() > 0 and set(np.round(np.abs(want[0]) / 0.01, 6).ravel()) <= {0, 1}
-    for spec, microbatches in (("data=2,expert=4", 1), ("2x4", 2)):
-        np.testing.assert_array_equal(biases(spec, microbatches), want, err_msg=spec)
+    interleaved = ("train.pipeline_schedule=interleaved", "train.pipeline_chunks=2")
+    for spec, microbatches, *extra in (
+        ("data=2,expert=4", 1),
+        ("2x4", 2),
+        ("data=2,expert=4", 1, "train.shard_optimizer=true"),
+        ("pipe=2,expert=2", 2, *interleaved),
+    ):
+        np.testing.assert_array_equal(biases(spec, microbatches, *extra), want, err_msg=spec)
 
 
 @pytest.mark.parametrize(
-    "spec,capacity_factor",
-    tiered([("data=2,expert=2,model=2", 0.0), ("expert=8", 1.0)], ("data=2,expert=2,model=2", 0.0)),
+    "spec,capacity_factor,scheme",
+    tiered(
+        [
+            ("data=2,expert=2,model=2", 0.0, "plain"),
+            ("expert=8", 1.0, "plain"),
+            ("data=2,expert=2,model=2", 0.0, "shard_optimizer"),
+            ("data=2,expert=4", 1.0, "shard_params"),
+        ],
+        ("data=2,expert=2,model=2", 0.0, "plain"),
+        ("data=2,expert=2,model=2", 0.0, "shard_optimizer"),
+    ),
 )
-def test_expert_axis_carries_two_all_to_alls_each_way(spec, capacity_factor):
+def test_expert_axis_carries_two_all_to_alls_each_way(spec, capacity_factor, scheme):
     """Per sparse layer, 2 all-to-alls forward (tokens to their experts' devices, results back)
     and 2 backward over "expert", each of a row shard's buffers, rows x E x capacity x h (the
     analytic form: dropless, E/k times the k·h numbers of each token; with a capacity factor c,
     c times them); nothing else on "expert" alone. The model axis keeps the dense layer's
-    all-reduces."""
+    all-reduces (1.000 of the analytic minimum), and the data axes carry each gradient once,
+    1.000 of the scheme's minimum: plain, ZeRO-1 and FSDP (the experts' state split over
+    "data", the rest over "data" and "expert")."""
     from megajax.analytic import expert_axis_minimum
     from megajax.moe_config import capacity
     from megajax.tools.audit import audit
 
-    cfg = load_config("moe_tiny", [f"model.moe_capacity_factor={capacity_factor}"])
+    opts = [f"model.moe_capacity_factor={capacity_factor}"]
+    cfg = load_config("moe_tiny", opts + ([f"train.{scheme}=true"] if scheme != "plain" else []))
     mesh = moe_mesh(spec)
     shape, m = MeshShape.of(mesh), cfg.model
     r = audit(cfg, mesh)
@@ -444,8 +472,9 @@ def test_expert_axis_carries_two_all_to_alls_each_way(spec, capacity_factor):
     assert {c.elements for c in on_expert} == {rows * m.num_experts * cap * m.hidden}
     assert r.expert_axis_elements == expert_axis_minimum(r.shape)  # the analytic form's
     # each gradient reduced once: the experts' over "data", the others' over "data" and "expert"
-    assert "expert_gradients" in r.data_axis_minimum
+    assert ("expert_gradients" in r.data_axis_minimum) == (scheme == "plain")
     assert r.data_axis_ratio == pytest.approx(1.0, abs=5e-4)
+    assert r.ratio == pytest.approx(1.0, abs=1e-3) or shape.model == 1
     if capacity_factor == 1.0:  # exactly the tokens' k copies
         assert rows * m.num_experts * cap == rows * m.seq_len * m.experts_per_token
     if shape.model > 1:
@@ -456,7 +485,7 @@ def test_expert_axis_carries_two_all_to_alls_each_way(spec, capacity_factor):
 def test_train_py_logs_the_router_losses_and_refuses_what_it_cannot_run(tmp_path):
     """A mixture of experts through train.py: the router losses and the dropped share in
     metrics.jsonl and the step line; four steps on data=2,expert=4 resumed for two more on
-    expert=2,model=4 log the losses of six straight steps on 2x4. A pipeline, an indivisible
+    expert=2,model=4 log the losses of six straight steps on 2x4. Layer programs, an indivisible
     expert width, experts that the expert axis does not divide and an expert axis under a dense
     model are one line, exit 2, nothing written."""
     import json
@@ -543,7 +572,7 @@ def test_train_py_logs_the_router_losses_and_refuses_what_it_cannot_run(tmp_path
     assert q.returncode == 2 and "model.moe_bias_update_rate (0)" in q.stderr
     assert not (tmp_path / "hf").exists()
     for args, words in (
-        (["--mesh", "data=2,pipe=2,model=2"], "mixture of experts"),
+        (["--mesh", "2x4", "--set", "train.layer_programs=true"], "layer_programs"),
         (["--mesh", "1x8", "--set", "model.moe_ffn_hidden=36"], "moe_ffn_hidden=36"),
         (["--mesh", "expert=8", "--set", "model.num_experts=12"], "not divisible by the expert"),
         (["--mesh", "expert=8", "--config", "tiny"], "this model is dense"),

@@ -55,8 +55,13 @@ def _model_axis_forms(x: StepShape) -> dict[str, int]:
             4 * L * bsh + bsh + b * r * h + 3 * b * r + (L * bsh if full else 0) + kv["all-reduce"]
         )
         # a sparse layer's routing weights scale outputs each device holds a partial sum of: their
-        # gradient, b·s·k numbers, is summed over "model" in the backward pass (core/moe.py)
-        per += x.sparse_layers * b * x.seq * x.experts_per_token
+        # gradient, b·s·k numbers, is summed over "model" in the backward pass (core/moe.py);
+        # inside the expert-manual step the router's weights' gradient instead (h·E, and the
+        # shared experts' gate's h)
+        routing = (
+            h * (x.experts + x.shared_gate) if x.expert_manual else b * x.seq * x.experts_per_token
+        )
+        per += x.sparse_layers * routing
         return {"all-reduce": mb * per, "all-gather": mb * kv["all-gather"], "reduce-scatter": 0}
     if x.heads_read_rows:
         gather, scatter, reduce = b * (r + 1) * h, 0, b * r * h

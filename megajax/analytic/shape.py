@@ -54,6 +54,9 @@ class StepShape:
     expert_ffn: int = 0  # each expert's MLP width
     shared_ffn: int = 0  # the shared experts' width, all of them together
     shared_gate: bool = False  # their sigmoid gate (h x 1)
+    # ZeRO-1/FSDP on an expert mesh: the step is manual over "data" and "expert", the sparse
+    # layer's shard_map untyped inside it (core/moe.py, MoEBlock.varying)
+    expert_manual: bool = False
 
     @classmethod
     def of(cls, cfg, task, mesh: MeshShape = MeshShape(), **device) -> "StepShape":
@@ -96,6 +99,7 @@ class StepShape:
             expert_ffn=m.moe_ffn if m.num_experts else 0,
             shared_ffn=m.moe_shared_ffn if m.num_experts else 0,
             shared_gate=m.moe_shared_gate,
+            expert_manual=mesh.expert > 1 and (t.shard_optimizer or t.shard_params),
             **device,
         )
 

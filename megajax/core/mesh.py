@@ -132,11 +132,6 @@ def check_fits(cfg, mesh, *, batch: bool = True):
             f"microbatch of {t.batch_size // t.microbatches} rows (batch {t.batch_size} / "
             f"{t.microbatches} microbatches) is not divisible by the {axis} ({dp})"
         )
-    if _shape(mesh).expert > 1 and (t.shard_optimizer or t.shard_params):
-        raise ConfigError(
-            "train.shard_optimizer and train.shard_params do not run with an expert axis yet: "
-            "unset them or drop 'expert' from --mesh"
-        )
 
 
 def check_model_fits(m, mesh):
@@ -191,7 +186,6 @@ def check_pipeline_fits(cfg, mesh):
     for refused, why in (
         (not cfg.model.scan_layers, "model.scan_layers = false"),
         (t.layer_programs, "train.layer_programs"),
-        (cfg.model.num_experts > 0, "a mixture of experts (model.num_experts)"),
     ):
         if refused:
             raise ConfigError(f"a pipeline (mesh axis pipe={pp}) does not run with {why} yet")

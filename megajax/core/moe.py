@@ -19,6 +19,7 @@ loop over each token's experts (the suite's oracle).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -170,8 +171,14 @@ class MoEBlock(nnx.Module):
         stat_specs = {n: S.P(S.DATA, None) for n in ("assigned", "probs")}
         stat_specs.update({n: S.BATCH for n in ("z", "tokens", "dropped", "routed")})
         between = self.layout.between_blocks
+        # Untyped inside the expert-manual step (training/data_parallel.py): typed, the
+        # all-to-alls over the manual "expert" would hand the untyped step around it an
+        # activation typed as varying over "expert". `local` casts explicitly for that.
         out, stats = self.layout.shard_map(
-            self.local, (between, self.specs(w), S.TOKENS), (between, stat_specs)
+            self.local,
+            (between, self.specs(w), S.TOKENS),
+            (between, stat_specs),
+            check_vma=S.EXPERT not in self.layout.manual,
         )(h, w, token_weights.astype(jnp.float32))
         if self.fc2_bias is not None:  # after the all-reduce: once, not once per device
             out = out + self.bias_after(h, w["router"], w.get("router_bias"))
@@ -223,21 +230,26 @@ class MoEBlock(nnx.Module):
             # x is the same on every device of "model", typed varying as the experts' products
             # are: its gradient is then the one all-reduce of Megatron's f (the router's stays
             # local)
-            xv = jax.lax.pcast(x, S.MODEL, to="varying").astype(self.precision.compute)
+            xv = self.varying(x, sp).astype(self.precision.compute)
         rows = jnp.arange(b)[:, None, None]
         buffer = jnp.zeros((self.num_experts, b, cap, hidden), xv.dtype)
         tokens = jnp.broadcast_to(xv[:, :, None, :], (b, s, self.k, hidden))
         buffer = buffer.at[experts, rows, slot].add(tokens, mode="drop")
         y = self.run_experts(buffer, w)
         picked = y[experts, rows, jnp.minimum(slot, cap - 1)]  # (b, s, k, h)
-        gate = (weights * keep).astype(picked.dtype)
+        # The routing weights are the same on every device of "model", the products they scale
+        # partial sums: their gradient is summed over "model" (b·s·k numbers), by this cast's
+        # transpose (written out, so that the body is right untyped too)
+        gate = self.varying((weights * keep).astype(picked.dtype), sp)
         out = jnp.einsum("bsk,bskh->bsh", gate, picked)
         if "shared" in w:
-            out = out + self.shared_experts(xv, x, w)
+            out = out + self.shared_experts(xv, x, w, sp)
         if sp:
             with jax.named_scope("g_reduce_scatter"):
                 return jax.lax.psum_scatter(out, S.MODEL, scatter_dimension=1, tiled=True), stats
         with jax.named_scope("g_all_reduce"):
+            if S.EXPERT in self.layout.manual:
+                return summed_untyped(out, self.layout.tp), stats
             return jax.lax.psum(out, S.MODEL), stats
 
     def run_experts(self, buffer, w):
@@ -263,6 +275,17 @@ class MoEBlock(nnx.Module):
                 y = jax.lax.all_to_all(y, S.EXPERT, 1, 0, tiled=True)
         return y
 
+    def varying(self, x, sp: bool):
+        """x, the same on every device of "model", as varying there: its gradient is summed over
+        "model" by this cast's transpose. With sequence parallelism the layer's input arrives
+        all-gathered, varying already. Untyped (inside the expert-manual step), shard_map's own
+        transpose sums the gradient of every input "model" replicates, x's (Megatron's f) and
+        the router's weights' (h·E numbers, in place of the routing weights' b·s·k), so nothing
+        is cast."""
+        if sp or S.EXPERT in self.layout.manual:
+            return x
+        return jax.lax.pcast(x, S.MODEL, to="varying")
+
     def experts_ffn(self, flat, w):
         """Every expert's MLP on its (E, slots, h) buffer rows."""
         names = ("gate", "up") if self.gated else ("fc1",)
@@ -272,15 +295,17 @@ class MoEBlock(nnx.Module):
         parts = [checkpoint_name(p, FC1) for p in parts]
         return expert_matmul(self.activation(parts), w["fc2_experts"], self.precision)
 
-    def shared_experts(self, xv, x, w):
+    def shared_experts(self, xv, x, w, sp: bool):
         """The always-on experts' partial output on this device (column, then row-parallel), times
-        Qwen2-MoE's sigmoid gate if any."""
+        Qwen2-MoE's sigmoid gate if any (the same on every device: its gradient, b·s numbers,
+        summed over "model")."""
         sw = w["shared"]
         names = ("gate", "up") if self.gated else ("fc1",)
         parts = [xv @ sw[n].astype(xv.dtype) for n in names]
         out = self.activation(parts) @ sw["fc2"].astype(xv.dtype)
         if "shared_gate" in w:
-            out = out * jax.nn.sigmoid(x.astype(jnp.float32) @ w["shared_gate"]).astype(out.dtype)
+            gate = jax.nn.sigmoid(x.astype(jnp.float32) @ w["shared_gate"])
+            out = out * self.varying(gate, sp).astype(out.dtype)
         return out
 
     def statistics(self, logits, scores, experts, keep, token_weights) -> dict:
@@ -297,6 +322,27 @@ class MoEBlock(nnx.Module):
             "dropped": (~keep).sum((1, 2)).astype(jnp.float32),
             "routed": jnp.full(keep.shape[:1], keep.shape[1] * keep.shape[2], jnp.float32),
         }
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def summed_untyped(x, tp: int):
+    """Megatron's g in an untyped shard_map: the partial sums all-reduced over "model", and in
+    the backward pass no collective. Untyped, shard_map hands the output's cotangent divided by
+    the model axis's size (an output "model" replicates), and psum's transpose would sum it
+    back, an all-reduce of b·s·h for nothing: each partial's cotangent is the whole one,
+    that cotangent times tp (a power of two: exact)."""
+    return jax.lax.psum(x, S.MODEL)
+
+
+def _summed_fwd(x, tp):
+    return jax.lax.psum(x, S.MODEL), None
+
+
+def _summed_bwd(tp, _, g):
+    return (g * tp,)
+
+
+summed_untyped.defvjp(_summed_fwd, _summed_bwd)
 
 
 def router_losses(stats: dict, cfg: ModelConfig, global_sum=lambda x: x) -> dict:
@@ -337,6 +383,16 @@ EXPERT_WEIGHTS = {
 def is_expert_weight(path: tuple) -> bool:
     """Whether a params path is an expert's weight (split over "expert" where the mesh has it)."""
     return bool(path) and path[-1] in EXPERT_WEIGHTS
+
+
+def is_matrix(path: tuple) -> bool:
+    """Whether a params path is a sparse layer's matrix, which its backward pass reads (FSDP
+    gathers it again): the router, the experts', the shared experts' and their gate."""
+    return bool(path) and (
+        path[-1] in ("router", "shared_gate")
+        or path[-1].endswith("_experts")
+        or (len(path) > 1 and path[-2] == "shared")
+    )
 
 
 def is_router_bias(path: tuple) -> bool:

@@ -113,11 +113,14 @@ class Layout:
     mesh: Mesh | None = None
     sequence_parallel: bool = False
     # The mesh axes the code runs manual over (inside a shard_map): "data" in the train step of
-    # ZeRO/FSDP (arrays are this device's rows), "pipe" in the pipelined step (one stage's
-    # layers). The model axis is never manual here: its collectives are GSPMD's or this module's.
+    # ZeRO/FSDP (arrays are this device's rows; with "expert" too on an expert mesh, where it is
+    # one more data axis and each device holds its own experts), "pipe" in the pipelined step
+    # (one stage's layers). The model axis is never manual here: its collectives are GSPMD's
+    # or this module's.
     manual: frozenset = frozenset()
-    # FSDP: (path inside a layer, (dimension split over "data", the weight's model-axis spec))
-    # of every layer weight that is.
+    # FSDP: (path inside a layer, (dimension split, the weight's model-axis spec, the axes it is
+    # split over: "data", or "data" and "expert" for a weight that is not an expert's)) of every
+    # layer weight that is.
     fsdp_layer_dims: tuple = ()
 
     @classmethod
@@ -133,8 +136,13 @@ class Layout:
 
     def __post_init__(self):
         object.__setattr__(self, "manual", frozenset(self.manual))
-        if not self.manual <= {DATA, PIPE}:
-            raise ValueError(f"a Layout is manual over data and pipe only, got {set(self.manual)}")
+        if not self.manual <= {DATA, PIPE, EXPERT} or (EXPERT in self.manual) > (
+            DATA in self.manual
+        ):
+            raise ValueError(
+                f"a Layout is manual over data (and expert beside it) and pipe only, got "
+                f"{set(self.manual)}"
+            )
         if self.mesh is not None and not is_megajax_mesh(self.mesh):
             raise ValueError(
                 f"a Layout needs a mesh with Auto axes {AXES}, got {self.mesh.axis_names} "
@@ -204,11 +212,17 @@ class Layout:
     def sharding(self, spec) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(spec if isinstance(spec, P) else P(*spec)))
 
+    @property
+    def data_axes(self) -> str | tuple[str, ...]:
+        """The manual axes a batch's rows are split over: "data", and "expert" beside it."""
+        return (DATA, EXPERT) if EXPERT in self.manual else DATA
+
     def spec(self, spec: P) -> P:
-        """An activation spec as this layout writes it: rows over "data" and "expert" when the
-        mesh has both; without them when "data" is manual."""
+        """An activation's (or, for a shard_map, a weight's) spec as this layout writes it:
+        rows over "data" and "expert" when the mesh has both; without the axes that are manual
+        already."""
         if DATA in self.manual:
-            return P(*(None if e == DATA else e for e in spec))
+            return without_axes(spec, self.manual - {PIPE})
         if self.experts > 1:
             return P(*((DATA, EXPERT) if e == DATA else e for e in spec))
         return spec
@@ -221,33 +235,41 @@ class Layout:
             return jax.lax.with_sharding_constraint(x, self.spec(spec))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(spec)))
 
-    def shard_map(self, fn, in_specs, out_specs):
-        """`fn` manual over the model axis (and over "data" too, unless it already is)."""
+    def shard_map(self, fn, in_specs, out_specs, check_vma: bool = True):
+        """`fn` manual over the model axis (and over "data" too, unless it already is).
+        `check_vma` False: untyped inside the data-manual step (which is untyped itself), for a
+        body that casts to varying over "model" wherever its gradient needs the sum."""
 
         def strip(specs):
             return jax.tree.map(self.spec, specs, is_leaf=lambda x: isinstance(x, P))
 
         if DATA in self.manual:
             return jax.shard_map(
-                fn, in_specs=strip(in_specs), out_specs=strip(out_specs), axis_names={MODEL}
+                fn,
+                in_specs=strip(in_specs),
+                out_specs=strip(out_specs),
+                axis_names={MODEL},
+                check_vma=check_vma,
             )
         if PIPE in self.manual:
+            axes = {DATA, MODEL} | ({EXPERT} if self.experts > 1 else set())
             return jax.shard_map(
-                fn, in_specs=in_specs, out_specs=out_specs, axis_names={DATA, MODEL}
+                fn, in_specs=strip(in_specs), out_specs=strip(out_specs), axis_names=axes
             )
         return jax.shard_map(
             fn, mesh=self.mesh, in_specs=strip(in_specs), out_specs=strip(out_specs)
         )
 
     def global_sum(self, x):
-        """A batch total (a loss's normaliser): local rows summed over "data" when it is manual."""
-        return jax.lax.psum(x, DATA) if DATA in self.manual else x
+        """A batch total (a loss's normaliser): local rows summed over "data" (and "expert")
+        when it is manual."""
+        return jax.lax.psum(x, self.data_axes) if DATA in self.manual else x
 
     def row_ids(self, n: int):
         """The global index of each of an array's n leading rows: the same row gets the same
         dropout mask whether it is computed whole or on a data shard."""
         rows = jnp.arange(n)
-        return rows + jax.lax.axis_index(DATA) * n if DATA in self.manual else rows
+        return rows + jax.lax.axis_index(self.data_axes) * n if DATA in self.manual else rows
 
     def gather_weights(self, weights: dict):
         """FSDP, inside a layer: all-gather over "data" the layer weights split over it (a nested
@@ -258,8 +280,8 @@ class Layout:
         if not dims:
             return weights
         flat = traverse_util.flatten_dict(weights)
-        for path, (dim, spec) in dims.items():
-            flat[path] = gather_over_data(flat[path], dim, spec)
+        for path, (dim, spec, over) in dims.items():
+            flat[path] = gather_over_data(flat[path], dim, spec, over)
         return traverse_util.unflatten_dict(flat)
 
     def reduce_to_replicated(self, partial_sum):
@@ -305,18 +327,20 @@ def drop_data_gathers(prim, *_, **params) -> bool:
     return DATA not in (axes if isinstance(axes, (tuple, list)) else (axes,))
 
 
-def gather_over_data(x, dim: int, spec: tuple):
+def gather_over_data(x, dim: int, spec: tuple, over=DATA):
     """FSDP's gather of a weight split over "data" along `dim`, inside the data-manual step; its
     transpose reduce-scatters the gradient back into the slices.
 
     A weight split over "model" too is gathered per model shard (under GSPMD a data-axis
     collective there would first gather its operand over "model"); a weight the model axis
     replicates is gathered directly (per model shard, the transpose would add a reduction
-    over "model" that its gradient does not need)."""
+    over "model" that its gradient does not need). `over`: the axes it is split over ("data",
+    or "data" and "expert" on an expert mesh for a weight that is not an expert's); `spec`
+    names no manual axis."""
 
     def gather(x):
         with jax.named_scope("fsdp_all_gather"):
-            return jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+            return jax.lax.all_gather(x, over, axis=dim, tiled=True)
 
     if MODEL not in spec:
         return gather(x)
@@ -325,13 +349,16 @@ def gather_over_data(x, dim: int, spec: tuple):
     )(x)
 
 
-def data_sharded_spec(shape, spec: P, mesh: MeshShape, skip_leading: bool = False) -> P | None:
-    """`spec` with "data" added on the largest dimension it leaves whole and the data axis of
-    `mesh` divides (ties: the first), or None when there is none: ZeRO's split of optimizer
-    state and FSDP's of parameters, on top of the model axis's (a model axis of size 1 leaves
-    every dimension whole). `skip_leading`: never the stacked layers' axis (a layer would then
-    live on one device, gathered whole each step)."""
-    data_size, model_size = mesh.data, mesh.model
+def data_sharded_spec(
+    shape, spec: P, mesh: MeshShape, skip_leading: bool = False, over=DATA
+) -> P | None:
+    """`spec` with `over` ("data", or "data" and "expert") added on the largest dimension it
+    leaves whole and those axes of `mesh` divide (ties: the first), or None when there is none:
+    ZeRO's split of optimizer state and FSDP's of parameters, on top of the model axis's (a
+    model axis of size 1 leaves every dimension whole). `skip_leading`: never the stacked
+    layers' axis (a layer would then live on one device, gathered whole each step)."""
+    data_size = mesh.data * (mesh.expert if over != DATA else 1)
+    model_size = mesh.model
     entries = list(spec) + [None] * (len(shape) - len(spec))
     whole = (None, MODEL) if model_size == 1 else (None,)
     free = [
@@ -342,8 +369,21 @@ def data_sharded_spec(shape, spec: P, mesh: MeshShape, skip_leading: bool = Fals
     if data_size == 1 or not free:
         return None
     d = max(free, key=lambda i: (shape[i], -i))
-    entries[d] = DATA
+    entries[d] = over
     return P(*entries)
+
+
+def without_axes(spec, axes) -> P:
+    """`spec` with the mesh axes `axes` taken out (for a shard_map inside one manual over
+    them)."""
+
+    def keep(e):
+        if isinstance(e, tuple):
+            kept = tuple(a for a in e if a not in axes)
+            return kept if len(kept) > 1 else (kept[0] if kept else None)
+        return None if e in axes else e
+
+    return P(*(keep(e) for e in spec))
 
 
 def rows_axes(mesh) -> str | tuple[str, ...]:

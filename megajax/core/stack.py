@@ -18,6 +18,7 @@ from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.core import sharding as S
+from megajax.core.moe import is_matrix
 from megajax.core.precision import Precision
 from megajax.core.transformer import TransformerLayer
 
@@ -36,6 +37,13 @@ def layer_weight(keys: tuple[str, ...]) -> tuple[tuple[str, ...], int] | None:
     if keys[: len(LISTED_PATH)] == LISTED_PATH:
         return keys[len(LISTED_PATH) + 1 :], 0
     return None
+
+
+def read_by_backward(keys: tuple[str, ...]) -> bool:
+    """Whether the backward pass reads a weight (FSDP gathers it again): the matrices (a
+    gradient's input needs them), the norms' scales, a sparse layer's router and experts; not
+    the biases."""
+    return keys[-1].endswith("kernel") or keys[-1] == "scale" or is_matrix(keys)
 
 
 def _stacked_layers(
@@ -71,9 +79,10 @@ _SPLIT: contextvars.ContextVar = contextvars.ContextVar("layer_stack_split", def
 
 @contextlib.contextmanager
 def split_at_stack(handler: Callable):
-    """Within this block every LayerStack call returns handler(stack, x, keys, mask) instead of
-    running its layers (`keys`: the layers' dropout keys, or None). A model's code then runs
-    up to its stack (a handler that records x) or from it (one that returns a given output)."""
+    """Within this block every LayerStack call returns handler(stack, x, keys, mask,
+    token_weights) instead of running its layers (`keys`: the layers' dropout keys, or None),
+    with no routing statistics (an empty dict) for sparse layers. A model's code then runs up
+    to its stack (a handler that records x) or from it (one that returns a given output)."""
     token = _SPLIT.set(handler)
     try:
         yield
@@ -143,14 +152,15 @@ class LayerStack(nnx.Module):
         extra = {"token_weights": token_weights} if layer.sparse else {}
         return layer(h, key=key, mask=mask, cache=cache, pos=pos, **extra)
 
-    def layer_call(self, mask=None) -> tuple[Callable, object, object]:
-        """(fn(layer_state, h, key) -> h, the stacked layers' graphdef, their stacked state): one
-        layer as the scan runs it (FSDP gather and remat included); index the state's leaves
-        for one layer's. For the train step's layer programs; scanned stacks only."""
+    def layer_call(self, mask=None, token_weights=None) -> tuple[Callable, object, object]:
+        """(fn(layer_state, h, key) -> h (sparse layers: (h, routing statistics)), the stacked
+        layers' graphdef, their stacked state): one layer as the scan runs it (FSDP gather and
+        remat included); index the state's leaves for one layer's. For the train step's layer
+        programs and pipeline stages; scanned stacks only."""
         graphdef, state = nnx.split(self.stacked)
 
         def call(layer_state, h, k):
-            return self._run_layer(graphdef, layer_state, h, k, mask)
+            return self._run_layer(graphdef, layer_state, h, k, mask, token_weights=token_weights)
 
         return self._checkpointed(call), graphdef, state
 
@@ -159,9 +169,10 @@ class LayerStack(nnx.Module):
         in training, with sparse layers, also their routing statistics, stacked over them
         (core/moe.py; `token_weights` (b, s): the tokens the loss covers)."""
         keys = None if key is None else jax.random.split(key, self.num_layers)
-        if (split := _SPLIT.get()) is not None and cache is None:
-            return split(self, x, keys, mask)
         sparse = any(self.sparse) and cache is None
+        if (split := _SPLIT.get()) is not None and cache is None:
+            out = split(self, x, keys, mask, token_weights)
+            return (out, {}) if sparse else out
         if self.scan:
             graphdef, state = nnx.split(self.stacked)
 

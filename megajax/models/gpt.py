@@ -162,7 +162,7 @@ class GPT(nnx.Module):
             else:
                 kept = jnp.where(weights > 0, losses * weights, 0.0)
                 mean = kept.sum() / jnp.maximum(self.layout.global_sum(weights.sum()), 1.0)
-        if stats is None:
+        if not stats:  # a dense model, or a pipeline stage's (its stages add their own)
             return mean, {}
         return mean, router_losses(stats, self.cfg, self.layout.global_sum)
 

@@ -147,12 +147,11 @@ class AuditResult:
     def data_axis_regathered(self) -> int:
         """FSDP's gathers of a layer's weights again for the backward pass, counted as found
         (in an unrolled stack XLA may merge them with the forward's, keeping the weights)."""
-        n = self.mesh.data
         return round(
             sum(
-                (n - 1) / n * c.elements * c.count / self._stages_counted(c)
+                self._ring_factor(c) * c.elements * c.count / self._stages_counted(c)
                 for c in self.collectives
-                if c.axis == DATA and c.origin == "params" and c.direction == "recompute"
+                if self._data_parallel(c) and c.origin == "params" and c.direction == "recompute"
             )
         )
 

@@ -12,8 +12,9 @@ from jax.sharding import PartitionSpec
 
 from megajax.analytic import data_axis_minimum as data_axis_sent_minimum
 from megajax.core.attention import copied_weights
+from megajax.core.moe import is_expert_weight
 from megajax.core.sharding import DATA, EXPERT, param_shardings
-from megajax.core.stack import layer_weight
+from megajax.core.stack import layer_weight, read_by_backward
 from megajax.mesh_shape import MeshShape
 from megajax.models.registry import path_keys
 from megajax.training.data_parallel import NONE
@@ -63,27 +64,31 @@ def _scheme_minimum(trainer, part) -> tuple[str, dict]:
         if ep > 1:
             total["expert_gradients"] = experts["gradients"]
         return "plain", total
-    split = whole = layers = layers_read = 0
+    # On an expert mesh the experts' weights are split over "data" alone, the others over
+    # "data" and "expert": each group at its own minimum.
+    groups = {False: [0, 0, 0, 0], True: [0, 0, 0, 0]}  # split, whole, layers, layers_read
     for (path, size), d in zip(
         jax.tree_util.tree_flatten_with_path(local)[0], jax.tree.leaves(part(dp.dims))
     ):
         keys = path_keys(path)
+        sums = groups[dp.rows != DATA and is_expert_weight(keys)]
         if d == NONE:
-            whole += size
+            sums[1] += size
             continue
-        split += size
+        sums[0] += size
         if layer_weight(keys) is not None:
-            layers += size
-            if (
-                keys[-1].endswith("kernel")
-                or keys[-1] == "scale"
-                or trainer.cfg.model.remat == "full"
-            ):
-                layers_read += size
+            sums[2] += size
+            if read_by_backward(keys) or trainer.cfg.model.remat == "full":
+                sums[3] += size
     scheme = "fsdp" if dp.fsdp else "zero"
-    return scheme, data_axis_sent_minimum(
-        scheme, n, m, split, whole, layers, layers_read, outside_once=trainer.pipeline is not None
-    )
+    ep = trainer.mesh.shape.get(EXPERT, 1)
+    total = {}
+    for expert, sums in groups.items():
+        part_sent = data_axis_sent_minimum(
+            scheme, n * (1 if expert else ep), m, *sums, outside_once=trainer.pipeline is not None
+        )
+        total = {k: total.get(k, 0) + v for k, v in part_sent.items()}
+    return scheme, total
 
 
 def _is_spec(x) -> bool:

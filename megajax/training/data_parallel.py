@@ -24,6 +24,11 @@ stays whole on every data shard, its gradient all-reduced once per step.
 On a mesh with pipeline stages the same split runs inside the pipeline's shard_map, manual
 over "pipe" and "data" (megajax/training/pipeline.py): `stages` gives the weights' specs with
 the stacked layers' axis split over "pipe", which "data" then never splits.
+
+On an expert mesh "expert" is one more data axis for every weight but the experts' (each
+device holds its own experts): the step is manual over both, a batch's rows split over both,
+an expert's weight split (and its gradient reduced) over "data" alone, every other weight over
+"data" and "expert" together.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax.core import sharding as S
 from megajax.core.attention import copied_weights
+from megajax.core.moe import is_expert_weight
 from megajax.core.stack import layer_weight
 from megajax.mesh_shape import MeshShape
 from megajax.models.registry import ModelDef, abstract_model, path_keys
@@ -57,6 +63,7 @@ class DataParallel:
     model_specs: dict  # params dict of the weights' own PartitionSpecs (the model axis's split)
     # the weights' specs between steps without "data" (with stages: the layers over "pipe")
     held_specs: dict
+    rows: str | tuple  # the axes a batch's rows split over: "data" (and "expert")
 
     @classmethod
     def build(cls, cfg, mesh, modeldef: ModelDef, stages: dict | None = None) -> "DataParallel":
@@ -64,6 +71,8 @@ class DataParallel:
         axes = MeshShape.of(mesh)
         specs, shapes = modeldef.specs(), modeldef.abstract_params()
         whole, layer_dims = [], {}
+        rows = S.rows_axes(mesh)
+        over = _over_for(rows)
         # Grouped-query attention's key/value weights held in copies over "model" (small) stay
         # whole over "data": split, each data shard would gather the copies over "model" too.
         copied = copied_weights(cfg.model, axes)
@@ -82,29 +91,34 @@ class DataParallel:
                     spec,
                     axes,
                     skip_leading=stacked and (cfg.train.shard_params or stages is not None),
+                    over=over(path),
                 )
             )
             if zero is None:
                 whole.append("/".join(keys))
                 return NONE
-            dim = list(zero).index(S.DATA)
+            dim = list(zero).index(over(path))
             if layer is not None and cfg.train.shard_params:
-                layer_dims[layer[0]] = (dim - layer[1], tuple(spec)[layer[1] :])
+                inner = S.without_axes(tuple(spec)[layer[1] :], {S.EXPERT})
+                layer_dims[layer[0]] = (dim - layer[1], tuple(inner), over(path))
             return dim
 
         dims = jax.tree_util.tree_map_with_path(pick, shapes, specs)
         held = specs if stages is None else stages
-        sharded = jax.tree.map(
-            lambda d, spec, x: NamedSharding(mesh, _with_data(spec, d, len(x.shape))),
+        sharded = jax.tree_util.tree_map_with_path(
+            lambda path, d, spec, x: NamedSharding(
+                mesh, _with_data(spec, d, len(x.shape), over(path))
+            ),
             dims,
             held,
             shapes,
             is_leaf=lambda x: isinstance(x, P),
         )
+        manual = {S.DATA} | ({S.EXPERT} if rows != S.DATA else set())
         layout = S.Layout.for_model(
             mesh,
             cfg.model,
-            manual={S.DATA, S.PIPE} if stages is not None else {S.DATA},
+            manual=manual | ({S.PIPE} if stages is not None else set()),
             fsdp_layer_dims=tuple(sorted(layer_dims.items())) if cfg.train.shard_params else (),
         )
         return cls(
@@ -116,16 +130,42 @@ class DataParallel:
             ModelDef(abstract_model(cfg.model, layout)),
             specs,
             held,
+            rows,
         )
 
     @property
     def fsdp(self) -> bool:
         return self.cfg.train.shard_params
 
+    def over(self, path):
+        """The axes a weight is split over and its gradient reduced over."""
+        return _over_for(self.rows)(path)
+
+    @property
+    def manual_axes(self) -> set:
+        """The axes the step's shard_map is manual over (a pipeline adds "pipe")."""
+        return {S.DATA} | ({S.EXPERT} if self.rows != S.DATA else set())
+
     # -- inside the data-manual shard_map --------------------------------------------------
-    def data_spec(self, d: int, ndim: int) -> P:
-        """The manual ("data") part of a sharded weight's spec: the model axis is GSPMD's."""
-        return P(*(S.DATA if i == d else None for i in range(ndim))) if d != NONE else P()
+    def manual_specs(self, tree, split: bool = True) -> dict:
+        """The manual part of each weight's spec (the model axis is GSPMD's): "expert" where
+        an expert's weight has it, and with `split` the data axes on the dimension they split
+        (as the optimizer state is, and FSDP's weights between steps)."""
+
+        def one(path, d, x, spec):
+            entries = [S.EXPERT if S.EXPERT in _names(e) else None for e in spec]
+            entries += [None] * (x.ndim - len(entries))
+            if split and d != NONE:
+                entries[d] = self.over(path)
+            return P(*entries)
+
+        return jax.tree_util.tree_map_with_path(
+            one,
+            self.dims,
+            tree,
+            self.model_specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     def _is_layer(self, path) -> bool:
         return layer_weight(path_keys(path)) is not None
@@ -138,7 +178,8 @@ class DataParallel:
         def gather(path, x, d, spec):
             if d == NONE or self._is_layer(path):
                 return x
-            return S.gather_over_data(x, d, tuple(spec))
+            inner = tuple(S.without_axes(spec, {S.EXPERT}))
+            return S.gather_over_data(x, d, inner, self.over(path))
 
         return jax.tree_util.tree_map_with_path(gather, params, self.dims, self.model_specs)
 
@@ -169,7 +210,7 @@ class DataParallel:
             t.unroll_microbatches,
         )
         with jax.named_scope("metrics_all_reduce"):
-            metrics = jax.lax.psum(metrics, S.DATA)  # each shard's share of the global means
+            metrics = jax.lax.psum(metrics, self.rows)  # each shard's share of the global means
         return metrics, self.reduce(grads)
 
     def reduce(self, grads):
@@ -178,36 +219,48 @@ class DataParallel:
         (the transpose of their gathers). Manual over "model" too: each device reduces its own
         model shard (left to GSPMD, a data-axis collective inside the data-manual region would
         first gather its operand over "model")."""
-        specs = trained(self.cfg, self.model_specs)
+        specs = jax.tree.map(
+            lambda s: S.without_axes(s, {S.EXPERT}),
+            trained(self.cfg, self.model_specs),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+        def reduce_all(g):
+            return jax.tree_util.tree_map_with_path(
+                lambda path, g, d: self._reduce_one(g, d, self.over(path)),
+                g,
+                trained(self.cfg, self.dims),
+            )
+
         return jax.shard_map(
-            lambda g: jax.tree.map(self._reduce_one, g, trained(self.cfg, self.dims)),
+            reduce_all,
             in_specs=(specs,),
             out_specs=specs,
             axis_names={S.MODEL},
             check_vma=False,
         )(grads)
 
-    def _reduce_one(self, g, d):
+    def _reduce_one(self, g, d, over):
         if d == NONE:
             with jax.named_scope("gradients_all_reduce"):
-                return jax.lax.psum(g, S.DATA)
+                return jax.lax.psum(g, over)
         if self.fsdp:
             return g
         with jax.named_scope("gradients_reduce_scatter"):
-            return jax.lax.psum_scatter(g, S.DATA, scatter_dimension=d, tiled=True)
+            return jax.lax.psum_scatter(g, over, scatter_dimension=d, tiled=True)
 
     # -- called by the step ------------------------------------------------------------------
     def gradients(self, params, batch, key, loss_scale=None):
         """(metrics, gradients), the gradients split over "data" like the optimizer state (of
         the loss times `loss_scale`, if given)."""
-        specs = jax.tree.map(lambda d, x: self.data_spec(d, x.ndim), self.dims, params)
-        held = specs if self.fsdp else jax.tree.map(lambda _: P(), params)
+        specs = self.manual_specs(params)
+        held = specs if self.fsdp else self.manual_specs(params, split=False)
         fn = jax.shard_map(
             self._local,
             mesh=self.mesh,
-            in_specs=(held, P(S.DATA), P(), P()),
+            in_specs=(held, P(self.rows), P(), P()),
             out_specs=(P(), trained(self.cfg, specs)),
-            axis_names={S.DATA},
+            axis_names=self.manual_axes,
             check_vma=False,
         )
         metrics, grads = fn(params, batch, key, loss_scale)
@@ -228,9 +281,11 @@ class DataParallel:
 
         def gather(params):
             with jax.named_scope("params_all_gather"):
-                return jax.tree.map(
-                    lambda x, d: (
-                        x if d == NONE else jax.lax.all_gather(x, S.DATA, axis=d, tiled=True)
+                return jax.tree_util.tree_map_with_path(
+                    lambda path, x, d: (
+                        x
+                        if d == NONE
+                        else jax.lax.all_gather(x, self.over(path), axis=d, tiled=True)
                     ),
                     params,
                     dims,
@@ -258,8 +313,18 @@ class DataParallel:
         )
 
 
-def _with_data(spec: P, d: int, ndim: int) -> P:
+def _with_data(spec: P, d: int, ndim: int, over=S.DATA) -> P:
     entries = list(spec) + [None] * (ndim - len(spec))
     if d != NONE:
-        entries[d] = S.DATA
+        entries[d] = over
     return P(*entries)
+
+
+def _over_for(rows):
+    """path -> the axes a weight is split over: an expert's over "data" (its experts are split
+    over "expert" already), every other weight over all of `rows`."""
+    return lambda path: S.DATA if is_expert_weight(path_keys(path)) else rows
+
+
+def _names(entry) -> tuple:
+    return entry if isinstance(entry, tuple) else (entry,)

@@ -158,7 +158,7 @@ class LayerProgramStep:
         def up_to_stack(rest):
             seen = {}
 
-            def record(stack, x, keys, mask):
+            def record(stack, x, keys, mask, token_weights):
                 seen.update(x=x, aux=(keys, mask))
                 return x  # what the model computes after this is unused: compiled away
 
@@ -195,7 +195,7 @@ class LayerProgramStep:
         stacked = get_path(params, self.path)
 
         def from_stack(rest, h):
-            with split_at_stack(lambda stack, x, keys, mask: h):
+            with split_at_stack(lambda stack, x, *_: h):
                 return self.tr.objective(
                     replace_path(rest, self.path, stacked), mb, key, loss_scale
                 )

@@ -21,6 +21,11 @@ stack (embeddings, final norm, heads) are held by every stage; the first stage's
 stage's gradients of them (the tied embedding's two uses) are summed over "pipe" once a step,
 as Megatron-LM all-reduces its embedding group's.
 
+A mixture of experts' router losses are each layer's, so each stage adds its own chunks'
+(their statistics never leave the stage): a chunk's forward adds its router losses to the
+step's metrics, and its backward differentiates them with the layers, beside the cotangent
+the next stage sent.
+
 With ZeRO-1 or FSDP (a `DataParallel` given) the shard_map is manual over "data" too: each
 data shard runs its own rows through the stages and keeps its partial gradients until the
 step's end, where ZeRO-1 reduce-scatters them once into the optimizer state's slices; FSDP's
@@ -38,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from megajax import schedules
 from megajax.core import sharding as S
+from megajax.core.moe import LOAD, router_losses
 from megajax.core.stack import STACKED_PATH, split_at_stack
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.training import microbatches
@@ -76,6 +82,7 @@ class Pipeline:
         self.table = schedules.build(t.pipeline_schedule, self.p, self.m, self.v)
         self.per_chunk = cfg.model.num_layers // (self.p * self.v)
         self.path = STACKED_PATH  # where the stacked layers' weights are
+        self.data_axes = None if data_parallel is None else data_parallel.rows
         if data_parallel is not None:
             self.manual = data_parallel.manual
         else:
@@ -139,11 +146,12 @@ class Pipeline:
         return gathered, lambda g: transpose(g)[0]
 
     def _pre(self, rest, stacked, mb, key):
-        """The model up to its stack: (stack input, (the layers' dropout keys, mask))."""
+        """The model up to its stack: (stack input, (the layers' dropout keys, mask, the tokens'
+        weights in the router's statistics))."""
         seen = {}
 
-        def record(stack, x, keys, mask):
-            seen.update(x=x, aux=(keys, mask))
+        def record(stack, x, keys, mask, token_weights):
+            seen.update(x=x, aux=(keys, mask, token_weights))
             return x
 
         with split_at_stack(record):
@@ -152,26 +160,51 @@ class Pipeline:
 
     def _post(self, rest, stacked, mb, key, h, loss_scale):
         """The model after its stack, from the stack's output h: (scaled loss, metrics)."""
-        with split_at_stack(lambda stack, x, keys, mask: h):
+        with split_at_stack(lambda stack, x, *_: h):
             return scaled(
                 self.manual.bind(self._full(rest, stacked)).objective(mb, key=key), loss_scale
             )
 
-    def _chunk(self, rest, stacked, chunk, virtual, x, aux):
-        """This stage's chunk `chunk` (virtual stage `virtual`) of layers on x."""
-        keys, mask = aux
+    def _chunk(self, rest, stacked, chunk, virtual, x, aux, scale):
+        """This stage's chunk `chunk` (virtual stage `virtual`) of layers on x: (its output, the
+        chunk's share of the objective (times `scale`), its metrics): a mixture of experts'
+        router losses, 0 and {} for dense layers."""
+        keys, mask, token_weights = aux
         stack = stack_of(self.manual.bind(self._full(rest, stacked)))[1]
-        call, _, state = stack.layer_call(mask)
+        call, _, state = stack.layer_call(mask, token_weights)
+        sparse = any(stack.sparse)
         n = self.per_chunk
         if self.v > 1:  # (one chunk: the stage's weights as they are, not a sliced copy)
             state = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * n, n), state)
         keys = None if keys is None else jax.lax.dynamic_slice_in_dim(keys, virtual * n, n)
 
         def layer(h, xs):
-            return call(xs[0], h, xs[1]), None
+            out = call(xs[0], h, xs[1])
+            return out if sparse else (out, None)
 
         with jax.named_scope("layers"):
-            return jax.lax.scan(layer, x, (state, keys))[0]
+            y, stats = jax.lax.scan(layer, x, (state, keys))
+        if not sparse:
+            return y, jnp.zeros((), jnp.float32), {}
+        return (y, *self._router(stats, chunk, scale))
+
+    def _router(self, stats, chunk, scale):
+        """A chunk's router losses from its layers' statistics: (their share of the objective,
+        times `scale`, their metrics). The losses sum over layers, so the stages' sum is the
+        model's; the dropped share is weighted by the chunk's layers (each layer routes as
+        many tokens), and each layer's load goes to its place in the stacked weights' order."""
+        c = self.cfg.model
+        global_sum = (
+            (lambda x: x) if self.data_axes is None else (lambda x: jax.lax.psum(x, self.data_axes))
+        )
+        metrics = router_losses(stats, c, global_sum)
+        objective = c.moe_aux_loss * metrics["moe/aux_loss"] + c.moe_z_loss * metrics["moe/z_loss"]
+        metrics["moe/dropped"] = metrics["moe/dropped"] * self.per_chunk / c.num_layers
+        if LOAD in metrics:  # the stage's chunks are stored one after another (layer_order)
+            at = (jax.lax.axis_index(S.PIPE) * self.v + chunk) * self.per_chunk
+            whole = jnp.zeros((c.num_layers, c.num_experts), jnp.float32)
+            metrics[LOAD] = jax.lax.dynamic_update_slice_in_dim(whole, metrics[LOAD], at, 0)
+        return objective if scale is None else objective * scale, metrics
 
     # -- one tick's actions ------------------------------------------------------------------
     # Each takes (the tick's operands, the sums so far: rest grads, stacked grads, metrics) and
@@ -183,15 +216,19 @@ class Pipeline:
         def idle(op, sums):
             return zx, zx, sums
 
+        def added(totals, metrics):
+            return {k: add(v, metrics[k]) if k in metrics else v for k, v in totals.items()}
+
         def forward(where):
             def run(op, sums):
                 rest, stacked, mb, key, x, _, chunk, virtual, scale = op
                 first, aux = self._pre(rest, stacked, mb, key)
-                y = self._chunk(rest, stacked, chunk, virtual, first if where == FIRST else x, aux)
+                x = first if where == FIRST else x
+                y, _, router = self._chunk(rest, stacked, chunk, virtual, x, aux, scale)
                 if where != LAST:
-                    return y.astype(zx.dtype), zx, sums
+                    return y.astype(zx.dtype), zx, (*sums[:2], added(sums[2], router))
                 _, metrics = self._post(rest, stacked, mb, key, y, scale)
-                return zx, zx, (*sums[:2], jax.tree.map(add, sums[2], metrics))
+                return zx, zx, (*sums[:2], added(sums[2], {**metrics, **router}))
 
             return run
 
@@ -200,25 +237,26 @@ class Pipeline:
                 rest, stacked, mb, key, x, g, chunk, virtual, scale = op
 
                 def through(rest, stacked, x):
+                    """(the chunk's output, its share of the objective)"""
                     first, aux = self._pre(rest, stacked, mb, key)
-                    return self._chunk(
-                        rest, stacked, chunk, virtual, first if where == FIRST else x, aux
-                    )
+                    x = first if where == FIRST else x
+                    return self._chunk(rest, stacked, chunk, virtual, x, aux, scale)[:2]
 
                 if where == LAST:
 
                     def loss(rest, stacked, x):
                         with jax.named_scope("pipeline_recompute"):
-                            y = through(rest, stacked, x)
-                        return self._post(rest, stacked, mb, key, y, scale)
+                            y, router = through(rest, stacked, x)
+                        objective, metrics = self._post(rest, stacked, mb, key, y, scale)
+                        return objective + router, metrics
 
                     (_, _), (d_rest, d_stack, dx) = jax.value_and_grad(
                         loss, argnums=(0, 1, 2), has_aux=True
                     )(rest, stacked, x)
                 else:
                     with jax.named_scope("pipeline_recompute"):
-                        _, pullback = jax.vjp(through, rest, stacked, x)
-                    d_rest, d_stack, dx = pullback(g.astype(x.dtype))
+                        (_, router), pullback = jax.vjp(through, rest, stacked, x)
+                    d_rest, d_stack, dx = pullback((g.astype(x.dtype), jnp.ones_like(router)))
                 dx = zx if where == FIRST else dx.astype(zx.dtype)
                 return (
                     zx,
@@ -298,7 +336,7 @@ class Pipeline:
         on_shards = (
             None
             if self.data_parallel is not None
-            else lambda x: jax.lax.with_sharding_constraint(x, P(None, S.DATA))
+            else lambda x: jax.lax.with_sharding_constraint(x, P(None, S.rows_axes(self.mesh)))
         )
         micro = microbatches.split(batch, self.m, on_shards)
 
@@ -306,11 +344,15 @@ class Pipeline:
             return microbatches.take(micro, i), microbatches.key(key, self.m, i)
 
         mb0, key0 = microbatch(0)
-        x_shape = jax.eval_shape(lambda: self._pre(rest, stacked, mb0, key0)[0])
+        x_shape = jax.eval_shape(lambda: self._pre(rest, stacked, mb0, key0))[0]
+        x0 = jnp.zeros(x_shape.shape, x_shape.dtype)
         metric_shapes = jax.eval_shape(
-            lambda: self._post(
-                rest, stacked, mb0, key0, jnp.zeros(x_shape.shape, x_shape.dtype), loss_scale
-            )[1]
+            lambda: {
+                **self._post(rest, stacked, mb0, key0, x0, loss_scale)[1],
+                **self._chunk(
+                    rest, stacked, 0, 0, x0, self._pre(rest, stacked, mb0, key0)[1], loss_scale
+                )[2],
+            }
         )
         zx = jnp.zeros(x_shape.shape, x_shape.dtype)
         sums = (
@@ -356,7 +398,7 @@ class Pipeline:
         grads = trained(self.cfg, grads)
         if self.data_parallel is not None:
             with jax.named_scope("metrics_all_reduce"):
-                metrics = jax.lax.psum(metrics, S.DATA)  # each shard's share of the means
+                metrics = jax.lax.psum(metrics, self.data_parallel.rows)  # shards' shares
             grads = self.data_parallel.reduce(grads)  # once per step
         return metrics, grads
 
@@ -366,10 +408,10 @@ class Pipeline:
         between steps, split only under FSDP; else as the gradients leave the step, split
         under both)."""
         dp = self.data_parallel
-        if dp is None or (held and not dp.fsdp):
+        if dp is None:
             specs = jax.tree.map(lambda _: P(), params)
         else:
-            specs = jax.tree.map(lambda d, x: dp.data_spec(d, x.ndim), dp.dims, params)
+            specs = dp.manual_specs(params, split=dp.fsdp or not held)
         return stage_specs(specs, self.path)
 
     def updated_params(self, part):
@@ -381,11 +423,11 @@ class Pipeline:
         gradients split over "pipe" like their weights (and over "data" like the optimizer
         state, with ZeRO-1 / FSDP)."""
         dp = self.data_parallel
-        manual = {S.PIPE} if dp is None else {S.PIPE, S.DATA}
+        manual = {S.PIPE} if dp is None else {S.PIPE} | dp.manual_axes
         fn = jax.shard_map(
             self._local,
             mesh=self.mesh,
-            in_specs=(self.specs(params), P() if dp is None else P(S.DATA), P(), P()),
+            in_specs=(self.specs(params), P() if dp is None else P(dp.rows), P(), P()),
             out_specs=(P(), trained(self.cfg, self.specs(params, held=False))),
             axis_names=manual,
             check_vma=False,
