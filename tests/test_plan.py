@@ -38,7 +38,8 @@ MEMORY_TOLERANCE = 0.10  # the issue's bound on predicted against compiled peak 
 # as 16-bit, what an accelerator does), float32 is stored as float32 by both.
 # (config, data, model, overrides): a paper config on model=8, sequence parallelism with
 # selective recomputation, no recomputation, BERT; and on 64 devices (a subprocess) plain and
-# FSDP. (ZeRO-1 differs from plain only in the optimizer state, which is exact.)
+# FSDP. (ZeRO-1 differs from plain in the optimizer state, which is exact, and in its gradient
+# buffers: one whole accumulator, the other copies slices; the MoE points below check it.)
 # Scanned stacks without full remat: with LayerNorm's and GeLU's outputs recomputed, and (the
 # default) with Megatron's set kept.
 F32 = "model.compute_dtype=float32"
@@ -663,6 +664,9 @@ MOE_POINTS = [
     ("expert=4,model=2", ["model.moe_capacity_factor=1.25"]),
     ("data=2,expert=2,model=2", []),
     ("expert=8", ["model.remat=full"]),
+    # ZeRO-1 on an expert mesh: the experts' state split over "data", the rest over both
+    ("data=2,expert=2,model=2", ["train.shard_optimizer=true"]),
+    ("data=2,expert=4", ["train.shard_optimizer=true", "model.moe_capacity_factor=1.25"]),
 ]
 
 
@@ -732,14 +736,16 @@ def test_a_sparse_layers_matmuls_are_the_programs(capacity, arch):
 
 def test_mixtral_is_planned_on_64_h100s_with_expert_axes_among_the_plans():
     """megajax-plan --config mixtral_8x7b --devices 64 --hardware h100-80g: a plan that fits;
-    expert meshes among the candidates, each paying its all-to-alls, and none with ZeRO-1 or
-    FSDP beside an expert axis (megajax runs those over "data" alone); the MFU counts active
-    FLOPs (the tokens' two experts of eight)."""
+    expert meshes among the candidates with every data-parallel scheme and with pipeline
+    stages, each paying its all-to-alls; the MFU counts active FLOPs (the tokens' two experts
+    of eight)."""
     plans = plan("mixtral_8x7b", 64, "h100-80g")
     assert plans[0].fits
     experts = [p for p in plans if p.mesh.expert > 1]
     assert {p.mesh.expert for p in experts} == {2, 4, 8}
-    assert all(p.seconds["expert_axis"] > 0 and p.scheme == "plain" for p in experts)
+    assert {p.scheme for p in experts} == {"plain", "zero", "fsdp"}
+    assert any(p.mesh.pipe > 1 for p in experts)
+    assert all(p.seconds["expert_axis"] > 0 for p in experts)
     assert all("expert_axis" not in p.seconds for p in plans if p.mesh.expert == 1)
     best, cfg = plans[0], load_config("mixtral_8x7b")
     active = step_flops(cfg, remat="none", executed=False)
@@ -749,20 +755,26 @@ def test_mixtral_is_planned_on_64_h100s_with_expert_axes_among_the_plans():
     assert active < step_flops(cfg, remat="none") / 3  # dropless: E / k = 4 times the work
 
 
-def test_expert_mesh_volumes_are_the_audits():
+@pytest.mark.parametrize(
+    "scheme", tiered(["plain", "shard_optimizer", "shard_params"], "plain", "shard_optimizer")
+)
+def test_expert_mesh_volumes_are_the_audits(scheme):
     """On data=2,expert=2,model=2 the planner's volumes are what the audit finds compiled: the
-    experts' gradients over "data" and the others' over "data" and "expert" (once per
-    microbatch, as plain data parallelism compiles), the all-to-alls over "expert", and the
-    model axis with the routing weights' gradient sums."""
+    experts' gradients over "data" and the others' over "data" and "expert" (plain data
+    parallelism once per microbatch, as it compiles; ZeRO-1 and FSDP once per step, and their
+    parameters' gathers), the all-to-alls over "expert", and the model axis with the routing
+    gradient's sums."""
     from megajax.plan.volumes import expert_axis_elements
 
-    cfg = load_config("moe_tiny", ["train.batch_size=16", "train.microbatches=2"])
+    sets = ["train.batch_size=16", "train.microbatches=2"]
+    cfg = load_config("moe_tiny", sets + ([f"train.{scheme}=true"] if scheme != "plain" else []))
     mesh = make_mesh("data=2,expert=2,model=2", devices=jax.devices())
     trainer, shape = make_trainer(cfg, mesh), MeshShape.of(mesh)
     audit = audit_hlo(trainer.lower_step().compile().as_text(), cfg, shape, trainer=trainer)
-    sent, least, mb = data_axis_sent(cfg, shape), audit.data_axis_minimum, 2
-    assert sent["expert_gradients"] == pytest.approx(mb * least["expert_gradients"], rel=1e-12)
-    assert sent["gradients"] == pytest.approx(mb * least["gradients"], rel=1e-12)
-    assert 0 < least["expert_gradients"] < least["gradients"]
+    sent, least = data_axis_sent(cfg, shape), audit.data_axis_minimum
+    mb = 2 if scheme == "plain" else 1
+    for name in ("gradients", "params", "regather"):
+        assert sent[name] == pytest.approx(mb * least[name], rel=1e-12), name
+    assert 0 < sent["expert_gradients"] < sent["gradients"]
     assert expert_axis_elements(cfg, shape) == audit.expert_axis_elements > 0
     assert sum(model_axis_elements(cfg, shape).values()) == audit.analytic_min_elements

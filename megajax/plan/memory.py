@@ -12,6 +12,7 @@ at its peak:
     each weight into one kernel that reads the gradient once (the H200's compiled step);
     XLA:CPU materialises the scaled gradients beside the raw ones, so it holds two copies
     even without accumulation (its buffer assignment). Split like the parameters under FSDP;
+    ZeRO-1's step (not pipelined) accumulates one whole copy, its others are slices;
   - the activations the backward pass keeps, for every layer, for one microbatch;
   - at the backward pass's start, the larger of: one layer's backward working set (with full
     remat, its recomputed activations plus the 32-bit random bits its dropout masks are drawn
@@ -43,8 +44,8 @@ from megajax.config import Config, ModelConfig
 from megajax.core.attention import fused_attention
 from megajax.core.moe import is_expert_weight
 from megajax.core.precision import Precision
-from megajax.core.sharding import DATA, MODEL, data_sharded_spec
-from megajax.core.stack import layer_weight
+from megajax.core.sharding import DATA, EXPERT, MODEL, data_sharded_spec
+from megajax.core.stack import layer_weight, read_by_backward
 from megajax.mesh_shape import MeshShape
 from megajax.models.registry import ModelDef, abstract_model, path_keys
 from megajax.tasks import task_for
@@ -83,7 +84,8 @@ def _read_weights(model_cfg: ModelConfig) -> tuple[Weight, ...]:
     out = []
     for (path, x), spec in zip(shapes, specs):
         keys = path_keys(path)
-        in_layers, matrix = layer_weight(keys) is not None, keys[-1] in ("kernel", "scale")
+        in_layers = layer_weight(keys) is not None
+        matrix = read_by_backward(keys)
         out.append(Weight(tuple(x.shape), spec, in_layers, matrix, is_expert_weight(keys)))
     return tuple(out)
 
@@ -94,7 +96,7 @@ def shard_elements(shape, spec, mesh: MeshShape, expert: bool = False) -> int:
     n = math.prod(shape) // (mesh.expert if expert else 1)
     for entry in spec:
         for axis in entry if isinstance(entry, tuple) else (entry,):
-            n //= {MODEL: mesh.model, DATA: mesh.data}.get(axis, 1)
+            n //= {MODEL: mesh.model, DATA: mesh.data, EXPERT: mesh.expert}.get(axis, 1)
     return n
 
 
@@ -113,19 +115,26 @@ class StateSplit:
     experts: int = 0  # model-shard elements of expert weights (their gradients: over "data" only)
 
 
-def state_split(cfg: Config, mesh: MeshShape) -> StateSplit:
+def state_split(cfg: Config, mesh: MeshShape, experts: bool | None = None) -> StateSplit:
     """One device's shares of the state; with pipeline stages, of its stage's layers (the
-    weights outside the stack on every stage)."""
+    weights outside the stack on every stage). On an expert mesh ZeRO-1 and FSDP split the
+    experts' weights over "data" and the others over "data" and "expert"
+    (training/data_parallel.py); `experts` True or False: those weights only."""
     t, pp = cfg.train, mesh.pipe
-    zero = (t.shard_optimizer or t.shard_params) and mesh.data > 1
-    fsdp = t.shard_params and mesh.data > 1
+    zero = (t.shard_optimizer or t.shard_params) and mesh.batch_shards > 1
+    fsdp = t.shard_params and mesh.batch_shards > 1
     model_only = MeshShape(model=mesh.model, expert=mesh.expert)
     out = StateSplit()
     for w in weights(cfg.model):
+        if experts is not None and w.expert != experts:
+            continue
         local = shard_elements(w.shape, w.spec, model_only, w.expert) // (pp if w.stacked else 1)
         # (FSDP gathers a layer at a time, and stages split the layers: never their axis)
+        over = DATA if w.expert or mesh.expert == 1 else (DATA, EXPERT)
         split = (
-            data_sharded_spec(w.shape, w.spec, mesh, skip_leading=w.stacked and (fsdp or pp > 1))
+            data_sharded_spec(
+                w.shape, w.spec, mesh, skip_leading=w.stacked and (fsdp or pp > 1), over=over
+            )
             if zero
             else None
         )
@@ -158,6 +167,17 @@ def activation_dtype(cfg: Config) -> str:
 def gradient_copies(cfg: Config, backend: str = "gpu") -> int:
     """Float32 gradient buffers at the step's peak (module docstring)."""
     return 2 if backend == "cpu" or cfg.train.microbatches > 1 else 1
+
+
+def gradient_elements(cfg: Config, st: StateSplit, pipelined: bool, backend: str = "gpu") -> int:
+    """Elements of the float32 gradient buffers at the step's peak: `gradient_copies` of a
+    device's weights; ZeRO-1's data-manual step accumulates one whole copy and reduce-scatters
+    it once into slices, so its other copies are slices (FSDP's are all slices already; a
+    pipeline sums whole gradients over its ticks)."""
+    copies = gradient_copies(cfg, backend)
+    if cfg.train.shard_optimizer and not cfg.train.shard_params and not pipelined:
+        return st.params_local + (copies - 1) * st.optimizer_local
+    return copies * st.params_local
 
 
 def logit_bytes(cfg: Config, backend: str = "gpu") -> int:
@@ -232,7 +252,7 @@ def memory_bytes(cfg: Config, mesh: MeshShape, backend: str = "gpu") -> dict:
         kept = slots * boundary
     out = {
         "params": 4 * st.params_local,
-        "gradients": 4 * gradient_copies(cfg, backend) * st.params_local,
+        "gradients": 4 * gradient_elements(cfg, st, pp > 1, backend),
         "optimizer": 4 * ADAM_MOMENTS * st.optimizer_local + OPTIMIZER_COUNTERS,
         "activations": kept,
         "working": max(working, logits) + gathered,

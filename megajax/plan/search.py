@@ -113,14 +113,9 @@ def expert_sizes(cfg: Config, devices: int) -> list[int]:
 def meshes(cfg: Config, devices: int, pipelines: bool = True) -> list[MeshShape]:
     """The meshes of `devices` a plan may have: a model axis dividing heads, hidden and ffn,
     pipeline stages dividing the layers and the devices left (`pipelines`: whether stages are
-    considered; a pipeline runs with a scanned stack, and not with experts: core/mesh.py's
-    rules), and for a mixture of experts an expert axis dividing the experts."""
-    staged = (
-        pipelines
-        and cfg.model.scan_layers
-        and not cfg.train.layer_programs
-        and not cfg.model.num_experts
-    )
+    considered; a pipeline runs with a scanned stack: core/mesh.py's rules), and for a
+    mixture of experts an expert axis dividing the experts."""
+    staged = pipelines and cfg.model.scan_layers and not cfg.train.layer_programs
     return [
         MeshShape(data=devices // tp // p // e, pipe=p, expert=e, model=tp)
         for tp in model_sizes(cfg, devices)
@@ -145,9 +140,9 @@ def candidates(cfg: Config, devices: int, schemes=tuple(SCHEMES), pipelines: boo
             for remat, sp, scheme in itertools.product(
                 ("none", "selective", "full"), (False, True), schemes
             ):
-                # ZeRO-1 and FSDP split over "data" alone, not beside an expert axis
+                # ZeRO-1 and FSDP split over "data" (and "expert", for all but the experts)
                 if (sp and (mesh.model == 1 or cfg.model.seq_len % mesh.model)) or (
-                    scheme != "plain" and (mesh.data == 1 or mesh.expert > 1)
+                    scheme != "plain" and mesh.batch_shards == 1
                 ):
                     continue
                 yield mesh, per_shard // rows, remat, sp, scheme

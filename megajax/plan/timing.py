@@ -269,18 +269,21 @@ def communication_seconds(
     )
     bw, lat, _ = links["data"]
     sent = data_axis_sent(cfg, mesh, once_per_step=hw.stack != "megajax")
-    experts, ep = sent.get("expert_gradients", 0.0), mesh.expert
-    others = sent["gradients"] - experts + sent["regather"]
+    ep = mesh.expert
+    experts = {k: sent.get(f"expert_{k}", 0.0) for k in ("gradients", "params", "regather")}
+    others = sent["gradients"] + sent["regather"] - experts["gradients"] - experts["regather"]
     data = ring_seconds("sent", others, gradient_bytes, dp * ep, bw, lat, 1)
-    data += ring_seconds("sent", sent["params"], 4, dp, bw, lat, 1)
-    if experts:  # over "data" alone: rings ep x tp devices apart
+    data += ring_seconds("sent", sent["params"] - experts["params"], 4, dp * ep, bw, lat, 1)
+    if ep > 1:  # the experts' over "data" alone: rings ep x tp devices apart
         bw, lat, _ = ring_link(dp, ep * tp, hw)
-        data += ring_seconds("sent", experts, gradient_bytes, dp, bw, lat, 1)
+        moved = experts["gradients"] + experts["regather"]
+        data += ring_seconds("sent", moved, gradient_bytes, dp, bw, lat, 1)
+        data += ring_seconds("sent", experts["params"], 4, dp, bw, lat, 1)
     out = {"model_axis": model, "data_axis": data}
     if ep > 1:  # each all-to-all keeps 1/ep of its buffer on the device
         bw, lat, _ = links["expert"]
-        calls = 4 * mb * sum(m.sparse_layers)
-        moved = expert_axis_elements(cfg, mesh) * (ep - 1) / ep
+        calls = 4 * mb * sum(m.sparse_layers) / pp  # a stage's layers
+        moved = expert_axis_elements(cfg, mesh) * (ep - 1) / ep / pp
         out["expert_axis"] = ring_seconds("sent", moved, act, ep, bw, lat, calls)
     if pp > 1:
         bw, lat, _ = links["pipe"]

@@ -48,19 +48,32 @@ def data_axis_sent(cfg: Config, mesh: MeshShape, once_per_step: bool = False) ->
     """Elements each device sends over "data" per step (ring algorithms), in the audit's forms
     (with pp stages, for its stage's weights). `once_per_step`: plain data parallelism
     all-reduces the accumulated gradients once (Megatron-LM), not once per microbatch. On an
-    expert mesh (plain data parallelism) the experts' gradients are all-reduced over "data",
-    `expert_gradients` of the total, the others' over "data" and "expert"."""
-    t, st = cfg.train, state_split(cfg, mesh)
+    expert mesh the experts' state goes over "data" (`expert_gradients`, `expert_params`,
+    `expert_regather` of the totals), the others' over "data" and "expert"."""
+    t = cfg.train
     scheme = "fsdp" if t.shard_params else "zero" if t.shard_optimizer else "plain"
+
+    def least(st, n):
+        return analytic.data_axis_minimum(
+            scheme,
+            n,
+            t.microbatches,
+            st.split,
+            st.whole,
+            st.layers,
+            st.layers_read,
+            outside_once=mesh.pipelined,
+        )
+
     if mesh.expert > 1:
-        reduce = lambda n, g: analytic.data_axis_minimum("plain", n, t.microbatches, 0, g)  # noqa: E731
-        others = reduce(mesh.data * mesh.expert, st.model_shard - st.experts)
-        experts = reduce(mesh.data, st.experts)
+        others = least(state_split(cfg, mesh, experts=False), mesh.data * mesh.expert)
+        experts = least(state_split(cfg, mesh, experts=True), mesh.data)
         sent = {k: others[k] + experts[k] for k in others}
-        sent["expert_gradients"] = experts["gradients"]
-        if not once_per_step:
+        sent.update({f"expert_{k}": v for k, v in experts.items()})
+        if scheme == "plain" and not once_per_step:
             sent = {k: v * t.microbatches if "gradients" in k else v for k, v in sent.items()}
         return sent
+    st = state_split(cfg, mesh)
     sent = analytic.data_axis_minimum(
         scheme,
         mesh.data,
