@@ -19,7 +19,7 @@ from pathlib import Path
 from megajax.files import write_atomic
 from megajax.model_config import REMAT_ALIASES, ConfigError, ModelConfig, one_of
 from megajax.schedules import SCHEDULES
-from megajax.specs import DataSpec
+from megajax.specs import DataSpec, is_blend
 
 
 def _config_dir() -> Path:
@@ -407,7 +407,10 @@ def load_config(
 
 def _from_checkout(source: str) -> str:
     """A shipped config's data paths are the repository's own (data/tinyshakespeare.txt): found
-    from any directory, not only from the checkout's."""
+    from any directory, not only from the checkout's (each of a blend's sources)."""
+    if is_blend(source):
+        words = source.split()
+        return " ".join(w if i % 2 == 0 else _from_checkout(w) for i, w in enumerate(words))
     spec = DataSpec.of(source)
     if spec.kind not in ("text", "bin", "chat", "pairs", "megatron") or not spec.arg:
         return source

@@ -54,6 +54,16 @@ class Progress:
                     if "moe/aux_loss" in record
                     else ""
                 )
+                + (  # a blend: each component's samples so far
+                    "  samples "
+                    + " ".join(
+                        f"{k.removeprefix('samples/')} {v:,}"
+                        for k, v in record.items()
+                        if k.startswith("samples/")
+                    )
+                    if any(k.startswith("samples/") for k in record)
+                    else ""
+                )
                 + (
                     f"  loss_scale {record['loss_scale']:g} ({record['skipped_steps']} skipped)"
                     if "loss_scale" in record

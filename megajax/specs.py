@@ -90,3 +90,19 @@ class TokenizerSpec:
         return self.kind == "chars" or (
             self.kind == "wordpiece" and (not self.arg or self.arg.isdigit())
         )
+
+
+def is_blend(source) -> bool:
+    """Whether a data source names a weighted blend, a weight before each source
+    ("0.3 text:a.txt 0.7 bin:corpus": megajax/data/blend.py)."""
+    if not isinstance(source, str):
+        return False
+    words = source.split()
+    return len(words) >= 2 and blend_number(words[0]) is not None
+
+
+def blend_number(word: str) -> float | None:
+    try:
+        return float(word)
+    except ValueError:
+        return None

@@ -65,8 +65,8 @@ def train_parser() -> argparse.ArgumentParser:
         "--data",
         type=given,
         help="builtin | text:PATH[,PATH|GLOB] | bin:PATH | bin:DIR | pairs:DIR | megatron:PREFIX "
-        "| tfds:NAME[/CONFIG] | chat:FILE.jsonl[,FILE|GLOB] | chat:DIR; fine-tuning: the task's "
-        "directory (data.source)",
+        "| tfds:NAME[/CONFIG] | chat:FILE.jsonl[,FILE|GLOB] | chat:DIR | 'W1 SPEC1 W2 SPEC2 ...' "
+        "(a weighted blend of token sources); fine-tuning: the task's directory (data.source)",
     )
     p.add_argument(
         "--tokenizer",

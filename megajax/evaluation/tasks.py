@@ -26,13 +26,17 @@ from megajax.models.generate import generate
 from megajax.progress import Progress
 from megajax.runs.spec import RunSpec
 from megajax.runs.workdir import Loaded, is_main, load_workdir, refuse_run_file
-from megajax.specs import DataSpec
+from megajax.specs import DataSpec, is_blend
 from megajax.tasks import task_for
 
 
 def data_source(arg: str) -> DataSpec:
     """--data as train.py reads it (builtin, text:, bin:, megatron:, tfds:), or a bare path: a text
-    file."""
+    file. A blend is scored one source at a time (train.py reports each one's validation loss)."""
+    if is_blend(arg):
+        raise UserError(
+            f"--data '{arg}' is a blend: eval.py scores one source at a time (give one of them)"
+        )
     return DataSpec.of(arg, bare_path_is_text=True)
 
 

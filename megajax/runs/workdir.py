@@ -35,6 +35,7 @@ from megajax.model_config import ARCHITECTURE
 from megajax.models import vocab_rows
 from megajax.models.registry import ModelDef, abstract_model
 from megajax.runs.checkpoint import Checkpoints
+from megajax.specs import is_blend
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -169,6 +170,20 @@ def check_same_tokenizer(cfg: Config, workdir: Path):
                 f"{workdir} was trained with tokenizer '{before}', not '{cfg.data.tokenizer}': "
                 f"resume without --tokenizer (or with '{before}'), or use another --workdir"
             )
+
+
+def check_same_blend(cfg: Config, workdir: Path):
+    """A blend's batches follow from its weights and sources (megajax/data/blend.py): resuming
+    with others would take samples again or skip them, so it is refused."""
+    saved = Path(workdir) / CONFIG_FILE
+    if not (saved.is_file() and has_checkpoints(workdir)):
+        return
+    before, now = load_config(str(saved)).data.source, cfg.data.source
+    if (is_blend(before) or is_blend(now)) and before.split() != now.split():
+        raise UserError(
+            f"{workdir} was trained on data '{before}', not '{now}': a blend's batches follow from "
+            "its weights and sources; resume with the same --data, or use another --workdir"
+        )
 
 
 # Fields a fine-tuning run takes from its pretrained workdir: they fix the weights' shapes.

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from megajax.data.blend import is_blend, load_blend
 from megajax.data.packing import load_chat
 from megajax.data.tokens import load_tokens
 from megajax.errors import UserError
@@ -32,11 +33,17 @@ class LanguageModelling(Task):
 
     def load_data(self, cfg, tokenizer=None):
         d = cfg.data
+        if is_blend(d.source):
+            blend = load_blend(d.source, d.tokenizer, d.val_fraction, d.bin_dtype, tokenizer)
+            for c, part in zip(blend.components, blend.data):
+                if DataSpec.of(c.source).kind == "bin" and not part.prepared:
+                    part.vocab_size = _bin_vocab(part, cfg, c.source)
+            return blend
         if is_chat(cfg):
             return load_chat(DataSpec.of(d.source).arg, cfg, tokenizer)
         data = load_tokens(d.source, d.tokenizer, d.val_fraction, d.bin_dtype, tokenizer)
         if DataSpec.of(d.source).kind == "bin" and not data.prepared:
-            data.vocab_size = _bin_vocab(data, cfg)
+            data.vocab_size = _bin_vocab(data, cfg, d.source)
         return data
 
     def head_rows(self, cfg) -> int:
@@ -55,10 +62,10 @@ class LanguageModelling(Task):
 
 
 def is_chat(cfg) -> bool:
-    return DataSpec.of(cfg.data.source).kind == "chat"
+    return not is_blend(cfg.data.source) and DataSpec.of(cfg.data.source).kind == "chat"
 
 
-def _bin_vocab(data, cfg) -> int:
+def _bin_vocab(data, cfg, source: str) -> int:
     """Ids past the tokenizer are allowed for an untokenized file read with the default byte
     tokenizer (the vocabulary grows to cover them), within reason: a uint16 file read as
     uint32 has ids in the billions."""
@@ -66,7 +73,7 @@ def _bin_vocab(data, cfg) -> int:
     top = int(max(np.max(data.train), np.max(data.val) if len(data.val) else 0))
     if top >= vocab and (data.tokenizer.kind != "bytes" or top >= MAX_UNTOKENIZED_VOCAB):
         raise UserError(
-            f"{cfg.data.source} has token id {top}, beyond the {data.tokenizer.kind} tokenizer's "
+            f"{source} has token id {top}, beyond the {data.tokenizer.kind} tokenizer's "
             f"{vocab:,} ids: give the tokenizer that made it (--tokenizer), or check "
             f"data.bin_dtype ({cfg.data.bin_dtype})"
         )

@@ -142,6 +142,9 @@ class StepLogger:
         }
         # BERT: mlm_loss, sop_accuracy, ...
         record.update({k: float(v) for k, v in m.items() if k not in record})
+        for k in record:  # a blend's counts
+            if k.startswith(("samples/", "epoch/")):
+                record[k] = int(record[k])
         # float16: a skipped step's norm is not finite, and JSON has no inf
         if "skipped_steps" in record:
             record["skipped_steps"] = int(record["skipped_steps"])
@@ -211,7 +214,14 @@ class StepLogger:
         self.watchdog.beat()
         self.val_loss = val["loss"]
         record = {"step": step, "val_loss": self.val_loss, **self.run.task.val_extras(val)}
-        record.update({f"val_{k}": v for k, v in val.items() if k != "loss"})
+        # a blend's components: val/NAME/loss
+        record.update(
+            {
+                f"val/{k.removeprefix('blend/')}" if k.startswith("blend/") else f"val_{k}": v
+                for k, v in val.items()
+                if k != "loss"
+            }
+        )
         self.write(record)
         self.progress.write(
             f"step {step:>6}  "

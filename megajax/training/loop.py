@@ -36,6 +36,7 @@ from megajax.runs.spec import RunSpec
 from megajax.runs.tracking import check_tracker
 from megajax.runs.workdir import (
     check_layout,
+    check_same_blend,
     check_same_tokenizer,
     has_checkpoints,
     init_from_pretrained,
@@ -177,6 +178,7 @@ def validate(spec: RunSpec, sample_tokens: int = 0) -> Run:
         }
     )
     check_same_tokenizer(cfg, workdir)
+    check_same_blend(cfg, workdir)
     data = task.load_data(cfg, run_tokenizer(workdir, pretrained))
     vocab = run_vocab_size(cfg, pretrained, data.vocab_size)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
@@ -243,6 +245,10 @@ def _steps(
         trace.before(step + 1)
         params, opt_state, m = step_fn(params, opt_state, run.train_batches(step), np.int32(step))
         step += 1
+        if hasattr(run.train_batches, "metrics"):  # a blend: each component's samples so far
+            m = {**m, **run.train_batches.metrics(step)}
+            for line in run.train_batches.new_epochs(step) if is_main() else ():
+                logger.progress.write(line)
         trace.after(step, m)
         logger.add(step, m)
         logged = step % t.log_every == 0 or step == t.steps or step == start + 1
@@ -278,6 +284,8 @@ def evaluate(eval_fn, params, val_batches, max_batches: int) -> dict:
     """Mean of every metric over the validation batches (at most train.eval_batches). A batch
     whose masked loss has no target has no loss (its 0 is no measurement) and is left out; a
     validation set with no target at all is an error, never a perfect score."""
+    if hasattr(val_batches, "results"):  # a blend: each component's, and their weighted mean
+        return val_batches.results(lambda part: evaluate(eval_fn, params, part, max_batches))
     n = getattr(val_batches, "num_batches", max_batches)
     results = jax.device_get([eval_fn(params, val_batches(i)) for i in range(n)])
     results = [r for r in results if r.pop("targets", 1) > 0]
