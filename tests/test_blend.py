@@ -165,3 +165,17 @@ def test_a_mistake_is_one_line(blend, words, tmp_path):
 def test_parse_refuses_in_python_too():
     with pytest.raises(UserError, match="positive"):
         parse_blend(f"0 {SHAKESPEARE} 1 {WIKITEXT}")
+
+
+@pytest.mark.full
+def test_sigkill_and_resume_give_the_straight_runs_losses_bitwise(blended_run, tmp_path):
+    """The blended run SIGKILLed after its step-3 checkpoint and resumed: its six losses are
+    the uninterrupted run's, bitwise (the batches are a function of the step)."""
+    from helpers import killed_after_checkpoint
+
+    wd, args, _ = blended_run
+    killed = tmp_path / "killed"
+    again = [a if a != str(wd) else str(killed) for a in args]
+    killed_after_checkpoint(again, killed, 3)
+    assert "resuming from step" in run(*again).stdout
+    assert losses(killed) == losses(wd)
