@@ -93,6 +93,9 @@ os.environ["XLA_FLAGS"] = " ".join(
     )
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Nothing in the suite downloads: lm-eval's datasets and hub read local files only
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 XLA_CACHE_BYTES = 4 * 2**30
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(XLA_CACHE_BYTES))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -61,6 +61,8 @@ DEFERRED = {
     },
     "__main__": {"megajax.cli", "megajax.cli.plot"},  # the tool asked for, only
     "runs.metrics": {"matplotlib", "matplotlib.pyplot", "matplotlib.backends.backend_agg"},
+    # lm-evaluation-harness (datasets, pandas: seconds to import) for --task lm-eval only
+    "evaluation.tasks": {"megajax.evaluation.harness"},
 }
 
 

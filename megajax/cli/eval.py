@@ -29,7 +29,18 @@ from megajax.errors import UserError
 from megajax.files import write_atomic
 from megajax.host.signals import STOP_SIGNALS
 
-TASK_CHOICES = ["ppl", "wikitext", "lambada", "sample", "chat", "mlm", "race", "mnli", "qqp"]
+TASK_CHOICES = [
+    "ppl",
+    "wikitext",
+    "lambada",
+    "sample",
+    "chat",
+    "lm-eval",
+    "mlm",
+    "race",
+    "mnli",
+    "qqp",
+]
 
 
 def eval_parser() -> argparse.ArgumentParser:
@@ -92,24 +103,43 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="sample (default 0.8; 0 is greedy)")
     p.add_argument("--top-k", type=int, help="sample (default 40; 0 is no limit)")
     p.add_argument("--seed", type=int, help="sample (default 0)")
+    p.add_argument(
+        "--lm-eval-tasks", help="lm-eval: the harness's task names, comma-separated (T1,T2)"
+    )
+    p.add_argument(
+        "--lm-eval-include", type=given, help="lm-eval: a directory of task YAML files of your own"
+    )
+    p.add_argument("--limit", type=int, help="lm-eval: at most N documents a task")
+    p.add_argument("--num-fewshot", type=int, help="lm-eval: examples in each prompt")
+    p.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        default=None,
+        help="lm-eval: render each prompt through the tokenizer's chat template",
+    )
     add_distributed_args(p)
     return p
 
 
-READS_DATA = tuple(task for task in TASK_CHOICES if task not in ("sample", "chat"))
+READS_DATA = tuple(task for task in TASK_CHOICES if task not in ("sample", "chat", "lm-eval"))
 SAMPLES = ("sample", "chat")
 # An argument only some tasks read -> (those tasks, its default). Given to another task it is
 # refused (before: silently unused, e.g. --task wikitext --split dev scored the whole file).
 TASK_ARGS = {
     "data": ((*READS_DATA, "chat"), None),
     "split": (("race", "mnli", "qqp"), None),
-    "batch_size": (READS_DATA, 8),
+    "batch_size": ((*READS_DATA, "lm-eval"), 8),
     "stride": (("ppl", "wikitext"), 32),
     "prompt": (SAMPLES, ""),
     "max_new_tokens": (SAMPLES, 200),
     "temperature": (SAMPLES, 0.8),
     "top_k": (SAMPLES, 40),
     "seed": (SAMPLES, 0),
+    "lm_eval_tasks": (("lm-eval",), None),
+    "lm_eval_include": (("lm-eval",), None),
+    "limit": (("lm-eval",), None),
+    "num_fewshot": (("lm-eval",), None),
+    "apply_chat_template": (("lm-eval",), False),
 }
 
 
@@ -138,6 +168,19 @@ def check_eval_args(args):
             raise UserError(f"--top-k must be 0 (no limit) or positive, got {args.top_k}")
         if not 0 <= args.seed < 2**31:
             raise UserError(f"--seed must be in 0..2^31-1, got {args.seed}")
+    if args.task == "lm-eval":
+        if not args.lm_eval_tasks:
+            raise UserError("--task lm-eval needs --lm-eval-tasks T1[,T2...]")
+        for name in ("limit", "num_fewshot"):
+            value = getattr(args, name)
+            if value is not None and value < (1 if name == "limit" else 0):
+                raise UserError(
+                    f"--{name.replace('_', '-')} must be at least "
+                    f"{1 if name == 'limit' else 0}, got {value}"
+                )
+        include = args.lm_eval_include
+        if include is not None and not Path(include).is_dir():
+            raise UserError(f"--lm-eval-include {include}: not a directory")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     out = Path(args.out) if args.out else None

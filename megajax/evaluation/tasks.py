@@ -217,6 +217,14 @@ def fine_tuned(args, loaded: Loaded, progress):
     return r, rows
 
 
+def lm_eval_task(args, loaded: Loaded, progress):
+    """lm-evaluation-harness in this process; its imports (datasets, pandas: seconds) only
+    for this task."""
+    from megajax.evaluation.harness import lm_eval_task as run_harness
+
+    return run_harness(args, loaded, progress)
+
+
 GPT = ("gpt", "a GPT workdir")
 # eval.py --task -> (the training task its workdir must hold, what to call it, the function)
 EVAL_TASKS = {
@@ -225,6 +233,7 @@ EVAL_TASKS = {
     "lambada": (*GPT, lambada),
     "sample": (*GPT, sample),
     "chat": (*GPT, chat),
+    "lm-eval": (*GPT, lm_eval_task),
     "mlm": ("bert", "a pretrained BERT workdir", mlm),
     **{
         name: (name, f"a BERT workdir fine-tuned on {name}", fine_tuned)
