@@ -4,6 +4,8 @@ capacity slots counted in a Python loop. Outputs and every gradient (the router'
 within the float32 bound on each mesh; the router losses by hand; training equal to one
 device's on the model's meshes."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -638,3 +640,54 @@ def test_qwen3_moe_has_its_published_parameter_count():
         30_532_122_624 - 48 * 2 * 128
     )
     assert m.active_layer_params + 2 * m.padded_vocab * m.hidden + m.hidden == 3_353_032_704
+
+
+@pytest.mark.full
+def test_the_rest_of_megajax_runs_a_mixture_of_experts(tmp_path):
+    """A sparse model through the rest of megajax: float16 with its loss scale and bfloat16 on
+    an expert mesh (the first step's loss float32's within the 16-bit formats' roundoff over the
+    reductions: 4 units of each), --dry-run with its expert-axis audit, --mesh auto, and eval.py's
+    perplexity and sampling on another mesh than the one it trained on."""
+    from helpers import cli, run
+    from tolerances import BF16_U, F16_U
+
+    common = ("--config", "moe_tiny", "--host-devices", "8", "--sample-tokens", "0")
+    first = {}
+    for dtype in ("float32", "float16", "bfloat16"):
+        wd = tmp_path / dtype
+        p = run(
+            *common,
+            "--mesh",
+            "data=2,expert=4",
+            "--steps",
+            "3",
+            "--log-every",
+            "1",
+            "--set",
+            f"model.compute_dtype={dtype}",
+            "--workdir",
+            wd,
+        )
+        records = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in records if "loss" in r]
+        assert all(np.isfinite(r["loss"]) for r in train)
+        assert ("loss_scale" in train[0]) == (dtype == "float16"), p.stdout
+        first[dtype] = train[0]["loss"]
+    for dtype, u in (("float16", F16_U), ("bfloat16", BF16_U)):
+        assert_close(first[dtype], first["float32"], tol=4 * u, what=dtype)
+    p = run(*common, "--mesh", "data=2,expert=4", "--dry-run", "--workdir", tmp_path / "dry")
+    assert "expert-axis all-to-all elements" in p.stdout and "1.000 x" in p.stdout
+    p = run(*common, "--mesh", "auto", "--steps", "1", "--workdir", tmp_path / "auto")
+    assert "mesh data=8" in p.stdout
+    wd = tmp_path / "float32"
+    for task, extra in (
+        ("ppl", ("--data", "text:data/README.md")),
+        ("sample", ("--prompt", "def ", "--max-new-tokens", "8")),
+    ):
+        q = cli(
+            "eval",
+            *("--workdir", str(wd), "--task", task, "--mesh", "expert=2,model=2"),
+            *("--host-devices", "4", *extra, "--out", str(tmp_path / f"{task}.json")),
+        )
+        assert q.returncode == 0, q.stderr
+    assert np.isfinite(json.loads((tmp_path / "ppl.json").read_text())["loss"])
