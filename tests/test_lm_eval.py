@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, cli, tiered
+from helpers import ROOT, cli, env, tiered
 from tolerances import assert_close
 
 FIXTURES = ROOT / "tests" / "fixtures" / "lm_eval"
@@ -43,7 +44,10 @@ def test_the_harness_gives_its_hf_models_numbers(llama, reference, mesh, tmp_pat
     )
     assert p.returncode == 0, p.stderr
     assert "|megajax_mc |" in p.stdout  # lm-eval's own table
-    got = json.loads(out.read_text())["lm_eval"]["results"]
+    check_results(json.loads(out.read_text())["lm_eval"]["results"], reference)
+
+
+def check_results(got, reference):
     assert sorted(got) == sorted(reference["results"])
     for task, want in reference["results"].items():
         for metric in EXACT:
@@ -52,6 +56,37 @@ def test_the_harness_gives_its_hf_models_numbers(llama, reference, mesh, tmp_pat
         for metric in PERPLEXITIES:
             if metric in want:
                 assert got[task][metric] == pytest.approx(want[metric], rel=1e-4), (task, metric)
+
+
+@pytest.mark.full
+def test_two_processes_give_the_same_numbers(llama, reference, tmp_path):
+    """eval.py over two processes (4 simulated devices each, one 2x4 mesh): every process runs
+    the harness alike, the first writes lm-eval's results, the hf model's numbers again."""
+    from test_multiprocess import free_port
+
+    port, out = free_port(), tmp_path / "result.json"
+    common = [
+        *(sys.executable, str(ROOT / "eval.py"), "--workdir", str(llama), "--task", "lm-eval"),
+        *("--lm-eval-tasks", TASKS, "--lm-eval-include", str(FIXTURES), "--mesh", "2x4"),
+        *("--host-devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"),
+        *("--out", str(out)),
+    ]
+    procs = [
+        subprocess.Popen(
+            [*common, "--process-id", str(i)],
+            env=env(),
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    assert "|megajax_mc |" in outs[0][0] and "|megajax_mc |" not in outs[1][0]
+    check_results(json.loads(out.read_text())["lm_eval"]["results"], reference)
 
 
 def test_each_requests_response_is_the_hf_models(llama, reference):

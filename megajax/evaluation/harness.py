@@ -27,6 +27,7 @@ from megajax.core.mesh import padded_batches
 from megajax.data.chat import template_for
 from megajax.errors import UserError
 from megajax.models.generate import generate
+from megajax.runs.workdir import is_main
 
 try:  # an optional dependency: without it, --task lm-eval says how to install it
     import lm_eval
@@ -66,11 +67,16 @@ def _bucket(n: int, ctx: int) -> int:
 
 @jax.jit
 def _scores(model, tokens, targets):
-    """Each target's log-probability and the greedy token at each position."""
+    """Each target's log-probability and the greedy token at each position, whole on every
+    device (and so in every process of a run over several)."""
     logits = model(tokens).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return picked, jnp.argmax(logits, -1).astype(jnp.int32)
+    out = picked, jnp.argmax(logits, -1).astype(jnp.int32)
+    if model.layout.mesh is None:
+        return out
+    whole = jax.sharding.NamedSharding(model.layout.mesh, jax.sharding.PartitionSpec())
+    return jax.lax.with_sharding_constraint(out, whole)
 
 
 def make_lm(loaded, batch_size: int):
@@ -242,9 +248,8 @@ def lm_eval_task(args, loaded, progress):
         apply_chat_template=args.apply_chat_template,
         torch_random_seed=None,  # lm-eval's other seeds its command's defaults; no PyTorch
     )
-    if results is None:  # lm-eval's processes other than the first
-        return {}, None
-    print(lm_utils.make_table(results))
+    if is_main():  # every process runs the harness alike (the same batches, in the same order)
+        print(lm_utils.make_table(results))
     keep = {
         k: results[k] for k in ("results", "versions", "n-shot", "higher_is_better") if k in results
     }
