@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, cli, env, tiered
+from helpers import ROOT, cli, tiered
 from tolerances import assert_close
 
 FIXTURES = ROOT / "tests" / "fixtures" / "lm_eval"
@@ -62,29 +61,15 @@ def check_results(got, reference):
 def test_two_processes_give_the_same_numbers(llama, reference, tmp_path):
     """eval.py over two processes (4 simulated devices each, one 2x4 mesh): every process runs
     the harness alike, the first writes lm-eval's results, the hf model's numbers again."""
-    from test_multiprocess import free_port
+    from test_multiprocess import two_processes
 
-    port, out = free_port(), tmp_path / "result.json"
-    common = [
-        *(sys.executable, str(ROOT / "eval.py"), "--workdir", str(llama), "--task", "lm-eval"),
-        *("--lm-eval-tasks", TASKS, "--lm-eval-include", str(FIXTURES), "--mesh", "2x4"),
-        *("--host-devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"),
-        *("--out", str(out)),
-    ]
-    procs = [
-        subprocess.Popen(
-            [*common, "--process-id", str(i)],
-            env=env(),
-            cwd=ROOT,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-2000:]
+    out = tmp_path / "result.json"
+    outs = two_processes(
+        *("--workdir", str(llama), "--task", "lm-eval", "--lm-eval-tasks", TASKS),
+        *("--lm-eval-include", str(FIXTURES), "--mesh", "2x4", "--out", str(out)),
+        timeout=300,
+        program="eval.py",
+    )
     assert "|megajax_mc |" in outs[0][0] and "|megajax_mc |" not in outs[1][0]
     check_results(json.loads(out.read_text())["lm_eval"]["results"], reference)
 

@@ -22,11 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_processes(*args, timeout=240):
+def two_processes(*args, timeout=240, program="train.py"):
+    """`program` ARGS in two processes of 4 simulated devices each, one run: (stdout, stderr)
+    of each, both asserted to exit 0."""
     port = free_port()
     common = [
         sys.executable,
-        str(ROOT / "train.py"),
+        str(ROOT / program),
         *args,
         "--host-devices",
         "4",

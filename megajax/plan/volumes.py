@@ -65,25 +65,13 @@ def data_axis_sent(cfg: Config, mesh: MeshShape, once_per_step: bool = False) ->
             outside_once=mesh.pipelined,
         )
 
-    if mesh.expert > 1:
+    if mesh.expert == 1:
+        sent = least(state_split(cfg, mesh), mesh.data)
+    else:
         others = least(state_split(cfg, mesh, experts=False), mesh.data * mesh.expert)
         experts = least(state_split(cfg, mesh, experts=True), mesh.data)
         sent = {k: others[k] + experts[k] for k in others}
         sent.update({f"expert_{k}": v for k, v in experts.items()})
-        if scheme == "plain" and not once_per_step:
-            sent = {k: v * t.microbatches if "gradients" in k else v for k, v in sent.items()}
-        return sent
-    st = state_split(cfg, mesh)
-    sent = analytic.data_axis_minimum(
-        scheme,
-        mesh.data,
-        t.microbatches,
-        st.split,
-        st.whole,
-        st.layers,
-        st.layers_read,
-        outside_once=mesh.pipelined,
-    )
     if scheme == "plain" and not once_per_step:
-        sent["gradients"] *= t.microbatches
+        sent = {k: v * t.microbatches if "gradients" in k else v for k, v in sent.items()}
     return sent
